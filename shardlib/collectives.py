@@ -1,0 +1,211 @@
+"""Named, autograd-aware collectives for per-shard code (JAX's ``lax`` collectives by axis name).
+
+Each forward is a collective over the ranks that differ only along ``axis`` (a name or a
+tuple of names, first major); each backward is the transposed collective:
+
+============================  ==========================  =============================
+op                            forward                     backward
+============================  ==========================  =============================
+``psum(x, axis)``             all-reduce (sum)            identity (cotangent replicated)
+``pbroadcast(x, axis)``       identity                    all-reduce (sum)
+``all_gather(x, axis, dim)``  all-gather, concat on dim   reduce-scatter on dim
+``psum_scatter(x, axis, d)``  reduce-scatter on dim       all-gather on dim
+``all_to_all(x, axis, s, c)`` split s, concat c           all-to-all split c, concat s
+``ppermute(x, axis, perm)``   send/recv by ``perm``       send/recv by the inverse
+============================  ==========================  =============================
+
+``psum`` and ``pbroadcast`` are Megatron's *g* and *f*: a value that is the same on every rank
+of an axis (replicated, "invariant") and enters per-rank computation needs ``pbroadcast`` so
+its gradient sums the ranks' contributions. Inside ``sl.shard_map`` this is automatic: values
+carry the set of axes they vary over, and ``pbroadcast`` is inserted where an invariant value
+meets a varying one (JAX's ``check_vma``). ``all_gather``/``psum_scatter`` are tiled: they
+concatenate or split along ``dim`` (JAX's ``tiled=True``).
+
+Shards along the axis must have equal shapes; for uneven shards use ``sl.redistribute``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from . import comm
+from .errors import CollectiveError, ShardingTypeError
+from .mesh import Mesh, current_mesh
+from .redistribute import all_to_all_dims, gather_dim, scatter_dim
+from .vma import tracked
+
+AxisArg = str | Sequence[str]
+
+
+def _axes(axis: AxisArg, mesh, api: str) -> tuple[str, ...]:
+    if isinstance(axis, str):
+        axes = (axis,)
+    elif isinstance(axis, (tuple, list)) and all(isinstance(a, str) for a in axis):
+        axes = tuple(axis)
+    else:
+        raise ShardingTypeError(f"{api}: axis must be a mesh axis name or a tuple of names — got {axis!r}.")
+    for a in axes:
+        mesh.axis_index(a)  # clear error for an unknown name
+    if len(set(axes)) != len(axes):
+        raise CollectiveError(f"{api}: axis names repeat in {axes} — expected each axis once.")
+    return axes
+
+
+def _mesh(mesh, api: str) -> Mesh:
+    mesh = mesh if mesh is not None else current_mesh(api)
+    if not isinstance(mesh, Mesh):
+        raise ShardingTypeError(f"{api}: needs a Mesh over running processes — got {type(mesh).__name__}.")
+    return mesh
+
+
+def _dim(x: torch.Tensor, dim: int, api: str) -> int:
+    if not -x.dim() <= dim < max(x.dim(), 1):
+        raise CollectiveError(f"{api}: dim {dim} is out of range for a tensor of shape {tuple(x.shape)}.")
+    return dim % x.dim()
+
+
+class _Psum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, mesh, axes):
+        return comm.all_reduce(x, mesh, axes)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None, None
+
+
+class _PBroadcast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, mesh, axes):
+        ctx.mesh, ctx.axes = mesh, axes
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return comm.all_reduce(g.contiguous(), ctx.mesh, ctx.axes), None, None
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, mesh, axes, dim):
+        ctx.mesh, ctx.axes, ctx.dim = mesh, axes, dim
+        return gather_dim(x, mesh, axes, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return scatter_dim(g.contiguous(), ctx.mesh, ctx.axes, ctx.dim), None, None, None
+
+
+class _PsumScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, mesh, axes, dim):
+        ctx.mesh, ctx.axes, ctx.dim = mesh, axes, dim
+        return scatter_dim(x, mesh, axes, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return gather_dim(g.contiguous(), ctx.mesh, ctx.axes, ctx.dim), None, None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, mesh, axes, split_dim, concat_dim):
+        ctx.mesh, ctx.axes, ctx.dims = mesh, axes, (split_dim, concat_dim)
+        return all_to_all_dims(x, mesh, axes, split_dim, concat_dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        s, c = ctx.dims
+        return all_to_all_dims(g.contiguous(), ctx.mesh, ctx.axes, c, s), None, None, None, None
+
+
+class _PPermute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, mesh, axes, pairs):
+        ctx.mesh, ctx.axes, ctx.pairs = mesh, axes, pairs
+        return comm.send_recv(x, mesh, axes, pairs)
+
+    @staticmethod
+    def backward(ctx, g):
+        inverse = [(d, s) for s, d in ctx.pairs]
+        return comm.send_recv(g.contiguous(), ctx.mesh, ctx.axes, inverse), None, None, None
+
+
+def psum(x: torch.Tensor, axis: AxisArg, *, mesh: Mesh | None = None) -> torch.Tensor:
+    """Sum ``x`` over ``axis``; every rank gets the sum. Backward: identity."""
+    mesh = _mesh(mesh, "psum")
+    axes = _axes(axis, mesh, "psum")
+    with tracked(x, axes, drop=axes) as (x, done):
+        return done(_Psum.apply(x, mesh, axes))
+
+
+def pbroadcast(x: torch.Tensor, axis: AxisArg, *, mesh: Mesh | None = None) -> torch.Tensor:
+    """Identity forward; backward sums the gradient over ``axis`` (JAX ``pvary``, Megatron *f*).
+
+    Use it where a value replicated over ``axis`` enters computation that differs per rank."""
+    mesh = _mesh(mesh, "pbroadcast")
+    axes = _axes(axis, mesh, "pbroadcast")
+    with tracked(x, (), add=axes) as (x, done):
+        return done(_PBroadcast.apply(x, mesh, axes))
+
+
+def all_gather(x: torch.Tensor, axis: AxisArg, dim: int = 0, *, mesh: Mesh | None = None) -> torch.Tensor:
+    """Concatenate the shards of ``axis`` along ``dim``. Backward: reduce-scatter."""
+    mesh = _mesh(mesh, "all_gather")
+    axes = _axes(axis, mesh, "all_gather")
+    dim = _dim(x, dim, "all_gather")
+    with tracked(x, axes) as (x, done):
+        return done(_AllGather.apply(x, mesh, axes, dim))
+
+
+def psum_scatter(x: torch.Tensor, axis: AxisArg, dim: int = 0, *, mesh: Mesh | None = None) -> torch.Tensor:
+    """Sum over ``axis`` and keep this rank's chunk of ``dim``. Backward: all-gather."""
+    mesh = _mesh(mesh, "psum_scatter")
+    axes = _axes(axis, mesh, "psum_scatter")
+    dim = _dim(x, dim, "psum_scatter")
+    k = comm.group_size(mesh, axes)
+    if x.shape[dim] % k:
+        raise CollectiveError(f"psum_scatter: dim {dim} of shape {tuple(x.shape)} does not divide by the "
+                              f"size {k} of axis {axes} — expected a multiple of {k}. Pad the dim, or use "
+                              "sl.redistribute for uneven shards.")
+    with tracked(x, axes) as (x, done):
+        return done(_PsumScatter.apply(x, mesh, axes, dim))
+
+
+def all_to_all(x: torch.Tensor, axis: AxisArg, split_dim: int, concat_dim: int, *,
+               mesh: Mesh | None = None) -> torch.Tensor:
+    """Split ``split_dim`` over the ranks of ``axis`` and concatenate what arrives on ``concat_dim``."""
+    mesh = _mesh(mesh, "all_to_all")
+    axes = _axes(axis, mesh, "all_to_all")
+    split_dim, concat_dim = _dim(x, split_dim, "all_to_all"), _dim(x, concat_dim, "all_to_all")
+    k = comm.group_size(mesh, axes)
+    if x.shape[split_dim] % k:
+        raise CollectiveError(f"all_to_all: split dim {split_dim} of shape {tuple(x.shape)} does not divide "
+                              f"by the size {k} of axis {axes} — expected a multiple of {k}.")
+    with tracked(x, axes) as (x, done):
+        return done(_AllToAll.apply(x, mesh, axes, split_dim, concat_dim))
+
+
+def ppermute(x: torch.Tensor, axis: AxisArg, perm: Sequence[tuple[int, int]], *,
+             mesh: Mesh | None = None) -> torch.Tensor:
+    """Send ``x`` from index ``src`` to index ``dst`` along ``axis`` for each ``(src, dst)`` in ``perm``;
+    a rank no one sends to gets zeros (JAX semantics). Backward: the inverse permutation."""
+    mesh = _mesh(mesh, "ppermute")
+    axes = _axes(axis, mesh, "ppermute")
+    k = mesh.axis_size(axes)
+    pairs = [tuple(int(i) for i in p) for p in perm]
+    srcs, dsts = [s for s, _ in pairs], [d for _, d in pairs]
+    if any(not 0 <= i < k for i in srcs + dsts) or len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts):
+        raise CollectiveError(f"ppermute: perm {pairs} is not a partial permutation of 0..{k - 1} (the size of "
+                              f"axis {axes}) — expected each source and each destination at most once.")
+    with tracked(x, axes) as (x, done):
+        return done(_PPermute.apply(x, mesh, axes, pairs))
+
+
+def axis_index(axis: AxisArg, *, mesh: Mesh | None = None) -> int:
+    """This rank's index along ``axis`` (first axis major for a tuple)."""
+    mesh = _mesh(mesh, "axis_index")
+    axes = _axes(axis, mesh, "axis_index")
+    return mesh.group_index(mesh.rank, axes)

@@ -1,0 +1,355 @@
+"""Low-level collectives over mesh axes, and the collective counter.
+
+Every collective shardlib issues goes through this module, so a ``CollectiveCounter`` sees all
+of them. Functions here take a *mesh* and *axes* and work on dim 0 of contiguous tensors; the
+group members are in mesh order (``mesh.canonical_axes``). Callers that want another axis order
+permute chunks themselves (see ``group_perm``).
+
+Bytes are what this rank *sends* in the ring model, on the padded buffers actually passed:
+
+* all-gather of an ``s``-byte shard over ``k`` ranks: ``(k-1)·s``
+* reduce-scatter of a ``k·s``-byte input: ``(k-1)·s``
+* all-reduce of ``n`` elements: ``2·(k-1)·ceil(n/k)`` elements (reduce-scatter + all-gather)
+* all-to-all: the bytes of every split sent to another rank
+* send/recv (``ppermute``): the bytes of the tensor, when the peer is another rank
+
+The same formulas price plans (``plan_redistribute``, the planner), so a test can check that
+what ran is what was planned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .errors import CollectiveError, ShardingTypeError
+from .mesh import Mesh
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+               "avg": dist.ReduceOp.AVG}
+_UNSUPPORTED_DTYPES = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                                                   "float8_e5m2fnuz") if hasattr(torch, n)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Counting
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CollectiveRecord:
+    """One collective as issued: ``op`` over ``axes``, ``bytes`` sent by this rank."""
+
+    op: str
+    axes: tuple[str, ...]
+    bytes: int
+    dtype: torch.dtype
+    numel: int
+    group_size: int
+
+    def __str__(self) -> str:
+        return f"{self.op}({', '.join(self.axes)}) {format_bytes(self.bytes)}"
+
+
+NETWORK_OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv", "broadcast")
+
+
+class CollectiveCounter:
+    """Records every collective issued while it is active (``with sl.count_collectives() as c``).
+
+    Counters nest; each active counter sees every collective of its process, from every
+    thread (the autograd engine runs backward collectives on its own threads on CUDA).
+    """
+
+    def __init__(self) -> None:
+        self.records: list[CollectiveRecord] = []
+
+    def record(self, rec: CollectiveRecord) -> None:
+        self.records.append(rec)
+
+    @property
+    def bytes(self) -> int:
+        """Network bytes sent by this rank (copies between memory kinds excluded)."""
+        return sum(r.bytes for r in self.records if r.op in NETWORK_OPS)
+
+    def total_bytes(self, op: str | None = None) -> int:
+        return sum(r.bytes for r in self.records if op is None or r.op == op)
+
+    def count(self, op: str | None = None) -> int:
+        return sum(1 for r in self.records if op is None or r.op == op)
+
+    def by_op(self) -> dict[str, tuple[int, int]]:
+        """``{op: (count, bytes)}``."""
+        n, b = Counter(), Counter()
+        for r in self.records:
+            n[r.op] += 1
+            b[r.op] += r.bytes
+        return {op: (n[op], b[op]) for op in n}
+
+    def by_axes(self) -> dict[tuple[str, ...], int]:
+        b = Counter()
+        for r in self.records:
+            b[r.axes] += r.bytes
+        return dict(b)
+
+    def summary(self) -> str:
+        rows = [f"{op:<15} x{n:<4} {format_bytes(b)}" for op, (n, b) in sorted(self.by_op().items())]
+        return "\n".join(rows) if rows else "(no collectives)"
+
+    def clear(self) -> None:
+        self.records.clear()
+
+    def __enter__(self) -> CollectiveCounter:
+        with _LOCK:
+            _ACTIVE.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with _LOCK:
+            _ACTIVE.remove(self)
+
+
+# Active counters are process-wide (not per-thread) on purpose: see CollectiveCounter.
+_ACTIVE: list[CollectiveCounter] = []
+_LOCK = threading.Lock()
+
+
+def count_collectives() -> CollectiveCounter:
+    """A fresh counter; use as ``with sl.count_collectives() as counter: ...``."""
+    return CollectiveCounter()
+
+
+def _record(op: str, axes: Sequence[str], nbytes: int, t: torch.Tensor, k: int) -> None:
+    if not _ACTIVE:
+        return
+    rec = CollectiveRecord(op, tuple(axes), int(nbytes), t.dtype, t.numel(), k)
+    with _LOCK:
+        for c in _ACTIVE:
+            c.record(rec)
+
+
+def format_bytes(n: float) -> str:
+    """``1536`` -> ``'1.5 KiB'``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+# ---------------------------------------------------------------------------------------------
+# Byte models (shared by execution and planning)
+# ---------------------------------------------------------------------------------------------
+
+def all_gather_bytes(shard_numel: int, k: int, itemsize: int) -> int:
+    return (k - 1) * shard_numel * itemsize
+
+
+def reduce_scatter_bytes(out_numel: int, k: int, itemsize: int) -> int:
+    return (k - 1) * out_numel * itemsize
+
+
+def all_reduce_bytes(numel: int, k: int, itemsize: int) -> int:
+    return 2 * (k - 1) * (-(-numel // k)) * itemsize if k > 1 else 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Collectives
+# ---------------------------------------------------------------------------------------------
+
+class Pending:
+    """An issued async collective: ``wait()`` returns its result."""
+
+    def __init__(self, work, result: torch.Tensor, post=None):
+        self._work, self._result, self._post = work, result, post
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+            if self._post is not None:
+                self._result = self._post(self._result)
+                self._post = None
+        return self._result
+
+
+def _done(t: torch.Tensor, async_op: bool):
+    return Pending(None, t) if async_op else t
+
+
+def _require_mesh(mesh, api: str) -> Mesh:
+    if not isinstance(mesh, Mesh):
+        raise ShardingTypeError(f"{api}: collectives need a Mesh over running processes — got "
+                                f"{type(mesh).__name__}. An AbstractMesh can plan but not run.")
+    return mesh
+
+
+def _check_tensor(x: object, api: str, mesh: Mesh) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise ShardingTypeError(f"{api}: expected a torch.Tensor — got {type(x).__name__}.")
+    if x.dtype in _UNSUPPORTED_DTYPES and mesh.backend and "gloo" in mesh.backend:
+        raise CollectiveError(f"{api}: dtype {x.dtype} cannot go through gloo collectives — expected a "
+                              "float, int or bool dtype. Cast to bfloat16 (or view as uint8) first.")
+    return x.contiguous()
+
+
+def group_size(mesh, axes: str | Sequence[str]) -> int:
+    return mesh.axis_size(mesh.canonical_axes(axes)) if mesh.canonical_axes(axes) else 1
+
+
+def group_perm(mesh, axes: Sequence[str]) -> list[int]:
+    """``perm[g]``: index in ``axes`` order (first axis major) of the group member at mesh-order
+    position ``g``. The identity when ``axes`` is in mesh order."""
+    axes = tuple(a for a in axes if mesh.axis_size(a) > 1)
+    canon = mesh.canonical_axes(axes)
+    rank = getattr(mesh, "rank", 0)
+    return [mesh.group_index(r, axes) for r in mesh.group_ranks(rank, canon)]
+
+
+def all_gather(x: torch.Tensor, mesh: Mesh, axes: str | Sequence[str], *, async_op: bool = False):
+    """Concatenate every group member's ``x`` along dim 0, in mesh order of the members."""
+    mesh = _require_mesh(mesh, "all_gather")
+    x = _check_tensor(x, "all_gather", mesh)
+    canon = mesh.canonical_axes(axes)
+    k = group_size(mesh, canon)
+    if k == 1:
+        return _done(x, async_op)
+    out = x.new_empty((k * x.shape[0],) + tuple(x.shape[1:])) if x.dim() else x.new_empty((k,))
+    _record("all_gather", canon, all_gather_bytes(x.numel(), k, x.element_size()), x, k)
+    work = dist.all_gather_single(out, x.reshape(-1) if x.dim() == 0 else x, group=mesh.group(canon),
+                                  async_op=async_op)
+    return Pending(work, out) if async_op else out
+
+
+def reduce_scatter(x: torch.Tensor, mesh: Mesh, axes: str | Sequence[str], *, op: str = "sum",
+                   async_op: bool = False):
+    """Sum ``x`` over the group and keep this member's chunk of dim 0 (``x.shape[0] % k == 0``)."""
+    mesh = _require_mesh(mesh, "reduce_scatter")
+    x = _check_tensor(x, "reduce_scatter", mesh)
+    canon = mesh.canonical_axes(axes)
+    k = group_size(mesh, canon)
+    if k == 1:
+        return _done(x, async_op)
+    if x.dim() == 0 or x.shape[0] % k:
+        raise CollectiveError(f"reduce_scatter over {canon}: dim 0 of shape {tuple(x.shape)} does not "
+                              f"divide by the group size {k} — expected a multiple of {k}. Pad first.")
+    out = x.new_empty((x.shape[0] // k,) + tuple(x.shape[1:]))
+    _record("reduce_scatter", canon, reduce_scatter_bytes(out.numel(), k, x.element_size()), x, k)
+    work = dist.reduce_scatter_single(out, x, op=_REDUCE_OPS[op], group=mesh.group(canon),
+                                      async_op=async_op)
+    return Pending(work, out) if async_op else out
+
+
+def all_reduce(x: torch.Tensor, mesh: Mesh, axes: str | Sequence[str], *, op: str = "sum",
+               async_op: bool = False, inplace: bool = False):
+    """Reduce ``x`` over the group; every member gets the result."""
+    mesh = _require_mesh(mesh, "all_reduce")
+    if op not in _REDUCE_OPS:
+        raise CollectiveError(f"all_reduce: unknown op {op!r} — expected one of {tuple(_REDUCE_OPS)}.")
+    canon = mesh.canonical_axes(axes)
+    k = group_size(mesh, canon)
+    if k == 1:
+        return _done(x, async_op)
+    if inplace and not x.is_contiguous():
+        raise CollectiveError("all_reduce(inplace=True) needs a contiguous tensor.")
+    x = _check_tensor(x, "all_reduce", mesh)
+    out = x if inplace else x.clone()
+    if op == "avg" and not out.is_floating_point():
+        raise CollectiveError(f"all_reduce: op 'avg' on dtype {out.dtype} — expected a floating dtype "
+                              "(gloo cannot average integers). Sum, then divide.")
+    _record("all_reduce", canon, all_reduce_bytes(out.numel(), k, out.element_size()), out, k)
+    work = dist.all_reduce(out, op=_REDUCE_OPS[op], group=mesh.group(canon), async_op=async_op)
+    return Pending(work, out) if async_op else out
+
+
+def all_to_all(x: torch.Tensor, mesh: Mesh, axes: str | Sequence[str], *,
+               in_splits: Sequence[int] | None = None, out_splits: Sequence[int] | None = None,
+               async_op: bool = False):
+    """Send chunk ``g`` of dim 0 to group member ``g`` (mesh order); receive theirs, in order.
+
+    Without splits, dim 0 must divide by the group size; with them, sizes may be uneven
+    (and ``out_splits`` gives what arrives from each member).
+    """
+    mesh = _require_mesh(mesh, "all_to_all")
+    x = _check_tensor(x, "all_to_all", mesh)
+    canon = mesh.canonical_axes(axes)
+    k = group_size(mesh, canon)
+    if k == 1:
+        return _done(x, async_op)
+    if x.dim() == 0:
+        raise CollectiveError(f"all_to_all over {canon}: expected a tensor with a dim 0 — got a scalar.")
+    if in_splits is None:
+        if x.shape[0] % k:
+            raise CollectiveError(f"all_to_all over {canon}: dim 0 of shape {tuple(x.shape)} does not "
+                                  f"divide by the group size {k}. Pad first, or pass splits.")
+        in_splits = [x.shape[0] // k] * k
+        out_splits = list(in_splits)
+        out = torch.empty_like(x)
+    else:
+        if out_splits is None or len(in_splits) != k or len(out_splits) != k:
+            raise CollectiveError(f"all_to_all over {canon}: expected {k} in_splits and out_splits.")
+        if sum(in_splits) != x.shape[0]:
+            raise CollectiveError(f"all_to_all: in_splits {list(in_splits)} do not add up to dim 0 of "
+                                  f"shape {tuple(x.shape)}.")
+        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+    me = mesh.group_ranks(mesh.rank, canon).index(mesh.rank)
+    row = int(torch.Size(x.shape[1:]).numel()) * x.element_size()
+    sent = sum(s for g, s in enumerate(in_splits) if g != me) * row
+    _record("all_to_all", canon, sent, x, k)
+    work = dist.all_to_all_single(out, x, output_split_sizes=list(out_splits),
+                                  input_split_sizes=list(in_splits), group=mesh.group(canon),
+                                  async_op=async_op)
+    return Pending(work, out) if async_op else out
+
+
+def send_recv(x: torch.Tensor, mesh: Mesh, axes: str | Sequence[str], pairs: Sequence[tuple[int, int]]):
+    """Point-to-point within each group over ``axes``: ``(src, dst)`` are group indices in ``axes``
+    order. Returns what this rank received, or zeros if nothing is sent to it (JAX ``ppermute``)."""
+    mesh = _require_mesh(mesh, "ppermute")
+    x = _check_tensor(x, "ppermute", mesh)
+    axes = tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if mesh.axis_size(a) > 1)
+    members = sorted(mesh.group_ranks(mesh.rank, mesh.canonical_axes(axes)),
+                     key=lambda r: mesh.group_index(r, axes))
+    me = mesh.group_index(mesh.rank, axes) if axes else 0
+    out = torch.zeros_like(x)
+    ops = []
+    sent = 0
+    for src, dst in pairs:
+        if src == me and dst == me:
+            out = x.clone()
+        elif src == me:
+            ops.append(dist.isend(x, dst=members[dst]))
+            sent += x.numel() * x.element_size()
+        elif dst == me:
+            ops.append(dist.irecv(out, src=members[src]))
+    if sent or ops:
+        _record("send_recv", mesh.canonical_axes(axes), sent, x, len(members))
+    for w in ops:
+        w.wait()
+    return out
+
+
+def copy_to(x: torch.Tensor, device: torch.device | str, *, non_blocking: bool = False) -> torch.Tensor:
+    """Move between memory kinds (device <-> cpu), counted as a copy, not network traffic."""
+    device = torch.device(device)
+    op = "copy_d2h" if device.type == "cpu" else "copy_h2d"
+    _record(op, (), x.numel() * x.element_size(), x, 1)
+    return x.to(device, non_blocking=non_blocking, copy=True)
+
+
+@contextlib.contextmanager
+def _no_counting() -> Iterator[None]:
+    """Internal: issue metadata collectives that are not part of any plan."""
+    with _LOCK:
+        saved = list(_ACTIVE)
+        _ACTIVE.clear()
+    try:
+        yield
+    finally:
+        with _LOCK:
+            _ACTIVE.extend(saved)

@@ -1,0 +1,245 @@
+"""``Layout``: where a tensor lives on a mesh.
+
+A layout is a ``PartitionSpec`` on a mesh, plus
+
+* ``partial`` — mesh axes over which the local values are pending a sum (DTensor's ``Partial``,
+  JAX's ``unreduced``): the true value is the sum of the shards along those axes;
+* ``memory`` — ``"device"`` or ``"cpu"`` (the memory kind, for offload).
+
+Shard arithmetic is ceil chunking over the product of the axes that shard a dim, exactly as
+``torch.chunk`` and JAX: a dim of size ``n`` split ``k`` ways gives every shard ``ceil(n/k)``
+elements except trailing ones, which may be smaller or empty.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from .errors import Problems, ShardingTypeError, SpecError
+from .mesh import AbstractMesh, unknown_axis_message
+from .spec import PartitionSpec
+
+MEMORY_KINDS = ("device", "cpu")
+
+
+def chunk_bounds(n: int, k: int, i: int) -> tuple[int, int]:
+    """``[start, stop)`` of chunk ``i`` when ``n`` elements are ceil-chunked ``k`` ways."""
+    c = -(-n // k)
+    start = min(i * c, n)
+    return start, min(start + c, n)
+
+
+def chunk_size(n: int, k: int) -> int:
+    """The (padded) chunk size: ``ceil(n/k)``."""
+    return -(-n // k)
+
+
+def _as_spec(spec: object, api: str) -> PartitionSpec:
+    if isinstance(spec, PartitionSpec):
+        return spec
+    if isinstance(spec, (tuple, list)):
+        return PartitionSpec(*spec)
+    if spec is None:
+        return PartitionSpec()
+    raise ShardingTypeError(f"{api}: expected a PartitionSpec such as P('data', None) — got {spec!r} "
+                            f"of type {type(spec).__name__}.")
+
+
+@dataclass(frozen=True, init=False)
+class Layout:
+    """A ``PartitionSpec`` on a mesh, with partial axes and a memory kind."""
+
+    mesh: AbstractMesh
+    spec: PartitionSpec
+    partial: tuple[str, ...]
+    memory: str
+
+    def __init__(self, mesh: AbstractMesh, spec: PartitionSpec | Sequence = PartitionSpec(), *,
+                 partial: str | Iterable[str] = (), memory: str = "device", name: str | None = None):
+        api = "Layout" if name is None else f"Layout of {name!r}"
+        if not isinstance(mesh, AbstractMesh):
+            raise ShardingTypeError(f"{api}: expected a Mesh or AbstractMesh — got {type(mesh).__name__}.")
+        spec = _as_spec(spec, api)
+        partial = (partial,) if isinstance(partial, str) else tuple(partial)
+        with Problems(api, SpecError) as problems:
+            for d, axes in spec.dims():
+                for a in axes:
+                    if a not in mesh.axis_names:
+                        problems.add(unknown_axis_message(a, mesh, f"{api}: dim {d} of {spec}"))
+            for a in partial:
+                if a not in mesh.axis_names:
+                    problems.add(unknown_axis_message(a, mesh, f"{api}: partial"))
+                elif a in spec.axes:
+                    problems.add(f"{api}: axis {a!r} is both partial and shards dim "
+                                 f"{next(d for d, ax in spec.dims() if a in ax)} of {spec} — expected each "
+                                 "axis to be sharding, partial or replicated. Reduce the partial sum first.")
+            if len(set(partial)) != len(partial):
+                problems.add(f"{api}: partial axes repeat — got {partial}; expected each axis once.")
+            if memory not in MEMORY_KINDS:
+                problems.add(f"{api}: memory kind {memory!r} is unknown — expected one of {MEMORY_KINDS}.")
+        object.__setattr__(self, "mesh", mesh)
+        object.__setattr__(self, "spec", spec)
+        object.__setattr__(self, "partial", tuple(a for a in mesh.axis_names if a in partial))
+        object.__setattr__(self, "memory", memory)
+
+    # ---- per-dim facts -------------------------------------------------------------------------
+    def dim_axes(self, dim: int) -> tuple[str, ...]:
+        """Axes sharding ``dim``, major first."""
+        return self.spec.dim_axes(dim)
+
+    def dim_shards(self, dim: int) -> int:
+        """How many ways ``dim`` is split: the product of its axes' sizes."""
+        return self.mesh.axis_size(self.dim_axes(dim)) if self.dim_axes(dim) else 1
+
+    @property
+    def sharded_axes(self) -> tuple[str, ...]:
+        return self.spec.axes
+
+    @property
+    def replicated_axes(self) -> tuple[str, ...]:
+        """Axes that neither shard a dim nor hold a partial sum: every rank along them holds a copy."""
+        used = set(self.spec.axes) | set(self.partial)
+        return tuple(a for a in self.mesh.axis_names if a not in used)
+
+    def check(self, shape: Sequence[int], name: str | None = None) -> tuple[int, ...]:
+        """Validate ``shape`` against the spec; return it as a tuple of ints."""
+        shape = tuple(int(s) for s in shape)
+        if len(self.spec) > len(shape):
+            who = f"tensor {name!r}" if name else "the tensor"
+            raise SpecError(
+                f"Layout: spec {self.spec} has {len(self.spec)} entries but {who} has rank {len(shape)} "
+                f"(shape {shape}) — expected at most one entry per dim. "
+                + ("For a scalar the spec should be P()." if not shape else
+                   f"Drop the extra entries: P{tuple(self.spec)[:len(shape)]!r}."))
+        return shape
+
+    # ---- shard arithmetic ----------------------------------------------------------------------
+    def _rank_arg(self, rank: int | None, api: str) -> int:
+        if rank is None:
+            rank = getattr(self.mesh, "rank", None)
+            if rank is None:
+                raise ShardingTypeError(f"Layout.{api}: rank is required on an AbstractMesh.")
+        self.mesh._check_rank(rank)
+        return rank
+
+    def local_slices(self, shape: Sequence[int], rank: int | None = None) -> tuple[slice, ...]:
+        """The slice of the global tensor that ``rank`` holds (this process's rank by default)."""
+        shape = self.check(shape)
+        rank = self._rank_arg(rank, "local_slices")
+        out = []
+        for d, n in enumerate(shape):
+            axes = self.dim_axes(d)
+            if not axes:
+                out.append(slice(0, n))
+                continue
+            k = self.mesh.axis_size(axes)
+            start, stop = chunk_bounds(n, k, self.mesh.group_index(rank, axes))
+            out.append(slice(start, stop))
+        return tuple(out)
+
+    def local_shape(self, shape: Sequence[int], rank: int | None = None) -> tuple[int, ...]:
+        """Shape of ``rank``'s shard of a tensor of global ``shape``."""
+        return tuple(s.stop - s.start for s in self.local_slices(shape, rank))
+
+    def shard_slices(self, shape: Sequence[int]) -> dict[int, tuple[slice, ...]]:
+        """``{rank: slices}`` for every rank of the mesh."""
+        return {r: self.local_slices(shape, r) for r in range(self.mesh.size)}
+
+    def padded_local_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
+        """The shard shape every rank would have if trailing shards were padded to ``ceil(n/k)``."""
+        shape = self.check(shape)
+        return tuple(chunk_size(n, self.dim_shards(d)) for d, n in enumerate(shape))
+
+    def is_even(self, shape: Sequence[int]) -> bool:
+        """True when every sharded dim divides evenly."""
+        shape = self.check(shape)
+        return all(n % self.dim_shards(d) == 0 for d, n in enumerate(shape))
+
+    def local_numel(self, shape: Sequence[int], rank: int | None = None) -> int:
+        return math.prod(self.local_shape(shape, rank))
+
+    # ---- interop -------------------------------------------------------------------------------
+    def placements(self) -> tuple:
+        """torch ``DTensor`` placements, one per mesh axis: ``Shard(d)``, ``Partial()`` or ``Replicate()``.
+
+        DTensor splits a dim over several mesh axes in mesh order only; a spec that orders them
+        otherwise (``P(('tensor', 'data'))`` on a ``data, tensor`` mesh) raises ``SpecError``.
+        """
+        from torch.distributed.tensor import Partial, Replicate, Shard
+
+        for d, axes in self.spec.dims():
+            order = [self.mesh.axis_index(a) for a in axes]
+            if order != sorted(order):
+                raise SpecError(
+                    f"Layout.placements: dim {d} of {self.spec} is split over {axes} in an order other "
+                    f"than the mesh's {self.mesh.axis_names} — DTensor places several mesh axes on one "
+                    "dim in mesh order only (major to minor). Reorder the tuple to "
+                    f"{tuple(sorted(axes, key=self.mesh.axis_index))}, or declare the mesh axes in the "
+                    "order you need.")
+        out = []
+        for a in self.mesh.axis_names:
+            if a in self.partial:
+                out.append(Partial())
+            elif a in self.spec.axes:
+                out.append(Shard(next(d for d, ax in self.spec.dims() if a in ax)))
+            else:
+                out.append(Replicate())
+        return tuple(out)
+
+    # ---- variants ------------------------------------------------------------------------------
+    def replace(self, *, spec: PartitionSpec | Sequence | None = None, partial: Iterable[str] | None = None,
+                memory: str | None = None) -> Layout:
+        return Layout(self.mesh, self.spec if spec is None else spec,
+                      partial=self.partial if partial is None else partial,
+                      memory=self.memory if memory is None else memory)
+
+    def normalized(self) -> Layout:
+        """The same layout without axes of size 1 (which split nothing)."""
+        live = {a for a in self.mesh.axis_names if self.mesh.axis_size(a) > 1}
+        dims = [tuple(a for a in axes if a in live) for _, axes in self.spec.dims()]
+        return Layout(self.mesh, PartitionSpec.from_dim_axes(dims),
+                      partial=[a for a in self.partial if a in live], memory=self.memory)
+
+    def equivalent(self, other: Layout) -> bool:
+        """Same placement of data (ignoring size-1 axes and trailing ``None`` entries)."""
+        return self.normalized() == other.normalized()
+
+    # ---- printing ------------------------------------------------------------------------------
+    def short(self) -> str:
+        """Per-mesh-axis form like DTensor's: ``S(0)R`` = axis 0 shards dim 0, axis 1 replicates.
+
+        ``P`` marks a partial axis. Where a dim is split over several axes out of mesh order the
+        position in its tuple follows: ``S(0)[1]``. ``@cpu`` marks host memory.
+        """
+        parts = []
+        for a in self.mesh.axis_names:
+            if a in self.partial:
+                parts.append("P")
+                continue
+            for d, axes in self.spec.dims():
+                if a in axes:
+                    order = [self.mesh.axis_index(x) for x in axes]
+                    pos = f"[{axes.index(a)}]" if order != sorted(order) else ""
+                    parts.append(f"S({d}){pos}")
+                    break
+            else:
+                parts.append("R")
+        return "".join(parts) + ("@cpu" if self.memory == "cpu" else "")
+
+    def __repr__(self) -> str:
+        extra = ""
+        if self.partial:
+            extra += f", partial={self.partial}"
+        if self.memory != "device":
+            extra += f", memory={self.memory!r}"
+        return f"Layout({self.spec}, mesh={self.mesh.axis_sizes}{extra})"
+
+    def __reduce__(self):
+        return (_rebuild_layout, (self.mesh.abstract() if hasattr(self.mesh, "_groups") else self.mesh,
+                                  tuple(self.spec), self.partial, self.memory))
+
+
+def _rebuild_layout(mesh, spec, partial, memory):
+    return Layout(mesh, PartitionSpec(*spec), partial=partial, memory=memory)

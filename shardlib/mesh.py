@@ -1,0 +1,375 @@
+"""Meshes: an N-d grid of devices with named axes.
+
+``AbstractMesh`` is pure data (plan a 10,000-device mesh on a laptop); ``Mesh`` is the same
+grid over the running process world, with a process group for every axis and every
+combination of axes (built with torch's ``DeviceMesh``).
+
+Rank ``r`` sits at coordinate ``numpy.unravel_index(r, mesh.shape)``: row-major in the order the
+axes were declared, exactly as JAX's ``Mesh(np.arange(n).reshape(shape), names)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import datetime
+import difflib
+import itertools
+import math
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from .errors import MeshError, Problems, ShardingTypeError, SpecError
+
+
+class MeshShape(tuple):
+    """The mesh's axis sizes in declaration order; also indexable by axis name."""
+
+    def __new__(cls, sizes: Sequence[int], names: Sequence[str]) -> MeshShape:
+        obj = super().__new__(cls, tuple(sizes))
+        obj._names = tuple(names)
+        return obj
+
+    def __getitem__(self, key):
+        if isinstance(key, str):
+            try:
+                return tuple.__getitem__(self, self._names.index(key))
+            except ValueError:
+                raise KeyError(key) from None
+        return tuple.__getitem__(self, key)
+
+    def __reduce__(self):
+        return (MeshShape, (tuple(self), self._names))
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(zip(self._names, self))
+
+
+def _parse_shape(shape: Any, axis_names: Sequence[str] | None, api: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    if isinstance(shape, Mapping):
+        if axis_names is not None:
+            raise ShardingTypeError(f"{api}: axis_names is given twice — pass either a dict "
+                                    "{{name: size}} or (sizes, axis_names), not both.")
+        pairs = list(shape.items())
+    elif axis_names is not None:
+        sizes = list(shape) if isinstance(shape, (tuple, list)) else None
+        names = list(axis_names) if isinstance(axis_names, (tuple, list)) else None
+        if sizes is None or names is None:
+            raise ShardingTypeError(f"{api}: expected (sizes, axis_names) as two sequences — got "
+                                    f"{type(shape).__name__} and {type(axis_names).__name__}.")
+        if len(sizes) != len(names):
+            raise MeshError(f"{api}: {len(sizes)} sizes but {len(names)} axis names — got sizes "
+                            f"{tuple(sizes)} and names {tuple(names)}; expected one name per axis.")
+        pairs = list(zip(names, sizes))
+    elif isinstance(shape, (tuple, list)) and all(isinstance(p, (tuple, list)) and len(p) == 2 for p in shape):
+        pairs = [tuple(p) for p in shape]
+    else:
+        raise ShardingTypeError(
+            f"{api}: expected a mapping of axis name to size, e.g. {{'data': 2, 'tensor': 2}} — got "
+            f"{shape!r} of type {type(shape).__name__}.")
+    with Problems(api, MeshError) as problems:
+        if not pairs:
+            problems.add(f"{api}: a mesh needs at least one axis — got none. Use {{'data': 1}} for one device.")
+        seen: set[str] = set()
+        for name, size in pairs:
+            if not isinstance(name, str) or not name.isidentifier():
+                problems.add(f"{api}: axis name {name!r} is not a valid name — expected a non-empty "
+                             "identifier such as 'data', 'pipe' or 'tensor'.")
+            elif name in seen:
+                problems.add(f"{api}: axis name {name!r} is declared twice — got names "
+                             f"{tuple(n for n, _ in pairs)}; expected distinct names. Rename one axis.")
+            else:
+                seen.add(name)
+            if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
+                problems.add(f"{api}: axis {name!r} has size {size!r} — expected a positive integer. "
+                             "An axis of size 1 is allowed and means 'not split'.")
+    return tuple(n for n, _ in pairs), tuple(int(s) for _, s in pairs)
+
+
+class AbstractMesh:
+    """A named device grid with no processes behind it: for planning and tests."""
+
+    def __init__(self, shape: Mapping[str, int] | Sequence, axis_names: Sequence[str] | None = None):
+        names, sizes = _parse_shape(shape, axis_names, type(self).__name__)
+        self._names = names
+        self._sizes = sizes
+        self._strides = tuple(int(math.prod(sizes[i + 1:])) for i in range(len(sizes)))
+
+    # ---- shape ---------------------------------------------------------------------------------
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        return self._names
+
+    @property
+    def shape(self) -> MeshShape:
+        """Axis sizes in declaration order; ``mesh.shape['data']`` also works."""
+        return MeshShape(self._sizes, self._names)
+
+    @property
+    def axis_sizes(self) -> dict[str, int]:
+        return dict(zip(self._names, self._sizes))
+
+    @property
+    def size(self) -> int:
+        return int(math.prod(self._sizes))
+
+    @property
+    def ndim(self) -> int:
+        return len(self._names)
+
+    def axis_size(self, axes: str | Sequence[str]) -> int:
+        """Size of one axis, or the product of several."""
+        if isinstance(axes, str):
+            return self._sizes[self.axis_index(axes)]
+        return int(math.prod(self._sizes[self.axis_index(a)] for a in axes))
+
+    def axis_index(self, axis: str) -> int:
+        """Position of ``axis`` among the mesh axes; a clear error for an unknown name."""
+        try:
+            return self._names.index(axis)
+        except ValueError:
+            raise SpecError(unknown_axis_message(axis, self, "mesh")) from None
+
+    # ---- coordinates ---------------------------------------------------------------------------
+    def coords(self, rank: int) -> tuple[int, ...]:
+        """Mesh coordinate of ``rank`` (row-major, first axis slowest)."""
+        self._check_rank(rank)
+        return tuple(int(c) for c in np.unravel_index(rank, self._sizes))
+
+    def coord(self, rank: int, axis: str) -> int:
+        """Coordinate of ``rank`` along one axis."""
+        i = self.axis_index(axis)
+        return (rank // self._strides[i]) % self._sizes[i]
+
+    def rank_at(self, coords: Sequence[int]) -> int:
+        return int(sum(c * s for c, s in zip(coords, self._strides)))
+
+    def group_index(self, rank: int, axes: Sequence[str]) -> int:
+        """Index of ``rank`` within its group over ``axes``, the first axis major (JAX order)."""
+        idx = 0
+        for a in axes:
+            idx = idx * self.axis_size(a) + self.coord(rank, a)
+        return idx
+
+    def group_ranks(self, rank: int, axes: Sequence[str]) -> list[int]:
+        """Ranks that differ from ``rank`` only along ``axes``, listed by ``group_index`` order."""
+        axes = tuple(axes)
+        base = rank - sum(self.coord(rank, a) * self._strides[self.axis_index(a)] for a in axes)
+        sizes = [self.axis_size(a) for a in axes]
+        strides = [self._strides[self.axis_index(a)] for a in axes]
+        return [base + sum(c * s for c, s in zip(cs, strides)) for cs in itertools.product(*map(range, sizes))]
+
+    def all_groups(self, axes: Sequence[str]) -> list[list[int]]:
+        """Every group over ``axes``, each in ``group_index`` order."""
+        seen, out = set(), []
+        for r in range(self.size):
+            g = self.group_ranks(r, axes)
+            if g[0] not in seen:
+                seen.add(g[0])
+                out.append(g)
+        return out
+
+    def canonical_axes(self, axes: str | Sequence[str]) -> tuple[str, ...]:
+        """``axes`` in mesh order with size-1 axes dropped: the key of a process group."""
+        axes = (axes,) if isinstance(axes, str) else tuple(axes)
+        for a in axes:
+            self.axis_index(a)
+        return tuple(a for a in self._names if a in axes and self.axis_size(a) > 1)
+
+    def _check_rank(self, rank: int) -> None:
+        if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < self.size:
+            raise MeshError(f"{type(self).__name__}.coords: rank {rank!r} is outside the mesh — expected "
+                            f"0 <= rank < {self.size} for mesh {self.axis_sizes}.")
+
+    def abstract(self) -> AbstractMesh:
+        return AbstractMesh(self.axis_sizes)
+
+    # ---- value semantics -----------------------------------------------------------------------
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, AbstractMesh) and (self._names, self._sizes) == (other._names, other._sizes)
+
+    def __hash__(self) -> int:
+        return hash((self._names, self._sizes))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.axis_sizes})"
+
+    def __reduce__(self):
+        return (AbstractMesh, (self.axis_sizes,))
+
+
+def unknown_axis_message(axis: object, mesh: AbstractMesh, where: str) -> str:
+    close = difflib.get_close_matches(str(axis), mesh.axis_names, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    return (f"{where}: unknown mesh axis {axis!r} — the mesh {mesh.axis_sizes} has axes "
+            f"{mesh.axis_names}.{hint} Use one of them, or add the axis to the mesh (size 1 if unused).")
+
+
+# ---------------------------------------------------------------------------------------------
+# Mesh over real processes
+# ---------------------------------------------------------------------------------------------
+
+def default_timeout() -> datetime.timedelta:
+    """Collective timeout: ``SHARDLIB_TIMEOUT`` seconds, else 300 s. A hang becomes an error."""
+    return datetime.timedelta(seconds=float(os.environ.get("SHARDLIB_TIMEOUT", "300")))
+
+
+def _auto_backend() -> str:
+    import torch
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+class Mesh(AbstractMesh):
+    """A mesh over the running process world.
+
+    * Under ``sl.launch`` or ``torchrun`` the world is read from the environment (``env://``).
+    * If the program already called ``torch.distributed.init_process_group``, that world is used.
+    * A mesh of size 1 needs no process group at all (the single-process reference run).
+
+    The backend is ``nccl`` where CUDA is available, else ``gloo``; pass ``backend=`` to override.
+    Process groups are built for every axis and every combination of axes of size > 1.
+    """
+
+    def __init__(self, shape: Mapping[str, int] | Sequence, axis_names: Sequence[str] | None = None, *,
+                 backend: str | None = None, device: Any = None,
+                 timeout: datetime.timedelta | float | None = None):
+        super().__init__(shape, axis_names)
+        import torch
+        import torch.distributed as dist
+
+        if isinstance(timeout, (int, float)):
+            timeout = datetime.timedelta(seconds=timeout)
+        env_world = "WORLD_SIZE" in os.environ and "RANK" in os.environ
+        if not dist.is_available():
+            initialized = False
+        else:
+            initialized = dist.is_initialized()
+        if not initialized and (self.size > 1 or env_world):
+            if not env_world:
+                raise MeshError(
+                    f"Mesh: no process world to run on — got a mesh of {self.size} devices "
+                    f"{self.axis_sizes}, but torch.distributed is not initialized and RANK/WORLD_SIZE "
+                    f"are not set; expected a world of {self.size} processes. Start the program with "
+                    f"sl.launch(fn, nprocs={self.size}) or torchrun --nproc-per-node {self.size}, or plan "
+                    "without processes with sl.AbstractMesh(...).")
+            env_size = int(os.environ["WORLD_SIZE"])
+            if env_size != self.size:
+                raise MeshError(self._size_mismatch(env_size))
+            backend = backend or _auto_backend()
+            if backend == "nccl":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group(backend, timeout=timeout or default_timeout())
+            initialized = True
+
+        self._device_mesh = None
+        self._groups: dict[tuple[str, ...], Any] = {}
+        if initialized:
+            world = dist.get_world_size()
+            if world != self.size:
+                raise MeshError(self._size_mismatch(world))
+            self._rank = dist.get_rank()
+            self._backend = backend or str(dist.get_backend())
+        else:
+            self._rank = 0
+            self._backend = None
+        self._device = self._pick_device(device)
+        if initialized:
+            self._build_groups()
+
+    def _size_mismatch(self, world: int) -> str:
+        return (f"Mesh: the mesh {self.axis_sizes} has {self.size} devices but the process world has "
+                f"{world} — expected equal sizes. Change the axis sizes so their product is {world}, "
+                f"or start {self.size} processes (sl.launch(fn, nprocs={self.size}) or torchrun "
+                f"--nproc-per-node {self.size}).")
+
+    def _pick_device(self, device: Any):
+        import torch
+        if device is not None:
+            return torch.device(device)
+        if self._backend and "nccl" in self._backend:
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _build_groups(self) -> None:
+        import torch
+        from torch.distributed.device_mesh import DeviceMesh
+
+        mesh_tensor = torch.arange(self.size).reshape(self._sizes)
+        self._device_mesh = DeviceMesh(self._device.type, mesh_tensor, mesh_dim_names=self._names)
+        live = [a for a in self._names if self.axis_size(a) > 1]
+        for r in range(1, len(live) + 1):
+            for combo in itertools.combinations(live, r):
+                if r == 1:
+                    self._groups[combo] = self._device_mesh.get_group(combo[0])
+                else:
+                    flat = self._device_mesh[combo]._flatten("_".join(("sl",) + combo))
+                    self._groups[combo] = flat.get_group()
+
+    # ---- this process --------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        """This process's rank in the mesh (0 in a world of one)."""
+        return self._rank
+
+    @property
+    def my_coords(self) -> tuple[int, ...]:
+        return self.coords(self._rank)
+
+    @property
+    def device(self):
+        """The torch device this process computes on."""
+        return self._device
+
+    @property
+    def backend(self) -> str | None:
+        return self._backend
+
+    @property
+    def device_mesh(self):
+        """torch's ``DeviceMesh`` over the same grid, or None in a world of one with no process group."""
+        return self._device_mesh
+
+    def group(self, axes: str | Sequence[str]):
+        """The process group over ``axes`` (any order), or None when their product is 1."""
+        key = self.canonical_axes(axes)
+        if not key:
+            return None
+        return self._groups[key]
+
+    def __reduce__(self):
+        raise TypeError("Mesh holds process groups and cannot be pickled; send mesh.abstract() "
+                        "(or the shape dict) and build the Mesh in the receiving process.")
+
+    def __repr__(self) -> str:
+        return f"Mesh({self.axis_sizes}, rank={self._rank}, backend={self._backend!r})"
+
+
+# ---------------------------------------------------------------------------------------------
+# Scoped mesh
+# ---------------------------------------------------------------------------------------------
+
+_CURRENT_MESH: contextvars.ContextVar[AbstractMesh | None] = contextvars.ContextVar("shardlib_mesh", default=None)
+
+
+@contextlib.contextmanager
+def use_mesh(mesh: AbstractMesh) -> Iterator[AbstractMesh]:
+    """Make ``mesh`` the mesh of APIs that are not given one, inside the ``with`` block."""
+    if not isinstance(mesh, AbstractMesh):
+        raise ShardingTypeError(f"use_mesh: expected a Mesh or AbstractMesh — got {type(mesh).__name__}.")
+    token = _CURRENT_MESH.set(mesh)
+    try:
+        yield mesh
+    finally:
+        _CURRENT_MESH.reset(token)
+
+
+def current_mesh(api: str = "shardlib") -> AbstractMesh:
+    """The mesh of the innermost ``with sl.use_mesh(...)``; a clear error outside one."""
+    mesh = _CURRENT_MESH.get()
+    if mesh is None:
+        raise MeshError(f"{api}: no mesh given and none in scope — pass mesh=..., or wrap the call in "
+                        "`with sl.use_mesh(mesh):`.")
+    return mesh
