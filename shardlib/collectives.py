@@ -26,6 +26,7 @@ Shards along the axis must have equal shapes; for uneven shards use ``sl.redistr
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -60,9 +61,23 @@ def _mesh(mesh, api: str) -> Mesh:
     return mesh
 
 
+def _tensor(x: object, api: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise ShardingTypeError(f"{api}: expected a torch.Tensor — got {type(x).__name__}.")
+    return x
+
+
 def _dim(x: torch.Tensor, dim: int, api: str) -> int:
-    if not -x.dim() <= dim < max(x.dim(), 1):
-        raise CollectiveError(f"{api}: dim {dim} is out of range for a tensor of shape {tuple(x.shape)}.")
+    if x.dim() == 0:
+        raise CollectiveError(f"{api}: got a scalar (shape ()) — expected a tensor with at least one dim to "
+                              "split or concatenate. Reshape it to (1,) first.")
+    try:
+        dim = operator.index(dim)
+    except TypeError:
+        raise ShardingTypeError(f"{api}: dim must be an int — got {dim!r} of type {type(dim).__name__}.") from None
+    if not -x.dim() <= dim < x.dim():
+        raise CollectiveError(f"{api}: dim {dim} is out of range — got a tensor of shape {tuple(x.shape)}; "
+                              f"expected -{x.dim()} <= dim < {x.dim()}.")
     return dim % x.dim()
 
 
@@ -135,6 +150,7 @@ class _PPermute(torch.autograd.Function):
 
 def psum(x: torch.Tensor, axis: AxisArg, *, mesh: Mesh | None = None) -> torch.Tensor:
     """Sum ``x`` over ``axis``; every rank gets the sum. Backward: identity."""
+    x = _tensor(x, "psum")
     mesh = _mesh(mesh, "psum")
     axes = _axes(axis, mesh, "psum")
     with tracked(x, axes, drop=axes) as (x, done):
@@ -145,6 +161,7 @@ def pbroadcast(x: torch.Tensor, axis: AxisArg, *, mesh: Mesh | None = None) -> t
     """Identity forward; backward sums the gradient over ``axis`` (JAX ``pvary``, Megatron *f*).
 
     Use it where a value replicated over ``axis`` enters computation that differs per rank."""
+    x = _tensor(x, "pbroadcast")
     mesh = _mesh(mesh, "pbroadcast")
     axes = _axes(axis, mesh, "pbroadcast")
     with tracked(x, (), add=axes) as (x, done):
@@ -153,6 +170,7 @@ def pbroadcast(x: torch.Tensor, axis: AxisArg, *, mesh: Mesh | None = None) -> t
 
 def all_gather(x: torch.Tensor, axis: AxisArg, dim: int = 0, *, mesh: Mesh | None = None) -> torch.Tensor:
     """Concatenate the shards of ``axis`` along ``dim``. Backward: reduce-scatter."""
+    x = _tensor(x, "all_gather")
     mesh = _mesh(mesh, "all_gather")
     axes = _axes(axis, mesh, "all_gather")
     dim = _dim(x, dim, "all_gather")
@@ -162,6 +180,7 @@ def all_gather(x: torch.Tensor, axis: AxisArg, dim: int = 0, *, mesh: Mesh | Non
 
 def psum_scatter(x: torch.Tensor, axis: AxisArg, dim: int = 0, *, mesh: Mesh | None = None) -> torch.Tensor:
     """Sum over ``axis`` and keep this rank's chunk of ``dim``. Backward: all-gather."""
+    x = _tensor(x, "psum_scatter")
     mesh = _mesh(mesh, "psum_scatter")
     axes = _axes(axis, mesh, "psum_scatter")
     dim = _dim(x, dim, "psum_scatter")
@@ -177,6 +196,7 @@ def psum_scatter(x: torch.Tensor, axis: AxisArg, dim: int = 0, *, mesh: Mesh | N
 def all_to_all(x: torch.Tensor, axis: AxisArg, split_dim: int, concat_dim: int, *,
                mesh: Mesh | None = None) -> torch.Tensor:
     """Split ``split_dim`` over the ranks of ``axis`` and concatenate what arrives on ``concat_dim``."""
+    x = _tensor(x, "all_to_all")
     mesh = _mesh(mesh, "all_to_all")
     axes = _axes(axis, mesh, "all_to_all")
     split_dim, concat_dim = _dim(x, split_dim, "all_to_all"), _dim(x, concat_dim, "all_to_all")
@@ -192,16 +212,28 @@ def ppermute(x: torch.Tensor, axis: AxisArg, perm: Sequence[tuple[int, int]], *,
              mesh: Mesh | None = None) -> torch.Tensor:
     """Send ``x`` from index ``src`` to index ``dst`` along ``axis`` for each ``(src, dst)`` in ``perm``;
     a rank no one sends to gets zeros (JAX semantics). Backward: the inverse permutation."""
+    x = _tensor(x, "ppermute")
     mesh = _mesh(mesh, "ppermute")
     axes = _axes(axis, mesh, "ppermute")
     k = mesh.axis_size(axes)
-    pairs = [tuple(int(i) for i in p) for p in perm]
+    pairs = _pairs(perm, k)
     srcs, dsts = [s for s, _ in pairs], [d for _, d in pairs]
     if any(not 0 <= i < k for i in srcs + dsts) or len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts):
         raise CollectiveError(f"ppermute: perm {pairs} is not a partial permutation of 0..{k - 1} (the size of "
                               f"axis {axes}) — expected each source and each destination at most once.")
     with tracked(x, axes) as (x, done):
         return done(_PPermute.apply(x, mesh, axes, pairs))
+
+
+def _pairs(perm: object, k: int) -> list[tuple[int, int]]:
+    try:
+        pairs = [tuple(operator.index(i) for i in p) for p in perm]
+    except TypeError:
+        pairs = None
+    if pairs is None or any(len(p) != 2 for p in pairs):
+        raise ShardingTypeError(f"ppermute: perm must be a list of (source, destination) index pairs along the "
+                                f"axis — got {perm!r}; expected e.g. [(i, (i + 1) % {k}) for i in range({k})].")
+    return pairs
 
 
 def axis_index(axis: AxisArg, *, mesh: Mesh | None = None) -> int:

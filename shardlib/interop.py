@@ -2,8 +2,9 @@
 
 A local shard plus its ``Layout`` converts to a ``DTensor`` and back, exactly, where DTensor can
 express the layout. It cannot when a dim is split over several mesh axes out of mesh order, or
-when such a multi-axis split is uneven (DTensor splits hierarchically, axis by axis; shardlib,
-like JAX, chunks the product): those raise ``SpecError`` with the fix.
+when such a multi-axis split is uneven and the two chunkings differ (DTensor splits hierarchically,
+axis by axis; shardlib, like JAX, chunks the product), or (from a DTensor) for a ``Partial`` whose
+reduce op is not a sum: those raise ``SpecError`` with the fix.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ def _dtensor_slices(shape: Sequence[int], lay: Layout, rank: int) -> tuple[slice
     return tuple(slice(a, b) for a, b in zip(lo, hi))
 
 
-def check_dtensor_expressible(lay: Layout, shape: Sequence[int], name: str | None = None) -> None:
+def check_dtensor_expressible(lay: Layout, shape: Sequence[int], name: str | None = None,
+                              api: str = "to_dtensor") -> None:
     """Raise ``SpecError`` unless DTensor places every element exactly where ``lay`` does."""
     lay.placements()  # out-of-order multi-axis dims
     shape = lay.check(shape, name)
@@ -42,7 +44,7 @@ def check_dtensor_expressible(lay: Layout, shape: Sequence[int], name: str | Non
             if ours != theirs:
                 who = f" of {name!r}" if name else ""
                 raise SpecError(
-                    f"to_dtensor: dim {d}{who} (size {shape[d]}) is split over {axes} = "
+                    f"{api}: dim {d}{who} (size {shape[d]}) is split over {axes} = "
                     f"{lay.mesh.axis_size(axes)} shards unevenly — DTensor splits it axis by axis "
                     "(ceil chunks of ceil chunks), shardlib ceil-chunks the product, and here they differ. "
                     f"Pad dim {d} to a multiple of {lay.mesh.axis_size(axes)}, or split it over one axis.")
@@ -69,36 +71,51 @@ def to_dtensor(local: torch.Tensor, layout: Layout, shape: Sequence[int]):
 
 
 def from_dtensor(dt, mesh: Mesh | None = None) -> tuple[torch.Tensor, Layout]:
-    """A ``DTensor`` -> ``(local shard, Layout)``. ``mesh`` defaults to a Mesh over its DeviceMesh."""
+    """A ``DTensor`` -> ``(local shard, Layout)`` on ``mesh`` (default: the one of ``sl.use_mesh``).
+
+    ``mesh`` must be the grid of the DTensor's ``DeviceMesh``: same axis names and sizes, and rank
+    ``r`` at ``numpy.unravel_index(r, shape)``. Placements map back one to one: ``Shard(d)`` on
+    several axes is a tuple entry in mesh order, ``Partial("sum")`` a partial axis.
+    """
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    from .mesh import current_mesh
 
     if not isinstance(dt, DTensor):
         raise ShardingTypeError(f"from_dtensor: expected a DTensor — got {type(dt).__name__}.")
+    if mesh is None:
+        mesh = current_mesh("from_dtensor")
+    if not isinstance(mesh, Mesh):
+        raise ShardingTypeError(f"from_dtensor: mesh must be a Mesh over the DTensor's process world — got "
+                                f"{type(mesh).__name__}.")
     dm = dt.device_mesh
     names = dm.mesh_dim_names
     if not names:
         raise SpecError("from_dtensor: the DTensor's DeviceMesh has no mesh_dim_names — expected named "
                         "axes. Build it with init_device_mesh(..., mesh_dim_names=(...)).")
-    if mesh is None:
-        raise ShardingTypeError("from_dtensor: pass mesh= (the sl.Mesh the DTensor's DeviceMesh belongs to).")
     if tuple(mesh.axis_names) != tuple(names) or tuple(mesh.shape) != tuple(dm.shape):
         raise SpecError(f"from_dtensor: the DTensor lives on mesh {dict(zip(names, dm.shape))} but mesh= is "
                         f"{mesh.axis_sizes} — expected the same axes and sizes.")
+    grid = dm.mesh.flatten().tolist()
+    if grid != list(range(mesh.size)):
+        raise SpecError(f"from_dtensor: the DTensor's DeviceMesh holds ranks {grid} in row-major order — "
+                        f"expected {list(range(mesh.size))}, the order of sl.Mesh {mesh.axis_sizes}. "
+                        "Redistribute onto mesh.device_mesh first.")
     dims: list[list[str]] = [[] for _ in range(dt.dim())]
     partial = []
     for name, p in zip(names, dt.placements):
-        if isinstance(p, Shard) and type(p) is Shard:
-            dims[p.dim].append(name)
-        elif isinstance(p, Partial):
+        if type(p) is Shard:
+            dims[p.dim % max(dt.dim(), 1)].append(name)
+        elif type(p) is Partial:
             if p.reduce_op != "sum":
                 raise SpecError(f"from_dtensor: axis {name!r} is Partial({p.reduce_op!r}) — shardlib's partial "
                                 "axes are pending sums. Redistribute to Replicate or Partial('sum') first.")
             partial.append(name)
-        elif isinstance(p, Replicate):
+        elif type(p) is Replicate:
             pass
         else:
             raise SpecError(f"from_dtensor: placement {p} on axis {name!r} has no shardlib equivalent — "
-                            "expected Shard, Replicate or Partial. Redistribute the DTensor first.")
+                            "expected Shard, Replicate or Partial('sum'). Redistribute the DTensor first.")
     lay = Layout(mesh, PartitionSpec.from_dim_axes([tuple(x) for x in dims]), partial=partial)
-    check_dtensor_expressible(lay, tuple(dt.shape))
+    check_dtensor_expressible(lay, tuple(dt.shape), api="from_dtensor")
     return dt.to_local(), lay

@@ -222,6 +222,61 @@ def _auto_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def check_backend(backend: object, api: str = "Mesh") -> str:
+    """Validate a backend name before any process group exists: a clear error, not a hang.
+
+    Accepts a plain name (``"gloo"``) or torch's per-device form (``"cpu:gloo,cuda:nccl"``).
+    """
+    import torch
+    import torch.distributed as dist
+
+    if not isinstance(backend, str) or not backend:
+        raise ShardingTypeError(f"{api}: backend must be a name such as 'gloo' or 'nccl' — got {backend!r} "
+                                f"of type {type(backend).__name__}.")
+    available = {"gloo": dist.is_gloo_available(), "nccl": dist.is_nccl_available(),
+                 "mpi": dist.is_mpi_available(), "ucc": dist.is_ucc_available()}
+    usable = sorted(n for n, ok in available.items() if ok)
+    for part in backend.lower().split(","):
+        name = part.split(":")[-1].strip()
+        if name in available:
+            if not available[name]:
+                raise MeshError(f"{api}: backend {name!r} is not available in this torch build — expected one "
+                                f"of {usable}. Pass backend='gloo' on CPU, or leave backend unset to pick "
+                                "nccl on CUDA and gloo otherwise.")
+            if name == "nccl" and not torch.cuda.is_available():
+                raise MeshError(f"{api}: backend 'nccl' needs CUDA devices, and none is visible — use "
+                                "backend='gloo' on CPU, or leave backend unset.")
+        elif name not in dist.Backend.backend_list:
+            raise MeshError(f"{api}: unknown backend {name!r} — expected one of {usable} (or a backend "
+                            "registered with torch.distributed.Backend.register_backend).")
+    return backend
+
+
+def _world_timeout(device) -> datetime.timedelta:
+    """The collective timeout of the world's default group (``SHARDLIB_TIMEOUT`` if unreadable)."""
+    import torch.distributed as dist
+
+    try:
+        return dist.distributed_c10d._get_default_group()._get_backend(device).options._timeout
+    except Exception:  # a backend that does not expose its options
+        return default_timeout()
+
+
+def _group_options(backend: str | None, timeout: datetime.timedelta):
+    """Per-group backend options that carry ``timeout`` (None where torch's defaults must do)."""
+    import torch.distributed as dist
+
+    if backend == "gloo":
+        from torch._C._distributed_c10d import Backend
+        return Backend.Options("gloo", timeout)
+    if backend == "nccl" and dist.is_nccl_available():
+        opts = dist.ProcessGroupNCCL.Options()
+        opts.is_high_priority_stream = False
+        opts._timeout = timeout
+        return opts
+    return None
+
+
 class Mesh(AbstractMesh):
     """A mesh over the running process world.
 
@@ -229,8 +284,10 @@ class Mesh(AbstractMesh):
     * If the program already called ``torch.distributed.init_process_group``, that world is used.
     * A mesh of size 1 needs no process group at all (the single-process reference run).
 
-    The backend is ``nccl`` where CUDA is available, else ``gloo``; pass ``backend=`` to override.
-    Process groups are built for every axis and every combination of axes of size > 1.
+    The backend is ``nccl`` where CUDA is available, else ``gloo``; pass ``backend=`` to override
+    (it then also applies to the mesh's groups on a world the program started itself).
+    Process groups are built for every axis and every combination of axes of size > 1; their
+    collective ``timeout`` (seconds or ``timedelta``) defaults to the world's.
     """
 
     def __init__(self, shape: Mapping[str, int] | Sequence, axis_names: Sequence[str] | None = None, *,
@@ -242,6 +299,8 @@ class Mesh(AbstractMesh):
 
         if isinstance(timeout, (int, float)):
             timeout = datetime.timedelta(seconds=timeout)
+        if backend is not None:
+            check_backend(backend)
         env_world = "WORLD_SIZE" in os.environ and "RANK" in os.environ
         if not dist.is_available():
             initialized = False
@@ -258,14 +317,22 @@ class Mesh(AbstractMesh):
             env_size = int(os.environ["WORLD_SIZE"])
             if env_size != self.size:
                 raise MeshError(self._size_mismatch(env_size))
+            missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+            if missing:
+                raise MeshError(f"Mesh: RANK and WORLD_SIZE are set but {' and '.join(missing)} "
+                                f"{'is' if len(missing) == 1 else 'are'} not — expected the full env:// "
+                                "rendezvous that torchrun sets. Start the program with torchrun or "
+                                "sl.launch, or export the missing variables.")
             backend = backend or _auto_backend()
             if backend == "nccl":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group(backend, timeout=timeout or default_timeout())
+            timeout = timeout or default_timeout()
+            dist.init_process_group(backend, timeout=timeout)
             initialized = True
 
         self._device_mesh = None
         self._groups: dict[tuple[str, ...], Any] = {}
+        self._backend_override = backend
         if initialized:
             world = dist.get_world_size()
             if world != self.size:
@@ -277,7 +344,7 @@ class Mesh(AbstractMesh):
             self._backend = None
         self._device = self._pick_device(device)
         if initialized:
-            self._build_groups()
+            self._build_groups(timeout or _world_timeout(self._device))
 
     def _size_mismatch(self, world: int) -> str:
         return (f"Mesh: the mesh {self.axis_sizes} has {self.size} devices but the process world has "
@@ -293,19 +360,25 @@ class Mesh(AbstractMesh):
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
-    def _build_groups(self) -> None:
+    def _build_groups(self, timeout: datetime.timedelta) -> None:
         import torch
         from torch.distributed.device_mesh import DeviceMesh
 
+        # An explicit backend= applies to every group the mesh builds, even on a world the program
+        # started with another one. The options carry the timeout: without them torch gives
+        # sub-groups its 30-minute default, whatever the world's timeout is.
+        override = self._backend_override
+        config = (override, _group_options(override or self._backend, timeout))
         mesh_tensor = torch.arange(self.size).reshape(self._sizes)
-        self._device_mesh = DeviceMesh(self._device.type, mesh_tensor, mesh_dim_names=self._names)
+        self._device_mesh = DeviceMesh(self._device.type, mesh_tensor, mesh_dim_names=self._names,
+                                       backend_override=(config,) * self.ndim)
         live = [a for a in self._names if self.axis_size(a) > 1]
         for r in range(1, len(live) + 1):
             for combo in itertools.combinations(live, r):
                 if r == 1:
                     self._groups[combo] = self._device_mesh.get_group(combo[0])
                 else:
-                    flat = self._device_mesh[combo]._flatten("_".join(("sl",) + combo))
+                    flat = self._device_mesh[combo]._flatten("_".join(("sl",) + combo), backend_override=config)
                     self._groups[combo] = flat.get_group()
 
     # ---- this process --------------------------------------------------------------------------

@@ -434,13 +434,43 @@ def _exchange_sends(src: Layout, dst: Layout, axes: tuple[str, ...], shape, me: 
 
 
 def _exchange_bytes(src: Layout, dst: Layout, axes, shape, itemsize) -> tuple[int, ...]:
+    """Bytes each rank sends in an exchange, without pairing every two ranks.
+
+    A rank ``r`` sends to the peers ``q`` of its group that agree with it on the axes replicated
+    in ``src``; the elements it sends ``q`` are ``src(r) ∩ dst(q)``, a box, so the total over
+    peers factorizes per dim: on dim ``d`` sum the overlaps of ``src(r)``'s interval with the dst
+    chunks of the peers — only the few chunks that overlap it need visiting — and multiply by
+    the number of peer coordinates no dst dim depends on. Minus what ``r`` keeps itself."""
     mesh = src.mesh
     canon = mesh.canonical_axes(axes)
-    # bytes depend only on a rank's coordinates within the exchange group: price one group
-    g0 = mesh.group_ranks(0, canon)
-    per_index = [sum(_box_numel(box) for q, box in _exchange_sends(src, dst, axes, shape, r) if q != r)
-                 for r in g0]
-    return tuple(per_index[mesh.group_index(r, canon)] * itemsize for r in range(mesh.size))
+    vary = [x for x in canon if x in src.spec.axes]           # peers range over these coordinates
+    free = math.prod(mesh.axis_size(x) for x in vary if x not in dst.spec.axes)
+    out = []
+    for r in range(mesh.size):
+        mine = src.local_slices(shape, r)
+        total = free
+        for d, n in enumerate(shape):
+            t = dst.dim_axes(d)
+            if not t:
+                total *= mine[d].stop - mine[d].start
+                continue
+            k = mesh.axis_size(t)
+            c = chunk_size(n, k)
+            fixed = {x: mesh.coord(r, x) for x in t if x not in vary}
+            acc = 0
+            if c and mine[d].stop > mine[d].start:
+                for j in range(mine[d].start // c, min(k, (mine[d].stop - 1) // c + 1)):
+                    digits, rest = {}, j
+                    for x in reversed(t):
+                        digits[x] = rest % mesh.axis_size(x)
+                        rest //= mesh.axis_size(x)
+                    if all(digits[x] == v for x, v in fixed.items()):
+                        lo, hi = chunk_bounds(n, k, j)
+                        acc += max(0, min(hi, mine[d].stop) - max(lo, mine[d].start))
+            total *= acc
+        kept = _box_numel(_intersect(mine, dst.local_slices(shape, r)))
+        out.append((total - kept) * itemsize)
+    return tuple(out)
 
 
 # ---------------------------------------------------------------------------------------------

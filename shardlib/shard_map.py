@@ -138,40 +138,51 @@ def shard_map(fn: Callable, mesh: Mesh, in_specs: SpecTree, out_specs: SpecTree)
 
 def _assemble(out: Any, pending: list, mesh: Mesh) -> Any:
     """Gather every output shard to its global tensor (one small collective for the shapes)."""
-    need_shapes = [(y, lay, path) for y, lay, path in pending if lay.sharded_axes]
-    shapes: dict[int, tuple[int, ...]] = {id(y): tuple(y.shape) for y, _, _ in pending}
-    if need_shapes:
-        local = torch.tensor([s for y, _, _ in need_shapes for s in y.shape], dtype=torch.int64)
-        everyone = comm.all_gather(local.to(mesh.device), mesh, mesh.axis_names).cpu().view(mesh.size, -1)
+    shapes = [tuple(y.shape) for y, _, _ in pending]
+    need = [i for i, (_, lay, _) in enumerate(pending) if lay.sharded_axes]
+    if need:
+        local = torch.tensor([s for i in need for s in shapes[i]], dtype=torch.int64)
+        with comm._no_counting():   # metadata, not part of the computation's traffic
+            everyone = comm.all_gather(local.to(mesh.device), mesh, mesh.axis_names).cpu().view(mesh.size, -1)
         offset = 0
-        for y, lay, path in need_shapes:
-            nd = y.dim()
-            sizes = everyone[:, offset:offset + nd]
-            offset += nd
-            shapes[id(y)] = _global_shape(sizes, lay, mesh, path)
-    results = {id(y): _GatherOutput.apply(y, lay, shapes[id(y)], mesh) for y, lay, _ in pending}
+        for i in need:
+            y, lay, path = pending[i]
+            sizes = everyone[:, offset:offset + y.dim()]
+            offset += y.dim()
+            shapes[i] = _global_shape(sizes, lay, mesh, path)
+    # in the order the leaves were visited: the same tensor may be returned twice under two specs
+    results = iter([_GatherOutput.apply(y, lay, shape, mesh) for (y, lay, _), shape in zip(pending, shapes)])
 
     def swap(v, spec, path):
-        return results.get(id(v), v) if isinstance(v, torch.Tensor) else v
+        return next(results) if isinstance(v, torch.Tensor) else v
 
     return _map_spec(out, None, swap, "")
 
 
 def _global_shape(sizes: torch.Tensor, lay: Layout, mesh: Mesh, path: str) -> tuple[int, ...]:
+    """The global shape from every rank's shard shape, checked the same way on every rank (so that
+    all ranks raise together, before any of them enters the gather)."""
     shape = []
     for d in range(sizes.shape[1]):
         axes = lay.dim_axes(d)
-        if not axes:
-            shape.append(int(sizes[mesh.rank, d]))
-            continue
-        members = mesh.group_ranks(mesh.rank, axes)
-        n = int(sum(int(sizes[r, d]) for r in members))
-        got = [int(sizes[r, d]) for r in members]
-        want = [hi - lo for lo, hi in (chunk_bounds(n, len(members), j) for j in range(len(members)))]
-        if got != want:
+        groups = mesh.all_groups(axes) if axes else [[r] for r in range(mesh.size)]
+        totals = []
+        for members in groups:
+            got = [int(sizes[r, d]) for r in members]
+            n = sum(got)
+            want = [hi - lo for lo, hi in (chunk_bounds(n, len(members), j) for j in range(len(members)))]
+            if got != want:
+                raise ShardingError(
+                    f"shard_map: output{path} dim {d} has shard sizes {got} along {axes} (ranks {members}) — "
+                    f"expected {want}, the ceil chunking of its total {n}. Make the function return shards "
+                    "of ceil(n/k) elements (trailing ones smaller), or return it replicated.")
+            totals.append(n)
+        if len(set(totals)) != 1:
+            where = f"along {axes}" if axes else "on the ranks"
             raise ShardingError(
-                f"shard_map: output{path} dim {d} has shard sizes {got} along {axes} — expected {want}, the "
-                f"ceil chunking of its total {n}. Make the function return shards of ceil(n/k) elements "
-                "(trailing ones smaller), or return it replicated.")
-        shape.append(n)
+                f"shard_map: output{path} dim {d} has different global sizes {sorted(set(totals))} {where} — "
+                f"expected one size: out_specs{path} = {lay.spec} says dim {d} is "
+                + (f"split over {axes} only" if axes else "replicated")
+                + ". Return shards of one global tensor, or shard the dim over the axes it differs on.")
+        shape.append(totals[0])
     return tuple(shape)

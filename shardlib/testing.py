@@ -13,6 +13,7 @@ groups each time (gloo groups hold sockets; thousands would exhaust file descrip
 from __future__ import annotations
 
 import os
+import pickle
 import time
 import traceback
 from collections.abc import Callable, Mapping
@@ -23,13 +24,13 @@ from .launch import WorkerError, finish_rank, free_port, init_world, set_rank_en
 _MESHES: dict = {}   # worker-process cache; the library itself never reads it
 
 
-def get_mesh(shape: Mapping[str, int]):
-    """A ``Mesh`` over this worker's world, built once per shape."""
+def get_mesh(shape: Mapping[str, int], **options: Any):
+    """A ``Mesh`` over this worker's world, built once per shape (and ``Mesh`` keyword options)."""
     from .mesh import Mesh
 
-    key = tuple(shape.items())
+    key = (tuple(shape.items()), tuple(sorted(options.items())))
     if key not in _MESHES:
-        _MESHES[key] = Mesh(dict(shape))
+        _MESHES[key] = Mesh(dict(shape), **options)
     return _MESHES[key]
 
 
@@ -46,13 +47,14 @@ def _pool_worker(local_rank: int, nprocs: int, port: int, conns: list, timeout: 
             fn, args, kwargs = task
             try:
                 conn.send({"ok": True, "result": fn(*args, **kwargs)})
-            except BaseException as e:  # noqa: BLE001
+            except BaseException as e:  # noqa: BLE001 — includes a result that cannot be pickled
                 payload = {"ok": False, "time": time.time(), "error": f"{type(e).__name__}: {e}",
                            "traceback": traceback.format_exc()}
-                try:
-                    conn.send({**payload, "exc": e})
+                try:  # pickled on its own: an exception the parent cannot rebuild keeps its message
+                    payload["exc"] = pickle.dumps(e)
                 except Exception:
-                    conn.send(payload)
+                    pass
+                conn.send(payload)
     except (EOFError, KeyboardInterrupt):
         ok = False
     finish_rank(ok)
@@ -61,9 +63,10 @@ def _pool_worker(local_rank: int, nprocs: int, port: int, conns: list, timeout: 
 class WorldPool:
     """``n`` gloo ranks on this machine, reused across tasks."""
 
-    def __init__(self, nprocs: int, timeout: float | None = None):
+    def __init__(self, nprocs: int, timeout: float | None = None, grace: float = 2.0):
         self.nprocs = nprocs
         self.timeout = float(timeout or os.environ.get("SHARDLIB_TEST_TIMEOUT", "60"))
+        self.grace = grace   # how long to wait for the other ranks once one has failed
         self._procs: list = []
         self._conns: list = []
 
@@ -94,11 +97,7 @@ class WorldPool:
                 if r in results:
                     continue
                 if c.poll(0.01):
-                    try:
-                        results[r] = c.recv()
-                    except EOFError:
-                        results[r] = {"ok": False, "time": time.time(), "traceback": "",
-                                      "error": f"rank {r} died (exit code {self._procs[r].exitcode})"}
+                    results[r] = self._receive(r, c)
                 elif not self._procs[r].is_alive():
                     results[r] = {"ok": False, "time": time.time(), "traceback": "",
                                   "error": f"rank {r} died (exit code {self._procs[r].exitcode})"}
@@ -106,12 +105,12 @@ class WorldPool:
             now = time.monotonic()
             if errors and first_error_at is None:
                 first_error_at = now
-            # once a rank failed, peers blocked in a collective fail at its timeout; don't wait that long
-            if now > deadline or (first_error_at is not None and now - first_error_at > 5):
+            # once a rank failed, peers blocked in a collective only fail at its timeout; don't wait
+            if now > deadline or (first_error_at is not None and now - first_error_at > self.grace):
                 break
         errors = {r: v for r, v in results.items() if not v["ok"]}
         if errors or len(results) < self.nprocs:
-            self.close()   # the world may be out of step; the next task gets a fresh one
+            self.close(kill=True)   # the world may be out of step; the next task gets a fresh one
             if not errors:
                 missing = [r for r in range(self.nprocs) if r not in results]
                 raise WorkerError(f"ranks {missing} did not answer within {self.timeout * 2 + 30:.0f} s",
@@ -123,13 +122,32 @@ class WorldPool:
                               rank=first, remote_traceback=e["traceback"], exc=e.get("exc"))
         return [results[r]["result"] for r in range(self.nprocs)]
 
-    def close(self) -> None:
-        for c in self._conns:
+    def _receive(self, r: int, conn) -> dict:
+        try:
+            payload = conn.recv()
+        except EOFError:
+            return {"ok": False, "time": time.time(), "traceback": "",
+                    "error": f"rank {r} died (exit code {self._procs[r].exitcode})"}
+        except Exception as e:  # a result whose type cannot be rebuilt here
+            return {"ok": False, "time": time.time(), "traceback": "",
+                    "error": f"rank {r}'s result could not be read back: {e!r}"}
+        if isinstance(payload.get("exc"), bytes):
             try:
-                c.send(None)
+                payload["exc"] = pickle.loads(payload["exc"])
             except Exception:
-                pass
-        end = time.monotonic() + 10
+                payload["exc"] = None
+        return payload
+
+    def close(self, kill: bool = False) -> None:
+        """Stop the ranks: cleanly (barrier, destroy) by default; at once with ``kill=True``,
+        for a world left out of step, where the clean exit's barrier could only hang."""
+        if not kill:
+            for c in self._conns:
+                try:
+                    c.send(None)
+                except Exception:
+                    pass
+        end = time.monotonic() + (0 if kill else 10)
         for p in self._procs:
             p.join(max(0.0, end - time.monotonic()))
             if p.is_alive():

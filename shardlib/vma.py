@@ -40,6 +40,9 @@ class VmaTracker(TorchFunctionMode):
         super().__init__()
         self.mesh = mesh
         self.table = WeakTensorKeyDictionary()
+        # t -> {axes: (t's version, pbroadcast of t)}: an invariant value used by several ops on
+        # per-rank values is broadcast once, so its gradient is all-reduced once, not once per use
+        self.broadcasts = WeakTensorKeyDictionary()
         self.suspended = 0
 
     def vma(self, t: torch.Tensor) -> frozenset[str]:
@@ -52,8 +55,14 @@ class VmaTracker(TorchFunctionMode):
             del self.table[t]
 
     def pvary(self, t: torch.Tensor, axes: frozenset[str]) -> torch.Tensor:
+        """``pbroadcast(t, axes)``, made once per (tensor, axes) while ``t`` is not modified in place."""
         from .collectives import _PBroadcast
 
+        axes = frozenset(axes)
+        cache = self.broadcasts.get(t)
+        hit = cache.get(axes) if cache is not None else None
+        if hit is not None and hit[0] == t._version:
+            return hit[1]
         ordered = tuple(a for a in self.mesh.axis_names if a in axes)
         self.suspended += 1
         try:
@@ -61,7 +70,22 @@ class VmaTracker(TorchFunctionMode):
         finally:
             self.suspended -= 1
         self.set(out, self.vma(t) | axes)
+        if cache is None:
+            cache = self.broadcasts[t] = {}
+        cache[axes] = (t._version, out)
         return out
+
+    def pvary_inplace(self, t: torch.Tensor, axes: frozenset[str]) -> None:
+        """Make ``t`` itself a ``pbroadcast`` of its old value (``t.copy_(pbroadcast(t.clone()))``)."""
+        from .collectives import _PBroadcast
+
+        ordered = tuple(a for a in self.mesh.axis_names if a in axes)
+        self.suspended += 1
+        try:
+            t.copy_(_PBroadcast.apply(t.clone(), self.mesh, ordered))
+        finally:
+            self.suspended -= 1
+        self.set(t, self.vma(t) | frozenset(axes))
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -77,10 +101,14 @@ class VmaTracker(TorchFunctionMode):
         if union and any(v != union for v in vmas) and torch.is_grad_enabled():
             changed = False
             for pos, i in enumerate(idx):
-                if inplace and pos == 0:
-                    continue  # the mutated tensor itself cannot be replaced
                 missing = union - vmas[pos]
-                if missing and flat[i].requires_grad:
+                if not (missing and flat[i].requires_grad):
+                    continue
+                if inplace and pos == 0:
+                    # the mutated tensor cannot be swapped for another: put the pbroadcast into its
+                    # own history instead, so its gradient is summed over the axes it now varies on
+                    self.pvary_inplace(flat[i], missing)
+                else:
                     flat[i] = self.pvary(flat[i], missing)
                     changed = True
             if changed:

@@ -1,0 +1,46 @@
+"""PartitionSpec: construction, normalization, printing, errors."""
+
+import pickle
+
+import pytest
+
+import shardlib as sl
+from shardlib import P
+
+
+def test_repr_is_itself_and_hashable():
+    assert repr(P("data", None)) == "P('data', None)"
+    assert repr(P(("data", "tensor"))) == "P(('data', 'tensor'))"
+    assert repr(P()) == "P()"
+    assert len({P("data"), P("data"), P(None, "data")}) == 2
+    assert pickle.loads(pickle.dumps(P(("data", "tensor"), None))) == P(("data", "tensor"), None)
+
+
+def test_normalization():
+    assert P(("data",)) == P("data")          # one-axis tuple is the axis
+    assert P(()) == P(None)                    # empty tuple is replicated
+    assert P(["data", "tensor"]) == P(("data", "tensor"))
+    assert P("data", ("pipe", "tensor")).axes == ("data", "pipe", "tensor")
+    assert P("data", None).dim_axes(0) == ("data",)
+    assert P("data", None).dim_axes(1) == ()
+    assert P("data").dim_axes(5) == ()        # beyond the spec: replicated
+
+
+def test_wrong_kinds_are_type_errors():
+    with pytest.raises(TypeError, match="dim 0 is 0 of type int"):
+        P(0, None)
+    with pytest.raises(sl.ShardingTypeError, match="dim 1 holds 3"):
+        P(None, ("data", 3))
+
+
+def test_axis_used_twice_is_a_value_error_naming_both_dims():
+    with pytest.raises(sl.SpecError) as info:
+        P("data", ("tensor", "data"))
+    msg = str(info.value)
+    assert "'data'" in msg and "dim 0" in msg and "dim 1" in msg
+
+
+def test_several_problems_reported_at_once():
+    with pytest.raises(sl.SpecError) as info:
+        P("data", "data", "tensor", "tensor")
+    assert len(info.value.problems) == 2
