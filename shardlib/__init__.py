@@ -14,6 +14,9 @@ from .comm import CollectiveCounter as CollectiveCounter
 from .comm import CollectiveRecord as CollectiveRecord
 from .comm import count_collectives as count_collectives
 from .comm import format_bytes as format_bytes
+from .engine import Engine as Engine
+from .engine import NonFiniteLossError as NonFiniteLossError
+from .engine import parallelize as parallelize
 from .errors import CollectiveError as CollectiveError
 from .errors import MeshError as MeshError
 from .errors import ShardingError as ShardingError
@@ -28,6 +31,10 @@ from .mesh import AbstractMesh as AbstractMesh
 from .mesh import Mesh as Mesh
 from .mesh import current_mesh as current_mesh
 from .mesh import use_mesh as use_mesh
+from .planner import CommEntry as CommEntry
+from .planner import Plan as Plan
+from .planner import StateLayouts as StateLayouts
+from .planner import plan as plan
 from .redistribute import RedistributePlan as RedistributePlan
 from .redistribute import Step as Step
 from .redistribute import plan_redistribute as plan_redistribute
@@ -39,7 +46,8 @@ from .spec import PartitionSpec as PartitionSpec
 __version__ = "0.1.0"
 
 __all__ = [
-    "AbstractMesh", "CollectiveCounter", "CollectiveError", "CollectiveRecord", "Layout", "Mesh", "MeshError",
+    "AbstractMesh", "CollectiveCounter", "CommEntry", "Engine", "NonFiniteLossError", "Plan", "StateLayouts",
+    "parallelize", "plan", "CollectiveError", "CollectiveRecord", "Layout", "Mesh", "MeshError",
     "P", "PartitionSpec", "RedistributePlan", "ShardingError", "ShardingTypeError", "SpecError", "Step",
     "WorkerError", "all_gather", "all_to_all", "axis_index", "count_collectives", "current_mesh",
     "format_bytes", "from_dtensor", "launch", "pbroadcast", "plan_redistribute", "ppermute", "psum",

@@ -35,7 +35,7 @@ from . import comm
 from .errors import CollectiveError, ShardingTypeError
 from .mesh import Mesh, current_mesh
 from .redistribute import all_to_all_dims, gather_dim, scatter_dim
-from .vma import tracked
+from .vma import current_tracker, tracked
 
 AxisArg = str | Sequence[str]
 
@@ -81,10 +81,16 @@ def _dim(x: torch.Tensor, dim: int, api: str) -> int:
     return dim % x.dim()
 
 
+def _fresh(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A collective over a group of one returns its input; copy it, so that the result is a new
+    tensor in every world (in-place ops on it then work, and never write into ``x``)."""
+    return out.clone() if out is x else out
+
+
 class _Psum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, mesh, axes):
-        return comm.all_reduce(x, mesh, axes)
+        return _fresh(comm.all_reduce(x, mesh, axes), x)
 
     @staticmethod
     def backward(ctx, g):
@@ -106,7 +112,7 @@ class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, mesh, axes, dim):
         ctx.mesh, ctx.axes, ctx.dim = mesh, axes, dim
-        return gather_dim(x, mesh, axes, dim)
+        return _fresh(gather_dim(x, mesh, axes, dim), x)
 
     @staticmethod
     def backward(ctx, g):
@@ -117,7 +123,7 @@ class _PsumScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, mesh, axes, dim):
         ctx.mesh, ctx.axes, ctx.dim = mesh, axes, dim
-        return scatter_dim(x, mesh, axes, dim)
+        return _fresh(scatter_dim(x, mesh, axes, dim), x)
 
     @staticmethod
     def backward(ctx, g):
@@ -128,7 +134,7 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, mesh, axes, split_dim, concat_dim):
         ctx.mesh, ctx.axes, ctx.dims = mesh, axes, (split_dim, concat_dim)
-        return all_to_all_dims(x, mesh, axes, split_dim, concat_dim)
+        return _fresh(all_to_all_dims(x, mesh, axes, split_dim, concat_dim), x)
 
     @staticmethod
     def backward(ctx, g):
@@ -140,7 +146,7 @@ class _PPermute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, mesh, axes, pairs):
         ctx.mesh, ctx.axes, ctx.pairs = mesh, axes, pairs
-        return comm.send_recv(x, mesh, axes, pairs)
+        return _fresh(comm.send_recv(x, mesh, axes, pairs), x)
 
     @staticmethod
     def backward(ctx, g):
@@ -149,8 +155,12 @@ class _PPermute(torch.autograd.Function):
 
 
 def psum(x: torch.Tensor, axis: AxisArg, *, mesh: Mesh | None = None) -> torch.Tensor:
-    """Sum ``x`` over ``axis``; every rank gets the sum. Backward: identity."""
+    """Sum ``x`` over ``axis``; every rank gets the sum. Backward: identity.
+
+    A bool tensor is summed as integers (JAX), so ``psum(mask, axis)`` counts."""
     x = _tensor(x, "psum")
+    if x.dtype == torch.bool:
+        x = x.long()
     mesh = _mesh(mesh, "psum")
     axes = _axes(axis, mesh, "psum")
     with tracked(x, axes, drop=axes) as (x, done):
@@ -160,10 +170,18 @@ def psum(x: torch.Tensor, axis: AxisArg, *, mesh: Mesh | None = None) -> torch.T
 def pbroadcast(x: torch.Tensor, axis: AxisArg, *, mesh: Mesh | None = None) -> torch.Tensor:
     """Identity forward; backward sums the gradient over ``axis`` (JAX ``pvary``, Megatron *f*).
 
-    Use it where a value replicated over ``axis`` enters computation that differs per rank."""
+    Use it where a value replicated over ``axis`` enters computation that differs per rank. Inside
+    ``shard_map`` it is inserted automatically, and axes the value already varies over are skipped."""
     x = _tensor(x, "pbroadcast")
     mesh = _mesh(mesh, "pbroadcast")
     axes = _axes(axis, mesh, "pbroadcast")
+    tracker = current_tracker()
+    if tracker is not None:
+        # inside shard_map: a value that already varies over an axis has a per-rank cotangent there,
+        # which must not be summed again; broadcast over the other axes only
+        axes = tuple(a for a in axes if a not in tracker.vma(x))
+        if not axes:
+            return x
     with tracked(x, (), add=axes) as (x, done):
         return done(_PBroadcast.apply(x, mesh, axes))
 

@@ -19,10 +19,9 @@ what ran is what was planned.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +42,10 @@ _UNSUPPORTED_DTYPES = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2
 
 @dataclass(frozen=True)
 class CollectiveRecord:
-    """One collective as issued: ``op`` over ``axes``, ``bytes`` sent by this rank."""
+    """One collective as issued: ``op`` over ``axes``, ``bytes`` sent by this rank.
+
+    ``tag`` says what it was for where that is not the computation itself (``"metadata"``:
+    shapes exchanged by ``shard_map``)."""
 
     op: str
     axes: tuple[str, ...]
@@ -51,6 +53,7 @@ class CollectiveRecord:
     dtype: torch.dtype
     numel: int
     group_size: int
+    tag: str = ""
 
     def __str__(self) -> str:
         return f"{self.op}({', '.join(self.axes)}) {format_bytes(self.bytes)}"
@@ -80,8 +83,9 @@ class CollectiveCounter:
     def total_bytes(self, op: str | None = None) -> int:
         return sum(r.bytes for r in self.records if op is None or r.op == op)
 
-    def count(self, op: str | None = None) -> int:
-        return sum(1 for r in self.records if op is None or r.op == op)
+    def count(self, op: str | None = None, *, tag: str | None = None) -> int:
+        """How many collectives (of ``op``; with ``tag``, only those so tagged)."""
+        return sum(1 for r in self.records if (op is None or r.op == op) and (tag is None or r.tag == tag))
 
     def by_op(self) -> dict[str, tuple[int, int]]:
         """``{op: (count, bytes)}``."""
@@ -124,10 +128,10 @@ def count_collectives() -> CollectiveCounter:
     return CollectiveCounter()
 
 
-def _record(op: str, axes: Sequence[str], nbytes: int, t: torch.Tensor, k: int) -> None:
+def _record(op: str, axes: Sequence[str], nbytes: int, t: torch.Tensor, k: int, tag: str = "") -> None:
     if not _ACTIVE:
         return
-    rec = CollectiveRecord(op, tuple(axes), int(nbytes), t.dtype, t.numel(), k)
+    rec = CollectiveRecord(op, tuple(axes), int(nbytes), t.dtype, t.numel(), k, tag)
     with _LOCK:
         for c in _ACTIVE:
             c.record(rec)
@@ -211,7 +215,8 @@ def group_perm(mesh, axes: Sequence[str]) -> list[int]:
     return [mesh.group_index(r, axes) for r in mesh.group_ranks(rank, canon)]
 
 
-def all_gather(x: torch.Tensor, mesh: Mesh, axes: str | Sequence[str], *, async_op: bool = False):
+def all_gather(x: torch.Tensor, mesh: Mesh, axes: str | Sequence[str], *, async_op: bool = False,
+               tag: str = ""):
     """Concatenate every group member's ``x`` along dim 0, in mesh order of the members."""
     mesh = _require_mesh(mesh, "all_gather")
     x = _check_tensor(x, "all_gather", mesh)
@@ -220,7 +225,7 @@ def all_gather(x: torch.Tensor, mesh: Mesh, axes: str | Sequence[str], *, async_
     if k == 1:
         return _done(x, async_op)
     out = x.new_empty((k * x.shape[0],) + tuple(x.shape[1:])) if x.dim() else x.new_empty((k,))
-    _record("all_gather", canon, all_gather_bytes(x.numel(), k, x.element_size()), x, k)
+    _record("all_gather", canon, all_gather_bytes(x.numel(), k, x.element_size()), x, k, tag)
     work = dist.all_gather_single(out, x.reshape(-1) if x.dim() == 0 else x, group=mesh.group(canon),
                                   async_op=async_op)
     return Pending(work, out) if async_op else out
@@ -340,16 +345,3 @@ def copy_to(x: torch.Tensor, device: torch.device | str, *, non_blocking: bool =
     op = "copy_d2h" if device.type == "cpu" else "copy_h2d"
     _record(op, (), x.numel() * x.element_size(), x, 1)
     return x.to(device, non_blocking=non_blocking, copy=True)
-
-
-@contextlib.contextmanager
-def _no_counting() -> Iterator[None]:
-    """Internal: issue metadata collectives that are not part of any plan."""
-    with _LOCK:
-        saved = list(_ACTIVE)
-        _ACTIVE.clear()
-    try:
-        yield
-    finally:
-        with _LOCK:
-            _ACTIVE.extend(saved)

@@ -54,6 +54,11 @@ def to_dtensor(local: torch.Tensor, layout: Layout, shape: Sequence[int]):
     """This rank's shard (global ``shape``) in ``layout`` -> a ``DTensor`` (no communication)."""
     from torch.distributed.tensor import DTensor
 
+    if not isinstance(local, torch.Tensor):
+        raise ShardingTypeError(f"to_dtensor: expected this rank's shard as a torch.Tensor — got "
+                                f"{type(local).__name__}.")
+    if not isinstance(layout, Layout):
+        raise ShardingTypeError(f"to_dtensor: expected a Layout — got {type(layout).__name__}.")
     mesh = layout.mesh
     if not isinstance(mesh, Mesh) or mesh.device_mesh is None:
         raise ShardingTypeError("to_dtensor: needs a Mesh over an initialized process group (DTensor needs a "

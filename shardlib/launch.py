@@ -127,9 +127,10 @@ def _write(path: str, payload: dict) -> None:
     try:
         data = pickle.dumps(payload)
     except Exception as e:  # unpicklable result
-        data = pickle.dumps({"ok": False, "time": time.time(),
-                             "error": f"could not pickle the rank's {'result' if payload.get('ok') else 'error'}: {e!r}",
-                             "traceback": payload.get("traceback", "")})
+        what = "result" if payload.get("ok") else "error"
+        data = pickle.dumps({"ok": False, "time": time.time(), "traceback": payload.get("traceback", ""),
+                             "error": f"could not pickle the rank's {what}: {e!r} — return plain data "
+                                      "(tensors, numbers, containers), not objects that hold processes or locks"})
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:
         f.write(data)

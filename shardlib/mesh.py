@@ -301,6 +301,7 @@ class Mesh(AbstractMesh):
             timeout = datetime.timedelta(seconds=timeout)
         if backend is not None:
             check_backend(backend)
+        self._backend_override = backend   # the caller's choice; applies to the mesh's groups too
         env_world = "WORLD_SIZE" in os.environ and "RANK" in os.environ
         if not dist.is_available():
             initialized = False
@@ -332,7 +333,6 @@ class Mesh(AbstractMesh):
 
         self._device_mesh = None
         self._groups: dict[tuple[str, ...], Any] = {}
-        self._backend_override = backend
         if initialized:
             world = dist.get_world_size()
             if world != self.size:

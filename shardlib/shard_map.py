@@ -71,7 +71,11 @@ class _GatherOutput(torch.autograd.Function):
     def forward(ctx, y, layout: Layout, shape: tuple[int, ...], mesh: Mesh):
         ctx.slices = layout.local_slices(shape, mesh.rank)
         plan = plan_redistribute(layout, layout.replace(spec=PartitionSpec()), shape, y.dtype)
-        return plan.execute(y.contiguous(), mesh)
+        y = y.contiguous()
+        out = plan.execute(y, mesh)
+        # a replicated output needs no gather: copy it, so that the result is a new tensor in every
+        # world and in-place ops on it work (autograd forbids them on a custom Function's view)
+        return out.clone() if out is y else out
 
     @staticmethod
     def backward(ctx, g):
@@ -87,7 +91,8 @@ def shard_map(fn: Callable, mesh: Mesh, in_specs: SpecTree, out_specs: SpecTree)
 
     @functools.wraps(fn)
     def wrapped(*args):
-        specs = (in_specs,) if isinstance(in_specs, PartitionSpec) and len(args) == 1 else in_specs
+        # a bare spec is a prefix of the argument tuple: it applies to every argument (JAX)
+        specs = (in_specs,) * len(args) if in_specs is None or isinstance(in_specs, PartitionSpec) else in_specs
         if not isinstance(specs, (tuple, list)) or isinstance(specs, PartitionSpec) or len(specs) != len(args):
             raise ShardingTypeError(
                 f"shard_map: in_specs must have one entry per argument — got {len(args)} arguments and "
@@ -142,8 +147,8 @@ def _assemble(out: Any, pending: list, mesh: Mesh) -> Any:
     need = [i for i, (_, lay, _) in enumerate(pending) if lay.sharded_axes]
     if need:
         local = torch.tensor([s for i in need for s in shapes[i]], dtype=torch.int64)
-        with comm._no_counting():   # metadata, not part of the computation's traffic
-            everyone = comm.all_gather(local.to(mesh.device), mesh, mesh.axis_names).cpu().view(mesh.size, -1)
+        everyone = comm.all_gather(local.to(mesh.device), mesh, mesh.axis_names,
+                                   tag="metadata").cpu().view(mesh.size, -1)
         offset = 0
         for i in need:
             y, lay, path = pending[i]

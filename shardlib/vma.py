@@ -98,17 +98,21 @@ class VmaTracker(TorchFunctionMode):
         vmas = [self.vma(flat[i]) for i in idx]
         union = frozenset().union(*vmas)
         inplace = _is_inplace(func)
-        if union and any(v != union for v in vmas) and torch.is_grad_enabled():
+        if union and torch.is_grad_enabled():
             changed = False
             for pos, i in enumerate(idx):
-                missing = union - vmas[pos]
-                if not (missing and flat[i].requires_grad):
-                    continue
                 if inplace and pos == 0:
-                    # the mutated tensor cannot be swapped for another: put the pbroadcast into its
-                    # own history instead, so its gradient is summed over the axes it now varies on
-                    self.pvary_inplace(flat[i], missing)
-                else:
+                    # the mutated tensor cannot be swapped for another: put the pbroadcast into the
+                    # history of the tensor that owns the memory (the base of a view), so that its
+                    # gradient is summed over the axes it now varies on
+                    t = flat[i]
+                    root = t._base if t._base is not None else t
+                    missing = union - self.vma(root)
+                    if missing and root.requires_grad:
+                        self.pvary_inplace(root, missing)
+                    continue
+                missing = union - vmas[pos]
+                if missing and flat[i].requires_grad:
                     flat[i] = self.pvary(flat[i], missing)
                     changed = True
             if changed:
@@ -119,7 +123,10 @@ class VmaTracker(TorchFunctionMode):
                 if isinstance(o, torch.Tensor):
                     self.set(o, union)
             if inplace:
-                self.set(flat[idx[0]], union)
+                t = flat[idx[0]]
+                self.set(t, self.vma(t) | union)
+                if t._base is not None:   # writing into a view writes into its base
+                    self.set(t._base, self.vma(t._base) | union)
         return out
 
 

@@ -24,6 +24,7 @@ MESHES = {
     2: {"data": 2},
     4: {"data": 2, "tensor": 2},
     8: {"data": 2, "pipe": 2, "tensor": 2},
+    "4p": {"data": 2, "pipe": 1, "tensor": 2},     # an axis of size 1 splits nothing
 }
 
 # axis arguments to test on each mesh: single axes, tuples in mesh order and out of it
@@ -32,7 +33,9 @@ AXES = {
     4: ["data", "tensor", ("data", "tensor"), ("tensor", "data")],
     8: ["data", "pipe", "tensor", ("data", "tensor"), ("tensor", "data"), ("pipe", "data", "tensor"),
         ("tensor", "pipe", "data"), ("tensor", "pipe")],
+    "4p": ["pipe", ("pipe", "data"), ("tensor", "pipe", "data"), ("tensor", "pipe")],
 }
+WORLDS = [(2, 2), (4, 4), (8, 8), (4, "4p")]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -69,6 +72,11 @@ def _ops(counter) -> dict[str, int]:
     return {op: n for op, (n, _) in counter.by_op().items()}
 
 
+def _one(op: str, k: int) -> dict[str, int]:
+    """One ``op`` when the group has more than one member; over a group of one, nothing runs."""
+    return {op: 1} if k > 1 else {}
+
+
 def _run(mesh, op, x: torch.Tensor, cot: torch.Tensor):
     """Forward and backward of ``op`` on this rank's ``x`` with cotangent ``cot``, counting both."""
     x = x.clone().requires_grad_(True)
@@ -84,8 +92,9 @@ def _reference(B: torch.Tensor, C: torch.Tensor, ref_op, world: int, weight=lamb
     B = B.clone().requires_grad_(True)
     ys = [ref_op(B, r) for r in range(world)]
     loss = sum(weight(r) * (ys[r] * C[r]).sum() for r in range(world))
-    loss.backward()
-    return [y.detach() for y in ys], B.grad
+    if loss.requires_grad:
+        loss.backward()
+    return [y.detach() for y in ys], B.grad if B.grad is not None else torch.zeros_like(B)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -107,9 +116,10 @@ def _check_psum(shape: dict, axes_list: list) -> None:
         ys, gB = _reference(B, C, lambda B, r: B[_members(r, shape, axes)].sum(0), world, weight=lambda r: 1 / k)
         torch.testing.assert_close(y, ys[rank])
         torch.testing.assert_close(gx, gB[rank])
-        assert _ops(fwd) == {"all_reduce": 1} and _ops(bwd) == {}, (fwd.summary(), bwd.summary())
-        assert fwd.records[0].axes == tuple(a for a in shape if a in _as_tuple(axes))   # mesh order
+        assert _ops(fwd) == _one("all_reduce", k) and _ops(bwd) == {}, (fwd.summary(), bwd.summary())
         assert fwd.bytes == 2 * (k - 1) * (-(-6 // k)) * 8                              # ring all-reduce
+        if k > 1:   # the group's axes, in mesh order, size-1 axes dropped
+            assert fwd.records[0].axes == tuple(a for a in shape if a in _as_tuple(axes) and shape[a] > 1)
 
         # psum then per-rank use: pbroadcast makes the cotangent per rank, psum's sum comes back
         C2 = _randn(200 + t, world, 3, 2)
@@ -118,7 +128,7 @@ def _check_psum(shape: dict, axes_list: list) -> None:
         ys, gB = _reference(B, C2, lambda B, r: B[_members(r, shape, axes)].sum(0), world)
         torch.testing.assert_close(y, ys[rank])
         torch.testing.assert_close(gx, gB[rank])
-        assert _ops(fwd) == {"all_reduce": 1} and _ops(bwd) == {"all_reduce": 1}
+        assert _ops(fwd) == _one("all_reduce", k) and _ops(bwd) == _one("all_reduce", k)
 
 
 def _check_pbroadcast(shape: dict, axes_list: list) -> None:
@@ -138,7 +148,7 @@ def _check_pbroadcast(shape: dict, axes_list: list) -> None:
         loss.backward()
         torch.testing.assert_close(y, (W[rank] * A[rank]))
         torch.testing.assert_close(gw, Wref.grad[min(_members(rank, shape, axes))])
-        assert _ops(fwd) == {} and _ops(bwd) == {"all_reduce": 1}
+        assert _ops(fwd) == {} and _ops(bwd) == _one("all_reduce", len(_members(0, shape, axes)))
 
 
 def _check_all_gather(shape: dict, axes_list: list) -> None:
@@ -154,7 +164,7 @@ def _check_all_gather(shape: dict, axes_list: list) -> None:
         ys, gB = _reference(B, C, lambda B, r: torch.cat([B[m] for m in _members(r, shape, axes)], dim), world)
         torch.testing.assert_close(y, ys[rank])
         torch.testing.assert_close(gx, gB[rank])
-        assert _ops(fwd) == {"all_gather": 1} and _ops(bwd) == {"reduce_scatter": 1}
+        assert _ops(fwd) == _one("all_gather", k) and _ops(bwd) == _one("reduce_scatter", k)
         assert fwd.bytes == (k - 1) * 6 * 8 and bwd.bytes == (k - 1) * 6 * 8
 
 
@@ -179,7 +189,7 @@ def _check_psum_scatter(shape: dict, axes_list: list) -> None:
         torch.testing.assert_close(y, ys[rank])
         torch.testing.assert_close(gx, gB[rank])
         # the backward of a reduce-scatter is exactly one all-gather, and nothing else
-        assert _ops(fwd) == {"reduce_scatter": 1} and _ops(bwd) == {"all_gather": 1}, bwd.summary()
+        assert _ops(fwd) == _one("reduce_scatter", k) and _ops(bwd) == _one("all_gather", k), bwd.summary()
         assert fwd.bytes == (k - 1) * 6 * 8 and bwd.bytes == (k - 1) * 6 * 8
 
 
@@ -203,10 +213,12 @@ def _check_all_to_all(shape: dict, axes_list: list) -> None:
         ys, gB = _reference(B, C, ref, world)
         torch.testing.assert_close(y, ys[rank])
         torch.testing.assert_close(gx, gB[rank])
-        assert _ops(fwd) == {"all_to_all": 1} and _ops(bwd) == {"all_to_all": 1}
+        assert _ops(fwd) == _one("all_to_all", k) and _ops(bwd) == _one("all_to_all", k)
 
 
 def _perms(k: int) -> list[list[tuple[int, int]]]:
+    if k == 1:
+        return [[(0, 0)], []]
     shift = [(i, (i + 1) % k) for i in range(k)]
     back = [(i, (i - 1) % k) for i in range(k)]
     partial = [(i, i + 1) for i in range(k - 1)]            # index 0 receives nothing: zeros
@@ -317,8 +329,9 @@ def _check_errors(shape: dict) -> list[str]:
             else:
                 raise AssertionError(f"expected {err.__name__} from case {len(messages)}")
     assert counter.count() == 0, counter.summary()
-    # the world is still in step
+    # the world is still in step; a bool psum counts (JAX sums bools as integers)
     torch.testing.assert_close(sl.psum(torch.ones(2), "data", mesh=mesh), torch.full((2,), 2.0))
+    torch.testing.assert_close(sl.psum(torch.ones(2, dtype=torch.bool), "data", mesh=mesh), torch.full((2,), 2))
     return messages
 
 
@@ -326,34 +339,34 @@ def _check_errors(shape: dict) -> list[str]:
 # Tests
 # ---------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("n", [2, 4, 8])
-def test_psum(world, n):
-    world(n, _check_psum, MESHES[n], AXES[n])
+@pytest.mark.parametrize("n, mesh", WORLDS)
+def test_psum(world, n, mesh):
+    world(n, _check_psum, MESHES[mesh], AXES[mesh])
 
 
-@pytest.mark.parametrize("n", [2, 4, 8])
-def test_pbroadcast(world, n):
-    world(n, _check_pbroadcast, MESHES[n], AXES[n])
+@pytest.mark.parametrize("n, mesh", WORLDS)
+def test_pbroadcast(world, n, mesh):
+    world(n, _check_pbroadcast, MESHES[mesh], AXES[mesh])
 
 
-@pytest.mark.parametrize("n", [2, 4, 8])
-def test_all_gather(world, n):
-    world(n, _check_all_gather, MESHES[n], AXES[n])
+@pytest.mark.parametrize("n, mesh", WORLDS)
+def test_all_gather(world, n, mesh):
+    world(n, _check_all_gather, MESHES[mesh], AXES[mesh])
 
 
-@pytest.mark.parametrize("n", [2, 4, 8])
-def test_psum_scatter(world, n):
-    world(n, _check_psum_scatter, MESHES[n], AXES[n])
+@pytest.mark.parametrize("n, mesh", WORLDS)
+def test_psum_scatter(world, n, mesh):
+    world(n, _check_psum_scatter, MESHES[mesh], AXES[mesh])
 
 
-@pytest.mark.parametrize("n", [2, 4, 8])
-def test_all_to_all(world, n):
-    world(n, _check_all_to_all, MESHES[n], AXES[n])
+@pytest.mark.parametrize("n, mesh", WORLDS)
+def test_all_to_all(world, n, mesh):
+    world(n, _check_all_to_all, MESHES[mesh], AXES[mesh])
 
 
-@pytest.mark.parametrize("n", [2, 4, 8])
-def test_ppermute(world, n):
-    world(n, _check_ppermute, MESHES[n], AXES[n])
+@pytest.mark.parametrize("n, mesh", WORLDS)
+def test_ppermute(world, n, mesh):
+    world(n, _check_ppermute, MESHES[mesh], AXES[mesh])
 
 
 @pytest.mark.parametrize("n, dp_axes, tp_axis", [
@@ -412,6 +425,16 @@ def test_world_of_one_collectives_are_noops():
         torch.testing.assert_close(sl.ppermute(x, "data", []), torch.zeros(4, 2, dtype=torch.float64))
         assert sl.axis_index("data") == 0
     assert counter.count() == 0
+    # results are new tensors, as in bigger worlds: in-place ops on them work and leave x alone
+    x.grad = None
+    for op in (lambda v: sl.psum(v, "data", mesh=mesh), lambda v: sl.all_gather(v, "data", 0, mesh=mesh),
+               lambda v: sl.psum_scatter(v, "data", 0, mesh=mesh),
+               lambda v: sl.all_to_all(v, "data", 0, 1, mesh=mesh)):
+        y = op(x)
+        y *= 3
+        (y * cot).sum().backward()
+    torch.testing.assert_close(x.grad, 12 * cot)
+    torch.testing.assert_close(x, _randn(1, 4, 2))
     with pytest.raises(sl.CollectiveError):
         sl.ppermute(x, "data", [(0, 1)], mesh=mesh)
     with pytest.raises(sl.SpecError, match="tensor"):

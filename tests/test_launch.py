@@ -95,8 +95,9 @@ def main(k):
 
 if __name__ == "__main__":
     out = sl.launch(main, 2, 10)
-    print("RESULT " + json.dumps({"out": out, "pid": os.getpid(), "rank": int(os.environ["RANK"]),
-                                  "left_world": not dist.is_initialized()}))
+    with open(f"rank{os.environ['RANK']}.json", "w") as f:   # a file each: the ranks' stdout interleaves
+        json.dump({"out": out, "pid": os.getpid(), "rank": int(os.environ["RANK"]),
+                   "left_world": not dist.is_initialized()}, f)
 '''
 
 
@@ -109,9 +110,9 @@ def test_torchrun_runs_the_same_program_unchanged(tmp_path):
                            str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
     # exit code 0 also means gloo did not abort at interpreter exit (it did in ~1 of 4 runs before)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lines = [json.loads(x[len("RESULT "):]) for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    assert sorted(d["rank"] for d in lines) == [0, 1]
-    for d in lines:
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [d["rank"] for d in reports] == [0, 1]
+    for d in reports:
         # fn ran once, in the process torchrun started, on torchrun's world
         assert d["out"] == [{"rank": d["rank"], "sum": 21.0, "pid": d["pid"]}]
         assert d["left_world"]
@@ -144,6 +145,26 @@ def _launch_in_existing_world(hide_env):
 def test_launch_inside_an_existing_world_runs_in_place(world, hide_env):
     for out, pid, rank, total in world(2, _launch_in_existing_world, hide_env):
         assert out == [(pid, rank, "k")] and total == 2.0
+
+
+def _raise_while_peer_waits():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise KeyError("no such parameter")
+    dist.all_reduce(torch.ones(1))   # blocks: rank 1 never joins, and its process stays up
+    return "unreachable"
+
+
+def test_pool_failure_with_a_peer_stuck_in_a_collective_is_fast(world):
+    """The test harness: a failing rank fails the test within seconds, not at the collective
+    timeout, and the next task gets a fresh world."""
+    t0 = time.monotonic()
+    with pytest.raises(sl.WorkerError) as info:
+        world(2, _raise_while_peer_waits)
+    assert time.monotonic() - t0 < 15
+    assert info.value.rank == 1 and isinstance(info.value.exc, KeyError)
+    assert world(2, _pid_and_rank, 0)[1][1:] == (1, 0)
 
 
 def test_launch_rejects_bad_arguments():
@@ -230,6 +251,14 @@ def test_error_survives_an_exception_that_cannot_be_rebuilt(tmp_path):
     assert err.rank == 1 and "bad shard at layer 3" in str(err)
     assert "test_error_survives_an_exception_that_cannot_be_rebuilt" in err.remote_traceback
     assert err.exc is None   # could not be rebuilt here; message and traceback still arrive
+
+
+def test_unpicklable_result_is_an_error_not_a_crash(tmp_path):
+    procs, result_dir = _start(tmp_path, [({"ok": True, "result": 0}, "exit0"),
+                                          ({"ok": True, "result": lambda: 1}, "exit0")])
+    with pytest.raises(sl.WorkerError, match="could not pickle the rank's result") as info:
+        collect(procs, result_dir, 2, run_timeout=60, grace=1)
+    assert info.value.rank == 1
 
 
 def test_run_timeout_stops_every_rank(tmp_path):

@@ -50,7 +50,12 @@ def _assert_same(got, want) -> None:
 
 
 def _ops(counter) -> dict[str, int]:
-    return {op: n for op, (n, _) in counter.by_op().items()}
+    """Collectives by op; tagged ones (shard_map's shape all-gather) apart, as ``op[tag]``."""
+    out: dict[str, int] = {}
+    for r in counter.records:
+        key = f"{r.op}[{r.tag}]" if r.tag else r.op
+        out[key] = out.get(key, 0) + 1
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -210,6 +215,9 @@ def _pytree(shape: dict) -> None:
     # a single P applies to every leaf of its subtree (a prefix tree, as in JAX)
     g = sl.shard_map(lambda xs: (xs[0] + xs[1]) * 2, mesh, in_specs=P("data"), out_specs=P("data"))
     torch.testing.assert_close(g((X, C1)), (X + C1) * 2)
+    # ... and a bare P in in_specs applies to every argument
+    h = sl.shard_map(lambda x, c: x - c, mesh, in_specs=P("data"), out_specs=P("data"))
+    torch.testing.assert_close(h(X, C1), X - C1)
 
 
 def _invariant_only(shape: dict) -> dict:
@@ -238,6 +246,10 @@ def _invariant_only(shape: dict) -> dict:
     h = sl.shard_map(lambda w: w * 2, mesh, in_specs=P(), out_specs=P("data"))
     Ck = _randn(74, 3 * k, 3)
     _assert_same(_grads(h, [W], Ck), _grads(lambda w: torch.cat([w * 2] * k), [W], Ck))
+    # an explicit pbroadcast over an axis the value already varies over changes nothing
+    e = sl.shard_map(lambda x, w: sl.pbroadcast(x, "data") @ sl.pbroadcast(w, "data"), mesh,
+                     in_specs=(P("data"), P()), out_specs=P("data"))
+    _assert_same(_grads(e, [X, W], C1), _grads(lambda x, w: x @ w, [X, W], C1))
     # psum of a replicated value sums its copies (JAX: psum(1, axis) is the axis size)
     p = sl.shard_map(lambda w: sl.psum(w, "data"), mesh, in_specs=P(), out_specs=P())
     _assert_same(_grads(p, [W], C2), _grads(lambda w: w * k, [W], C2))
@@ -267,6 +279,12 @@ def _module_closure(shape: dict) -> None:
         torch.testing.assert_close(p.grad, q.grad)
 
 
+def _write_through_view(x):
+    buf = torch.zeros(2, x.shape[1], dtype=x.dtype)
+    buf[0].add_(x.sum(0))
+    return buf
+
+
 def _errors(shape: dict) -> list[str]:
     """An output that varies over an axis its out_spec does not shard is an error (before any
     collective: every rank raises alike, the world stays in step)."""
@@ -280,6 +298,8 @@ def _errors(shape: dict) -> list[str]:
          (X, W)),
         # a scalar that varies: P() is the only spec a scalar can have
         (sl.shard_map(lambda x: x.sum(), mesh, in_specs=P(("data", "tensor")), out_specs=P()), (X,)),
+        # a buffer made per-rank by an in-place op on a view of it
+        (sl.shard_map(_write_through_view, mesh, in_specs=P("data"), out_specs=P()), (X,)),
     ]
     messages = []
     with sl.count_collectives() as counter:
@@ -349,6 +369,26 @@ def _inplace_and_no_grad(shape: dict) -> None:
     r = sl.shard_map(residual, mesh, in_specs=(P("data"), P()), out_specs=P())
     _assert_same(_grads(r, [X, W[0]], C[0]), _grads(lambda x, w: 3 * k * w + x.sum(0), [X, W[0]], C[0]))
 
+    def through_view(x, w):    # only row 0 is written, yet all of h varies from then on
+        h = w * 3
+        h[0].add_(x.sum(0))
+        return sl.psum(h, "data")
+
+    def through_view_ref(x, w):
+        h = 3 * k * w
+        return torch.cat([h[:1] + x.sum(0), h[1:]])
+
+    v = sl.shard_map(through_view, mesh, in_specs=(P("data"), P()), out_specs=P())
+    _assert_same(_grads(v, [X, W], C[:3]), _grads(through_view_ref, [X, W], C[:3]))
+
+    # a replicated output is a new tensor: in-place ops on it work
+    q = sl.shard_map(lambda x: sl.psum(x.sum(0), "data"), mesh, in_specs=P("data"), out_specs=P())
+    x = _leaf(X)
+    y = q(x)
+    y /= 8
+    (y * C[0]).sum().backward()
+    torch.testing.assert_close(x.grad, C[0].expand(8, 3) / 8)
+
     # inference: no graph, same values
     with torch.no_grad():
         torch.testing.assert_close(f(X, W), body(X, W))
@@ -389,8 +429,9 @@ def test_data_parallel_matmul(world, n, data_axes):
     counts = world(n, _dp_matmul, MESHES[n], data_axes)
     # backward: the weight's gradient is summed over the batch axes (one all-reduce) and the input's
     # gradient shards are gathered back to the global input (one all-gather); forward: the output
-    # shards are gathered into the global output (one all-gather)
-    assert counts == [{"all_gather": 2, "all_reduce": 1}] * n
+    # shards are gathered into the global output (one all-gather), after one small all-gather of the
+    # output shard shapes (tagged "metadata": shard_map cannot know uneven global shapes otherwise)
+    assert counts == [{"all_gather": 2, "all_reduce": 1, "all_gather[metadata]": 1}] * n
 
 
 def test_replicated_weight_used_twice_is_reduced_once(world):
@@ -454,6 +495,7 @@ def test_output_varying_over_unsharded_axis_is_an_error(world):
     assert "varies over mesh axes ('data',)" in messages[0] and "psum" in messages[0]
     assert "varies over mesh axes ('tensor',)" in messages[1] and "P('data')" in messages[1]
     assert "varies over mesh axes ('data', 'tensor')" in messages[2]
+    assert "varies over mesh axes ('data',)" in messages[3]
 
 
 def test_same_tensor_returned_under_two_specs(world):
@@ -488,6 +530,15 @@ def test_world_of_one():
                   (C, torch.tensor(2.0, dtype=torch.float64)))
     _assert_same(got, want)
     assert counter.count() == 0, counter.summary()
+    # outputs are new tensors: in-place ops on them work (also where no gather was needed)
+    for spec in (P(), P("data")):
+        g = sl.shard_map(lambda x: x, mesh, in_specs=spec, out_specs=spec)
+        x = _leaf(X)
+        y = g(x)
+        y *= 3
+        y.sum().backward()
+        torch.testing.assert_close(x.grad, torch.full_like(X, 3.0))
+        torch.testing.assert_close(x, X)
 
 
 def test_argument_errors():

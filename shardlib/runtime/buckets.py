@@ -1,0 +1,121 @@
+"""Gradient reduction for replicated parameters (DP, ZeRO-1, ZeRO-2), overlapped with backward.
+
+Gradients are grouped into buckets (in reverse registration order, as they tend to become
+ready in backward). A bucket is reduced, asynchronously, as soon as the last of its gradients
+is accumulated — and only on the micro-step that synchronizes; earlier micro-steps only
+accumulate locally. Buckets launch strictly in index order, so every rank issues the same
+collectives in the same order even if gradients become ready in a different order.
+
+* grads replicated (DP): all-reduce the bucket. With ``keep_local_grads`` and matching dtypes
+  the gradients *are* views into the bucket buffer (no copy, as DDP's ``gradient_as_bucket_view``).
+* grads sharded (ZeRO-1/2): reduce-scatter, each rank keeping its rows of every parameter;
+  without ``keep_local_grads`` (ZeRO-2) the full local gradients are freed once copied in.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import comm
+from .flat import pack_for_reduce_scatter, unpack_reduced
+from .state import ParamState
+
+
+class GradBuckets:
+    def __init__(self, engine, buckets: list[list[ParamState]]):
+        self.engine = engine
+        plan = engine.plan
+        self.mesh, self.axis = engine.mesh, plan.data_axis
+        self.buckets = buckets
+        self.sharded = plan.states.grads is not None
+        self.rdt = plan.reduce_dtype
+        self.views = plan.states.keep_local_grads and plan.reduce_dtype == plan.compute_dtype
+        self.buffers: list[torch.Tensor | None] = [None] * len(buckets)
+        if self.views:
+            for b, states in enumerate(buckets):
+                buf = torch.zeros(sum(s.param.numel() for s in states), dtype=self.rdt, device=engine.mesh.device)
+                off = 0
+                for s in states:
+                    s.param.grad = buf[off:off + s.param.numel()].view(s.param.shape)
+                    off += s.param.numel()
+                self.buffers[b] = buf
+        self.bucket_of = {id(s): b for b, states in enumerate(buckets) for s in states}
+        self.handles = [s.param.register_post_accumulate_grad_hook(self._make_hook(s))
+                        for states in buckets for s in states]
+        self.sync = False
+        self.counts = [0] * len(buckets)
+        self.next = 0
+        self.pending: list = [None] * len(buckets)
+
+    def _make_hook(self, state: ParamState):
+        def hook(_param: torch.Tensor) -> None:
+            self._ready(self.bucket_of[id(state)])
+        return hook
+
+    # ---- per step / micro-step -----------------------------------------------------------------
+    def begin_step(self) -> None:
+        if self.views:
+            for buf in self.buffers:
+                buf.zero_()
+        else:
+            for states in self.buckets:
+                for s in states:
+                    s.param.grad = None
+
+    def begin_micro(self, sync: bool) -> None:
+        self.sync = sync
+        self.counts = [0] * len(self.buckets)
+        self.next = 0
+        self.pending = [None] * len(self.buckets)
+
+    def _ready(self, b: int) -> None:
+        if not self.sync:
+            return
+        self.counts[b] += 1
+        while self.next < len(self.buckets) and self.counts[self.next] >= len(self.buckets[self.next]):
+            self._launch(self.next)
+            self.next += 1
+
+    def _launch(self, b: int) -> None:
+        states = self.buckets[b]
+        if not self.sharded:
+            if self.views:
+                buf = self.buffers[b]
+            else:
+                buf = torch.cat([(s.param.grad if s.param.grad is not None else torch.zeros_like(s.param))
+                                 .reshape(-1).to(self.rdt) for s in states])
+            self.pending[b] = comm.all_reduce(buf, self.mesh, self.axis, async_op=True, inplace=True)
+        else:
+            flat = pack_for_reduce_scatter([s.param.grad for s in states], [s.rows for s in states], self.rdt)
+            if not self.engine.plan.states.keep_local_grads:
+                for s in states:
+                    s.param.grad = None       # ZeRO-2: the full local gradient is not kept
+            self.pending[b] = comm.reduce_scatter(flat, self.mesh, self.axis, async_op=True)
+
+    def finish(self) -> list[list[torch.Tensor]]:
+        """Launch what is left (unused parameters), wait for all; the reduced gradient of each
+        parameter: full (DP) or this rank's rows (ZeRO-1/2), in bucket order."""
+        while self.next < len(self.buckets):
+            self._launch(self.next)
+            self.next += 1
+        index = self.engine.data_index
+        out = []
+        for b, states in enumerate(self.buckets):
+            reduced = self.pending[b].wait()
+            self.pending[b] = None
+            if not self.sharded:
+                if self.views:
+                    out.append([s.param.grad for s in states])
+                else:
+                    views, off = [], 0
+                    for s in states:
+                        views.append(reduced[off:off + s.param.numel()].view(s.param.shape))
+                        off += s.param.numel()
+                    out.append(views)
+            else:
+                out.append(unpack_reduced(reduced, [s.rows for s in states], index))
+        return out
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()

@@ -1,0 +1,46 @@
+"""Per-parameter runtime state: the tensors that realize a ``ParamPlan``'s layouts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..planner import ParamPlan
+from .flat import RowSharding
+
+
+@dataclass(eq=False)
+class ParamState:
+    """One parameter on this rank.
+
+    * ``param`` — the ``nn.Parameter`` the module holds: full shape, compute dtype (under ZeRO-3
+      its storage is allocated only while its unit is gathered);
+    * ``master`` — what the optimizer sees: fp32, full or this rank's rows (None if frozen);
+    * ``shard`` — ZeRO-3: this rank's rows in compute dtype, at rest (the master itself in fp32);
+    * ``grad_shard`` — the reduced gradient rows kept between steps (ZeRO-2/3).
+    """
+
+    index: int
+    plan: ParamPlan
+    param: nn.Parameter
+    rows: RowSharding
+    lo: int
+    hi: int
+    owners: list[tuple[nn.Module, str]] = field(default_factory=list)
+    master: nn.Parameter | None = None
+    shard: torch.Tensor | None = None
+    grad_shard: torch.Tensor | None = None
+
+    @property
+    def name(self) -> str:
+        return self.plan.name
+
+    @property
+    def trainable(self) -> bool:
+        return self.plan.trainable
+
+    def flat(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` viewed with the sharding shape (0-d parameters become one row)."""
+        return t.view(self.rows.shape)

@@ -1,0 +1,216 @@
+"""ZeRO-3: parameters sharded at rest, gathered per unit just before use, freed right after.
+
+Each unit (a module subtree, e.g. one transformer block) holds its parameters as this rank's
+rows. Around the unit's forward:
+
+* pre-forward: all-gather the unit (compute dtype) into the module's parameters, and start
+  gathering the next unit (prefetch) so it overlaps this unit's compute;
+* post-forward: free the parameters' storage (unless the unit stays gathered), and hook the
+  unit's outputs so that, in backward, the unit is gathered again before its gradients flow;
+* post-backward (when gradients reach the unit's inputs): reduce-scatter the unit's
+  gradients into this rank's rows, free the full gradients and parameters.
+
+Storage is freed with ``untyped_storage().resize_(0)`` and re-filled in place, so tensors that
+autograd saved in forward stay valid. The root unit (what no other unit holds: embeddings,
+head) is gathered when the model's forward starts and freed when its backward ends.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import comm
+from .flat import pack_for_reduce_scatter, pack_shards, unpack_gathered, unpack_reduced
+from .state import ParamState
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs; its backward runs once the unit's backward is complete."""
+
+    @staticmethod
+    def forward(ctx, runner, unit, *tensors):
+        ctx.runner, ctx.unit = runner, unit
+        return tensors if len(tensors) > 1 else tensors[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.runner.post_backward(ctx.unit)
+        return (None, None) + grads
+
+
+class Unit:
+    def __init__(self, name: str, module: nn.Module, states: list[ParamState], reshard: bool):
+        self.name, self.module, self.states, self.reshard = name, module, states, reshard
+        self.specs = [s.rows for s in states]
+        self.status = "free"          # free | gathering | gathered
+        self.pending = None           # all-gather in flight
+        self.reducing = None          # reduce-scatter in flight
+        self.reduced = False          # this micro-step's gradients are reduced
+
+    @property
+    def gathered_bytes(self) -> int:
+        return sum(s.param.numel() * s.param.element_size() for s in self.states)
+
+
+class UnitRunner:
+    def __init__(self, engine, units: list[Unit], root: Unit | None):
+        self.engine = engine
+        self.mesh, self.axis = engine.mesh, engine.plan.data_axis
+        self.cdt, self.rdt = engine.plan.compute_dtype, engine.plan.reduce_dtype
+        self.units = units                      # non-root, in forward order
+        self.root = root
+        self.all = ([root] if root else []) + units
+        self.live = 0                           # bytes of gathered parameters and gather buffers
+        self.peak = 0
+        self.micro_first = True
+        self.handles = []
+        model = engine.model
+        self.handles.append(model.register_forward_pre_hook(self._root_pre))
+        for u in units:
+            self.handles.append(u.module.register_forward_pre_hook(self._make_pre(u), with_kwargs=True))
+            self.handles.append(u.module.register_forward_hook(self._make_post(u)))
+
+    # ---- gather / free -------------------------------------------------------------------------
+    def _track(self, delta: int) -> None:
+        self.live += delta
+        self.peak = max(self.peak, self.live)
+
+    def gather(self, u: Unit) -> None:
+        """Start gathering ``u`` (async) unless it is gathered or on its way."""
+        if u.status != "free":
+            return
+        with torch.no_grad():
+            flat = pack_shards([s.shard for s in u.states], u.specs, self.cdt)
+        u.pending = comm.all_gather(flat, self.mesh, self.axis, async_op=True)
+        u.buffer_bytes = flat.numel() * flat.element_size() * self.engine.data_size
+        self._track(u.buffer_bytes)
+        u.status = "gathering"
+
+    def wait(self, u: Unit) -> None:
+        """Make ``u``'s parameters whole: finish its gather and copy the rows into place."""
+        if u.status == "gathered":
+            return
+        self.gather(u)
+        out = u.pending.wait()
+        u.pending = None
+        for s in u.states:
+            s.param.untyped_storage().resize_(s.param.numel() * s.param.element_size())
+        self._track(u.gathered_bytes)
+        # through .data: autograd's version counters stay as they were, so tensors saved in
+        # forward (the same values) remain valid for backward
+        unpack_gathered(out, u.specs, [s.param.data for s in u.states])
+        del out
+        self._track(-u.buffer_bytes)
+        u.status = "gathered"
+
+    def free(self, u: Unit) -> None:
+        if u.status != "gathered":
+            return
+        for s in u.states:
+            s.param.untyped_storage().resize_(0)
+        self._track(-u.gathered_bytes)
+        u.status = "free"
+
+    # ---- hooks ---------------------------------------------------------------------------------
+    def _root_pre(self, module, args):
+        if self.root is not None:
+            self.wait(self.root)
+        if self.units:
+            self.gather(self.units[0])        # prefetch the first block under the embeddings
+
+    def _make_pre(self, u: Unit):
+        def pre(module, args, kwargs):
+            self.gather(u)
+            nxt = self._neighbor(u, +1)
+            if nxt is not None:
+                self.gather(nxt)
+            self.wait(u)
+            idx = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+            if idx and torch.is_grad_enabled():
+                wrapped = _PostBackward.apply(self, u, *[args[i] for i in idx])
+                wrapped = wrapped if isinstance(wrapped, tuple) else (wrapped,)
+                args = list(args)
+                for i, w in zip(idx, wrapped):
+                    args[i] = w
+                return tuple(args), kwargs
+            return None
+        return pre
+
+    def _make_post(self, u: Unit):
+        def post(module, args, output):
+            if u.reshard:
+                self.free(u)
+            if torch.is_grad_enabled():
+                for t in _tensors(output):
+                    if t.requires_grad:
+                        t.register_hook(lambda g, u=u: self.pre_backward(u))
+            return None
+        return post
+
+    def _neighbor(self, u: Unit, step: int) -> Unit | None:
+        i = self.units.index(u) + step
+        return self.units[i] if 0 <= i < len(self.units) else None
+
+    def pre_backward(self, u: Unit) -> None:
+        if u.reduced:
+            return
+        self.gather(u)
+        prev = self._neighbor(u, -1)
+        if prev is not None and not prev.reduced:
+            self.gather(prev)
+        self.wait(u)
+
+    def post_backward(self, u: Unit) -> None:
+        if u.reduced:
+            return
+        self._reduce(u)
+
+    def _reduce(self, u: Unit) -> None:
+        trainable = [s for s in u.states if s.trainable]
+        if trainable:
+            flat = pack_for_reduce_scatter([s.param.grad for s in trainable], [s.rows for s in trainable], self.rdt)
+            for s in trainable:
+                s.param.grad = None
+            u.reducing = comm.reduce_scatter(flat, self.mesh, self.axis, async_op=True)
+        u.reduced = True
+        self.free(u)
+
+    # ---- per micro-step ------------------------------------------------------------------------
+    def begin_micro(self, first: bool) -> None:
+        self.micro_first = first
+        for u in self.all:
+            u.reduced = False
+
+    def end_micro(self) -> None:
+        """After backward: reduce the units whose inputs needed no gradient (and the root), wait
+        for every reduce-scatter, add the rows into the persistent gradient shards."""
+        for u in reversed(self.all):
+            if not u.reduced:
+                self._reduce(u)
+        index = self.engine.data_index
+        for u in reversed(self.all):
+            if u.reducing is None:
+                continue
+            trainable = [s for s in u.states if s.trainable]
+            rows = unpack_reduced(u.reducing.wait(), [s.rows for s in trainable], index)
+            u.reducing = None
+            for s, r in zip(trainable, rows):
+                if self.micro_first:
+                    s.grad_shard.copy_(r)
+                else:
+                    s.grad_shard.add_(r)
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _tensors(output) -> list[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (tuple, list)):
+        return [t for o in output for t in _tensors(o)]
+    if isinstance(output, dict):
+        return [t for o in output.values() for t in _tensors(o)]
+    return []
