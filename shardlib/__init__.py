@@ -24,8 +24,8 @@ from .errors import ShardingTypeError as ShardingTypeError
 from .errors import SpecError as SpecError
 from .interop import from_dtensor as from_dtensor
 from .interop import to_dtensor as to_dtensor
-from .launch import WorkerError as WorkerError
-from .launch import launch as launch
+from .launcher import WorkerError as WorkerError
+from .launcher import launch as launch
 from .layout import Layout as Layout
 from .mesh import AbstractMesh as AbstractMesh
 from .mesh import Mesh as Mesh

@@ -19,7 +19,7 @@ import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .launch import WorkerError, finish_rank, free_port, init_world, set_rank_env
+from .launcher import WorkerError, finish_rank, free_port, init_world, set_rank_env
 
 _MESHES: dict = {}   # worker-process cache; the library itself never reads it
 
