@@ -48,14 +48,21 @@ class NonFiniteLossError(FloatingPointError):
 def parallelize(model: nn.Module, plan: Plan, optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer], *,
                 lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
                 loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
-                loss_scale: LossScaler | None = None, mesh: Mesh | None = None) -> Engine:
+                loss_scale: LossScaler | float | None = None, mesh: Mesh | None = None) -> Engine:
     """Shard ``model`` in place by ``plan`` and return the engine that trains it.
 
     ``optimizer`` is a factory ``params -> torch.optim.Optimizer``: the engine decides which
     tensors the optimizer sees (fp32 shards under ZeRO). ``lr_scheduler`` is a factory
-    ``optimizer -> scheduler``, stepped after every optimizer step. ``loss_fn(model, batch)``
-    returns the loss; without it the model is called with the batch (``model(*batch)`` for a
-    tuple, ``model(**batch)`` for a dict) and must return the loss.
+    ``optimizer -> scheduler``, stepped after every optimizer step (``ReduceLROnPlateau`` is
+    given the step's loss). ``loss_fn(model, batch)`` returns the loss; without it the model is
+    called with the batch (``model(*batch)`` for a tuple, ``model(**batch)`` for a dict) and must
+    return the loss. ``loss_scale`` (fp16 only): the initial dynamic loss scale, or a
+    ``LossScaler`` with its growth rules (default: 2**16, halved on overflow, doubled after 2000
+    good steps). A step whose gradients overflow on any rank is skipped on every rank.
+
+    A trainable parameter that gets no gradient on any rank in a step (unused by the model's
+    forward) is left out of that update, as one process would leave it (its ``grad`` is None):
+    no weight decay, no momentum.
     """
     return Engine(model, plan, optimizer, lr_scheduler=lr_scheduler, loss_fn=loss_fn,
                   loss_scale=loss_scale, mesh=mesh)
@@ -72,7 +79,7 @@ class Engine:
         self.data_index = mesh.group_index(mesh.rank, (plan.data_axis,))
         self.cdt, self.rdt = plan.compute_dtype, plan.reduce_dtype
         self.step_count = 0
-        self.scaler = (loss_scale or LossScaler()) if plan.precision == "fp16" else None
+        self.scaler = _scaler(loss_scale, plan)
         self.states = self._build_states()
         self._apply_recompute()
         trainable = [s for s in self.states if s.trainable]
@@ -82,7 +89,7 @@ class Engine:
         else:
             self.buckets, self.units = None, self._build_units()
         self.optimizer = optimizer([s.master for s in trainable])
-        _check_optimizer(self.optimizer, [s.master for s in trainable], plan)
+        _check_optimizer(self.optimizer, [s.master for s in trainable], plan, model)
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
 
     # ---- construction --------------------------------------------------------------------------
@@ -179,6 +186,7 @@ class Engine:
             if self.units is not None:
                 self.units.end_micro()
         reduced = self.buckets.finish() if self.buckets is not None else None
+        trainable = [s for s in self.states if s.trainable]
         grads = self._master_grads(reduced, scale)
         scalars = [loss_sum]
         sharded = plan.states.grads is not None
@@ -192,7 +200,9 @@ class Engine:
             sumsq = sum((g.double() ** 2).sum() for g in grads).float() if grads else torch.zeros(())
             if sharded:
                 scalars.append(sumsq)
-        vec = torch.stack([s.reshape(()).float() for s in scalars])
+        # one all-reduce ends the step: the scalars, then on how many ranks each parameter got a gradient
+        used = torch.tensor([float(s.used) for s in trainable], device=self.mesh.device)
+        vec = torch.cat([torch.stack([x.reshape(()).float() for x in scalars]), used])
         vec = comm.all_reduce(vec, self.mesh, plan.data_axis)
         loss = vec[0] / (self.data_size * m)
         if sharded:
@@ -201,14 +211,25 @@ class Engine:
                 found_inf, k = vec[k], k + 1
             if sumsq is not None:
                 sumsq = vec[k]
+        used = vec[len(scalars):]
         self.step_count += 1
         skip = bool(found_inf > 0) if self.scaler else False
         if not self.scaler and not torch.isfinite(loss):
+            self._release_master_grads()
             raise NonFiniteLossError(
                 f"step {self.step_count}: the loss is {loss.item()} ({plan.precision}) — the run stopped before "
                 "updating the parameters. Lower the learning rate, check the data of this step, or clip "
                 "gradients (plan(..., clip_grad_norm=1.0)).")
+        if not skip and sumsq is not None and not torch.isfinite(sumsq):
+            self._release_master_grads()
+            raise NonFiniteLossError(
+                f"step {self.step_count}: the loss is {loss.item():.6g} but the gradient norm is "
+                f"{sumsq.double().sqrt().item()} ({plan.precision}) — the run stopped before updating the "
+                "parameters. Lower the learning rate or check the model for an overflow in backward.")
         if not skip:
+            for s, u in zip(trainable, used.tolist()):
+                if u == 0:                                # no gradient on any rank: as one process, skip it
+                    s.master.grad = None
             if sumsq is not None:
                 total = sumsq.double().sqrt()
                 coef = torch.clamp(plan.clip_grad_norm / (total + 1e-6), max=1.0)
@@ -216,7 +237,10 @@ class Engine:
                     g.mul_(coef.to(g.dtype))
             self.optimizer.step()
             if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
+                if isinstance(self.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+                    self.lr_scheduler.step(float(loss))
+                else:
+                    self.lr_scheduler.step()
             self._publish()
         if self.scaler:
             self.scaler.update(skip)
@@ -244,8 +268,10 @@ class Engine:
             what = (f"{m} micro-batches (grad_accum)" if local else
                     f"data={n} ranks x {m} micro-batches (grad_accum) = {need}")
             lo, hi = (b // need) * need, (b // need + 1) * need
+            use = f"{lo} or {hi}" if lo else f"{hi}"
+            fix = "grad_accum" if local else "grad_accum or the data degree"
             raise ShardingError(f"step: a {'local ' if local else ''}batch of {b} does not split evenly over {what} "
-                                f"— expected a multiple of {need}. Use {lo or need} or {hi}, or change grad_accum.")
+                                f"— expected a multiple of {need}. Use a batch of {use}, or change {fix}.")
         rows = b if local else b // n
         start = 0 if local else self.data_index * rows
         per = rows // m
@@ -271,6 +297,8 @@ class Engine:
         return out
 
     def _begin_step(self) -> None:
+        for s in self.states:
+            s.used = False
         if self.buckets is not None:
             self.buckets.begin_step()
 
@@ -339,9 +367,11 @@ class Engine:
     # ---- inspection ----------------------------------------------------------------------------
     def memory_held(self) -> dict[str, int]:
         """Bytes of storage this rank holds for model states, by kind (as ``Plan.memory_per_rank``):
-        ``params`` (compute-dtype copies, gathered or not), ``grads`` (kept gradients), ``optimizer``
-        (fp32 masters that are not the parameters themselves, and per-element optimizer state;
-        step counters excluded). Shared storage is counted once."""
+        ``params`` (compute-dtype copies, gathered or not), ``grads`` (kept gradients, and the
+        gradients the optimizer reads while it steps), ``optimizer`` (fp32 masters that are not
+        the parameters themselves, and per-element optimizer state; step counters excluded).
+        Shared storage is counted once. Between steps it equals ``plan.memory_per_rank()``;
+        inside ``optimizer.step`` (e.g. from a step pre-hook), ``plan.memory_per_rank(at="update")``."""
         seen: set[int] = set()
         out = {"params": 0, "grads": 0, "optimizer": 0}
 
@@ -363,6 +393,8 @@ class Engine:
         for s in self.states:
             add("grads", s.param.grad if self.plan.states.keep_local_grads else None)
             add("grads", s.grad_shard)
+        for s in self.states:                      # what the optimizer reads, where it is another tensor
+            add("grads", s.master.grad if s.master is not None else None)
         for s in self.states:
             add("optimizer", s.master)
         for state in self.optimizer.state.values():
@@ -425,7 +457,7 @@ def _validate(model, plan, optimizer, mesh, loss_fn) -> None:
                                 f"{type(loss_fn).__name__}.")
 
 
-def _check_optimizer(opt, masters: list[torch.Tensor], plan: Plan) -> None:
+def _check_optimizer(opt, masters: list[torch.Tensor], plan: Plan, model: nn.Module) -> None:
     if not isinstance(opt, torch.optim.Optimizer):
         raise ShardingTypeError(f"parallelize: the optimizer factory returned {type(opt).__name__} — expected a "
                                 "torch.optim.Optimizer.")
@@ -442,8 +474,33 @@ def _check_optimizer(opt, masters: list[torch.Tensor], plan: Plan) -> None:
                             "the shards ZeRO gives it — use zero=0, or an elementwise optimizer (AdamW, SGD, ...).")
     seen = {id(p) for g in opt.param_groups for p in g["params"]}
     if seen != {id(m) for m in masters}:
-        raise ShardingError("parallelize: the optimizer does not hold exactly the tensors it was given — build it "
-                            "from the factory's params argument only.")
+        stranger = len(seen - {id(m) for m in masters})
+        of_model = len(seen & {id(p) for p in model.parameters()} - {id(m) for m in masters})
+        stage = f"ZeRO-{plan.zero}" if plan.zero else ("mixed precision" if plan.mixed else "this plan")
+        raise ShardingError(
+            f"parallelize: the optimizer holds {stranger} tensor(s) the engine did not give it"
+            + (f" ({of_model} of them the model's own, unsharded parameters)" if of_model else "")
+            + f" — expected exactly the {len(masters)} tensors passed to the factory. Under {stage} the optimizer "
+            "updates what the engine gives it (fp32 masters, this rank's rows where the plan shards them); build "
+            "it from the factory's argument: optimizer=lambda params: torch.optim.AdamW(params, ...).")
+
+
+def _scaler(loss_scale, plan: Plan) -> LossScaler | None:
+    if loss_scale is not None and plan.precision != "fp16":
+        raise ShardingError(f"parallelize: loss_scale={loss_scale!r} given, but the plan computes in {plan.precision} — "
+                            "expected loss scaling only with precision='fp16'. Drop loss_scale.")
+    if plan.precision != "fp16":
+        return None
+    if loss_scale is None:
+        return LossScaler()
+    if isinstance(loss_scale, LossScaler):
+        return loss_scale
+    if isinstance(loss_scale, bool) or not isinstance(loss_scale, (int, float)):
+        raise ShardingTypeError(f"parallelize: loss_scale must be a number or a LossScaler — got "
+                                f"{type(loss_scale).__name__}.")
+    if not (math.isfinite(loss_scale) and loss_scale > 0):
+        raise ShardingError(f"parallelize: loss_scale must be a positive finite number — got {loss_scale!r}.")
+    return LossScaler(scale=float(loss_scale))
 
 
 def _leaves(batch: Any) -> list[torch.Tensor]:

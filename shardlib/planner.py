@@ -62,7 +62,10 @@ class StateLayouts:
     @classmethod
     def zero(cls, stage: int, axis: str = "data") -> StateLayouts:
         """The layouts that ZeRO stage ``stage`` (0 = plain data parallel) names."""
-        if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        if isinstance(stage, bool) or not isinstance(stage, int):
+            raise ShardingTypeError(f"plan: zero must be an int — got {type(stage).__name__} {stage!r}; expected 0 "
+                                    "(data parallel), 1 (optimizer state sharded), 2 (+ gradients) or 3 (+ parameters).")
+        if stage not in (0, 1, 2, 3):
             raise ShardingError(f"plan: zero={stage!r} is out of range — expected 0 (data parallel), 1 "
                                 "(optimizer state sharded), 2 (+ gradients) or 3 (+ parameters).")
         return [cls(None, None, None, True), cls(None, axis, axis, True),
@@ -212,12 +215,24 @@ class Plan:
     def _rank(self, rank: int | None) -> int:
         return rank if rank is not None else getattr(self.mesh, "rank", 0)
 
+    @property
+    def num_trainable(self) -> int:
+        """Parameters that get gradients and optimizer state (``requires_grad``)."""
+        return sum(p.numel for p in self.params if p.trainable)
+
     # ---- memory --------------------------------------------------------------------------------
-    def memory_per_rank(self, rank: int | None = None) -> dict[str, int]:
-        """Model-state bytes this rank holds between steps, by kind: ``params`` (compute-dtype
-        copies), ``grads``, ``optimizer`` (fp32 master copy where it is not the parameter itself,
-        plus optimizer state), and their ``total``. ZeRO-3's gathered units are transient: see
-        ``transient_per_rank``."""
+    def memory_per_rank(self, rank: int | None = None, *, at: str = "rest") -> dict[str, int]:
+        """Model-state bytes this rank holds, by kind: ``params`` (compute-dtype copies),
+        ``grads``, ``optimizer`` (fp32 master copy where it is not the parameter itself, plus
+        optimizer state), and their ``total``.
+
+        ``at="rest"``: between steps (the ZeRO-paper terms). ``at="update"``: while the optimizer
+        steps, when ``grads`` also holds the gradients the optimizer reads where they are not
+        kept between steps — fp32 copies of the reduced gradients in mixed precision, and in fp32
+        ZeRO-1 the reduce-scatter outputs (padded rows) the masters' gradients view. ZeRO-3's
+        gathered units are transient as well: see ``transient_per_rank``."""
+        if at not in ("rest", "update"):
+            raise ShardingError(f"memory_per_rank: at={at!r} — expected 'rest' or 'update'.")
         rank = self._rank(rank)
         c = self.compute_dtype.itemsize
         g = self.reduce_dtype.itemsize
@@ -235,39 +250,117 @@ class Plan:
             n_opt = p.local_numel(p.optim, rank)
             master = 4 * n_opt if self.mixed else 0       # in fp32 the parameter is the master
             optim += master + self.optimizer_state_bytes * n_opt
+            if at == "update":
+                if self.mixed:
+                    grads += 4 * n_opt                    # fp32 gradient copies for the update
+                elif self.states.grads is not None and self.states.keep_local_grads:
+                    grads += p.padded_numel(p.grad) * g   # ZeRO-1: the reduced (padded) rows
         return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}
 
+    def gather_schedule(self) -> tuple[str, ...]:
+        """ZeRO-3: the order in which one micro-step starts gathering (``G``), waits for and
+        unpacks (``W``) and frees (``F``) its units, as the runtime runs it: the root when the
+        model's forward starts; each unit just before its forward, prefetching the next one; in
+        backward each unit again (unless it stayed gathered), prefetching the one before it, and
+        freed once its gradients are reduced; the root last. Empty when parameters are replicated.
+        """
+        if self.states.params is None:
+            return ()
+        root = next((u for u in self.units if u.name == ""), None)
+        units = [u for u in self.units if u.name != ""]
+        status = {u.name: "free" for u in self.units}
+        events: list[str] = []
+
+        def name(u: UnitPlan) -> str:
+            return u.name or "<root>"
+
+        def gather(u):
+            if u is not None and status[u.name] == "free":
+                events.append(f"G({name(u)})")
+                status[u.name] = "gathering"
+
+        def wait(u):
+            if status[u.name] != "gathered":
+                gather(u)
+                events.append(f"W({name(u)})")
+                status[u.name] = "gathered"
+
+        def free(u):
+            if status[u.name] == "gathered":
+                events.append(f"F({name(u)})")
+                status[u.name] = "free"
+
+        if root is not None:
+            wait(root)
+        if units:
+            gather(units[0])
+        for i, u in enumerate(units):                       # forward
+            gather(u)
+            gather(units[i + 1] if i + 1 < len(units) else None)
+            wait(u)
+            if u.reshard_after_forward:
+                free(u)
+        for i in reversed(range(len(units))):               # backward
+            u = units[i]
+            gather(u)
+            gather(units[i - 1] if i > 0 else None)
+            wait(u)
+            free(u)
+        if root is not None:
+            free(root)
+        return tuple(events)
+
     def transient_per_rank(self, rank: int | None = None) -> dict[str, int]:
-        """Peak bytes of ZeRO-3 gathered units (the root unit, the unit in use and the one being
-        prefetched); zero when parameters are replicated."""
+        """ZeRO-3: the peak bytes of gathered parameters plus the all-gather output buffers in
+        flight, replaying ``gather_schedule``: a gather holds its unit's padded output buffer
+        (``N x`` the padded shard) until its wait unpacks it into the parameters (both held for a
+        moment), a free releases the parameters. The engine tracks the same quantity
+        (``engine.peak_gathered_bytes``). Full-size gradients of a unit before its reduce-scatter
+        are not counted. Zero when parameters are replicated."""
         if self.states.params is None:
             return {"gathered": 0}
-        c = self.compute_dtype.itemsize
-        sizes = [sum(p.numel for p in self.unit_params(u.name)) * c for u in self.units]
-        root = sizes[0] if self.units and self.units[0].name == "" else 0
-        rest = sizes[1:] if root else sizes
-        pair = max((a + b for a, b in zip(rest, rest[1:])), default=max(rest, default=0))
-        return {"gathered": root + pair}
+        c, n = self.compute_dtype.itemsize, self.data_size
+        full = {u.name: sum(p.numel for p in self.unit_params(u.name)) * c for u in self.units}
+        buf = {u.name: sum(p.padded_numel(p.rest) for p in self.unit_params(u.name)) * n * c for u in self.units}
+        by_label = {(u.name or "<root>"): u.name for u in self.units}
+        live = peak = 0
+        for ev in self.gather_schedule():
+            op, u = ev[0], by_label[ev[2:-1]]
+            if op == "G":
+                live += buf[u]
+            elif op == "W":
+                live += full[u]
+                peak = max(peak, live)
+                live -= buf[u]
+            else:
+                live -= full[u]
+            peak = max(peak, live)
+        return {"gathered": peak}
 
     def zero_formula(self) -> dict[str, float]:
-        """The ZeRO-paper terms for this plan (Ψ = parameter count), to compare with
-        ``memory_per_rank`` — equal when every dim 0 divides by the data degree."""
-        psi, n = self.num_params, self.data_size
+        """The ZeRO-paper terms for this plan, to compare with ``memory_per_rank``: parameters
+        ``cΨ`` (``/N`` when sharded), gradients ``gΨ_t`` (``/N`` when sharded and not kept whole),
+        optimizer ``KΨ_t`` (``/N`` when sharded), with Ψ the parameter count and Ψ_t the trainable
+        count (equal in the paper). Equal to ``memory_per_rank`` when every dim 0 divides by N."""
+        psi, psi_t, n = self.num_params, self.num_trainable, self.data_size
         c, g = self.compute_dtype.itemsize, self.reduce_dtype.itemsize
         k = (4 if self.mixed else 0) + self.optimizer_state_bytes
         params = c * psi / (n if self.states.params else 1)
         if self.states.params is None and self.states.keep_local_grads:
-            grads = g * psi
+            grads = g * psi_t
         else:
-            grads = g * psi / (n if self.states.grads else 1)
-        optim = k * psi / (n if self.states.optim else 1)
+            grads = g * psi_t / (n if self.states.grads else 1)
+        optim = k * psi_t / (n if self.states.optim else 1)
         return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}
 
     # ---- communication -------------------------------------------------------------------------
     def scalars_per_step(self) -> int:
-        """Floats in the one all-reduce that ends a step: the loss, plus (with sharded gradients) a
-        non-finite count under fp16 and a squared norm under clipping."""
-        k = 1
+        """Floats in the one all-reduce that ends a step: the loss, (with sharded gradients) a
+        non-finite count under fp16 and a squared norm under clipping, and one flag per trainable
+        parameter saying on how many ranks it got a gradient — a parameter that got none on any
+        rank is left out of the update, as one process leaves a parameter whose ``grad`` is None
+        (the role of DDP's ``find_unused_parameters`` bitmap)."""
+        k = 1 + sum(1 for p in self.params if p.trainable)
         if self.states.grads is not None:
             k += int(self.precision == "fp16") + int(self.clip_grad_norm is not None)
         return k
@@ -316,16 +409,20 @@ class Plan:
     def ring_minimum(self) -> int:
         """The ring-algorithm bound for parameter and gradient traffic per rank per step, bytes:
         ``2Ψ(N-1)/N`` elements for DP and ZeRO-1/2; ``3Ψ(N-1)/N`` for ZeRO-3 (per micro-step), where
-        a unit kept gathered from its forward through its backward (the root) needs 2, not 3."""
-        n, psi = self.data_size, self.num_params
+        a unit kept gathered from its forward through its backward (the root) needs 2, not 3.
+        Gradients (and ZeRO-1/2's gather of updated parameters) only move for trainable
+        parameters; ZeRO-3 gathers frozen ones too. Padding of uneven shards is not counted, so
+        what runs may exceed this by the padding."""
+        n = self.data_size
         c, g = self.compute_dtype.itemsize, self.reduce_dtype.itemsize
         if self.states.params is not None:
-            per_unit = [((2 if u.reshard_after_forward else 1) * c + g) * sum(p.numel for p in self.unit_params(u.name))
-                        for u in self.units]
+            per_unit = [(2 if u.reshard_after_forward else 1) * c * sum(p.numel for p in self.unit_params(u.name))
+                        + g * sum(p.numel for p in self.unit_params(u.name) if p.trainable) for u in self.units]
             return self.grad_accum * sum(per_unit) * (n - 1) // n
+        psi_t = self.num_trainable
         if self.states.optim is not None:
-            return (g + c) * psi * (n - 1) // n
-        return 2 * g * psi * (n - 1) // n
+            return (g + c) * psi_t * (n - 1) // n
+        return 2 * g * psi_t * (n - 1) // n
 
     # ---- printing ------------------------------------------------------------------------------
     def explain(self, max_params: int = 40) -> str:

@@ -31,14 +31,17 @@ class GradBuckets:
         self.rdt = plan.reduce_dtype
         self.views = plan.states.keep_local_grads and plan.reduce_dtype == plan.compute_dtype
         self.buffers: list[torch.Tensor | None] = [None] * len(buckets)
+        self.grad_views: list[list[torch.Tensor]] = []
         if self.views:
             for b, states in enumerate(buckets):
                 buf = torch.zeros(sum(s.param.numel() for s in states), dtype=self.rdt, device=engine.mesh.device)
-                off = 0
+                off, views = 0, []
                 for s in states:
-                    s.param.grad = buf[off:off + s.param.numel()].view(s.param.shape)
+                    views.append(buf[off:off + s.param.numel()].view(s.param.shape))
                     off += s.param.numel()
                 self.buffers[b] = buf
+                self.grad_views.append(views)
+            self._attach_views()
         self.bucket_of = {id(s): b for b, states in enumerate(buckets) for s in states}
         self.handles = [s.param.register_post_accumulate_grad_hook(self._make_hook(s))
                         for states in buckets for s in states]
@@ -49,14 +52,23 @@ class GradBuckets:
 
     def _make_hook(self, state: ParamState):
         def hook(_param: torch.Tensor) -> None:
+            state.used = True
             self._ready(self.bucket_of[id(state)])
         return hook
+
+    def _attach_views(self) -> None:
+        for states, views in zip(self.buckets, self.grad_views):
+            for s, v in zip(states, views):
+                s.param.grad = v
 
     # ---- per step / micro-step -----------------------------------------------------------------
     def begin_step(self) -> None:
         if self.views:
             for buf in self.buffers:
                 buf.zero_()
+            # (re)attach: a parameter left out of an update (no gradient anywhere) or a user's
+            # zero_grad() sets .grad to None, and a fresh .grad would not be what is reduced
+            self._attach_views()
         else:
             for states in self.buckets:
                 for s in states:
@@ -105,7 +117,7 @@ class GradBuckets:
             self.pending[b] = None
             if not self.sharded:
                 if self.views:
-                    out.append([s.param.grad for s in states])
+                    out.append(self.grad_views[b])
                 else:
                     views, off = [], 0
                     for s in states:

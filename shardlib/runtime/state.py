@@ -19,7 +19,8 @@ class ParamState:
       its storage is allocated only while its unit is gathered);
     * ``master`` — what the optimizer sees: fp32, full or this rank's rows (None if frozen);
     * ``shard`` — ZeRO-3: this rank's rows in compute dtype, at rest (the master itself in fp32);
-    * ``grad_shard`` — the reduced gradient rows kept between steps (ZeRO-2/3).
+    * ``grad_shard`` — the reduced gradient rows kept between steps (ZeRO-2/3);
+    * ``used`` — this step's backward gave the parameter a gradient on this rank.
     """
 
     index: int
@@ -32,6 +33,7 @@ class ParamState:
     master: nn.Parameter | None = None
     shard: torch.Tensor | None = None
     grad_shard: torch.Tensor | None = None
+    used: bool = False
 
     @property
     def name(self) -> str:

@@ -13,6 +13,11 @@ rows. Around the unit's forward:
 Storage is freed with ``untyped_storage().resize_(0)`` and re-filled in place, so tensors that
 autograd saved in forward stay valid. The root unit (what no other unit holds: embeddings,
 head) is gathered when the model's forward starts and freed when its backward ends.
+
+The runner logs what it does (``events``: ``G(unit)`` gather started, ``W(unit)`` waited and
+unpacked, ``F(unit)`` freed) for the last micro-step, in the notation of
+``Plan.gather_schedule``, and tracks the bytes of gathered parameters plus all-gather output
+buffers in flight (``peak``) — the quantity ``Plan.transient_per_rank`` plans.
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ class UnitRunner:
         self.all = ([root] if root else []) + units
         self.live = 0                           # bytes of gathered parameters and gather buffers
         self.peak = 0
+        self.events: list[str] = []             # this micro-step's G/W/F actions
         self.micro_first = True
         self.handles = []
         model = engine.model
@@ -86,12 +92,14 @@ class UnitRunner:
         u.buffer_bytes = flat.numel() * flat.element_size() * self.engine.data_size
         self._track(u.buffer_bytes)
         u.status = "gathering"
+        self.events.append(f"G({u.name or '<root>'})")
 
     def wait(self, u: Unit) -> None:
         """Make ``u``'s parameters whole: finish its gather and copy the rows into place."""
         if u.status == "gathered":
             return
         self.gather(u)
+        self.events.append(f"W({u.name or '<root>'})")
         out = u.pending.wait()
         u.pending = None
         for s in u.states:
@@ -111,6 +119,7 @@ class UnitRunner:
             s.param.untyped_storage().resize_(0)
         self._track(-u.gathered_bytes)
         u.status = "free"
+        self.events.append(f"F({u.name or '<root>'})")
 
     # ---- hooks ---------------------------------------------------------------------------------
     def _root_pre(self, module, args):
@@ -168,6 +177,8 @@ class UnitRunner:
 
     def _reduce(self, u: Unit) -> None:
         trainable = [s for s in u.states if s.trainable]
+        for s in trainable:
+            s.used = s.used or s.param.grad is not None
         if trainable:
             flat = pack_for_reduce_scatter([s.param.grad for s in trainable], [s.rows for s in trainable], self.rdt)
             for s in trainable:
@@ -179,15 +190,24 @@ class UnitRunner:
     # ---- per micro-step ------------------------------------------------------------------------
     def begin_micro(self, first: bool) -> None:
         self.micro_first = first
+        self.events = []
         for u in self.all:
             u.reduced = False
 
     def end_micro(self) -> None:
         """After backward: reduce the units whose inputs needed no gradient (and the root), wait
-        for every reduce-scatter, add the rows into the persistent gradient shards."""
+        for every reduce-scatter, add the rows into the persistent gradient shards. A unit whose
+        gather was started but which never ran (a prefetched, unused unit) has its gather
+        finished and dropped, so no collective stays in flight past the step."""
         for u in reversed(self.all):
             if not u.reduced:
                 self._reduce(u)
+        for u in self.all:
+            if u.status == "gathering":
+                u.pending.wait()
+                u.pending = None
+                self._track(-u.buffer_bytes)
+                u.status = "free"
         index = self.engine.data_index
         for u in reversed(self.all):
             if u.reducing is None:
