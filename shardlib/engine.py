@@ -78,6 +78,8 @@ class Engine:
         self.data_size = plan.data_size
         self.data_index = mesh.group_index(mesh.rank, (plan.data_axis,))
         self.cdt, self.rdt = plan.compute_dtype, plan.reduce_dtype
+        # the reduced gradient can be the fp32 master's gradient itself (no copy for the update)
+        self.grad_is_master = not plan.mixed and plan.reduce_dtype == torch.float32
         self.step_count = 0
         self.scaler = _scaler(loss_scale, plan)
         self.states = self._build_states()
@@ -118,7 +120,7 @@ class Engine:
                             st.master = nn.Parameter(p.data.view(rows.shape)[lo:hi])
                         if plan.states.grads is not None and not plan.states.keep_local_grads:
                             st.grad_shard = torch.zeros_like(mine, dtype=self.rdt)
-                            if not plan.mixed:
+                            if self.grad_is_master:
                                 st.master.grad = st.grad_shard
                 else:
                     master = nn.Parameter(mine.clone(), requires_grad=pp.trainable)
@@ -126,7 +128,7 @@ class Engine:
                     if pp.trainable:
                         st.master = master
                         st.grad_shard = torch.zeros_like(mine, dtype=self.rdt)
-                        if not plan.mixed:
+                        if self.grad_is_master:
                             master.grad = st.grad_shard
                     full = nn.Parameter(torch.empty(pp.shape, dtype=self.cdt, device=mesh.device),
                                         requires_grad=pp.trainable)
@@ -322,6 +324,8 @@ class Engine:
                 g = s.grad_shard
             else:
                 g = by_name[s.name]                             # DP: full; ZeRO-1: this rank's rows
+                if g.numel() != s.master.numel():               # replicated grads, sharded optimizer
+                    g = s.flat(g)[s.lo:s.hi]
             if plan.mixed or g.dtype != torch.float32:
                 mg = g.float().view(s.master.shape)
                 if scale != 1.0:
@@ -333,14 +337,20 @@ class Engine:
         return out
 
     def _release_master_grads(self) -> None:
-        """Drop gradients that live only for the update (fp32 copies, ZeRO-1's reduced rows)."""
+        """Drop gradients that live only for the update (fp32 copies, ZeRO-1's reduced rows); keep
+        those that are views of storage kept between steps (bucket buffers, gradient shards)."""
+        kept = {t.untyped_storage().data_ptr() for t in self._kept_grad_storage()}
         for s in self.states:
-            if s.master is None:
+            if s.master is None or s.master.grad is None:
                 continue
-            persistent = (s.grad_shard is not None and not self.plan.mixed) or (
-                self.plan.states.optim is None and not self.plan.mixed)
-            if not persistent:
+            if s.master.grad.untyped_storage().data_ptr() not in kept:
                 s.master.grad = None
+
+    def _kept_grad_storage(self) -> list[torch.Tensor]:
+        out = [s.grad_shard for s in self.states if s.grad_shard is not None]
+        if self.buckets is not None and self.buckets.views:
+            out += self.buckets.buffers
+        return out
 
     @torch.no_grad()
     def _publish(self) -> None:
@@ -391,7 +401,7 @@ class Engine:
             for buf in self.buckets.buffers:
                 add("grads", buf)
         for s in self.states:
-            add("grads", s.param.grad if self.plan.states.keep_local_grads else None)
+            add("grads", s.param.grad)
             add("grads", s.grad_shard)
         for s in self.states:                      # what the optimizer reads, where it is another tensor
             add("grads", s.master.grad if s.master is not None else None)
@@ -443,6 +453,10 @@ def _validate(model, plan, optimizer, mesh, loss_fn) -> None:
     if names != [p.name for p in plan.params]:
         raise ShardingError("parallelize: the model's parameters differ from the plan's — expected the model the "
                             "plan was made for (same parameter names, in the same order).")
+    if not any(p.trainable for p in plan.params):
+        raise ShardingError(f"parallelize: the model {type(model).__name__} has no trainable parameters — all "
+                            f"{len(names)} have requires_grad=False; expected at least one to train. Unfreeze some "
+                            "(p.requires_grad_(True)) before planning.")
     if isinstance(optimizer, torch.optim.Optimizer):
         raise ShardingTypeError(
             f"parallelize: optimizer is a {type(optimizer).__name__} already built on the model's parameters — "
@@ -487,8 +501,8 @@ def _check_optimizer(opt, masters: list[torch.Tensor], plan: Plan, model: nn.Mod
 
 def _scaler(loss_scale, plan: Plan) -> LossScaler | None:
     if loss_scale is not None and plan.precision != "fp16":
-        raise ShardingError(f"parallelize: loss_scale={loss_scale!r} given, but the plan computes in {plan.precision} — "
-                            "expected loss scaling only with precision='fp16'. Drop loss_scale.")
+        raise ShardingError(f"parallelize: loss_scale={loss_scale!r} given, but the plan computes in "
+                            f"{plan.precision} — expected loss scaling only with precision='fp16'. Drop loss_scale.")
     if plan.precision != "fp16":
         return None
     if loss_scale is None:

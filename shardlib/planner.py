@@ -39,7 +39,7 @@ from torch import nn
 from . import comm
 from .comm import format_bytes
 from .errors import Problems, ShardingError, ShardingTypeError
-from .layout import Layout, chunk_size
+from .layout import Layout
 from .mesh import AbstractMesh
 from .spec import PartitionSpec
 
@@ -63,8 +63,9 @@ class StateLayouts:
     def zero(cls, stage: int, axis: str = "data") -> StateLayouts:
         """The layouts that ZeRO stage ``stage`` (0 = plain data parallel) names."""
         if isinstance(stage, bool) or not isinstance(stage, int):
-            raise ShardingTypeError(f"plan: zero must be an int — got {type(stage).__name__} {stage!r}; expected 0 "
-                                    "(data parallel), 1 (optimizer state sharded), 2 (+ gradients) or 3 (+ parameters).")
+            raise ShardingTypeError(f"plan: zero must be an int — got {type(stage).__name__} {stage!r}; expected "
+                                    "0 (data parallel), 1 (optimizer state sharded), 2 (+ gradients) or 3 "
+                                    "(+ parameters).")
         if stage not in (0, 1, 2, 3):
             raise ShardingError(f"plan: zero={stage!r} is out of range — expected 0 (data parallel), 1 "
                                 "(optimizer state sharded), 2 (+ gradients) or 3 (+ parameters).")
@@ -92,6 +93,14 @@ class StateLayouts:
             if self.grads is not None and self.optim != self.grads:
                 p.add(f"plan: gradients sharded over {self.grads!r} need the optimizer state sharded the same "
                       f"way — got optim={self.optim!r}. A rank can only update what it holds.")
+            if self.grads is None and not self.keep_local_grads:
+                p.add("plan: keep_local_grads=False frees each local gradient once it is reduced, which saves "
+                      "memory only when the reduced gradient is a shard — got grads=None (replicated). Shard the "
+                      "gradients (grads='data', i.e. zero=2) or keep the local gradients.")
+            if self.params is not None and self.keep_local_grads:
+                p.add(f"plan: parameters sharded over {self.params!r} are gathered per unit and their full "
+                      "gradients freed once reduce-scattered — got keep_local_grads=True. Use zero=3 "
+                      "(keep_local_grads=False).")
 
 
 @dataclass(frozen=True)
@@ -228,8 +237,9 @@ class Plan:
 
         ``at="rest"``: between steps (the ZeRO-paper terms). ``at="update"``: while the optimizer
         steps, when ``grads`` also holds the gradients the optimizer reads where they are not
-        kept between steps — fp32 copies of the reduced gradients in mixed precision, and in fp32
-        ZeRO-1 the reduce-scatter outputs (padded rows) the masters' gradients view. ZeRO-3's
+        kept between steps — fp32 copies where gradients are reduced in a 2-byte dtype, and
+        with fp32 reduction under ZeRO-1 the reduce-scatter outputs (padded rows) that the
+        masters' gradients view. ZeRO-3's
         gathered units are transient as well: see ``transient_per_rank``."""
         if at not in ("rest", "update"):
             raise ShardingError(f"memory_per_rank: at={at!r} — expected 'rest' or 'update'.")
@@ -241,20 +251,21 @@ class Plan:
             params += p.local_numel(p.rest, rank) * c
             if not p.trainable:
                 continue
-            if self.states.keep_local_grads and self.states.params is None:
-                grads += p.numel * g                      # full local gradient buffers persist
-            elif self.states.grads is not None:
-                grads += p.local_numel(p.grad, rank) * g  # only the reduced shard persists
+            if self.states.keep_local_grads:
+                grads += p.numel * c                      # full local gradients (compute dtype) persist
             else:
-                grads += p.numel * g
+                grads += p.local_numel(p.grad, rank) * g  # only the reduced shard persists
             n_opt = p.local_numel(p.optim, rank)
             master = 4 * n_opt if self.mixed else 0       # in fp32 the parameter is the master
             optim += master + self.optimizer_state_bytes * n_opt
             if at == "update":
-                if self.mixed:
-                    grads += 4 * n_opt                    # fp32 gradient copies for the update
-                elif self.states.grads is not None and self.states.keep_local_grads:
-                    grads += p.padded_numel(p.grad) * g   # ZeRO-1: the reduced (padded) rows
+                if self.reduce_dtype != torch.float32:
+                    grads += 4 * n_opt                    # fp32 copies of the reduced gradients
+                elif self.states.keep_local_grads and (self.states.grads is not None
+                                                       or self.reduce_dtype != self.compute_dtype):
+                    # the master's gradient views the collective's output: ZeRO-1's reduced
+                    # (padded) rows, or a full all-reduced gradient kept apart from the local one
+                    grads += (p.padded_numel(p.grad) if self.states.grads is not None else p.numel) * g
         return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}
 
     def gather_schedule(self) -> tuple[str, ...]:
@@ -346,8 +357,8 @@ class Plan:
         c, g = self.compute_dtype.itemsize, self.reduce_dtype.itemsize
         k = (4 if self.mixed else 0) + self.optimizer_state_bytes
         params = c * psi / (n if self.states.params else 1)
-        if self.states.params is None and self.states.keep_local_grads:
-            grads = g * psi_t
+        if self.states.keep_local_grads:
+            grads = c * psi_t
         else:
             grads = g * psi_t / (n if self.states.grads else 1)
         optim = k * psi_t / (n if self.states.optim else 1)
@@ -419,10 +430,10 @@ class Plan:
             per_unit = [(2 if u.reshard_after_forward else 1) * c * sum(p.numel for p in self.unit_params(u.name))
                         + g * sum(p.numel for p in self.unit_params(u.name) if p.trainable) for u in self.units]
             return self.grad_accum * sum(per_unit) * (n - 1) // n
-        psi_t = self.num_trainable
-        if self.states.optim is not None:
-            return (g + c) * psi_t * (n - 1) // n
-        return 2 * g * psi_t * (n - 1) // n
+        # replicated gradients: all-reduce (2 transfers); sharded: reduce-scatter (1); a sharded
+        # optimizer with replicated parameters: + all-gather of the updated parameters (1)
+        per = (2 * g if self.states.grads is None else g) + (c if self.states.optim is not None else 0)
+        return per * self.num_trainable * (n - 1) // n
 
     # ---- printing ------------------------------------------------------------------------------
     def explain(self, max_params: int = 40) -> str:
@@ -451,7 +462,8 @@ class Plan:
             lines.append(f"    {k:<10} {format_bytes(mem[k]):>10}   (ZeRO formula {format_bytes(formula[k])})")
         if self.states.params is not None:
             lines.append(f"    gathered   {format_bytes(self.transient_per_rank()['gathered']):>10}   "
-                         "(transient peak: root unit + unit in use + prefetched unit)")
+                         "(transient peak of gathered units and gather buffers, in this order:)")
+            lines.append("      " + " ".join(self.gather_schedule()))
         lines += ["", "  collectives per step (bytes sent per rank):"]
         lines += [f"    {e}" for e in self.comm_per_step()] or ["    none (one rank)"]
         lines.append(f"    total {format_bytes(self.comm_bytes_per_step())}; params+grads "

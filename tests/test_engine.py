@@ -78,7 +78,7 @@ def make_batches(model: str, steps: int = STEPS, batch: int = BATCH) -> list[tup
 
 def make_optimizer(kind: str):
     """A factory ``params -> Optimizer`` (the engine's contract)."""
-    if kind == "adamw":
+    if kind == "adamw":   # eps 1e-6 (not 1e-8) damps Adam's blow-up of gradients that are round-off noise
         return lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, eps=1e-6)
     if kind == "sgd":
         return lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01)
@@ -98,6 +98,8 @@ def make_scheduler(kind: str | None):
         return lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=STEPS)
     if kind == "lambda":
         return lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    if kind == "plateau":
+        return lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0, threshold=1e-4)
     raise KeyError(kind)
 
 
@@ -145,13 +147,16 @@ def reference_run(model: str, *, optimizer: str = "adamw", scheduler: str | None
         norm = torch.nn.utils.clip_grad_norm_(trainable, clip if clip else float("inf"))
         out["norms"].append(float(norm))
         opt.step()
-        if sched is not None:
+        if isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            sched.step(out["losses"][-1])
+        elif sched is not None:
             sched.step()
         if mixed:
             with torch.no_grad():
                 for p, q in pairs:
                     q.copy_(p)
     out["params"] = {n: p.detach().clone() for n, p in master.named_parameters()}
+    out["lr"] = opt.param_groups[0]["lr"]
     return out
 
 
@@ -169,17 +174,21 @@ def engine_run(cfg: dict, data: int) -> dict:
         kw["clip_grad_norm"] = cfg["clip"]
     plan = sl.plan(model, mesh, optimizer=cfg.get("plan_optimizer", "adamw"), **kw)
     engine = sl.parallelize(model, plan, optimizer=make_optimizer(cfg.get("optimizer", "adamw")),
-                            lr_scheduler=make_scheduler(cfg.get("scheduler")))
+                            lr_scheduler=make_scheduler(cfg.get("scheduler")), loss_scale=cfg.get("loss_scale"))
     batches = cfg.get("batches") or make_batches(cfg["model"], cfg.get("steps", STEPS))
-    losses = []
-    for batch in batches:
+    losses, skipped = [], []
+    for step, batch in enumerate(batches):
+        before = engine.scaler.skipped_steps if engine.scaler else 0
         if cfg.get("local"):
             rows = batch[0].shape[0] // data
             lo = engine.data_index * rows
             losses.append(engine.step(tuple(t[lo:lo + rows] for t in batch), local=True))
         else:
             losses.append(engine.step(batch))
-    return {"losses": losses, "params": engine.full_state_dict(), "lr": engine.optimizer.param_groups[0]["lr"]}
+        if engine.scaler and engine.scaler.skipped_steps > before:
+            skipped.append(step)
+    return {"losses": losses, "params": engine.full_state_dict(), "lr": engine.optimizer.param_groups[0]["lr"],
+            "skipped": skipped, "loss_scale": engine.loss_scale}
 
 
 def engine_runs(cfgs: list[dict], data: int) -> list[dict]:
@@ -195,6 +204,8 @@ def run_configs(world, cfgs: list[dict], data: int) -> list[list[dict]]:
 def ref_kwargs(cfg: dict) -> dict:
     kw = {k: cfg[k] for k in ("optimizer", "scheduler", "precision", "grad_accum", "clip", "batches", "steps")
           if k in cfg}
+    if "loss_scale" in cfg:
+        kw["scale"] = cfg["loss_scale"]
     return kw
 
 
@@ -221,9 +232,15 @@ def check_parity(cfg: dict, results: list[dict], ref: dict, *, rtol: float = FP3
     tol = param_tol or param_tolerance(cfg)
     first = results[0]["losses"]
     for r, res in enumerate(results):
-        assert res["losses"] == first, f"{cfg}: rank {r} returned other losses than rank 0"
+        assert res["losses"] == first or all(math.isnan(a) and math.isnan(b) or a == b
+                                             for a, b in zip(res["losses"], first)), \
+            f"{cfg}: rank {r} returned other losses than rank 0"
+        assert res.get("skipped", []) == ref["skipped"], f"{cfg}: rank {r} skipped {res['skipped']}, " \
+                                                         f"the reference {ref['skipped']}"
     assert len(first) == len(ref["losses"])
-    rel = max_rel(first, ref["losses"])
+    finite = [i for i, x in enumerate(ref["losses"]) if math.isfinite(x)]
+    assert finite == [i for i, x in enumerate(first) if math.isfinite(x)], f"{cfg}: {first} vs {ref['losses']}"
+    rel = max_rel([first[i] for i in finite], [ref["losses"][i] for i in finite])
     assert rel <= rtol, f"{cfg}: max relative loss difference {rel:.3g} > {rtol:g}\n{first}\n{ref['losses']}"
     for r, res in enumerate(results):
         assert res["params"].keys() == ref["params"].keys()
@@ -239,11 +256,12 @@ def check_parity(cfg: dict, results: list[dict], ref: dict, *, rtol: float = FP3
 # SGD (with momentum) in most variants: Adam's update is nearly invariant to the gradient's scale,
 # so a run with a wrong gradient scale (a missing 1/N, clipping by the wrong norm) would pass with
 # Adam alone.
+# bucket_mb=0.001 (1 KiB): many gradient buckets, so a bucket reduced twice or not at all shows.
 VARIANTS = [
     {},
-    {"grad_accum": 2, "optimizer": "sgd"},
+    {"grad_accum": 2, "optimizer": "sgd", "bucket_mb": 0.001},
     {"clip": 0.05, "optimizer": "sgd"},
-    {"grad_accum": 2, "clip": 0.05, "recompute": True, "optimizer": "sgd"},
+    {"grad_accum": 2, "clip": 0.6, "recompute": True, "optimizer": "sgd", "bucket_mb": 0.001},
     {"grad_accum": 2, "recompute": True},
 ]
 
@@ -277,6 +295,12 @@ def test_reference_clips_and_accumulates_for_real():
         plain = reference_for({"model": model})
         accum = reference_for({"model": model, "grad_accum": 2})
         assert max_rel(plain["losses"], accum["losses"]) < 1e-5
+        # clip 0.6 clips some steps and not others (the branch where the norm is below the bound)
+        norms = reference_for({"model": model, "grad_accum": 2, "clip": 0.6, "optimizer": "sgd"})["norms"]
+        assert min(norms) < 0.6 < max(norms), norms
+    # the plateau scheduler sees both an improving and a worsening loss
+    losses = reference_for({"model": "mlp", "optimizer": "sgd", "scheduler": "plateau"})["losses"]
+    assert any(b < a for a, b in zip(losses, losses[1:])) and any(b > a for a, b in zip(losses, losses[1:]))
 
 
 @pytest.mark.parametrize("data", [1, 2, 4])
@@ -284,3 +308,51 @@ def test_parity_fp32(world, data):
     cfgs = sweep()
     for cfg, results in zip(cfgs, run_configs(world, cfgs, data)):
         check_parity(cfg, results, reference_for(cfg))
+
+
+# ---------------------------------------------------------------------------------------------
+# Model shapes and training set-ups beyond the sweep
+# ---------------------------------------------------------------------------------------------
+
+S = sl.StateLayouts
+EXTRA = (
+    # head.weight is wte.weight: one parameter, two owners (both in the root unit)
+    [{"model": "gpt_tied", "zero": z, "optimizer": "sgd"} for z in range(4)]
+    + [{"model": "gpt_tied", "zero": 3, "grad_accum": 2, "recompute": True}]
+    # requires_grad=False: no gradient, no optimizer state, still gathered under ZeRO-3
+    + [{"model": "gpt_frozen", "zero": z, "optimizer": "sgd"} for z in range(4)]
+    # a unit never called and a root parameter never used: left out of the update, as in one
+    # process (SGD with momentum and weight decay would move them if they got a zero gradient)
+    + [{"model": "mlp_unused", "zero": z, "optimizer": "sgd", "grad_accum": 2} for z in range(4)]
+    # each rank feeds its own rows
+    + [{"model": "mlp", "zero": z, "local": True, "grad_accum": 2, "optimizer": "sgd"} for z in range(4)]
+    # optimizers x schedulers (the scheduler steps after every update; plateau gets the loss)
+    + [{"model": "mlp", "zero": 1, "optimizer": "sgd", "scheduler": "onecycle"},
+       {"model": "gpt", "zero": 2, "optimizer": "adam", "scheduler": "step"},
+       {"model": "mlp", "zero": 3, "optimizer": "sgd_plain", "scheduler": "lambda"},
+       {"model": "mlp", "zero": 0, "optimizer": "sgd", "scheduler": "plateau"},
+       {"model": "mlp", "zero": 2, "optimizer": "sgd", "scheduler": "plateau", "grad_accum": 2}]
+    # layouts given directly, units and resharding chosen
+    + [{"model": "mlp", "states": S(None, None, "data"), "optimizer": "sgd"},
+       {"model": "gpt", "states": S(None, "data", "data", False), "optimizer": "sgd"},
+       {"model": "gpt", "zero": 3, "reshard_after_forward": False, "optimizer": "sgd"},
+       {"model": "gpt", "zero": 3, "units": ["blocks.1"], "optimizer": "sgd", "recompute": ["blocks.1"]}]
+)
+
+
+@pytest.mark.parametrize("data", [2, 4])
+def test_parity_fp32_models_and_setups(world, data):
+    for cfg, results in zip(EXTRA, run_configs(world, EXTRA, data)):
+        ref = reference_for(cfg)
+        check_parity(cfg, results, ref)
+        if "scheduler" in cfg:
+            assert all(r["lr"] == pytest.approx(ref["lr"], rel=1e-12) for r in results), cfg
+            assert ref["lr"] != make_optimizer(cfg["optimizer"])([torch.zeros(1)]).param_groups[0]["lr"]
+
+
+def test_unused_parameters_stay_as_they_were():
+    """The reference leaves unused parameters alone; so the parity above checks the engine does."""
+    ref = reference_for({"model": "mlp_unused", "optimizer": "sgd", "grad_accum": 2})
+    init = make_model("mlp_unused")
+    for name in ("unused", "layers.3.weight", "layers.3.bias"):
+        assert torch.equal(ref["params"][name], dict(init.named_parameters())[name])
