@@ -87,7 +87,8 @@ class Engine:
         trainable = [s for s in self.states if s.trainable]
         if plan.states.params is None:
             by_bucket = [[next(s for s in trainable if s.name == p.name) for p in bucket] for bucket in plan.buckets()]
-            self.buckets, self.units = GradBuckets(self, by_bucket), None
+            riders = plan.scalars_per_step() if plan.scalars_ride_gradients else 0
+            self.buckets, self.units = GradBuckets(self, by_bucket, riders), None
         else:
             self.buckets, self.units = None, self._build_units()
         self.optimizer = optimizer([s.master for s in trainable])
@@ -176,6 +177,10 @@ class Engine:
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.mesh.device)
         scale = self.scaler.scale if self.scaler else 1.0
         factor = scale / (self.data_size * m)
+        if self.buckets is not None and self.buckets.riders:
+            # read when the last bucket launches (end of the last backward): the loss of every
+            # micro-step is in by then, and so is every parameter's "got a gradient" flag
+            self.buckets.rider_values = lambda: self._scalar_vector([loss_sum])
         for i, mb in enumerate(micro):
             last = i == m - 1
             if self.buckets is not None:
@@ -202,10 +207,12 @@ class Engine:
             sumsq = sum((g.double() ** 2).sum() for g in grads).float() if grads else torch.zeros(())
             if sharded:
                 scalars.append(sumsq)
-        # one all-reduce ends the step: the scalars, then on how many ranks each parameter got a gradient
-        used = torch.tensor([float(s.used) for s in trainable], device=self.mesh.device)
-        vec = torch.cat([torch.stack([x.reshape(()).float() for x in scalars]), used])
-        vec = comm.all_reduce(vec, self.mesh, plan.data_axis)
+        # the step's scalars, then on how many ranks each parameter got a gradient: summed by one
+        # all-reduce, or already summed in the last gradient bucket's collective
+        if self.buckets is not None and self.buckets.riders:
+            vec = self.buckets.rider_sums
+        else:
+            vec = comm.all_reduce(self._scalar_vector(scalars), self.mesh, plan.data_axis)
         loss = vec[0] / (self.data_size * m)
         if sharded:
             k = 1
@@ -248,6 +255,11 @@ class Engine:
             self.scaler.update(skip)
         self._release_master_grads()
         return float(loss)
+
+    def _scalar_vector(self, scalars: list[torch.Tensor]) -> torch.Tensor:
+        """``[scalars..., used flag of each trainable parameter]`` in fp32."""
+        used = torch.tensor([float(s.used) for s in self.states if s.trainable], device=self.mesh.device)
+        return torch.cat([torch.stack([x.reshape(()).float() for x in scalars]), used])
 
     @property
     def loss_scale(self) -> float | None:
@@ -383,7 +395,7 @@ class Engine:
         Shared storage is counted once. Between steps it equals ``plan.memory_per_rank()``;
         inside ``optimizer.step`` (e.g. from a step pre-hook), ``plan.memory_per_rank(at="update")``."""
         seen: set[int] = set()
-        out = {"params": 0, "grads": 0, "optimizer": 0}
+        out = {"params": 0, "grads": 0, "optimizer": 0, "buffers": 0}
 
         def add(kind: str, t: torch.Tensor | None) -> None:
             if t is None:
@@ -400,6 +412,9 @@ class Engine:
         if self.buckets is not None and self.buckets.views:
             for buf in self.buckets.buffers:
                 add("grads", buf)
+            # the last bucket's tail holds the step's scalars, not gradients
+            out["grads"] -= 4 * self.buckets.riders
+            out["buffers"] += 4 * self.buckets.riders
         for s in self.states:
             add("grads", s.param.grad)
             add("grads", s.grad_shard)

@@ -155,6 +155,7 @@ class CommEntry:
     bytes: int
     count: int = 1
     where: str = ""   # unit or bucket
+    riders: int = 0   # bytes of the step's scalars carried in this collective (see Plan.scalars_ride_gradients)
 
     @property
     def total(self) -> int:
@@ -233,7 +234,9 @@ class Plan:
     def memory_per_rank(self, rank: int | None = None, *, at: str = "rest") -> dict[str, int]:
         """Model-state bytes this rank holds, by kind: ``params`` (compute-dtype copies),
         ``grads``, ``optimizer`` (fp32 master copy where it is not the parameter itself, plus
-        optimizer state), and their ``total``.
+        optimizer state), and their ``total``; apart from them, ``buffers``: the slots of the
+        step's scalars kept at the end of the last gradient bucket when they ride its all-reduce
+        (``scalars_ride_gradients``; 4 bytes a scalar).
 
         ``at="rest"``: between steps (the ZeRO-paper terms). ``at="update"``: while the optimizer
         steps, when ``grads`` also holds the gradients the optimizer reads where they are not
@@ -266,7 +269,15 @@ class Plan:
                     # the master's gradient views the collective's output: ZeRO-1's reduced
                     # (padded) rows, or a full all-reduced gradient kept apart from the local one
                     grads += (p.padded_numel(p.grad) if self.states.grads is not None else p.numel) * g
-        return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}
+        buffers = 4 * self.scalars_per_step() if self.scalars_ride_gradients and self._grad_views else 0
+        return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim,
+                "buffers": buffers}
+
+    @property
+    def _grad_views(self) -> bool:
+        """Replicated-parameter gradients live in persistent bucket buffers (views into them)."""
+        return (self.states.params is None and self.states.keep_local_grads
+                and self.reduce_dtype == self.compute_dtype)
 
     def gather_schedule(self) -> tuple[str, ...]:
         """ZeRO-3: the order in which one micro-step starts gathering (``G``), waits for and
@@ -376,6 +387,17 @@ class Plan:
             k += int(self.precision == "fp16") + int(self.clip_grad_norm is not None)
         return k
 
+    @property
+    def scalars_ride_gradients(self) -> bool:
+        """Whether the step's scalars travel in the last gradient bucket's all-reduce instead of an
+        all-reduce of their own (one synchronization fewer per step). They can when gradients are
+        replicated (overflow and norm are then computed locally, so nothing waits for the reduced
+        gradients) and reduced in fp32 (the loss keeps its precision). Not in a reduce-scatter:
+        each rank would receive its own row's sum, added in another order, and ranks must agree on
+        the loss to the bit."""
+        return (self.states.params is None and self.states.grads is None and self.data_size > 1
+                and self.reduce_dtype == torch.float32)
+
     def comm_per_step(self) -> list[CommEntry]:
         """Every collective one ``step`` issues, with the bytes this rank sends (ring model)."""
         n, axis = self.data_size, (self.data_axis,)
@@ -397,11 +419,16 @@ class Plan:
                         out.append(CommEntry("backward", "grads", "reduce_scatter", axis,
                                              comm.reduce_scatter_bytes(tr, n, g), m, u.name or "<root>"))
             else:
-                for i, bucket in enumerate(self.buckets()):
+                buckets = self.buckets()
+                k = self.scalars_per_step() if self.scalars_ride_gradients else 0
+                for i, bucket in enumerate(buckets):
+                    extra = k if i == len(buckets) - 1 else 0
                     if self.states.grads is None:
                         numel = sum(p.numel for p in bucket)
                         out.append(CommEntry("backward", "grads", "all_reduce", axis,
-                                             comm.all_reduce_bytes(numel, n, g), 1, f"bucket {i}"))
+                                             comm.all_reduce_bytes(numel + extra, n, g), 1, f"bucket {i}",
+                                             comm.all_reduce_bytes(numel + extra, n, g)
+                                             - comm.all_reduce_bytes(numel, n, g)))
                     else:
                         shard = sum(p.padded_numel(p.grad) for p in bucket)
                         out.append(CommEntry("backward", "grads", "reduce_scatter", axis,
@@ -410,12 +437,23 @@ class Plan:
                         shard = sum(p.padded_numel(p.optim) for p in bucket)
                         out.append(CommEntry("step", "params", "all_gather", axis,
                                              comm.all_gather_bytes(shard, n, c), 1, f"bucket {i}"))
-            out.append(CommEntry("step", "scalars", "all_reduce", axis,
-                                 comm.all_reduce_bytes(self.scalars_per_step(), n, 4), 1))
+            if not self.scalars_ride_gradients:
+                out.append(CommEntry("step", "scalars", "all_reduce", axis,
+                                     comm.all_reduce_bytes(self.scalars_per_step(), n, 4), 1))
         return out
 
     def comm_bytes_per_step(self, what: str | None = None) -> int:
-        return sum(e.total for e in self.comm_per_step() if what is None or e.what == what)
+        """Bytes this rank sends per step, all or those of one kind (``params``, ``grads``,
+        ``scalars``); scalars riding in a gradient collective count as ``scalars``."""
+        total = 0
+        for e in self.comm_per_step():
+            if what is None:
+                total += e.total
+            elif what == "scalars":
+                total += e.total if e.what == "scalars" else e.riders * e.count
+            elif e.what == what:
+                total += e.total - e.riders * e.count
+        return total
 
     def ring_minimum(self) -> int:
         """The ring-algorithm bound for parameter and gradient traffic per rank per step, bytes:
@@ -595,22 +633,30 @@ def plan(model: nn.Module, mesh: AbstractMesh, zero: int | None = None, *, state
     replicated = layout(None)
     itemsize = rdt.itemsize
     bucket_bytes = int(bucket_mb * 2**20)
+    def unit_of(p: nn.Parameter) -> str:
+        units_of = {_unit_of(f"{m}.{a}" if m else a, unit_names) for m, a in owners[id(p)]}
+        return units_of.pop() if len(units_of) == 1 else ""   # shared across units: root
+
+    # Gradient buckets, in reverse order (the order gradients tend to become ready in backward),
+    # up to bucket_mb each. With sharded gradients a bucket also ends where a unit ends: the
+    # unit's full gradients are freed as soon as its bucket is reduce-scattered (as FSDP2 does per
+    # unit), which bounds the transient memory at no measured cost in time.
     buckets: dict[str, int] = {}
-    if states.params is None:                       # buckets in reverse order (backward order)
-        b, filled = 0, 0
+    if states.params is None:
+        b, filled, last_unit = 0, 0, None
         for name, p in reversed(named):
             if not p.requires_grad:
                 continue
             size = p.numel() * itemsize
-            if filled and filled + size > bucket_bytes:
+            unit = unit_of(p)
+            if filled and (filled + size > bucket_bytes or (states.grads is not None and unit != last_unit)):
                 b, filled = b + 1, 0
             buckets[name] = b
             filled += size
+            last_unit = unit
     params = []
     for name, p in named:
-        own = owners[id(p)]
-        units_of = {_unit_of(f"{m}.{a}" if m else a, unit_names) for m, a in own}
-        unit = units_of.pop() if len(units_of) == 1 else ""   # shared across units: root
+        unit = unit_of(p)
         params.append(ParamPlan(
             name=name, shape=tuple(p.shape), unit=unit, bucket=buckets.get(name),
             trainable=p.requires_grad, rest=layout(states.params), compute=replicated,

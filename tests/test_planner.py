@@ -110,7 +110,7 @@ def test_memory_per_rank_is_the_zero_paper_terms(n, zero):
 def test_memory_by_kind_for_zero2_in_mixed_precision():
     plan = sl.plan(gpt(), mesh(4), zero=2, precision="bf16")
     assert plan.memory_per_rank() == {"params": 2 * PSI, "grads": 2 * PSI // 4, "optimizer": 12 * PSI // 4,
-                                      "total": 2 * PSI + 14 * PSI // 4}
+                                      "total": 2 * PSI + 14 * PSI // 4, "buffers": 0}
     # during the update the optimizer also reads fp32 copies of this rank's gradient rows
     assert plan.memory_per_rank(at="update")["grads"] == 2 * PSI // 4 + 4 * PSI // 4
 
@@ -149,7 +149,7 @@ def test_frozen_parameters_have_no_gradients_or_optimizer_state():
         assert plan.num_trainable == trainable
         mem = plan.memory_per_rank()
         assert mem["optimizer"] == 8 * trainable // (1 if zero == 0 else 2)
-        assert mem == {k: int(v) for k, v in plan.zero_formula().items()}
+        assert {k: v for k, v in mem.items() if k != "buffers"} == {k: int(v) for k, v in plan.zero_formula().items()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,12 +191,20 @@ def test_uneven_shards_move_at_most_the_padding_more():
 
 
 def test_comm_entries_by_hand_for_the_mlp():
-    """N = 2, fp32. DP: one bucket all-reduce of 318 floats = 2·1·159·4 bytes; the step's scalars:
-    the loss + one used-flag per parameter (6) = 7 floats = 2·1·4·4 bytes."""
+    """N = 2, fp32. DP: the step's scalars (the loss + one used-flag per parameter: 7 floats) ride
+    the one bucket's all-reduce: 318 + 7 = 325 floats = 2·1·163·4 bytes, of which 2·1·159·4 are
+    the gradients' share. ZeRO-2: a reduce-scatter, and the scalars in an all-reduce of their own:
+    7 floats = 2·1·4·4 bytes."""
     plan = sl.plan(MLP(), mesh(2), zero=0)
-    assert [(e.phase, e.op, e.bytes, e.count) for e in plan.comm_per_step()] == [
-        ("backward", "all_reduce", 1272, 1), ("step", "all_reduce", 32, 1)]
+    assert plan.scalars_ride_gradients
+    assert [(e.phase, e.op, e.bytes, e.count, e.riders) for e in plan.comm_per_step()] == [
+        ("backward", "all_reduce", 1304, 1, 1304 - 1272)]
+    assert plan.comm_bytes_per_step("grads") == 1272 and plan.comm_bytes_per_step("scalars") == 32
     assert plan.scalars_per_step() == 7
+    assert plan.memory_per_rank()["buffers"] == 7 * 4
+    plan = sl.plan(MLP(), mesh(2), zero=2)
+    assert not plan.scalars_ride_gradients
+    assert [(e.op, e.bytes) for e in plan.comm_per_step() if e.what == "scalars"] == [("all_reduce", 32)]
     # ZeRO-2 + fp16 + clipping: the scalars also carry the overflow count and the squared norm
     assert sl.plan(MLP(), mesh(2), zero=2, precision="fp16", clip_grad_norm=1.0).scalars_per_step() == 9
     # ZeRO-3 with 2 micro-steps: per unit, per micro-step: gather, gather again, reduce-scatter

@@ -6,8 +6,11 @@ is accumulated — and only on the micro-step that synchronizes; earlier micro-s
 accumulate locally. Buckets launch strictly in index order, so every rank issues the same
 collectives in the same order even if gradients become ready in a different order.
 
-* grads replicated (DP): all-reduce the bucket. With ``keep_local_grads`` and matching dtypes
-  the gradients *are* views into the bucket buffer (no copy, as DDP's ``gradient_as_bucket_view``).
+* grads replicated (DP): all-reduce the bucket. With matching dtypes the gradients end up as
+  views into the bucket buffer: each step starts with no gradients (no zeroing), autograd
+  writes fresh ones, and the hook copies each into its place in the bucket as it is ready —
+  one pass over the gradients, where zeroing a persistent buffer and accumulating into it
+  takes two. The optimizer then reads the views.
 * grads sharded (ZeRO-1/2): reduce-scatter, each rank keeping its rows of every parameter;
   without ``keep_local_grads`` (ZeRO-2) the full local gradients are freed once copied in.
 """
@@ -22,7 +25,11 @@ from .state import ParamState
 
 
 class GradBuckets:
-    def __init__(self, engine, buckets: list[list[ParamState]]):
+    """``riders``: how many fp32 scalars travel in the last bucket's all-reduce (0: none; only with
+    replicated gradients); the engine sets ``rider_values`` (a callable giving them) before the
+    backward that syncs, and reads their sums from ``rider_sums`` after ``finish``."""
+
+    def __init__(self, engine, buckets: list[list[ParamState]], riders: int = 0):
         self.engine = engine
         plan = engine.plan
         self.mesh, self.axis = engine.mesh, plan.data_axis
@@ -30,11 +37,16 @@ class GradBuckets:
         self.sharded = plan.states.grads is not None
         self.rdt = plan.reduce_dtype
         self.views = plan.states.keep_local_grads and plan.reduce_dtype == plan.compute_dtype
+        self.riders = riders
+        self.rider_values = None
+        self.rider_sums: torch.Tensor | None = None
         self.buffers: list[torch.Tensor | None] = [None] * len(buckets)
         self.grad_views: list[list[torch.Tensor]] = []
         if self.views:
             for b, states in enumerate(buckets):
-                buf = torch.zeros(sum(s.param.numel() for s in states), dtype=self.rdt, device=engine.mesh.device)
+                extra = riders if b == len(buckets) - 1 else 0
+                buf = torch.zeros(sum(s.param.numel() for s in states) + extra, dtype=self.rdt,
+                                  device=engine.mesh.device)
                 off, views = 0, []
                 for s in states:
                     views.append(buf[off:off + s.param.numel()].view(s.param.shape))
@@ -43,6 +55,9 @@ class GradBuckets:
                 self.grad_views.append(views)
             self._attach_views()
         self.bucket_of = {id(s): b for b, states in enumerate(buckets) for s in states}
+        # DP: copy each fresh gradient into its view instead of accumulating into a zeroed buffer
+        self.copy_in = self.views and not self.sharded
+        self.view_of = {id(s): v for states, views in zip(buckets, self.grad_views) for s, v in zip(states, views)}
         self.handles = [s.param.register_post_accumulate_grad_hook(self._make_hook(s))
                         for states in buckets for s in states]
         self.sync = False
@@ -53,8 +68,20 @@ class GradBuckets:
     def _make_hook(self, state: ParamState):
         def hook(_param: torch.Tensor) -> None:
             state.used = True
+            if self.copy_in and self.sync:
+                self._copy_in(state)
             self._ready(self.bucket_of[id(state)])
         return hook
+
+    def _copy_in(self, state: ParamState) -> None:
+        """Put ``state``'s gradient in its bucket view (zeros if it got none this step)."""
+        view = self.view_of[id(state)]
+        g = state.param.grad
+        if g is None:
+            view.zero_()
+        elif g.data_ptr() != view.data_ptr():
+            view.copy_(g)
+        state.param.grad = view
 
     def _attach_views(self) -> None:
         for states, views in zip(self.buckets, self.grad_views):
@@ -63,7 +90,11 @@ class GradBuckets:
 
     # ---- per step / micro-step -----------------------------------------------------------------
     def begin_step(self) -> None:
-        if self.views:
+        if self.copy_in:
+            for states in self.buckets:
+                for s in states:
+                    s.param.grad = None
+        elif self.views:
             for buf in self.buffers:
                 buf.zero_()
             # (re)attach: a parameter left out of an update (no gradient anywhere) or a user's
@@ -90,12 +121,20 @@ class GradBuckets:
 
     def _launch(self, b: int) -> None:
         states = self.buckets[b]
+        tail = self.rider_values() if self.riders and b == len(self.buckets) - 1 else None
         if not self.sharded:
             if self.views:
+                if self.copy_in:        # parameters whose hook did not copy (no gradient this micro-step)
+                    for s in states:
+                        if s.param.grad is None or s.param.grad.data_ptr() != self.view_of[id(s)].data_ptr():
+                            self._copy_in(s)
                 buf = self.buffers[b]
+                if tail is not None:
+                    buf[-self.riders:].copy_(tail)
             else:
-                buf = torch.cat([(s.param.grad if s.param.grad is not None else torch.zeros_like(s.param))
-                                 .reshape(-1).to(self.rdt) for s in states])
+                parts = [(s.param.grad if s.param.grad is not None else torch.zeros_like(s.param))
+                         .reshape(-1).to(self.rdt) for s in states]
+                buf = torch.cat(parts + ([tail.to(self.rdt)] if tail is not None else []))
             self.pending[b] = comm.all_reduce(buf, self.mesh, self.axis, async_op=True, inplace=True)
         else:
             flat = pack_for_reduce_scatter([s.param.grad for s in states], [s.rows for s in states], self.rdt)
@@ -115,6 +154,8 @@ class GradBuckets:
         for b, states in enumerate(self.buckets):
             reduced = self.pending[b].wait()
             self.pending[b] = None
+            if self.riders and b == len(self.buckets) - 1:
+                self.rider_sums = reduced[-self.riders:].float()
             if not self.sharded:
                 if self.views:
                     out.append(self.grad_views[b])
