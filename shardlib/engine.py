@@ -86,7 +86,8 @@ class Engine:
         self._apply_recompute()
         trainable = [s for s in self.states if s.trainable]
         if plan.states.params is None:
-            by_bucket = [[next(s for s in trainable if s.name == p.name) for p in bucket] for bucket in plan.buckets()]
+            by_name = {s.name: s for s in trainable}
+            by_bucket = [[by_name[p.name] for p in bucket] for bucket in plan.buckets()]
             riders = plan.scalars_per_step() if plan.scalars_ride_gradients else 0
             self.buckets, self.units = GradBuckets(self, by_bucket, riders), None
         else:
