@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from . import comm
 from .errors import ShardingError, ShardingTypeError
@@ -534,20 +535,8 @@ def _scaler(loss_scale, plan: Plan) -> LossScaler | None:
 
 
 def _leaves(batch: Any) -> list[torch.Tensor]:
-    if isinstance(batch, torch.Tensor):
-        return [batch]
-    if isinstance(batch, (tuple, list)):
-        return [t for b in batch for t in _leaves(b)]
-    if isinstance(batch, dict):
-        return [t for b in batch.values() for t in _leaves(b)]
-    return []
+    return [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
 
 
 def _map(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return fn(batch)
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(_map(b, fn) for b in batch)
-    if isinstance(batch, dict):
-        return {k: _map(v, fn) for k, v in batch.items()}
-    return batch
+    return tree_map_only(torch.Tensor, fn, batch)

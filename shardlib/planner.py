@@ -484,7 +484,7 @@ class Plan:
                  f"optimizer {_spec(self.states.optim)}, local grads "
                  f"{'kept' if self.states.keep_local_grads else 'freed after reduction'}",
                  f"  batch: {self.batch.spec} (dim 0 over {self.data_axis!r})",
-                 f"  units: " + ", ".join(f"{u.name or '<root>'}({len(u.params)})"
+                 "  units: " + ", ".join(f"{u.name or '<root>'}({len(u.params)})"
                                           + ("*" if u.recompute else "") for u in self.units)
                  + ("   (* = recomputed in backward)" if any(u.recompute for u in self.units) else ""),
                  "", f"  {'parameter':<32} {'shape':<14} {'unit':<10} {'rest':<6} {'compute':<8} "

@@ -599,7 +599,7 @@ def _exec_exchange(x, s: Step, shape, mesh: Mesh):
     my_src = s.src.local_slices(shape, me)
     my_dst = s.dst.local_slices(shape, me)
     sends, in_splits = [], []
-    for q, box in _exchange_sends(s.src, s.dst, s.axes, shape, me):
+    for _peer, box in _exchange_sends(s.src, s.dst, s.axes, shape, me):
         if box is None:
             in_splits.append(0)
             continue

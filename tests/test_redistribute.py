@@ -5,7 +5,6 @@ and compares with its shard of the same global tensor in the destination layout 
 destination: the sum over the partial axes). Bytes counted while running must equal the plan's.
 """
 
-import pytest
 import torch
 
 import shardlib as sl

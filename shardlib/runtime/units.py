@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from .. import comm
 from .flat import pack_for_reduce_scatter, pack_shards, unpack_gathered, unpack_reduced
@@ -50,6 +51,7 @@ class Unit:
         self.specs = [s.rows for s in states]
         self.status = "free"          # free | gathering | gathered
         self.pending = None           # all-gather in flight
+        self.buffer_bytes = 0         # its output buffer
         self.reducing = None          # reduce-scatter in flight
         self.reduced = False          # this micro-step's gradients are reduced
 
@@ -227,10 +229,4 @@ class UnitRunner:
 
 
 def _tensors(output) -> list[torch.Tensor]:
-    if isinstance(output, torch.Tensor):
-        return [output]
-    if isinstance(output, (tuple, list)):
-        return [t for o in output for t in _tensors(o)]
-    if isinstance(output, dict):
-        return [t for o in output.values() for t in _tensors(o)]
-    return []
+    return [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
