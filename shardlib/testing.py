@@ -19,14 +19,14 @@ import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .launcher import WorkerError, finish_rank, free_port, init_world, set_rank_env
+from .frontend.launcher import WorkerError, finish_rank, free_port, init_world, set_rank_env
 
 _MESHES: dict = {}   # worker-process cache; the library itself never reads it
 
 
 def get_mesh(shape: Mapping[str, int], **options: Any):
     """A ``Mesh`` over this worker's world, built once per shape (and ``Mesh`` keyword options)."""
-    from .mesh import Mesh
+    from .algebra.mesh import Mesh
 
     key = (tuple(shape.items()), tuple(sorted(options.items())))
     if key not in _MESHES:

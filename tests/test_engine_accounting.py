@@ -17,11 +17,10 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+from test_engine import make_batches, make_model, make_optimizer
 
 import shardlib as sl
 from shardlib.testing import get_mesh
-
-from test_engine import make_batches, make_model, make_optimizer
 
 
 def _plan_by_op(plan) -> dict[str, tuple[int, int]]:

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_engine import make_batches, make_model, make_optimizer
 
 import shardlib as sl
 from shardlib.testing import get_mesh
-
-from test_engine import make_batches, make_model, make_optimizer
 
 
 def _attempt(fn) -> tuple[str, str, int]:

@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from test_engine import (DTYPES, check_parity, make_batches, make_model, reference_for, reference_run,
-                         run_configs)
+from test_engine import DTYPES, check_parity, make_batches, make_model, reference_for, reference_run, run_configs
 
 SCALE = 2.0 ** 10          # an initial fp16 loss scale that does not overflow these models
 

@@ -278,7 +278,7 @@ def test_to_dtensor_needs_a_process_group():
 @pytest.mark.parametrize("sizes", [(2, 2), (2, 3), (3, 2), (2, 2, 2)])
 def test_expressibility_matches_the_axis_by_axis_reference(sizes):
     """No processes: check_dtensor_expressible agrees with nested torch.chunk for every length."""
-    from shardlib.interop import check_dtensor_expressible
+    from shardlib.comm.interop import check_dtensor_expressible
 
     shape = dict(zip(("a", "b", "c"), sizes))
     mesh = sl.AbstractMesh(shape)

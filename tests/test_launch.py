@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import shardlib as sl
-from shardlib.launcher import _write, collect
+from shardlib.frontend.launcher import _write, collect
 
 # ---- sl.launch over a spawned gloo world -----------------------------------------------------------
 

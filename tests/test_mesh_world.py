@@ -172,7 +172,7 @@ def test_backend_override(world):
 
 
 def test_backend_is_chosen_from_the_hardware(monkeypatch):
-    from shardlib.mesh import _auto_backend
+    from shardlib.algebra.mesh import _auto_backend
 
     assert _auto_backend() == ("nccl" if torch.cuda.is_available() else "gloo")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -247,7 +247,7 @@ def test_mesh_is_not_picklable_but_its_abstract_mesh_is(no_world):
 
 
 def test_default_timeout_reads_the_environment(monkeypatch):
-    from shardlib.mesh import default_timeout
+    from shardlib.algebra.mesh import default_timeout
 
     monkeypatch.setenv("SHARDLIB_TIMEOUT", "12.5")
     assert default_timeout() == datetime.timedelta(seconds=12.5)

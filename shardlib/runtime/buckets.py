@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import comm
+from ..comm import core as comm
 from .flat import pack_for_reduce_scatter, unpack_reduced
 from .state import ParamState
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layout import chunk_bounds, chunk_size
+from ..algebra.layout import chunk_bounds, chunk_size
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..planner import ParamPlan
+from ..planner.plan import ParamPlan
 from .flat import RowSharding
 
 

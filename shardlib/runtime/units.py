@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from .. import comm
+from ..comm import core as comm
 from .flat import pack_for_reduce_scatter, pack_shards, unpack_gathered, unpack_reduced
 from .state import ParamState
 

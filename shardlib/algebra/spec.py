@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from .errors import Problems, ShardingTypeError, SpecError
+from ..errors import Problems, ShardingTypeError, SpecError
 
 Entry = str | tuple[str, ...] | None
 

@@ -18,7 +18,6 @@ whole batch, which is what makes every layout train like one process.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -26,20 +25,15 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from . import comm
-from .errors import ShardingError, ShardingTypeError
-from .mesh import Mesh
-from .planner import Plan, param_owners
-from .runtime.buckets import GradBuckets
-from .runtime.flat import RowSharding, flat_shape, pack_shards, unpack_gathered
-from .runtime.scaler import LossScaler
-from .runtime.state import ParamState
-from .runtime.units import Unit, UnitRunner
-
-# optimizers whose update of an element depends on other elements of the tensor, or that need a
-# closure: they cannot run on shards (or be skipped by the engine)
-_NOT_ELEMENTWISE = ("LBFGS", "Adafactor", "SparseAdam", "Muon")
-_NEEDS_CLOSURE = ("LBFGS",)
+from ..algebra.mesh import Mesh
+from ..comm import core as comm
+from ..errors import ShardingError, ShardingTypeError
+from ..planner.plan import Plan
+from .buckets import GradBuckets
+from .flat import pack_shards, unpack_gathered
+from .inspection import EngineInspection
+from .scaler import LossScaler
+from .setup import EngineSetup, _check_optimizer, _scaler, _validate
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -69,7 +63,7 @@ def parallelize(model: nn.Module, plan: Plan, optimizer: Callable[[list[nn.Param
                   loss_scale=loss_scale, mesh=mesh)
 
 
-class Engine:
+class Engine(EngineSetup, EngineInspection):
     def __init__(self, model: nn.Module, plan: Plan, optimizer, *, lr_scheduler=None, loss_fn=None,
                  loss_scale: LossScaler | None = None, mesh: Mesh | None = None):
         mesh = mesh if mesh is not None else plan.mesh
@@ -96,77 +90,6 @@ class Engine:
         self.optimizer = optimizer([s.master for s in trainable])
         _check_optimizer(self.optimizer, [s.master for s in trainable], plan, model)
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
-
-    # ---- construction --------------------------------------------------------------------------
-    def _build_states(self) -> list[ParamState]:
-        plan, mesh = self.plan, self.mesh
-        owners = param_owners(self.model)
-        modules = dict(self.model.named_modules())
-        named = dict(self.model.named_parameters())
-        states = []
-        for i, pp in enumerate(plan.params):
-            p = named[pp.name]
-            rows = RowSharding(flat_shape(pp.shape), self.data_size)
-            lo, hi = rows.bounds(self.data_index)
-            st = ParamState(i, pp, p, rows, lo, hi, [(modules[m], a) for m, a in owners[id(p)]])
-            value = p.detach().to(device=mesh.device, dtype=torch.float32)
-            mine = value.view(rows.shape)[lo:hi]
-            with torch.no_grad():
-                if plan.states.params is None:
-                    p.data = value.to(self.cdt) if plan.mixed else value
-                    if pp.trainable:
-                        if plan.states.optim is None:
-                            st.master = nn.Parameter(value.clone()) if plan.mixed else p
-                        elif plan.mixed:
-                            st.master = nn.Parameter(mine.clone())
-                        else:   # fp32: the optimizer updates this rank's rows of the parameter in place
-                            st.master = nn.Parameter(p.data.view(rows.shape)[lo:hi])
-                        if plan.states.grads is not None and not plan.states.keep_local_grads:
-                            st.grad_shard = torch.zeros_like(mine, dtype=self.rdt)
-                            if self.grad_is_master:
-                                st.master.grad = st.grad_shard
-                else:
-                    master = nn.Parameter(mine.clone(), requires_grad=pp.trainable)
-                    st.shard = master.detach().to(self.cdt) if plan.mixed else master.detach()
-                    if pp.trainable:
-                        st.master = master
-                        st.grad_shard = torch.zeros_like(mine, dtype=self.rdt)
-                        if self.grad_is_master:
-                            master.grad = st.grad_shard
-                    full = nn.Parameter(torch.empty(pp.shape, dtype=self.cdt, device=mesh.device),
-                                        requires_grad=pp.trainable)
-                    full.untyped_storage().resize_(0)
-                    for mod, attr in st.owners:
-                        mod._parameters[attr] = full
-                    st.param = full
-            states.append(st)
-        return states
-
-    def _build_units(self) -> UnitRunner:
-        modules = dict(self.model.named_modules())
-        by_name = {s.name: s for s in self.states}
-        root, units = None, []
-        for u in self.plan.units:
-            unit = Unit(u.name, modules[u.name], [by_name[n] for n in u.params], u.reshard_after_forward)
-            if u.name == "":
-                root = unit
-            else:
-                units.append(unit)
-        return UnitRunner(self, units, root)
-
-    def _apply_recompute(self) -> None:
-        from torch.utils.checkpoint import checkpoint
-
-        modules = dict(self.model.named_modules())
-        for u in self.plan.units:
-            if u.recompute:
-                mod = modules[u.name]
-                inner = mod.forward
-
-                def forward(*args, _inner=inner, **kwargs):
-                    return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
-
-                mod.forward = forward
 
     # ---- the step ------------------------------------------------------------------------------
     def step(self, batch: Any, *, local: bool = False) -> float:
@@ -387,152 +310,6 @@ class Engine:
             flat = pack_shards([s.master for s in states], [s.rows for s in states], self.cdt)
             out = comm.all_gather(flat, self.mesh, plan.data_axis)
             unpack_gathered(out, [s.rows for s in states], [s.param.data for s in states])
-
-    # ---- inspection ----------------------------------------------------------------------------
-    def memory_held(self) -> dict[str, int]:
-        """Bytes of storage this rank holds for model states, by kind (as ``Plan.memory_per_rank``):
-        ``params`` (compute-dtype copies, gathered or not), ``grads`` (kept gradients, and the
-        gradients the optimizer reads while it steps), ``optimizer`` (fp32 masters that are not
-        the parameters themselves, and per-element optimizer state; step counters excluded).
-        Shared storage is counted once. Between steps it equals ``plan.memory_per_rank()``;
-        inside ``optimizer.step`` (e.g. from a step pre-hook), ``plan.memory_per_rank(at="update")``."""
-        seen: set[int] = set()
-        out = {"params": 0, "grads": 0, "optimizer": 0, "buffers": 0}
-
-        def add(kind: str, t: torch.Tensor | None) -> None:
-            if t is None:
-                return
-            st = t.untyped_storage()
-            if st.nbytes() == 0 or st.data_ptr() in seen:
-                return
-            seen.add(st.data_ptr())
-            out[kind] += st.nbytes()
-
-        for s in self.states:
-            add("params", s.param)
-            add("params", s.shard)
-        if self.buckets is not None and self.buckets.views:
-            for buf in self.buckets.buffers:
-                add("grads", buf)
-            # the last bucket's tail holds the step's scalars, not gradients
-            out["grads"] -= 4 * self.buckets.riders
-            out["buffers"] += 4 * self.buckets.riders
-        for s in self.states:
-            add("grads", s.param.grad)
-            add("grads", s.grad_shard)
-        for s in self.states:                      # what the optimizer reads, where it is another tensor
-            add("grads", s.master.grad if s.master is not None else None)
-        for s in self.states:
-            add("optimizer", s.master)
-        for state in self.optimizer.state.values():
-            for v in state.values():
-                if isinstance(v, torch.Tensor) and v.dim() > 0:
-                    add("optimizer", v)
-        out["total"] = out["params"] + out["grads"] + out["optimizer"]
-        return out
-
-    @property
-    def peak_gathered_bytes(self) -> int:
-        """ZeRO-3: the most bytes of gathered parameters (and gather buffers) held at once."""
-        return self.units.peak if self.units is not None else 0
-
-    @torch.no_grad()
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter's full value (fp32 masters, gathered where sharded), the same on every rank."""
-        out = {}
-        for s in self.states:
-            if s.master is not None and s.master.shape == s.param.shape:
-                out[s.name] = s.master.detach().float().clone()          # replicated master
-            elif self.plan.states.params is None and not (s.master is not None and self.plan.mixed):
-                out[s.name] = s.param.detach().float().clone()           # the full copy is exact
-            else:
-                rows = s.master if s.master is not None else s.shard
-                flat = pack_shards([rows.detach().float()], [s.rows], torch.float32)
-                full = torch.empty(s.rows.shape, dtype=torch.float32, device=self.mesh.device)
-                unpack_gathered(comm.all_gather(flat, self.mesh, self.plan.data_axis), [s.rows], [full])
-                out[s.name] = full.reshape(s.plan.shape)
-        return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Validation
-# ---------------------------------------------------------------------------------------------
-
-def _validate(model, plan, optimizer, mesh, loss_fn) -> None:
-    if not isinstance(plan, Plan):
-        raise ShardingTypeError(f"parallelize: expected a Plan from sl.plan(...) — got {type(plan).__name__}.")
-    if not isinstance(mesh, Mesh):
-        raise ShardingTypeError("parallelize: the plan's mesh is an AbstractMesh — training needs a Mesh over "
-                                "running processes: plan with sl.Mesh(...) or pass mesh=.")
-    if mesh.abstract() != plan.mesh.abstract():
-        raise ShardingError(f"parallelize: mesh {mesh.axis_sizes} differs from the plan's {plan.mesh.axis_sizes}.")
-    names = [n for n, _ in model.named_parameters()]
-    if names != [p.name for p in plan.params]:
-        raise ShardingError("parallelize: the model's parameters differ from the plan's — expected the model the "
-                            "plan was made for (same parameter names, in the same order).")
-    if not any(p.trainable for p in plan.params):
-        raise ShardingError(f"parallelize: the model {type(model).__name__} has no trainable parameters — all "
-                            f"{len(names)} have requires_grad=False; expected at least one to train. Unfreeze some "
-                            "(p.requires_grad_(True)) before planning.")
-    if isinstance(optimizer, torch.optim.Optimizer):
-        raise ShardingTypeError(
-            f"parallelize: optimizer is a {type(optimizer).__name__} already built on the model's parameters — "
-            "expected a factory. The engine decides which tensors the optimizer sees (fp32 shards under ZeRO, "
-            "fp32 masters in mixed precision); pass e.g. optimizer=lambda params: "
-            f"torch.optim.{type(optimizer).__name__}(params, lr=...).")
-    if not callable(optimizer):
-        raise ShardingTypeError(f"parallelize: optimizer must be a factory params -> Optimizer — got "
-                                f"{type(optimizer).__name__}.")
-    if loss_fn is not None and not callable(loss_fn):
-        raise ShardingTypeError(f"parallelize: loss_fn must be callable (model, batch) -> loss — got "
-                                f"{type(loss_fn).__name__}.")
-
-
-def _check_optimizer(opt, masters: list[torch.Tensor], plan: Plan, model: nn.Module) -> None:
-    if not isinstance(opt, torch.optim.Optimizer):
-        raise ShardingTypeError(f"parallelize: the optimizer factory returned {type(opt).__name__} — expected a "
-                                "torch.optim.Optimizer.")
-    name = type(opt).__name__
-    if plan.precision == "fp16" and name in _NEEDS_CLOSURE:
-        raise ShardingError(f"parallelize: fp16 loss scaling skips steps that overflow, but {name} runs the model "
-                            "inside step() (it needs a closure) and cannot be skipped — use an optimizer such as "
-                            "AdamW or SGD, or bf16/fp32.")
-    if name in _NEEDS_CLOSURE:
-        raise ShardingError(f"parallelize: {name} needs a closure that re-runs the model; the engine runs forward "
-                            "and backward itself — use AdamW, SGD or another step-by-step optimizer.")
-    if plan.states.optim is not None and name in _NOT_ELEMENTWISE:
-        raise ShardingError(f"parallelize: {name} updates an element from others of its tensor, so it cannot run on "
-                            "the shards ZeRO gives it — use zero=0, or an elementwise optimizer (AdamW, SGD, ...).")
-    seen = {id(p) for g in opt.param_groups for p in g["params"]}
-    if seen != {id(m) for m in masters}:
-        stranger = len(seen - {id(m) for m in masters})
-        of_model = len(seen & {id(p) for p in model.parameters()} - {id(m) for m in masters})
-        stage = f"ZeRO-{plan.zero}" if plan.zero else ("mixed precision" if plan.mixed else "this plan")
-        raise ShardingError(
-            f"parallelize: the optimizer holds {stranger} tensor(s) the engine did not give it"
-            + (f" ({of_model} of them the model's own, unsharded parameters)" if of_model else "")
-            + f" — expected exactly the {len(masters)} tensors passed to the factory. Under {stage} the optimizer "
-            "updates what the engine gives it (fp32 masters, this rank's rows where the plan shards them); build "
-            "it from the factory's argument: optimizer=lambda params: torch.optim.AdamW(params, ...).")
-
-
-def _scaler(loss_scale, plan: Plan) -> LossScaler | None:
-    if loss_scale is not None and plan.precision != "fp16":
-        raise ShardingError(f"parallelize: loss_scale={loss_scale!r} given, but the plan computes in "
-                            f"{plan.precision} — expected loss scaling only with precision='fp16'. Drop loss_scale.")
-    if plan.precision != "fp16":
-        return None
-    if loss_scale is None:
-        return LossScaler()
-    if isinstance(loss_scale, LossScaler):
-        return loss_scale
-    if isinstance(loss_scale, bool) or not isinstance(loss_scale, (int, float)):
-        raise ShardingTypeError(f"parallelize: loss_scale must be a number or a LossScaler — got "
-                                f"{type(loss_scale).__name__}.")
-    if not (math.isfinite(loss_scale) and loss_scale > 0):
-        raise ShardingError(f"parallelize: loss_scale must be a positive finite number — got {loss_scale!r}.")
-    return LossScaler(scale=float(loss_scale))
-
 
 def _leaves(batch: Any) -> list[torch.Tensor]:
     return [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]

@@ -32,7 +32,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from .errors import ShardingTypeError
+from ..errors import ShardingTypeError
 
 
 class WorkerError(RuntimeError):
@@ -61,7 +61,7 @@ def init_world(backend: str | None = None, timeout: float | datetime.timedelta |
     import torch
     import torch.distributed as dist
 
-    from .mesh import _auto_backend, check_backend, default_timeout
+    from ..algebra.mesh import _auto_backend, check_backend, default_timeout
 
     if threads:
         torch.set_num_threads(threads)

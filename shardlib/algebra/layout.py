@@ -17,7 +17,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from .errors import Problems, ShardingTypeError, SpecError
+from ..errors import Problems, ShardingTypeError, SpecError
 from .mesh import AbstractMesh, unknown_axis_message
 from .spec import PartitionSpec
 

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .errors import CollectiveError, ShardingTypeError
-from .mesh import Mesh
+from ..algebra.mesh import Mesh
+from ..errors import CollectiveError, ShardingTypeError
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
                "avg": dist.ReduceOp.AVG}

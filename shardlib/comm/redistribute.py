@@ -37,12 +37,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import comm
-from .comm import format_bytes
-from .errors import ShardingError, ShardingTypeError
-from .layout import Layout, chunk_bounds, chunk_size
-from .mesh import AbstractMesh, Mesh
-from .spec import PartitionSpec
+from ..algebra.layout import Layout, chunk_bounds, chunk_size
+from ..algebra.mesh import AbstractMesh, Mesh
+from ..algebra.spec import PartitionSpec
+from ..errors import ShardingError, ShardingTypeError
+from . import core as comm
+from .core import format_bytes
 
 NETWORK = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "exchange")
 

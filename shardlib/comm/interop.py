@@ -13,10 +13,10 @@ from collections.abc import Sequence
 
 import torch
 
-from .errors import ShardingError, ShardingTypeError, SpecError
-from .layout import Layout, chunk_bounds
-from .mesh import Mesh
-from .spec import PartitionSpec
+from ..algebra.layout import Layout, chunk_bounds
+from ..algebra.mesh import Mesh
+from ..algebra.spec import PartitionSpec
+from ..errors import ShardingError, ShardingTypeError, SpecError
 
 
 def _dtensor_slices(shape: Sequence[int], lay: Layout, rank: int) -> tuple[slice, ...]:
@@ -84,7 +84,7 @@ def from_dtensor(dt, mesh: Mesh | None = None) -> tuple[torch.Tensor, Layout]:
     """
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-    from .mesh import current_mesh
+    from ..algebra.mesh import current_mesh
 
     if not isinstance(dt, DTensor):
         raise ShardingTypeError(f"from_dtensor: expected a DTensor — got {type(dt).__name__}.")

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import MeshError, Problems, ShardingTypeError, SpecError
+from ..errors import MeshError, Problems, ShardingTypeError, SpecError
 
 
 class MeshShape(tuple):

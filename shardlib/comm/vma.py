@@ -22,6 +22,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from ..errors import ShardingError
+from .autograd import _PBroadcast
+
 _TRACKER: contextvars.ContextVar[VmaTracker | None] = contextvars.ContextVar("shardlib_vma", default=None)
 
 
@@ -56,8 +59,6 @@ class VmaTracker(TorchFunctionMode):
 
     def pvary(self, t: torch.Tensor, axes: frozenset[str]) -> torch.Tensor:
         """``pbroadcast(t, axes)``, made once per (tensor, axes) while ``t`` is not modified in place."""
-        from .collectives import _PBroadcast
-
         axes = frozenset(axes)
         cache = self.broadcasts.get(t)
         hit = cache.get(axes) if cache is not None else None
@@ -77,8 +78,6 @@ class VmaTracker(TorchFunctionMode):
 
     def pvary_inplace(self, t: torch.Tensor, axes: frozenset[str]) -> None:
         """Make ``t`` itself a ``pbroadcast`` of its old value (``t.copy_(pbroadcast(t.clone()))``)."""
-        from .collectives import _PBroadcast
-
         ordered = tuple(a for a in self.mesh.axis_names if a in axes)
         self.suspended += 1
         try:
@@ -138,7 +137,6 @@ def current_tracker() -> VmaTracker | None:
 def tracking(mesh) -> Iterator[VmaTracker]:
     """Track varying axes for the ``with`` body (used by ``shard_map``)."""
     if _TRACKER.get() is not None:
-        from .errors import ShardingError
         raise ShardingError("shard_map: nested shard_map is not supported — call the inner function "
                             "directly; it already sees per-rank shards.")
     tracker = VmaTracker(mesh)

@@ -22,13 +22,13 @@ from typing import Any
 
 import torch
 
-from . import comm
-from .errors import ShardingError, ShardingTypeError
-from .layout import Layout, chunk_bounds
-from .mesh import Mesh, use_mesh
-from .redistribute import plan_redistribute
-from .spec import PartitionSpec
-from .vma import tracking
+from ..algebra.layout import Layout, chunk_bounds
+from ..algebra.mesh import Mesh, use_mesh
+from ..algebra.spec import PartitionSpec
+from ..comm import core as comm
+from ..comm.redistribute import plan_redistribute
+from ..comm.vma import tracking
+from ..errors import ShardingError, ShardingTypeError
 
 SpecTree = Any
 

@@ -31,10 +31,10 @@ from collections.abc import Sequence
 
 import torch
 
-from . import comm
-from .errors import CollectiveError, ShardingTypeError
-from .mesh import Mesh, current_mesh
-from .redistribute import all_to_all_dims, gather_dim, scatter_dim
+from ..algebra.mesh import Mesh, current_mesh
+from ..errors import CollectiveError, ShardingTypeError
+from . import core as comm
+from .autograd import _AllGather, _AllToAll, _PBroadcast, _PPermute, _Psum, _PsumScatter
 from .vma import current_tracker, tracked
 
 AxisArg = str | Sequence[str]
@@ -79,79 +79,6 @@ def _dim(x: torch.Tensor, dim: int, api: str) -> int:
         raise CollectiveError(f"{api}: dim {dim} is out of range — got a tensor of shape {tuple(x.shape)}; "
                               f"expected -{x.dim()} <= dim < {x.dim()}.")
     return dim % x.dim()
-
-
-def _fresh(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """A collective over a group of one returns its input; copy it, so that the result is a new
-    tensor in every world (in-place ops on it then work, and never write into ``x``)."""
-    return out.clone() if out is x else out
-
-
-class _Psum(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, mesh, axes):
-        return _fresh(comm.all_reduce(x, mesh, axes), x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None, None
-
-
-class _PBroadcast(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, mesh, axes):
-        ctx.mesh, ctx.axes = mesh, axes
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return comm.all_reduce(g.contiguous(), ctx.mesh, ctx.axes), None, None
-
-
-class _AllGather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, mesh, axes, dim):
-        ctx.mesh, ctx.axes, ctx.dim = mesh, axes, dim
-        return _fresh(gather_dim(x, mesh, axes, dim), x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return scatter_dim(g.contiguous(), ctx.mesh, ctx.axes, ctx.dim), None, None, None
-
-
-class _PsumScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, mesh, axes, dim):
-        ctx.mesh, ctx.axes, ctx.dim = mesh, axes, dim
-        return _fresh(scatter_dim(x, mesh, axes, dim), x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return gather_dim(g.contiguous(), ctx.mesh, ctx.axes, ctx.dim), None, None, None
-
-
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, mesh, axes, split_dim, concat_dim):
-        ctx.mesh, ctx.axes, ctx.dims = mesh, axes, (split_dim, concat_dim)
-        return _fresh(all_to_all_dims(x, mesh, axes, split_dim, concat_dim), x)
-
-    @staticmethod
-    def backward(ctx, g):
-        s, c = ctx.dims
-        return all_to_all_dims(g.contiguous(), ctx.mesh, ctx.axes, c, s), None, None, None, None
-
-
-class _PPermute(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, mesh, axes, pairs):
-        ctx.mesh, ctx.axes, ctx.pairs = mesh, axes, pairs
-        return _fresh(comm.send_recv(x, mesh, axes, pairs), x)
-
-    @staticmethod
-    def backward(ctx, g):
-        inverse = [(d, s) for s, d in ctx.pairs]
-        return comm.send_recv(g.contiguous(), ctx.mesh, ctx.axes, inverse), None, None, None
 
 
 def psum(x: torch.Tensor, axis: AxisArg, *, mesh: Mesh | None = None) -> torch.Tensor:

@@ -1,0 +1,159 @@
+"""Memory accounting of a ``Plan``: model-state bytes per rank (the ZeRO-paper terms), ZeRO-3's
+gather schedule and the transient bytes of gathered units. Mixed into ``Plan``."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..errors import ShardingError
+
+if TYPE_CHECKING:
+    from .plan import UnitPlan
+
+
+class MemoryAccounting:
+    def memory_per_rank(self, rank: int | None = None, *, at: str = "rest") -> dict[str, int]:
+        """Model-state bytes this rank holds, by kind: ``params`` (compute-dtype copies),
+        ``grads``, ``optimizer`` (fp32 master copy where it is not the parameter itself, plus
+        optimizer state), and their ``total``; apart from them, ``buffers``: the slots of the
+        step's scalars kept at the end of the last gradient bucket when they ride its all-reduce
+        (``scalars_ride_gradients``; 4 bytes a scalar).
+
+        ``at="rest"``: between steps (the ZeRO-paper terms). ``at="update"``: while the optimizer
+        steps, when ``grads`` also holds the gradients the optimizer reads where they are not
+        kept between steps — fp32 copies where gradients are reduced in a 2-byte dtype, and
+        with fp32 reduction under ZeRO-1 the reduce-scatter outputs (padded rows) that the
+        masters' gradients view. ZeRO-3's
+        gathered units are transient as well: see ``transient_per_rank``."""
+        if at not in ("rest", "update"):
+            raise ShardingError(f"memory_per_rank: at={at!r} — expected 'rest' or 'update'.")
+        rank = self._rank(rank)
+        c = self.compute_dtype.itemsize
+        g = self.reduce_dtype.itemsize
+        params = grads = optim = 0
+        for p in self.params:
+            params += p.local_numel(p.rest, rank) * c
+            if not p.trainable:
+                continue
+            if self.states.keep_local_grads:
+                grads += p.numel * c                      # full local gradients (compute dtype) persist
+            else:
+                grads += p.local_numel(p.grad, rank) * g  # only the reduced shard persists
+            n_opt = p.local_numel(p.optim, rank)
+            master = 4 * n_opt if self.mixed else 0       # in fp32 the parameter is the master
+            optim += master + self.optimizer_state_bytes * n_opt
+            if at == "update":
+                if self.reduce_dtype != torch.float32:
+                    grads += 4 * n_opt                    # fp32 copies of the reduced gradients
+                elif self.states.keep_local_grads and (self.states.grads is not None
+                                                       or self.reduce_dtype != self.compute_dtype):
+                    # the master's gradient views the collective's output: ZeRO-1's reduced
+                    # (padded) rows, or a full all-reduced gradient kept apart from the local one
+                    grads += (p.padded_numel(p.grad) if self.states.grads is not None else p.numel) * g
+        buffers = 4 * self.scalars_per_step() if self.scalars_ride_gradients and self._grad_views else 0
+        return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim,
+                "buffers": buffers}
+
+    @property
+    def _grad_views(self) -> bool:
+        """Replicated-parameter gradients live in persistent bucket buffers (views into them)."""
+        return (self.states.params is None and self.states.keep_local_grads
+                and self.reduce_dtype == self.compute_dtype)
+
+    def gather_schedule(self) -> tuple[str, ...]:
+        """ZeRO-3: the order in which one micro-step starts gathering (``G``), waits for and
+        unpacks (``W``) and frees (``F``) its units, as the runtime runs it: the root when the
+        model's forward starts; each unit just before its forward, prefetching the next one; in
+        backward each unit again (unless it stayed gathered), prefetching the one before it, and
+        freed once its gradients are reduced; the root last. Empty when parameters are replicated.
+        """
+        if self.states.params is None:
+            return ()
+        root = next((u for u in self.units if u.name == ""), None)
+        units = [u for u in self.units if u.name != ""]
+        status = {u.name: "free" for u in self.units}
+        events: list[str] = []
+
+        def name(u: UnitPlan) -> str:
+            return u.name or "<root>"
+
+        def gather(u):
+            if u is not None and status[u.name] == "free":
+                events.append(f"G({name(u)})")
+                status[u.name] = "gathering"
+
+        def wait(u):
+            if status[u.name] != "gathered":
+                gather(u)
+                events.append(f"W({name(u)})")
+                status[u.name] = "gathered"
+
+        def free(u):
+            if status[u.name] == "gathered":
+                events.append(f"F({name(u)})")
+                status[u.name] = "free"
+
+        if root is not None:
+            wait(root)
+        if units:
+            gather(units[0])
+        for i, u in enumerate(units):                       # forward
+            gather(u)
+            gather(units[i + 1] if i + 1 < len(units) else None)
+            wait(u)
+            if u.reshard_after_forward:
+                free(u)
+        for i in reversed(range(len(units))):               # backward
+            u = units[i]
+            gather(u)
+            gather(units[i - 1] if i > 0 else None)
+            wait(u)
+            free(u)
+        if root is not None:
+            free(root)
+        return tuple(events)
+
+    def transient_per_rank(self, rank: int | None = None) -> dict[str, int]:
+        """ZeRO-3: the peak bytes of gathered parameters plus the all-gather output buffers in
+        flight, replaying ``gather_schedule``: a gather holds its unit's padded output buffer
+        (``N x`` the padded shard) until its wait unpacks it into the parameters (both held for a
+        moment), a free releases the parameters. The engine tracks the same quantity
+        (``engine.peak_gathered_bytes``). Full-size gradients of a unit before its reduce-scatter
+        are not counted. Zero when parameters are replicated."""
+        if self.states.params is None:
+            return {"gathered": 0}
+        c, n = self.compute_dtype.itemsize, self.data_size
+        full = {u.name: sum(p.numel for p in self.unit_params(u.name)) * c for u in self.units}
+        buf = {u.name: sum(p.padded_numel(p.rest) for p in self.unit_params(u.name)) * n * c for u in self.units}
+        by_label = {(u.name or "<root>"): u.name for u in self.units}
+        live = peak = 0
+        for ev in self.gather_schedule():
+            op, u = ev[0], by_label[ev[2:-1]]
+            if op == "G":
+                live += buf[u]
+            elif op == "W":
+                live += full[u]
+                peak = max(peak, live)
+                live -= buf[u]
+            else:
+                live -= full[u]
+            peak = max(peak, live)
+        return {"gathered": peak}
+
+    def zero_formula(self) -> dict[str, float]:
+        """The ZeRO-paper terms for this plan, to compare with ``memory_per_rank``: parameters
+        ``cΨ`` (``/N`` when sharded), gradients ``gΨ_t`` (``/N`` when sharded and not kept whole),
+        optimizer ``KΨ_t`` (``/N`` when sharded), with Ψ the parameter count and Ψ_t the trainable
+        count (equal in the paper). Equal to ``memory_per_rank`` when every dim 0 divides by N."""
+        psi, psi_t, n = self.num_params, self.num_trainable, self.data_size
+        c, g = self.compute_dtype.itemsize, self.reduce_dtype.itemsize
+        k = (4 if self.mixed else 0) + self.optimizer_state_bytes
+        params = c * psi / (n if self.states.params else 1)
+        if self.states.keep_local_grads:
+            grads = c * psi_t
+        else:
+            grads = g * psi_t / (n if self.states.grads else 1)
+        optim = k * psi_t / (n if self.states.optim else 1)
+        return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}

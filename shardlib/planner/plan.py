@@ -1,0 +1,152 @@
+"""The planner: model + mesh + policies -> ``Plan`` (pure data, testable without processes).
+
+Every parameter has four layouts, and the ZeRO stages are choices of them on the ``data`` axis:
+
+==============  ======  ======  =======  ======================
+state           DP      ZeRO-1  ZeRO-2   ZeRO-3
+==============  ======  ======  =======  ======================
+params at rest  R       R       R        S(data)
+compute         R       R       R        R, gathered per unit
+local grads     kept    kept    per-bucket  per-unit
+grads           R       S(data) S(data)  S(data)
+optim + master  R       S(data) S(data)  S(data)
+==============  ======  ======  =======  ======================
+
+``R`` = replicated over ``data``, ``S(data)`` = dim 0 split over ``data`` (ceil chunks; uneven
+sizes work). The planner derives the traffic from these layouts: a replicated gradient is
+all-reduced, a sharded one reduce-scattered; a sharded optimizer state with replicated params
+means the updated shards are all-gathered; sharded params are all-gathered before each use.
+
+Model-state bytes per rank follow (ZeRO paper, Ψ = parameter count, N = data degree, K = bytes
+of optimizer state and master copy per parameter — 12 for Adam in mixed precision):
+
+* DP: ``(2 + 2 + K)Ψ``  ·  ZeRO-1: ``4Ψ + KΨ/N``  ·  ZeRO-2: ``2Ψ + (2 + K)Ψ/N``  ·  ZeRO-3: ``(2 + 2 + K)Ψ/N``
+
+in mixed precision (2-byte params and grads); in fp32 the 2s become 4s and the master copy is
+the parameter itself. Communication per rank per step, ring model: DP and ZeRO-1/2 ``2Ψ(N-1)/N``
+elements, ZeRO-3 ``3Ψ(N-1)/N`` (gather forward, gather backward, reduce-scatter grads).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ..algebra.layout import Layout
+from ..algebra.mesh import AbstractMesh
+from .explain import Explain
+from .memory import MemoryAccounting
+from .states import StateLayouts
+from .traffic import CommEntry as CommEntry  # re-exported: part of a plan's data
+from .traffic import TrafficAccounting
+
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# bytes of optimizer state per parameter (fp32 state tensors)
+OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "sgd": 0, "sgd_momentum": 4, "rmsprop": 4, "adagrad": 4}
+
+
+@dataclass(frozen=True)
+class ParamPlan:
+    """One parameter: its shape, unit, bucket and the layouts of its states."""
+
+    name: str
+    shape: tuple[int, ...]
+    unit: str
+    bucket: int | None
+    trainable: bool
+    rest: Layout      # compute-dtype copy at rest
+    compute: Layout   # compute-dtype copy while used
+    grad: Layout      # gradient after reduction
+    optim: Layout     # fp32 master copy and optimizer state
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def local_numel(self, layout: Layout, rank: int) -> int:
+        return math.prod(layout.local_shape(self.flat_shape, rank))
+
+    def padded_numel(self, layout: Layout) -> int:
+        """Elements of one rank's shard padded to ``ceil`` (what a collective moves per rank)."""
+        return math.prod(layout.padded_local_shape(self.flat_shape))
+
+    @property
+    def flat_shape(self) -> tuple[int, ...]:
+        """Shape used for sharding (0-d parameters are treated as 1 element)."""
+        return self.shape if self.shape else (1,)
+
+
+@dataclass(frozen=True)
+class UnitPlan:
+    """A module subtree whose parameters are gathered and freed together (an FSDP wrap unit)."""
+
+    name: str                     # qualified module name; "" is the root unit (everything else)
+    params: tuple[str, ...]
+    reshard_after_forward: bool
+    recompute: bool
+
+
+@dataclass(frozen=True)
+class Plan(MemoryAccounting, TrafficAccounting, Explain):
+    """Per-parameter layouts, units, buckets, and what a step costs. Pure data."""
+
+    mesh: AbstractMesh
+    data_axis: str
+    states: StateLayouts
+    precision: str
+    reduce_dtype: torch.dtype
+    grad_accum: int
+    clip_grad_norm: float | None
+    optimizer_state_bytes: int
+    bucket_bytes: int
+    params: tuple[ParamPlan, ...]
+    units: tuple[UnitPlan, ...]
+    batch: Layout = field(repr=False)
+
+    # ---- basics --------------------------------------------------------------------------------
+    @property
+    def zero(self) -> int | None:
+        return self.states.stage
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return PRECISIONS[self.precision]
+
+    @property
+    def mixed(self) -> bool:
+        return self.precision != "fp32"
+
+    @property
+    def data_size(self) -> int:
+        return self.mesh.axis_size(self.data_axis)
+
+    @property
+    def num_params(self) -> int:
+        return sum(p.numel for p in self.params)
+
+    def param(self, name: str) -> ParamPlan:
+        for p in self.params:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+    def buckets(self) -> list[list[ParamPlan]]:
+        """Gradient buckets (replicated parameters), in the order they are reduced."""
+        out: dict[int, list[ParamPlan]] = {}
+        for p in self.params:
+            if p.bucket is not None:
+                out.setdefault(p.bucket, []).append(p)
+        return [out[b] for b in sorted(out)]
+
+    def unit_params(self, unit: str) -> list[ParamPlan]:
+        return [p for p in self.params if p.unit == unit]
+
+    def _rank(self, rank: int | None) -> int:
+        return rank if rank is not None else getattr(self.mesh, "rank", 0)
+
+    @property
+    def num_trainable(self) -> int:
+        """Parameters that get gradients and optimizer state (``requires_grad``)."""
+        return sum(p.numel for p in self.params if p.trainable)

@@ -1,0 +1,133 @@
+"""Traffic accounting of a ``Plan``: every collective of a step with the bytes a rank sends
+(ring model), and the ring-minimum bound. Mixed into ``Plan``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..comm import core as comm
+from ..comm.core import format_bytes
+
+
+@dataclass(frozen=True)
+class CommEntry:
+    """One collective of a step: ``count`` times ``op`` over ``axes``, ``bytes`` each (per rank)."""
+
+    phase: str        # "forward" | "backward" | "step"
+    what: str         # "params" | "grads" | "scalars"
+    op: str
+    axes: tuple[str, ...]
+    bytes: int
+    count: int = 1
+    where: str = ""   # unit or bucket
+    riders: int = 0   # bytes of the step's scalars carried in this collective (see Plan.scalars_ride_gradients)
+
+    @property
+    def total(self) -> int:
+        return self.bytes * self.count
+
+    def __str__(self) -> str:
+        times = f" x{self.count}" if self.count > 1 else ""
+        return (f"{self.phase:<8} {self.what:<7} {self.op}({', '.join(self.axes)}){times} "
+                f"{format_bytes(self.total)}" + (f"  [{self.where}]" if self.where else ""))
+
+
+class TrafficAccounting:
+    def scalars_per_step(self) -> int:
+        """Floats in the one all-reduce that ends a step: the loss, (with sharded gradients) a
+        non-finite count under fp16 and a squared norm under clipping, and one flag per trainable
+        parameter saying on how many ranks it got a gradient — a parameter that got none on any
+        rank is left out of the update, as one process leaves a parameter whose ``grad`` is None
+        (the role of DDP's ``find_unused_parameters`` bitmap)."""
+        k = 1 + sum(1 for p in self.params if p.trainable)
+        if self.states.grads is not None:
+            k += int(self.precision == "fp16") + int(self.clip_grad_norm is not None)
+        return k
+
+    @property
+    def scalars_ride_gradients(self) -> bool:
+        """Whether the step's scalars travel in the last gradient bucket's all-reduce instead of an
+        all-reduce of their own (one synchronization fewer per step). They can when gradients are
+        replicated (overflow and norm are then computed locally, so nothing waits for the reduced
+        gradients) and reduced in fp32 (the loss keeps its precision). Not in a reduce-scatter:
+        each rank would receive its own row's sum, added in another order, and ranks must agree on
+        the loss to the bit."""
+        return (self.states.params is None and self.states.grads is None and self.data_size > 1
+                and self.reduce_dtype == torch.float32)
+
+    def comm_per_step(self) -> list[CommEntry]:
+        """Every collective one ``step`` issues, with the bytes this rank sends (ring model)."""
+        n, axis = self.data_size, (self.data_axis,)
+        c, g = self.compute_dtype.itemsize, self.reduce_dtype.itemsize
+        out: list[CommEntry] = []
+        if n > 1:
+            m = self.grad_accum
+            if self.states.params is not None:           # ZeRO-3: per unit, every micro-step
+                for u in self.units:
+                    ps = self.unit_params(u.name)
+                    shard = sum(p.padded_numel(p.rest) for p in ps)
+                    gathered = comm.all_gather_bytes(shard, n, c)
+                    out.append(CommEntry("forward", "params", "all_gather", axis, gathered, m, u.name or "<root>"))
+                    if u.reshard_after_forward:
+                        out.append(CommEntry("backward", "params", "all_gather", axis, gathered, m,
+                                             u.name or "<root>"))
+                    tr = sum(p.padded_numel(p.grad) for p in ps if p.trainable)
+                    if tr:
+                        out.append(CommEntry("backward", "grads", "reduce_scatter", axis,
+                                             comm.reduce_scatter_bytes(tr, n, g), m, u.name or "<root>"))
+            else:
+                buckets = self.buckets()
+                k = self.scalars_per_step() if self.scalars_ride_gradients else 0
+                for i, bucket in enumerate(buckets):
+                    extra = k if i == len(buckets) - 1 else 0
+                    if self.states.grads is None:
+                        numel = sum(p.numel for p in bucket)
+                        out.append(CommEntry("backward", "grads", "all_reduce", axis,
+                                             comm.all_reduce_bytes(numel + extra, n, g), 1, f"bucket {i}",
+                                             comm.all_reduce_bytes(numel + extra, n, g)
+                                             - comm.all_reduce_bytes(numel, n, g)))
+                    else:
+                        shard = sum(p.padded_numel(p.grad) for p in bucket)
+                        out.append(CommEntry("backward", "grads", "reduce_scatter", axis,
+                                             comm.reduce_scatter_bytes(shard, n, g), 1, f"bucket {i}"))
+                    if self.states.optim is not None:
+                        shard = sum(p.padded_numel(p.optim) for p in bucket)
+                        out.append(CommEntry("step", "params", "all_gather", axis,
+                                             comm.all_gather_bytes(shard, n, c), 1, f"bucket {i}"))
+            if not self.scalars_ride_gradients:
+                out.append(CommEntry("step", "scalars", "all_reduce", axis,
+                                     comm.all_reduce_bytes(self.scalars_per_step(), n, 4), 1))
+        return out
+
+    def comm_bytes_per_step(self, what: str | None = None) -> int:
+        """Bytes this rank sends per step, all or those of one kind (``params``, ``grads``,
+        ``scalars``); scalars riding in a gradient collective count as ``scalars``."""
+        total = 0
+        for e in self.comm_per_step():
+            if what is None:
+                total += e.total
+            elif what == "scalars":
+                total += e.total if e.what == "scalars" else e.riders * e.count
+            elif e.what == what:
+                total += e.total - e.riders * e.count
+        return total
+
+    def ring_minimum(self) -> int:
+        """The ring-algorithm bound for parameter and gradient traffic per rank per step, bytes:
+        ``2Ψ(N-1)/N`` elements for DP and ZeRO-1/2; ``3Ψ(N-1)/N`` for ZeRO-3 (per micro-step), where
+        a unit kept gathered from its forward through its backward (the root) needs 2, not 3.
+        Gradients (and ZeRO-1/2's gather of updated parameters) only move for trainable
+        parameters; ZeRO-3 gathers frozen ones too. Padding of uneven shards is not counted, so
+        what runs may exceed this by the padding."""
+        n = self.data_size
+        c, g = self.compute_dtype.itemsize, self.reduce_dtype.itemsize
+        if self.states.params is not None:
+            per_unit = [(2 if u.reshard_after_forward else 1) * c * sum(p.numel for p in self.unit_params(u.name))
+                        + g * sum(p.numel for p in self.unit_params(u.name) if p.trainable) for u in self.units]
+            return self.grad_accum * sum(per_unit) * (n - 1) // n
+        # replicated gradients: all-reduce (2 transfers); sharded: reduce-scatter (1); a sharded
+        # optimizer with replicated parameters: + all-gather of the updated parameters (1)
+        per = (2 * g if self.states.grads is None else g) + (c if self.states.optim is not None else 0)
+        return per * self.num_trainable * (n - 1) // n

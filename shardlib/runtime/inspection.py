@@ -1,0 +1,77 @@
+"""Looking into a running engine: the storage it holds (``memory_held``, checked against the
+plan), ZeRO-3's gathered peak, and full parameter values (``full_state_dict``)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..comm import core as comm
+from .flat import pack_shards, unpack_gathered
+
+
+class EngineInspection:
+    """The inspection half of ``Engine`` (mixed in)."""
+
+    def memory_held(self) -> dict[str, int]:
+        """Bytes of storage this rank holds for model states, by kind (as ``Plan.memory_per_rank``):
+        ``params`` (compute-dtype copies, gathered or not), ``grads`` (kept gradients, and the
+        gradients the optimizer reads while it steps), ``optimizer`` (fp32 masters that are not
+        the parameters themselves, and per-element optimizer state; step counters excluded).
+        Shared storage is counted once. Between steps it equals ``plan.memory_per_rank()``;
+        inside ``optimizer.step`` (e.g. from a step pre-hook), ``plan.memory_per_rank(at="update")``."""
+        seen: set[int] = set()
+        out = {"params": 0, "grads": 0, "optimizer": 0, "buffers": 0}
+
+        def add(kind: str, t: torch.Tensor | None) -> None:
+            if t is None:
+                return
+            st = t.untyped_storage()
+            if st.nbytes() == 0 or st.data_ptr() in seen:
+                return
+            seen.add(st.data_ptr())
+            out[kind] += st.nbytes()
+
+        for s in self.states:
+            add("params", s.param)
+            add("params", s.shard)
+        if self.buckets is not None and self.buckets.views:
+            for buf in self.buckets.buffers:
+                add("grads", buf)
+            # the last bucket's tail holds the step's scalars, not gradients
+            out["grads"] -= 4 * self.buckets.riders
+            out["buffers"] += 4 * self.buckets.riders
+        for s in self.states:
+            add("grads", s.param.grad)
+            add("grads", s.grad_shard)
+        for s in self.states:                      # what the optimizer reads, where it is another tensor
+            add("grads", s.master.grad if s.master is not None else None)
+        for s in self.states:
+            add("optimizer", s.master)
+        for state in self.optimizer.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    add("optimizer", v)
+        out["total"] = out["params"] + out["grads"] + out["optimizer"]
+        return out
+
+    @property
+    def peak_gathered_bytes(self) -> int:
+        """ZeRO-3: the most bytes of gathered parameters (and gather buffers) held at once."""
+        return self.units.peak if self.units is not None else 0
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter's full value (fp32 masters, gathered where sharded), the same on every rank."""
+        out = {}
+        for s in self.states:
+            if s.master is not None and s.master.shape == s.param.shape:
+                out[s.name] = s.master.detach().float().clone()          # replicated master
+            elif self.plan.states.params is None and not (s.master is not None and self.plan.mixed):
+                out[s.name] = s.param.detach().float().clone()           # the full copy is exact
+            else:
+                rows = s.master if s.master is not None else s.shard
+                flat = pack_shards([rows.detach().float()], [s.rows], torch.float32)
+                full = torch.empty(s.rows.shape, dtype=torch.float32, device=self.mesh.device)
+                unpack_gathered(comm.all_gather(flat, self.mesh, self.plan.data_axis), [s.rows], [full])
+                out[s.name] = full.reshape(s.plan.shape)
+        return out
