@@ -46,3 +46,8 @@ class ParamState:
     def flat(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` viewed with the sharding shape (0-d parameters become one row)."""
         return t.view(self.rows.shape)
+
+    def local_piece(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a full-shaped tensor ``full`` (a view): what ``master``, ``shard`` and
+        ``grad_shard`` hold of the parameter. The one place that knows how a parameter is split."""
+        return self.flat(full)[self.lo:self.hi]
