@@ -1,0 +1,93 @@
+"""The package's folders are the layers of DESIGN.md, and imports only go down: a module may
+import from its own layer or a lower one, never a higher one, and no two modules import each
+other (directly or through others), at module level or inside functions."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import shardlib
+
+ROOT = Path(shardlib.__file__).parent
+LAYERS = {"errors": 0, "algebra": 1, "comm": 2, "planner": 3, "runtime": 4, "frontend": 5, "testing": 5,
+          "models": 0}
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(["shardlib"] + parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Every shardlib module ``path`` imports, anywhere in the file (lazy imports included)."""
+    mod = _module(path)
+    pkg = mod if path.name == "__init__.py" else mod.rsplit(".", 1)[0]
+    out = set()
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                   and getattr(block.test, "id", getattr(block.test, "attr", "")) == "TYPE_CHECKING"
+                   for stmt in block.body for n in ast.walk(stmt)}   # annotations only, never run
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg.split(".")[: len(pkg.split(".")) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if not target.startswith("shardlib"):
+                continue
+            for alias in node.names:   # `from . import core` imports a module
+                sub = f"{target}.{alias.name}"
+                out.add(sub if (ROOT.parent / (sub.replace(".", "/") + ".py")).exists() else target)
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("shardlib.")}
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    return {_module(p): _imports(p) - {_module(p)} for p in ROOT.rglob("*.py")}
+
+
+def _layer(mod: str) -> int | None:
+    parts = mod.split(".")
+    return LAYERS.get(parts[1]) if len(parts) > 1 else None
+
+
+def test_every_module_belongs_to_a_layer():
+    unplaced = sorted(m for m in _graph() if m != "shardlib" and _layer(m) is None)
+    assert unplaced == [], f"modules outside the layer folders: {unplaced}"
+
+
+def test_imports_only_go_down():
+    bad = [f"{m} (layer {_layer(m)}) imports {t} (layer {_layer(t)})"
+           for m, targets in _graph().items() if m != "shardlib"
+           for t in targets if t != "shardlib" and _layer(t) is not None and _layer(t) > _layer(m)]
+    assert bad == [], "\n".join(bad)
+
+
+def test_no_import_cycles():
+    graph = _graph()
+    graph.pop("shardlib", None)
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(m: str, stack: list[str]) -> None:
+        state[m] = 1
+        for t in sorted(graph.get(m, ())):
+            if t not in graph:
+                continue
+            if state.get(t) == 1:
+                cycles.append(" -> ".join(stack[stack.index(t):] + [t]) if t in stack else f"{m} -> {t}")
+            elif t not in state:
+                visit(t, stack + [t])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert cycles == [], "import cycles:\n" + "\n".join(cycles)
