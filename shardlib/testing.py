@@ -4,7 +4,18 @@ Starting a gloo world costs seconds (each rank imports torch); a test suite that
 per test would spend its time there. ``WorldPool(n)`` starts ``n`` ranks once, and
 ``pool.run(fn, *args)`` runs ``fn`` on every rank and returns the per-rank results. If any
 rank raises, the pool is restarted before the next task (a failed collective can leave the
-world out of step). Every collective has a timeout, so a bug fails the test instead of hanging.
+world out of step).
+
+No wall-clock deadline decides a task's verdict: on a busy machine a healthy task may take
+minutes. Instead the pool watches *progress*. Every rank publishes, through shared memory, the
+CPU time of its main thread (a heartbeat thread reads it) and a counter that
+``progress()`` bumps. A rank that has not answered is *stalled* when neither moved for
+``stall`` seconds (default ``2 * timeout``). That cannot happen to a rank that is merely slow
+(it uses CPU time) nor to one waiting in a collective for a slow peer: every collective has a
+timeout (``timeout``, from ``SHARDLIB_TEST_TIMEOUT``, default 60 s) shorter than ``stall``, so a
+collective that never completes raises in the rank first. What is left is a rank stuck outside
+any collective (asleep, blocked on a lock or a subprocess); the pool names it, with the stack
+it is stuck in, and restarts the world.
 
 ``get_mesh(shape)`` returns a ``Mesh`` cached per worker, so tests do not create fresh process
 groups each time (gloo groups hold sockets; thousands would exhaust file descriptors).
@@ -12,16 +23,22 @@ groups each time (gloo groups hold sockets; thousands would exhaust file descrip
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
+import signal
+import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping
+from multiprocessing.connection import wait
 from typing import Any
 
 from .frontend.launcher import WorkerError, finish_rank, free_port, init_world, set_rank_env
 
 _MESHES: dict = {}   # worker-process cache; the library itself never reads it
+_WORKER: dict = {}   # worker-process state: this rank's progress slot; empty outside a pool worker
+_MIN_CPU = 0.05      # seconds of main-thread CPU time that count as progress
 
 
 def get_mesh(shape: Mapping[str, int], **options: Any):
@@ -34,12 +51,44 @@ def get_mesh(shape: Mapping[str, int], **options: Any):
     return _MESHES[key]
 
 
-def _pool_worker(local_rank: int, nprocs: int, port: int, conns: list, timeout: float) -> None:
+def progress() -> None:
+    """Tell the pool this rank is making progress (a no-op outside a pool worker).
+
+    Work that uses CPU time counts by itself; call this in a task that legitimately waits
+    outside collectives (on a subprocess, a sleep) for longer than the pool's stall window."""
+    steps = _WORKER.get("steps")
+    if steps is not None:
+        steps[_WORKER["rank"]] += 1
+
+
+def _heartbeat(cpu, rank: int, interval: float) -> None:
+    """Publish the main thread's CPU time every ``interval`` seconds (the whole process's where a
+    thread's clock cannot be read)."""
+    try:
+        clock = time.pthread_getcpuclockid(threading.main_thread().ident)
+
+        def read() -> float:
+            return time.clock_gettime(clock)
+    except (AttributeError, OSError):
+        read = time.process_time
+    while True:
+        cpu[rank] = read()
+        time.sleep(interval)
+
+
+def _pool_worker(local_rank: int, nprocs: int, port: int, conns: list, timeout: float,
+                 steps, cpu, interval: float, stack_pipes: list) -> None:
+    _WORKER.update(steps=steps, rank=local_rank, stack_pipe=stack_pipes[local_rank])   # kept open
+    if hasattr(signal, "SIGUSR1"):   # the parent asks for our stack when we stall; it reads the pipe
+        faulthandler.register(signal.SIGUSR1, file=stack_pipes[local_rank].fileno(), all_threads=True)
     set_rank_env(local_rank, nprocs, port)
     conn = conns[local_rank]
     ok = True
     try:
-        init_world("gloo", timeout, threads=1)
+        init_world("gloo", timeout, threads=1)   # the rendezvous has its own timeout
+        # until the first heartbeat the pool counts this rank as starting, not stalled
+        threading.Thread(target=_heartbeat, args=(cpu, local_rank, interval), name="shardlib-heartbeat",
+                         daemon=True).start()
         while True:
             task = conn.recv()
             if task is None:
@@ -61,14 +110,25 @@ def _pool_worker(local_rank: int, nprocs: int, port: int, conns: list, timeout: 
 
 
 class WorldPool:
-    """``n`` gloo ranks on this machine, reused across tasks."""
+    """``n`` gloo ranks on this machine, reused across tasks.
 
-    def __init__(self, nprocs: int, timeout: float | None = None, grace: float = 2.0):
+    ``timeout``: every collective's timeout (default ``SHARDLIB_TEST_TIMEOUT``, else 60 s).
+    ``stall``: how long an unanswered rank may go without progress (default ``2 * timeout``;
+    keep it above ``timeout``, or a rank waiting in a collective for a slow peer looks stalled).
+    ``grace``: how long to wait for the other ranks once one has failed.
+    ``heartbeat``: how often each rank publishes its CPU time."""
+
+    def __init__(self, nprocs: int, timeout: float | None = None, grace: float = 2.0,
+                 stall: float | None = None, heartbeat: float = 0.5):
         self.nprocs = nprocs
         self.timeout = float(timeout or os.environ.get("SHARDLIB_TEST_TIMEOUT", "60"))
-        self.grace = grace   # how long to wait for the other ranks once one has failed
+        self.stall = float(stall) if stall is not None else 2 * self.timeout
+        self.grace = grace
+        self.heartbeat = min(heartbeat, self.stall / 4)
         self._procs: list = []
         self._conns: list = []
+        self._steps = self._cpu = None
+        self._stack_pipes: list = []   # read ends: where each rank's faulthandler writes its stack
 
     def start(self) -> None:
         import torch.multiprocessing as mp
@@ -76,10 +136,16 @@ class WorldPool:
         ctx = mp.get_context("spawn")
         pairs = [ctx.Pipe() for _ in range(self.nprocs)]
         self._conns = [a for a, _ in pairs]
-        pc = mp.start_processes(_pool_worker, args=(self.nprocs, free_port(), [b for _, b in pairs], self.timeout),
+        self._steps = ctx.RawArray("q", self.nprocs)
+        self._cpu = ctx.RawArray("d", [-1.0] * self.nprocs)   # -1: no heartbeat yet (still starting)
+        stack_pipes = [ctx.Pipe(duplex=False) for _ in range(self.nprocs)]
+        self._stack_pipes = [a for a, _ in stack_pipes]
+        pc = mp.start_processes(_pool_worker, args=(self.nprocs, free_port(), [b for _, b in pairs],
+                                                    self.timeout, self._steps, self._cpu, self.heartbeat,
+                                                    [b for _, b in stack_pipes]),
                                 nprocs=self.nprocs, join=False, start_method="spawn")
         self._procs = pc.processes
-        for _, b in pairs:
+        for _, b in pairs + stack_pipes:
             b.close()
 
     def run(self, fn: Callable, *args: Any, **kwargs: Any) -> list[Any]:
@@ -87,40 +153,111 @@ class WorldPool:
         if not self._procs or any(not p.is_alive() for p in self._procs):
             self.close()
             self.start()
-        for c in self._conns:
-            c.send((fn, args, kwargs))
+        try:
+            for c in self._conns:
+                c.send((fn, args, kwargs))
+            results, marks = self._collect()
+        except BaseException:   # interrupted (a test timeout, Ctrl-C): the ranks are still on the task
+            self.close(kill=True)
+            raise
+        now = time.monotonic()
+        idle = {r: now - marks[r][2] for r in range(self.nprocs) if r not in results}
+        errors = {r: v for r, v in results.items() if not v["ok"]}
+        if not errors and not idle:
+            return [results[r]["result"] for r in range(self.nprocs)]
+        # ranks that went without progress for long: their stacks say where they are stuck
+        stuck = [r for r, t in idle.items() if t > (min(self.stall, self.timeout / 2) if errors else self.stall)]
+        stacks = self._stacks(stuck[:4])
+        self.close(kill=True)   # the world may be out of step; the next task gets a fresh one
+        if not errors:
+            raise self._stalled_error(fn, stuck, idle, sorted(results), stacks)
+        first = min(errors, key=lambda r: errors[r]["time"])
+        e = errors[first]
+        quiet = (f"\nranks {stuck} had not answered and made no progress for {max(idle[r] for r in stuck):.0f} s;"
+                 f" a rank stuck outside collectives makes its peers' collectives time out.\n{stacks}"
+                 if stuck else "")
+        raise WorkerError(f"rank {first} of {self.nprocs} failed: {e['error']}\n"
+                          f"--- traceback of rank {first} ---\n{e['traceback']}{quiet}",
+                          rank=first, remote_traceback=e["traceback"], exc=e.get("exc"))
+
+    def _collect(self) -> tuple[dict[int, dict], list[tuple[int, float, float]]]:
+        """Wait for the ranks' answers until all answered, one failed (plus ``grace``), or the
+        unanswered ones stalled. Returns the answers and, per rank, (steps, cpu, time) of the last
+        progress seen."""
         results: dict[int, dict] = {}
-        deadline = time.monotonic() + self.timeout * 2 + 30
-        first_error_at = None
+        start = time.monotonic()
+        marks = [(self._steps[r], self._cpu[r], start) for r in range(self.nprocs)]   # last progress seen
+        first_error_at = first_stall_at = None
         while len(results) < self.nprocs:
-            for r, c in enumerate(self._conns):
-                if r in results:
-                    continue
-                if c.poll(0.01):
+            pending = {c: r for r, c in enumerate(self._conns) if r not in results}
+            ready = wait(list(pending), timeout=min(0.2, self.heartbeat))
+            for c, r in pending.items():
+                if c in ready:
                     results[r] = self._receive(r, c)
                 elif not self._procs[r].is_alive():
                     results[r] = {"ok": False, "time": time.time(), "traceback": "",
                                   "error": f"rank {r} died (exit code {self._procs[r].exitcode})"}
-            errors = [r for r, v in results.items() if not v["ok"]]
             now = time.monotonic()
-            if errors and first_error_at is None:
+            for r in range(self.nprocs):
+                steps, cpu = self._steps[r], self._cpu[r]
+                if cpu < 0 or steps != marks[r][0] or cpu - marks[r][1] >= _MIN_CPU:
+                    marks[r] = (steps, cpu, now)   # starting up (alive, importing) or progressing
+            if first_error_at is None and any(not v["ok"] for v in results.values()):
                 first_error_at = now
             # once a rank failed, peers blocked in a collective only fail at its timeout; don't wait
-            if now > deadline or (first_error_at is not None and now - first_error_at > self.grace):
+            if first_error_at is not None:
+                if now - first_error_at > self.grace:
+                    break
+                continue
+            waiting = [r for r in range(self.nprocs) if r not in results]
+            if first_stall_at is None and any(now - marks[r][2] > self.stall for r in waiting):
+                first_stall_at = now
+            # name every rank that stopped: wait until each unanswered one has stalled or moved since
+            if first_stall_at is not None and all(
+                    now - marks[r][2] > self.stall or marks[r][2] > first_stall_at for r in waiting):
                 break
-        errors = {r: v for r, v in results.items() if not v["ok"]}
-        if errors or len(results) < self.nprocs:
-            self.close(kill=True)   # the world may be out of step; the next task gets a fresh one
-            if not errors:
-                missing = [r for r in range(self.nprocs) if r not in results]
-                raise WorkerError(f"ranks {missing} did not answer within {self.timeout * 2 + 30:.0f} s",
-                                  rank=missing[0])
-            first = min(errors, key=lambda r: errors[r]["time"])
-            e = errors[first]
-            raise WorkerError(f"rank {first} of {self.nprocs} failed: {e['error']}\n"
-                              f"--- traceback of rank {first} ---\n{e['traceback']}",
-                              rank=first, remote_traceback=e["traceback"], exc=e.get("exc"))
-        return [results[r]["result"] for r in range(self.nprocs)]
+        return results, marks
+
+    def _stalled_error(self, fn: Callable, stalled: list[int], idle: dict[int, float], answered: list[int],
+                       stacks: str) -> WorkerError:
+        name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}"
+        running = sorted(set(idle) - set(stalled))
+        return WorkerError(
+            f"ranks {stalled} of {self.nprocs} made no progress for {self.stall:.0f} s in {name} "
+            f"(no CPU time used, no shardlib.testing.progress() call); ranks {answered} had answered"
+            + (f", ranks {running} were still working" if running else "") + ". "
+            f"A collective waiting on a peer fails by itself after its {self.timeout:.0f} s timeout "
+            f"(SHARDLIB_TEST_TIMEOUT), so these ranks are stuck outside collectives (asleep, on a lock, "
+            f"on a subprocess). Call shardlib.testing.progress() in a task that waits on purpose."
+            + (f"\n{stacks}" if stacks else ""),
+            rank=stalled[0], remote_traceback=stacks)
+
+    def _stacks(self, ranks: list[int]) -> str:
+        """Where each of ``ranks`` is stuck: its Python stack, dumped by faulthandler on SIGUSR1."""
+        if not hasattr(signal, "SIGUSR1"):
+            return ""
+        for r in ranks:
+            try:
+                os.kill(self._procs[r].pid, signal.SIGUSR1)
+            except OSError:
+                pass
+        dumps = {r: b"" for r in ranks}
+        end = time.monotonic() + 3
+        while time.monotonic() < end:   # read until every rank's dump is in and then quiet
+            ready = wait([self._stack_pipes[r] for r in ranks], timeout=0.2)
+            for r in ranks:
+                if self._stack_pipes[r] in ready:
+                    dumps[r] += os.read(self._stack_pipes[r].fileno(), 1 << 16)
+            if not ready and all(dumps.values()):
+                break
+        out = []
+        for r in ranks:
+            # the heartbeat thread's stack is noise; keep the threads that run the task
+            blocks = [b for b in dumps[r].decode(errors="replace").strip().split("\n\n")
+                      if b.strip() and "_heartbeat" not in b]
+            if blocks:
+                out.append(f"--- where rank {r} is (most recent call first) ---\n" + "\n\n".join(blocks))
+        return "\n".join(out)
 
     def _receive(self, r: int, conn) -> dict:
         try:
@@ -153,9 +290,9 @@ class WorldPool:
             if p.is_alive():
                 p.kill()
                 p.join(5)
-        for c in self._conns:
+        for c in self._conns + self._stack_pipes:
             c.close()
-        self._procs, self._conns = [], []
+        self._procs, self._conns, self._stack_pipes = [], [], []
 
     def __enter__(self) -> WorldPool:
         self.start()

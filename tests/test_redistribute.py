@@ -3,15 +3,18 @@
 Each rank builds the same global tensor, takes its shard in the source layout, runs the plan,
 and compares with its shard of the same global tensor in the destination layout (for a partial
 destination: the sum over the partial axes). Bytes counted while running must equal the plan's.
+
+The big sweeps are cut into chunks of pairs (``pairs[offset::stride]``), one test each, so no test
+runs for minutes on a busy machine; together the chunks cover the same pairs as one sweep.
 """
 
+import pytest
 import torch
+from layouts import all_layouts, local_input
 
 import shardlib as sl
 from shardlib import P
-from shardlib.testing import get_mesh
-
-from layouts import all_layouts, local_input
+from shardlib.testing import get_mesh, progress
 
 
 def _check_pairs(mesh_shape, shape, stride=1, offset=0, partial=True):
@@ -22,6 +25,7 @@ def _check_pairs(mesh_shape, shape, stride=1, offset=0, partial=True):
     pairs = [(a, b) for a in lays for b in lays][offset::stride]
     failures = []
     for a, b in pairs:
+        progress()
         plan = sl.plan_redistribute(a, b, shape)
         x = local_input(full, a, mesh.rank)
         with sl.count_collectives() as counter:
@@ -51,16 +55,34 @@ def test_every_pair_world2(world):
     _assert_ok(world(2, _check_pairs, {"data": 2, "tensor": 1}, (3,)))
 
 
-def test_every_pair_world4_with_a_size_one_axis(world):
-    _assert_ok(world(4, _check_pairs, {"data": 2, "pipe": 1, "tensor": 2}, (5, 6)))
+def _chunk(part, parts, stride=1, offset=0):
+    """``(stride, offset)`` of chunk ``part`` of ``parts`` of the pairs ``[offset::stride]``."""
+    return stride * parts, offset + stride * part
 
 
-def test_every_pair_world8_uneven(world):
-    _assert_ok(world(8, _check_pairs, {"data": 2, "pipe": 2, "tensor": 2}, (5, 6)))
+def test_chunks_cover_the_sweep_exactly_once():
+    pairs = list(range(1000))
+    for parts, stride, offset in [(8, 1, 0), (4, 1, 0), (2, 5, 1)]:
+        chunks = [pairs[o::s] for s, o in (_chunk(p, parts, stride, offset) for p in range(parts))]
+        assert sorted(x for c in chunks for x in c) == pairs[offset::stride]
 
 
-def test_pairs_world8_even_and_3d(world):
-    _assert_ok(world(8, _check_pairs, {"data": 2, "pipe": 2, "tensor": 2}, (8, 4), 5, 1))
+@pytest.mark.parametrize("part", range(4))
+def test_every_pair_world4_with_a_size_one_axis(world, part):
+    _assert_ok(world(4, _check_pairs, {"data": 2, "pipe": 1, "tensor": 2}, (5, 6), *_chunk(part, 4)))
+
+
+@pytest.mark.parametrize("part", range(8))
+def test_every_pair_world8_uneven(world, part):
+    _assert_ok(world(8, _check_pairs, {"data": 2, "pipe": 2, "tensor": 2}, (5, 6), *_chunk(part, 8)))
+
+
+@pytest.mark.parametrize("part", range(2))
+def test_pairs_world8_even(world, part):
+    _assert_ok(world(8, _check_pairs, {"data": 2, "pipe": 2, "tensor": 2}, (8, 4), *_chunk(part, 2, 5, 1)))
+
+
+def test_pairs_world8_3d(world):
     _assert_ok(world(8, _check_pairs, {"data": 2, "pipe": 2, "tensor": 2}, (3, 4, 5), 97, 3, False))
 
 
