@@ -6,9 +6,14 @@ checks the result against the global tensor, and reports the collectives each ra
 
     python examples/demo.py                # mesh=2x2: 4 processes
     python examples/demo.py mesh=2x2x2     # 8 processes on a 3-axis mesh
+
+The configuration is checked before any process starts (``check_config``: every step planned on
+an ``AbstractMesh``); a bad one prints one message and exits with code 2.
 """
 
 from __future__ import annotations
+
+import sys
 
 import hydra
 import torch
@@ -19,6 +24,34 @@ import shardlib as sl
 
 def to_spec(entries) -> sl.P:
     return sl.P(*[tuple(e) if isinstance(e, (list, tuple)) else e for e in (entries or [])])
+
+
+def check_config(mesh_shape: dict, shape: object, steps: object) -> list[str]:
+    """Every problem the ranks would hit, found here: each step's layouts and redistribution are
+    built on an ``AbstractMesh`` (plans are data; no process needed)."""
+    try:
+        mesh = sl.AbstractMesh(mesh_shape)
+    except (ValueError, TypeError) as e:
+        return [str(e)]
+    if (not isinstance(shape, list) or not shape
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)):
+        return [f"shape must be a list of positive ints — got {shape!r}."]
+    if not isinstance(steps, list) or not steps:
+        return [f"steps must be a non-empty list of {{from: spec, to: spec}} — got {steps!r}."]
+    problems = []
+    for i, step in enumerate(steps):
+        if not isinstance(step, dict) or not {"from", "to"} <= set(step) or set(step) - {"from", "to", "partial"}:
+            problems.append(f"steps[{i}] must have keys from, to (and optionally partial) — got {step!r}.")
+            continue
+        try:
+            src = sl.Layout(mesh, to_spec(step["from"]), partial=step.get("partial") or ())
+            dst = sl.Layout(mesh, to_spec(step["to"]))
+            sl.plan_redistribute(src, dst, shape)
+        except sl.ShardingError as e:
+            problems.extend(f"steps[{i}]: {p}" for p in e.problems)
+        except TypeError as e:
+            problems.append(f"steps[{i}]: {e}")
+    return problems
 
 
 def rank_main(mesh_shape: dict, shape: list[int], steps: list[dict]) -> list[dict]:
@@ -53,8 +86,13 @@ def show_shard(rows: list) -> str:
 @hydra.main(version_base=None, config_path="../conf", config_name="demo")
 def main(cfg: DictConfig) -> None:
     mesh_shape = OmegaConf.to_container(cfg.mesh)
-    shape = list(cfg.shape)
+    shape = OmegaConf.to_container(cfg.shape) if OmegaConf.is_list(cfg.shape) else cfg.shape
     steps = OmegaConf.to_container(cfg.steps)
+    problems = check_config(mesh_shape, shape, steps)
+    if problems:
+        print("demo.py: " + (problems[0] if len(problems) == 1 else f"{len(problems)} problems in the "
+              "configuration:\n" + "\n".join(f"  - {p}" for p in problems)), file=sys.stderr)
+        raise SystemExit(2)
     mesh = sl.AbstractMesh(mesh_shape)
     print(f"shardlib demo: mesh {mesh_shape} over {mesh.size} CPU processes (gloo), "
           f"global tensor arange({shape})")

@@ -6,11 +6,15 @@ each rank's rows by the plan's batch layout. Rank 0 prints the plan, then the lo
 
     python examples/train.py                                   # ZeRO-2, 2 processes
     python examples/train.py mesh=dp4 zero=3 precision=bf16    # any stage, any precision
+
+The whole configuration is checked before any process starts (``check_config``): a bad value
+prints one message and exits with code 2.
 """
 
 from __future__ import annotations
 
 import pathlib
+import sys
 import sysconfig
 import time
 
@@ -43,12 +47,56 @@ def batch(text: torch.Tensor, n: int, seq: int, gen: torch.Generator) -> tuple[t
     return windows[:, :-1], windows[:, 1:]
 
 
+def _plan(model: torch.nn.Module, mesh: sl.AbstractMesh, cfg: dict) -> sl.Plan:
+    return sl.plan(model, mesh, zero=cfg["zero"], precision=cfg["precision"], grad_accum=cfg["grad_accum"],
+                   clip_grad_norm=cfg["clip_grad_norm"], recompute=cfg["recompute"])
+
+
+def check_config(cfg: dict) -> list[str]:
+    """Every problem the ranks would hit, found in this process before any rank starts.
+
+    The model is built on the meta device (shapes only: no memory, no initialization) and
+    planned on an ``AbstractMesh`` with the run's options, so a bad stage, precision, mesh or
+    model shape fails the same way it would on the ranks; the global batch must split into
+    ``data x grad_accum`` equal micro-batches."""
+    problems: list[str] = []
+    try:
+        mesh = sl.AbstractMesh(cfg["mesh"])
+    except (ValueError, TypeError) as e:
+        return [str(e)]
+    try:
+        with torch.device("meta"):
+            model = GPT(GPTConfig(**cfg["model"]), seed=None)
+    except (ValueError, TypeError) as e:
+        problems.append(f"model: {e}")
+        model = None
+    if model is not None:
+        try:
+            _plan(model, mesh, cfg)
+        except sl.ShardingError as e:
+            problems.extend(e.problems)
+        except TypeError as e:
+            problems.append(str(e))
+    for key in ("steps", "batch", "log_every"):
+        v = cfg[key]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            problems.append(f"{key} must be a positive int — got {v!r}.")
+    n = mesh.axis_size("data") if "data" in mesh.axis_names else 1
+    m, b = cfg["grad_accum"], cfg["batch"]
+    if all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (m, b)) and b % (n * m):
+        need = n * m
+        lo, hi = (b // need) * need, (b // need + 1) * need
+        problems.append(f"batch={b} does not split over data={n} ranks x grad_accum={m} micro-batches — expected "
+                        f"a multiple of {need}. Use batch={f'{lo} or {hi}' if lo else hi}, or change grad_accum "
+                        "or the mesh.")
+    return problems
+
+
 def rank_main(cfg: dict) -> list[float]:
     torch.set_num_threads(1)
     mesh = sl.Mesh(cfg["mesh"])
     model = GPT(GPTConfig(**cfg["model"]), seed=cfg["seed"])
-    plan = sl.plan(model, mesh, zero=cfg["zero"], precision=cfg["precision"], grad_accum=cfg["grad_accum"],
-                   clip_grad_norm=cfg["clip_grad_norm"], recompute=cfg["recompute"])
+    plan = _plan(model, mesh, cfg)
     engine = sl.parallelize(model, plan, optimizer=lambda ps: torch.optim.AdamW(ps, lr=cfg["lr"]),
                             lr_scheduler=lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, cfg["steps"]))
     text = load_text(cfg["text_mb"])
@@ -78,6 +126,11 @@ def rank_main(cfg: dict) -> list[float]:
 @hydra.main(version_base=None, config_path="../conf", config_name="train")
 def main(cfg: DictConfig) -> None:
     conf = OmegaConf.to_container(cfg, resolve=True)
+    problems = check_config(conf)
+    if problems:
+        print("train.py: " + (problems[0] if len(problems) == 1 else f"{len(problems)} problems in the "
+              "configuration:\n" + "\n".join(f"  - {p}" for p in problems)), file=sys.stderr)
+        raise SystemExit(2)
     n = sl.AbstractMesh(conf["mesh"]).size
     losses = sl.launch(rank_main, n, conf)
     if any(r != losses[0] for r in losses):

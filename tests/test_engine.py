@@ -14,6 +14,7 @@ configurations and returns per-rank losses and the gathered final parameters, co
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 
 import pytest
@@ -35,31 +36,34 @@ FP32_RTOL = 1e-5                  # the issue's bound on losses (max relative di
 # Models, data, optimizers (picklable by name, so worker calls can name them)
 # ---------------------------------------------------------------------------------------------
 
-def make_model(name: str) -> torch.nn.Module:
+def make_model(name: str, seed: int = 0) -> torch.nn.Module:
+    """The model ``name`` with initial values drawn from ``seed``."""
     if name == "gpt":
-        return GPT(GPT_CFG, seed=0)
+        return GPT(GPT_CFG, seed=seed)
     if name == "gpt_tied":                       # head.weight is wte.weight
-        m = GPT(GPT_CFG, seed=0)
+        m = GPT(GPT_CFG, seed=seed)
         m.head.weight = m.wte.weight
         return m
     if name == "gpt_frozen":                     # position embeddings and a block's norm frozen
-        m = GPT(GPT_CFG, seed=0)
+        m = GPT(GPT_CFG, seed=seed)
         m.wpe.weight.requires_grad_(False)
         for p in m.blocks[1].ln1.parameters():
             p.requires_grad_(False)
         return m
     if name == "mlp":
-        return MLP(MLP_SIZES, seed=0)
+        return MLP(MLP_SIZES, seed=seed)
     if name == "mlp_unused":
-        return UnusedMLP()
+        return UnusedMLP(seed)
+    if name == "bn":
+        return BatchNormMLP(seed)
     raise KeyError(name)
 
 
 class UnusedMLP(MLP):
     """An MLP whose last layer (a unit of the stack) and one root parameter never reach the loss."""
 
-    def __init__(self):
-        super().__init__(MLP_SIZES + (3,), seed=0)
+    def __init__(self, seed: int = 0):
+        super().__init__(MLP_SIZES + (3,), seed=seed)
         self.unused = torch.nn.Parameter(torch.randn(6, 5))
 
     def forward(self, x, y=None):
@@ -68,6 +72,28 @@ class UnusedMLP(MLP):
             if i < len(self.layers) - 2:
                 x = torch.tanh(x)
         return torch.nn.functional.mse_loss(x, y)
+
+
+class BatchNormMLP(torch.nn.Module):
+    """``(Linear -> BatchNorm1d -> tanh)`` blocks, then a Linear; buffers: running statistics (fp32)
+    and batch counts (int64). A frozen BatchNorm affine bias, too. Batches as the MLP's."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(a, b), torch.nn.BatchNorm1d(b))
+                                          for a, b in itertools.pairwise(MLP_SIZES[:-1]))
+        self.out = torch.nn.Linear(MLP_SIZES[-2], MLP_SIZES[-1])
+        for block in self.blocks:                # non-trivial affine parameters, one of them frozen
+            torch.nn.init.uniform_(block[1].weight, 0.5, 1.5)
+            torch.nn.init.uniform_(block[1].bias, -0.5, 0.5)
+        self.blocks[0][1].bias.requires_grad_(False)
+
+    def forward(self, x, y=None):
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        x = self.out(x)
+        return x if y is None else torch.nn.functional.mse_loss(x, y)
 
 
 def make_batches(model: str, steps: int = STEPS, batch: int = BATCH) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -107,11 +133,22 @@ def make_scheduler(kind: str | None):
 # The single-process reference
 # ---------------------------------------------------------------------------------------------
 
+def edit_params(model: torch.nn.Module) -> None:
+    """An edit between steps (``edit_at``): halve every parameter but the first, set that one to 0.01."""
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            if i:
+                p.mul_(0.5)
+            else:
+                p.fill_(0.01)
+
+
 def reference_run(model: str, *, optimizer: str = "adamw", scheduler: str | None = None, precision: str = "fp32",
                   grad_accum: int = 1, clip: float | None = None, scale: float = 2.0 ** 16,
-                  batches=None, steps: int = STEPS) -> dict:
+                  batches=None, steps: int = STEPS, edit_at: int | None = None) -> dict:
     """Train ``model`` in one process, plain PyTorch. Returns losses, final fp32 parameters,
-    which steps were skipped (fp16 overflow) and the gradient norms before clipping."""
+    which steps were skipped (fp16 overflow) and the gradient norms before clipping. ``edit_at``:
+    before that step, ``edit_params`` edits the fp32 parameters (the compute copy follows)."""
     batches = batches if batches is not None else make_batches(model, steps)
     master = make_model(model)
     cdt = DTYPES[precision]
@@ -124,6 +161,12 @@ def reference_run(model: str, *, optimizer: str = "adamw", scheduler: str | None
     fp16 = precision == "fp16"
     out = {"losses": [], "skipped": [], "norms": []}
     for step, batch in enumerate(batches):
+        if step == edit_at:
+            edit_params(master)
+            if mixed:
+                with torch.no_grad():
+                    for p, q in pairs:
+                        q.copy_(p)
         for _, q in pairs:
             q.grad = None
         total = torch.zeros(())
@@ -167,9 +210,10 @@ def reference_run(model: str, *, optimizer: str = "adamw", scheduler: str | None
 def engine_run(cfg: dict, data: int) -> dict:
     """Train with the engine by ``cfg``; return this rank's losses and the gathered parameters."""
     mesh = get_mesh({"data": data})
-    model = make_model(cfg["model"])
+    # "seed": "rank" builds each rank's model from another seed (the engine starts all from rank 0's)
+    model = make_model(cfg["model"], seed=mesh.rank if cfg.get("seed") == "rank" else 0)
     kw = {k: cfg[k] for k in ("zero", "states", "precision", "grad_accum", "recompute", "reduce_dtype",
-                              "reshard_after_forward", "bucket_mb", "units") if k in cfg}
+                              "reshard_after_forward", "bucket_mb", "units", "broadcast_buffers") if k in cfg}
     if "clip" in cfg:
         kw["clip_grad_norm"] = cfg["clip"]
     plan = sl.plan(model, mesh, optimizer=cfg.get("plan_optimizer", "adamw"), **kw)
@@ -178,6 +222,9 @@ def engine_run(cfg: dict, data: int) -> dict:
     batches = cfg.get("batches") or make_batches(cfg["model"], cfg.get("steps", STEPS))
     losses, skipped = [], []
     for step, batch in enumerate(batches):
+        if step == cfg.get("edit_at"):
+            with engine.gathered(writable=True) as m:
+                edit_params(m)
         before = engine.scaler.skipped_steps if engine.scaler else 0
         if cfg.get("local"):
             rows = batch[0].shape[0] // data
@@ -187,7 +234,9 @@ def engine_run(cfg: dict, data: int) -> dict:
             losses.append(engine.step(batch))
         if engine.scaler and engine.scaler.skipped_steps > before:
             skipped.append(step)
-    return {"losses": losses, "params": engine.full_state_dict(), "lr": engine.optimizer.param_groups[0]["lr"],
+    full = engine.full_state_dict()          # model.state_dict()'s keys: tied weights twice, buffers
+    params = {name: full[name] for name, _ in model.named_parameters()}
+    return {"losses": losses, "params": params, "lr": engine.optimizer.param_groups[0]["lr"],
             "skipped": skipped, "loss_scale": engine.loss_scale}
 
 
@@ -202,8 +251,8 @@ def run_configs(world, cfgs: list[dict], data: int) -> list[list[dict]]:
 
 
 def ref_kwargs(cfg: dict) -> dict:
-    kw = {k: cfg[k] for k in ("optimizer", "scheduler", "precision", "grad_accum", "clip", "batches", "steps")
-          if k in cfg}
+    kw = {k: cfg[k] for k in ("optimizer", "scheduler", "precision", "grad_accum", "clip", "batches", "steps",
+                              "edit_at") if k in cfg}
     if "loss_scale" in cfg:
         kw["scale"] = cfg["loss_scale"]
     return kw

@@ -125,10 +125,11 @@ def test_memory_at_the_update_fp32_zero1_counts_the_reduced_rows():
         plan.memory_per_rank(at="peak")
 
 
-@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("n", [3, 4, 8])
 def test_uneven_shards_add_up_over_ranks(n):
-    """MLP rows (13, 11, 5, 13, 11, 5) do not divide by n: ranks hold different amounts (trailing
-    ones less, some nothing), but every element is on exactly one rank."""
+    """The MLP's layers laid flat (104, 154, 60 elements: the flat groups ZeRO splits) do not all
+    divide by n: ranks hold different amounts (trailing ones less), but every element is on
+    exactly one rank."""
     for zero in (1, 2, 3):
         plan = sl.plan(MLP(), mesh(n), zero=zero)
         per_rank = [plan.memory_per_rank(r) for r in range(n)]
@@ -210,9 +211,9 @@ def test_comm_entries_by_hand_for_the_mlp():
     # ZeRO-3 with 2 micro-steps: per unit, per micro-step: gather, gather again, reduce-scatter
     plan = sl.plan(MLP(), mesh(2), zero=3, grad_accum=2)
     layer0 = [e for e in plan.comm_per_step() if e.where == "layers.0"]
-    # layers.0: weight 13x7 -> 7 rows x 7 = 49, bias 13 -> 7: shard 56 floats, padded
+    # layers.0: weight 13x7 and bias 13 laid flat = 104 floats, 52 a rank
     assert [(e.op, e.bytes, e.count) for e in layer0] == [
-        ("all_gather", 56 * 4, 2), ("all_gather", 56 * 4, 2), ("reduce_scatter", 56 * 4, 2)]
+        ("all_gather", 52 * 4, 2), ("all_gather", 52 * 4, 2), ("reduce_scatter", 52 * 4, 2)]
 
 
 def test_accumulation_does_not_add_traffic_before_zero3():
@@ -268,13 +269,13 @@ def test_transient_bytes_by_hand():
 
 
 def test_transient_bytes_count_padded_buffers():
-    """MLP at N = 4: buffers hold 4 padded shards. layers.0: 13x7 + 13 -> 4 rows x 8 = 32 per
-    shard, 128 gathered vs 104 real; layers.1: 11x13 + 11 -> 3 x 14 = 42 per shard, 168 vs 154;
-    layers.2: 5x11 + 5 -> 2 x 12 = 24, 96 vs 60. Peak while layers.1 is unpacked in backward:
-    layers.1 (154 + 168) and the prefetched layers.0 buffer (128) = 450 floats; in forward
-    layers.1 + its buffer + layers.2's buffer = 154 + 168 + 96 = 418."""
+    """MLP at N = 4: a buffer holds 4 chunks of ceil(T/4) of the unit laid flat. layers.0:
+    13x7 + 13 = 104 -> 4 x 26 = 104; layers.1: 11x13 + 11 = 154 -> 4 x 39 = 156 (2 padding);
+    layers.2: 5x11 + 5 = 60 -> 4 x 15 = 60. Peak while layers.1 is unpacked in backward:
+    layers.1 (154 + 156) and the prefetched layers.0 buffer (104) = 414 floats; in forward
+    layers.1 + its buffer + layers.2's buffer = 154 + 156 + 60 = 370."""
     plan = sl.plan(MLP(), mesh(4), zero=3)
-    assert plan.transient_per_rank() == {"gathered": 450 * 4}
+    assert plan.transient_per_rank() == {"gathered": 414 * 4}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -282,10 +283,15 @@ def test_transient_bytes_count_padded_buffers():
 # ---------------------------------------------------------------------------------------------
 
 def test_explain_prints_the_plan():
-    text = sl.plan(gpt(), mesh(4), zero=3, precision="bf16", recompute=True).explain()
-    for words in ("ZeRO-3", "N=4", "bf16 compute", "blocks.0(12)*", "ZeRO formula", "ring minimum",
-                  "gathered", "W(blocks.1) F(blocks.1)", "all_gather(data)", "reduce_scatter(data)"):
+    plan = sl.plan(gpt(), mesh(4), zero=3, precision="bf16", recompute=True)
+    text = plan.explain()
+    for words in ("ZeRO-3", "N=4", "bf16 compute", "blocks.0..1 (2 units x 12 params)*", "ZeRO formula",
+                  "ring minimum", "gathered", "W(blocks.1) F(blocks.1)", "all_gather(data)", "reduce_scatter(data)",
+                  "blocks.*.attn.qkv.weight"):
         assert words in text, words
+    full = plan.explain(full=True)                         # one by one: every unit and parameter
+    for words in ("blocks.0(12)*", "blocks.1(12)*", "blocks.1.attn.qkv.weight", "[blocks.1]"):
+        assert words in full, words
     assert "data parallel" in sl.plan(gpt(), mesh(2)).explain()
     assert "custom" in sl.plan(gpt(), mesh(2), states=S(None, None, "data")).explain()
     assert "none (one rank)" in sl.plan(gpt(), mesh(1)).explain()
@@ -323,6 +329,44 @@ def test_plan_reports_every_problem_at_once():
         assert words in msg, words
 
 
+def test_plan_reports_every_problem_at_once_zero_and_states_included():
+    with pytest.raises(sl.ShardingError) as info:
+        sl.plan(gpt(), mesh(2), zero=7, precision="fp8", grad_accum=0)
+    msg = str(info.value)
+    assert "3 problems" in msg and len(info.value.problems) == 3
+    for words in ("zero=7 is out of range", "precision 'fp8'", "grad_accum"):
+        assert words in msg, words
+    # the state layouts (2 problems), the reduction dtype, units, recompute and optimizer too
+    with pytest.raises(sl.ShardingError) as info:
+        sl.plan(gpt(), mesh(2), zero=1, states=S("data", None, None, False), reduce_dtype="fp8",
+                units=["blocks.9"], recompute=["wte"], optimizer="lion")
+    msg = str(info.value)
+    assert "7 problems" in msg
+    for words in ("either zero", "need gradients and optimizer state sharded", "keep_local_grads=False",
+                  "reduce_dtype 'fp8'", "units ['blocks.9'] are not submodules", "recompute names ['wte']",
+                  "optimizer 'lion'"):
+        assert words in msg, words
+
+
+def test_wrong_kinds_alone_are_a_type_error_and_otherwise_listed_with_the_rest():
+    with pytest.raises(sl.ShardingTypeError) as info:
+        sl.plan(gpt(), mesh(2), zero="1", optimizer=None, recompute="blocks.0", units="blocks.0")
+    msg = str(info.value)
+    assert "4 problems" in msg
+    for words in ("zero must be an int", "optimizer must be a name", "recompute must be True, False or a list",
+                  "units must be a list"):
+        assert words in msg, words
+    with pytest.raises(sl.ShardingError) as info:           # a value problem among them: a ShardingError
+        sl.plan(gpt(), mesh(2), zero="1", precision="fp8")
+    assert "2 problems" in str(info.value) and "zero must be an int" in str(info.value)
+
+
+def test_units_and_recompute_may_be_any_iterable():
+    plan = sl.plan(gpt(), mesh(2), zero=3, units=(f"blocks.{i}" for i in range(2)),
+                   recompute=(u for u in ["blocks.1"]))
+    assert [(u.name, u.recompute) for u in plan.units] == [("", False), ("blocks.0", False), ("blocks.1", True)]
+
+
 @pytest.mark.parametrize("kwargs, words", [
     ({"zero": 1, "states": S.zero(1)}, "either zero"),
     ({"data_axis": "dp"}, "no 'dp' axis"),
@@ -335,6 +379,7 @@ def test_plan_reports_every_problem_at_once():
     ({"states": S(None, None, None, False)}, "keep_local_grads=False"),
     ({"states": S("data", "data", "data", True)}, "keep_local_grads=True"),
     ({"states": S(None, "pipe", "pipe", True)}, "not an axis of the mesh"),
+    ({"optimizer": -4}, "optimizer must be"),
 ])
 def test_plan_errors_name_the_fix(kwargs, words):
     with pytest.raises(sl.ShardingError, match=words):

@@ -35,6 +35,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..algebra.layout import Layout, chunk_bounds, chunk_size
@@ -87,13 +88,15 @@ class RedistributePlan:
     dtype: torch.dtype
     steps: tuple[Step, ...]
 
-    @property
+    @functools.cached_property
     def bytes_by_rank(self) -> tuple[int, ...]:
         """Network bytes each rank sends, summed over steps (copies excluded)."""
-        n = self.src.mesh.size
-        return tuple(sum(s.bytes_by_rank[r] for s in self.steps if s.op in NETWORK) for r in range(n))
+        network = [s.bytes_by_rank for s in self.steps if s.op in NETWORK]
+        if not network:
+            return (0,) * self.src.mesh.size
+        return network[0] if len(network) == 1 else tuple(map(sum, zip(*network)))
 
-    @property
+    @functools.cached_property
     def bytes(self) -> int:
         """Most network bytes any rank sends."""
         return max(self.bytes_by_rank, default=0)
@@ -158,41 +161,56 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def plan_redistribute(src: Layout, dst: Layout, shape: Sequence[int], dtype: torch.dtype = torch.float32
                       ) -> RedistributePlan:
     """The plan that turns a ``src`` shard into a ``dst`` shard of a tensor of global ``shape``."""
+    return _plan(src, dst, shape, dtype, "plan_redistribute")
+
+
+def _plan(src: Layout, dst: Layout, shape: Sequence[int], dtype: torch.dtype, api: str) -> RedistributePlan:
     if not isinstance(src, Layout) or not isinstance(dst, Layout):
-        raise ShardingTypeError(f"plan_redistribute: expected two Layouts — got {type(src).__name__} and "
+        raise ShardingTypeError(f"{api}: expected two Layouts — got {type(src).__name__} and "
                                 f"{type(dst).__name__}.")
     if src.mesh != dst.mesh:
-        raise ShardingError(f"plan_redistribute: source and destination are on different meshes — got "
+        raise ShardingError(f"{api}: source and destination are on different meshes — got "
                             f"{src.mesh.axis_sizes} and {dst.mesh.axis_sizes}; expected one mesh.")
     if not isinstance(dtype, torch.dtype):
-        raise ShardingTypeError(f"plan_redistribute: dtype must be a torch.dtype — got {dtype!r}.")
-    shape = src.check(shape)
-    dst.check(shape)
+        raise ShardingTypeError(f"{api}: dtype must be a torch.dtype — got {dtype!r}.")
+    shape = src.check(shape, api=api)
+    dst.check(shape, api=api)
     return _plan_cached(src, dst, shape, dtype)
 
 
 @functools.lru_cache(maxsize=4096)
 def _plan_cached(src: Layout, dst: Layout, shape: tuple[int, ...], dtype: torch.dtype) -> RedistributePlan:
+    """The structured plan when every step is exact on ``shape``, unless the exchange sends fewer
+    bytes (uneven all-to-alls, gather-then-slice moves); the exchange plan otherwise.
+
+    Cost: the exactness check is per step and O(1) (``_nested``); bytes are per-rank numpy
+    arithmetic, O(ranks) per step, and the exchange's O(ranks + chunks) (``_exchange_bytes``) —
+    never a loop over pairs of ranks. A structured plan that sends nothing is not compared."""
     mesh = src.mesh
     a, b = src.normalized(), dst.normalized()
     ndim = len(shape)
     itemsize = torch.empty((), dtype=dtype).element_size()
     start = _State.of(a, ndim)
-    candidates = [_fallback(a, b, ndim)]
-    structured = _merge(_greedy(a, b, ndim))
-    if all(_exact(s, st, shape, mesh) for s, st in zip(structured, _states(start, structured))):
-        candidates.insert(0, structured)
-    best = None
-    for comm_steps in candidates:  # the structured plan wins ties: ring collectives, clearer steps
+
+    def build(comm_steps: list[tuple]) -> RedistributePlan:
         steps = list(comm_steps)
         if a.memory == "cpu" and b.memory == "device":
             steps.insert(0, ("copy", (), None, None, {"memory": "device"}))
         if a.memory == "device" and b.memory == "cpu":
             steps.append(("copy", (), None, None, {"memory": "cpu"}))
-        plan = RedistributePlan(src, dst, shape, dtype, _materialize(steps, start, mesh, shape, itemsize))
-        if best is None or plan.bytes < best.bytes:
-            best = plan
-    return best
+        return RedistributePlan(src, dst, shape, dtype, _materialize(steps, start, mesh, shape, itemsize))
+
+    structured = _merge(_greedy(a, b, ndim))
+    fallback = _fallback(a, b, ndim)
+    best = None
+    if all(_exact(s, st, shape, mesh) for s, st in zip(structured, _states(start, structured))):
+        best = build(structured)
+        # the structured plan wins ties (ring collectives, clearer steps), so when it sends no
+        # more than rank 0 alone would in the exchange plan, that plan need not be priced
+        if best.bytes <= _rank_bytes(fallback, start, mesh, shape, itemsize, rank=0):
+            return best
+    plan = build(fallback)
+    return plan if best is None or plan.bytes < best.bytes else best
 
 
 def _materialize(steps: list[tuple], start: _State, mesh: AbstractMesh, shape: tuple[int, ...],
@@ -205,6 +223,19 @@ def _materialize(steps: list[tuple], start: _State, mesh: AbstractMesh, shape: t
         out.append(Step(op, axes, s_lay, d_lay, d, e, _step_bytes(op, axes, s_lay, d_lay, d, e, shape, itemsize)))
         cur = nxt
     return tuple(out)
+
+
+def _rank_bytes(steps: list[tuple], start: _State, mesh: AbstractMesh, shape: tuple[int, ...],
+                itemsize: int, rank: int) -> int:
+    """Network bytes one ``rank`` sends in ``steps`` (a lower bound on the plan's ``bytes``),
+    in O(chunks) work for that rank alone."""
+    total, cur = 0, start
+    for op, axes, d, e, extra in steps:
+        nxt = cur.apply(op, axes, d, e, extra)
+        if op in NETWORK:
+            total += _step_bytes(op, axes, cur.layout(mesh), nxt.layout(mesh), d, e, shape, itemsize, rank)
+        cur = nxt
+    return total
 
 
 @dataclass(frozen=True)
@@ -325,16 +356,14 @@ def _merge(steps: list[tuple]) -> list[tuple]:
 
 def _nested(n: int, k_outer: int, k_inner: int) -> bool:
     """True when ceil chunking ``n`` into ``k_outer*k_inner`` refines chunking into ``k_outer``:
-    every outer chunk is exactly the union of its ``k_inner`` inner chunks."""
-    if n % (k_outer * k_inner) == 0 or k_inner == 1:
-        return True
-    for c in range(k_outer):
-        lo, hi = chunk_bounds(n, k_outer, c)
-        ulo = chunk_bounds(n, k_outer * k_inner, c * k_inner)[0]
-        uhi = chunk_bounds(n, k_outer * k_inner, c * k_inner + k_inner - 1)[1]
-        if (lo, hi) != (ulo, uhi) and not (hi == lo and uhi == ulo):
-            return False
-    return True
+    every outer chunk is exactly the union of its ``k_inner`` inner chunks.
+
+    O(1): with ``c = ceil(n/k_outer)`` the inner chunk is ``ceil(n/(k_outer*k_inner)) =
+    ceil(c/k_inner)``, and outer chunk ``i`` starts at ``i*c`` while its inner chunks start at
+    ``i*k_inner*ceil(c/k_inner)`` (both capped at ``n``). These agree for every ``i`` iff
+    ``k_inner`` divides ``c``; otherwise they already differ at ``i = 1`` — unless there is only
+    one outer chunk (``k_outer == 1``) or at most one element (``n <= 1``), where any split nests."""
+    return n <= 1 or k_outer == 1 or chunk_size(n, k_outer) % k_inner == 0
 
 
 def _exact(step: tuple, before: _State, shape: tuple[int, ...], mesh: AbstractMesh) -> bool:
@@ -371,35 +400,59 @@ def _fallback(a: Layout, b: Layout, ndim: int) -> list[tuple]:
 # Bytes
 # ---------------------------------------------------------------------------------------------
 
+def _per_rank(values: np.ndarray, price) -> tuple[int, ...]:
+    """``price(v)`` for every rank's value ``v``, as Python ints: priced once per distinct value
+    (a mesh of 10,000 ranks has a handful), with the same function execution counts with."""
+    if len(values) and values.min() == values.max():
+        return (price(int(values[0])),) * len(values)
+    uniq, inverse = np.unique(values, return_inverse=True)
+    table = [price(int(v)) for v in uniq.tolist()]
+    return tuple(map(table.__getitem__, inverse.ravel().tolist()))
+
+
+def _int_dtype(shape: tuple[int, ...], mesh: AbstractMesh):
+    """int64 where per-rank element counts (times the group size) cannot overflow it, else object."""
+    return np.int64 if math.prod(shape) * max(mesh.size, 1) < 2 ** 62 else object
+
+
+def _bounds(lay: Layout, shape: tuple[int, ...], rank: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """``(starts, stops)`` of shape ``(ndim, ranks)``: every rank's, or one ``rank``'s."""
+    if rank is None:
+        return lay.local_bounds(shape)
+    box = lay.local_slices(shape, rank)
+    return (np.array([[b.start] for b in box], dtype=np.int64).reshape(len(shape), 1),
+            np.array([[b.stop] for b in box], dtype=np.int64).reshape(len(shape), 1))
+
+
 def _step_bytes(op: str, axes: tuple[str, ...], src: Layout, dst: Layout, d: int | None, e: int | None,
-                shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+                shape: tuple[int, ...], itemsize: int, rank: int | None = None) -> tuple[int, ...] | int:
+    """Bytes each rank sends in one step (or ``rank`` alone, as an int), priced by the same
+    ``core`` functions that count them when the step runs (on the padded buffers it passes)."""
     mesh = src.mesh
-    n = mesh.size
+    n = mesh.size if rank is None else 1
     if op in ("slice", "make_partial"):
-        return (0,) * n
-    if op == "copy":
-        return tuple(math.prod(src.local_shape(shape, r)) * itemsize for r in range(n))
-    k = mesh.axis_size(axes)
-    if op == "exchange":
-        return _exchange_bytes(src, dst, axes, shape, itemsize)
-    out = []
-    for r in range(n):
-        loc = list(src.local_shape(shape, r))
+        out = (0,) * n
+    elif op == "exchange":
+        out = _exchange_bytes(src, dst, axes, shape, itemsize, rank)
+    else:
+        k = mesh.axis_size(axes)
+        starts, stops = _bounds(src, shape, rank)
+        loc = (stops - starts).astype(_int_dtype(shape, mesh))
         if op == "all_gather":
             loc[d] = chunk_size(shape[d], src.dim_shards(d))
-            out.append(comm.all_gather_bytes(math.prod(loc), k, itemsize))
         elif op == "reduce_scatter":
             loc[d] = chunk_size(shape[d], dst.dim_shards(d))
-            out.append(comm.reduce_scatter_bytes(math.prod(loc), k, itemsize))
-        elif op == "all_reduce":
-            out.append(comm.all_reduce_bytes(math.prod(loc), k, itemsize))
         elif op == "all_to_all":
             loc[d] = chunk_size(shape[d], src.dim_shards(d))
             loc[e] = chunk_size(shape[e], dst.dim_shards(e))
-            out.append((k - 1) * math.prod(loc) * itemsize)
-        else:  # pragma: no cover
-            raise AssertionError(op)
-    return tuple(out)
+        numel = np.prod(loc, axis=0) if len(shape) else np.ones(n, dtype=np.int64)
+        price = {"copy": lambda m: m * itemsize,
+                 "all_gather": lambda m: comm.all_gather_bytes(m, k, itemsize),
+                 "reduce_scatter": lambda m: comm.reduce_scatter_bytes(m, k, itemsize),
+                 "all_reduce": lambda m: comm.all_reduce_bytes(m, k, itemsize),
+                 "all_to_all": lambda m: (k - 1) * m * itemsize}[op]
+        out = _per_rank(numel, price)
+    return out if rank is None else out[0]
 
 
 def _intersect(a: tuple[slice, ...], b: tuple[slice, ...]) -> tuple[slice, ...] | None:
@@ -433,44 +486,88 @@ def _exchange_sends(src: Layout, dst: Layout, axes: tuple[str, ...], shape, me: 
     return out
 
 
-def _exchange_bytes(src: Layout, dst: Layout, axes, shape, itemsize) -> tuple[int, ...]:
-    """Bytes each rank sends in an exchange, without pairing every two ranks.
+def _exchange_bytes(src: Layout, dst: Layout, axes, shape, itemsize, rank: int | None = None
+                    ) -> tuple[int, ...]:
+    """Bytes each rank (or ``rank`` alone) sends in an exchange, in O(ranks + chunks) numpy
+    work — never a loop over pairs of ranks.
 
-    A rank ``r`` sends to the peers ``q`` of its group that agree with it on the axes replicated
-    in ``src``; the elements it sends ``q`` are ``src(r) ∩ dst(q)``, a box, so the total over
-    peers factorizes per dim: on dim ``d`` sum the overlaps of ``src(r)``'s interval with the dst
-    chunks of the peers — only the few chunks that overlap it need visiting — and multiply by
-    the number of peer coordinates no dst dim depends on. Minus what ``r`` keeps itself."""
+    Rank ``r`` sends to the peers ``q`` of its group that agree with it on the axes replicated in
+    ``src`` (so peers range over ``vary``, the group's axes that shard ``src``); it sends ``q``
+    the box ``src(r) ∩ dst(q)``. Summed over peers this factorizes per dim: on dim ``d`` with
+    destination axes ``t``, the peers' chunks are those whose digits on ``t`` minus ``vary``
+    equal ``r``'s coordinates on those axes (the ``key``), so the dim contributes the overlap of
+    ``r``'s source chunk with every destination chunk of its key (``_peer_overlap``). Peer
+    coordinates no destination dim depends on multiply (``free``); what ``r`` keeps itself is
+    subtracted."""
     mesh = src.mesh
     canon = mesh.canonical_axes(axes)
     vary = [x for x in canon if x in src.spec.axes]           # peers range over these coordinates
     free = math.prod(mesh.axis_size(x) for x in vary if x not in dst.spec.axes)
-    out = []
-    for r in range(mesh.size):
-        mine = src.local_slices(shape, r)
-        total = free
-        for d, n in enumerate(shape):
-            t = dst.dim_axes(d)
-            if not t:
-                total *= mine[d].stop - mine[d].start
-                continue
-            k = mesh.axis_size(t)
-            c = chunk_size(n, k)
-            fixed = {x: mesh.coord(r, x) for x in t if x not in vary}
-            acc = 0
-            if c and mine[d].stop > mine[d].start:
-                for j in range(mine[d].start // c, min(k, (mine[d].stop - 1) // c + 1)):
-                    digits, rest = {}, j
-                    for x in reversed(t):
-                        digits[x] = rest % mesh.axis_size(x)
-                        rest //= mesh.axis_size(x)
-                    if all(digits[x] == v for x, v in fixed.items()):
-                        lo, hi = chunk_bounds(n, k, j)
-                        acc += max(0, min(hi, mine[d].stop) - max(lo, mine[d].start))
-            total *= acc
-        kept = _box_numel(_intersect(mine, dst.local_slices(shape, r)))
-        out.append((total - kept) * itemsize)
-    return tuple(out)
+    dtype = _int_dtype(shape, mesh)
+    s_lo, s_hi = _bounds(src, shape, rank)
+    d_lo, d_hi = _bounds(dst, shape, rank)
+    total = np.full(s_lo.shape[1], free, dtype=dtype)
+    kept = np.ones(s_lo.shape[1], dtype=dtype)
+    for d, n in enumerate(shape):
+        kept *= np.clip(np.minimum(s_hi[d], d_hi[d]) - np.maximum(s_lo[d], d_lo[d]), 0, None).astype(dtype)
+        t = dst.dim_axes(d)
+        if not t:
+            total *= (s_hi[d] - s_lo[d]).astype(dtype)
+        else:
+            fixed = [x for x in t if x not in vary]
+            total *= _peer_overlap(src, d, n, t, fixed, rank).astype(dtype)
+    return _per_rank((total - kept) * itemsize, lambda v: v)
+
+
+def _chunk_keys(j: np.ndarray, t: tuple[str, ...], fixed: list[str], mesh: AbstractMesh) -> np.ndarray:
+    """The digits of destination chunks ``j`` (over axes ``t``, first major) on the ``fixed``
+    axes, as one mixed-radix number — comparable with ``mesh.group_index(r, fixed)``."""
+    key = np.zeros_like(j)
+    for x in fixed:
+        stride = mesh.axis_size(t[t.index(x) + 1:])
+        key = key * mesh.axis_size(x) + (j // stride) % mesh.axis_size(x)
+    return key
+
+
+def _peer_overlap(src: Layout, d: int, n: int, t: tuple[str, ...], fixed: list[str], rank: int | None
+                  ) -> np.ndarray:
+    """Per rank ``r`` (every rank, or ``rank`` alone): how many elements of ``r``'s source chunk
+    on dim ``d`` fall in destination chunks (over axes ``t``) whose digits on the ``fixed`` axes
+    equal ``r``'s coordinates.
+
+    Source and destination chunk boundaries, merged, cut ``[0, n)`` into at most
+    ``k_src + k_dst`` segments, each inside one source chunk ``g`` and one destination chunk
+    ``j``; summing segment lengths by ``(g, key(j))`` gives every rank's answer at once."""
+    mesh = src.mesh
+    s_axes = src.dim_axes(d)
+    k_src, k_dst = src.dim_shards(d), mesh.axis_size(t)
+    c_src, c_dst = chunk_size(n, k_src), chunk_size(n, k_dst)
+    if rank is not None:   # one rank: the destination chunks its source chunk overlaps
+        lo, hi = chunk_bounds(n, k_src, mesh.group_index(rank, s_axes) if s_axes else 0)
+        if hi <= lo:
+            return np.zeros(1, dtype=np.int64)
+        j = np.arange(lo // c_dst, (hi - 1) // c_dst + 1, dtype=np.int64)
+        length = np.minimum((j + 1) * c_dst, hi) - np.maximum(j * c_dst, lo)
+        mine = _chunk_keys(j, t, fixed, mesh) == mesh.group_index(rank, fixed)
+        return np.array([int(length[mine].sum())], dtype=np.int64)
+    if n == 0:
+        return np.zeros(mesh.size, dtype=np.int64)
+    bounds = np.union1d(np.minimum(np.arange(k_src + 1, dtype=np.int64) * c_src, n),
+                        np.minimum(np.arange(k_dst + 1, dtype=np.int64) * c_dst, n))
+    lo, length = bounds[:-1], np.diff(bounds)
+    n_keys = mesh.axis_size(fixed)
+    seg = (lo // c_src) * n_keys + _chunk_keys(lo // c_dst, t, fixed, mesh)
+    g_rank = mesh.group_indices(s_axes) if s_axes else np.zeros(mesh.size, dtype=np.int64)
+    want = g_rank * n_keys + mesh.group_indices(fixed)
+    if k_src * n_keys <= 4 * (mesh.size + len(seg)):      # a dense table indexed by (g, key)
+        table = np.zeros(k_src * n_keys, dtype=np.int64)
+        np.add.at(table, seg, length)
+        return table[want]
+    combos, inverse = np.unique(seg, return_inverse=True)   # sparse: only the pairs that occur
+    sums = np.zeros(len(combos), dtype=np.int64)
+    np.add.at(sums, inverse.ravel(), length)
+    pos = np.minimum(np.searchsorted(combos, want), len(combos) - 1)
+    return np.where(combos[pos] == want, sums[pos], 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -654,7 +751,7 @@ def redistribute(x: torch.Tensor, src: Layout, dst: Layout, shape: Sequence[int]
     """
     if shape is None:
         shape = tuple(n * src.dim_shards(d) if d < len(src.spec) else n for d, n in enumerate(x.shape))
-    plan = plan_redistribute(src, dst, shape, x.dtype)
+    plan = _plan(src, dst, shape, x.dtype, "redistribute")
     mesh = mesh if mesh is not None else src.mesh
     if not plan.steps:
         return x

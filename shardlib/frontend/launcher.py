@@ -14,6 +14,10 @@ then leaves with ``os._exit``; the parent decides success from the results, so a
 result is written neither loses it nor fails the run. Under ``torchrun`` a world that ``launch``
 itself initialized is left the same way (barrier, ``destroy_process_group``) once ``fn`` returns,
 which is what keeps the abort away there (0 of 14 runs, against 3 of 8 without).
+
+When a rank hangs, its peers fail at the collective timeout; the report names the rank(s) that
+never reached that collective, not the peers that waited (``diagnose.py``). Nothing outlives a
+launcher, even one killed with ``kill -9`` (``reaper.py``).
 """
 
 from __future__ import annotations
@@ -32,7 +36,15 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import ShardingTypeError
+from ..comm import progress
+from ..errors import ShardingError, ShardingTypeError
+from . import diagnose
+from .reaper import Reaper, die_with_parent
+
+UNGUARDED = ("launch: called while a spawned rank was importing the main script — got sl.launch(...) at the "
+             "top level of the script; expected it under `if __name__ == \"__main__\":`. Put the call (and the "
+             "code that starts the run) under that guard: every rank imports the script, and must not launch again.")
+_LAUNCH_DIR_ENV = "SHARDLIB_LAUNCH_DIR"   # set for the ranks while they start: where to say they were misused
 
 
 class WorkerError(RuntimeError):
@@ -145,12 +157,23 @@ def _fault_path(result_dir: str, rank: int) -> str:
     return os.path.join(result_dir, f"rank{rank}.fault")
 
 
+def _progress_path(result_dir: str, rank: int) -> str:
+    return os.path.join(result_dir, f"rank{rank}.progress")
+
+
 def _worker(local_rank: int, fn: Callable, args: tuple, kwargs: dict, nprocs: int, port: int,
-            result_dir: str, backend: str | None, timeout: float | None, threads: int) -> None:
+            result_dir: str, backend: str | None, timeout: float | None, threads: int,
+            parent_pid: int | None = None) -> None:
+    if parent_pid is not None:
+        die_with_parent(parent_pid)
     set_rank_env(local_rank, nprocs, port)
-    # a rank killed by a signal (abort, segfault) leaves its Python stack here for the parent
+    progress.attach(_progress_path(result_dir, local_rank))   # the last collective entered, for the parent
+    # a rank killed by a signal (abort, segfault) leaves its Python stack here for the parent,
+    # and so does a rank asked for it (diagnose.STACK_SIGNAL) because its peers wait for it
     fault_log = open(_fault_path(result_dir, local_rank), "w")  # noqa: SIM115 — open until os._exit
     faulthandler.enable(file=fault_log, all_threads=True)
+    if diagnose.STACK_SIGNAL is not None:
+        faulthandler.register(diagnose.STACK_SIGNAL, file=fault_log, all_threads=True)
     path = _result_path(result_dir, local_rank)
     ok = False
     try:
@@ -178,14 +201,25 @@ def launch(fn: Callable, nprocs: int, *args: Any, backend: str | None = None,
     Under ``torchrun``, or in a program that already initialized ``torch.distributed``, ``fn``
     runs once in this process on that world and ``[result]`` is returned; ``nprocs`` is not used.
     A world that this call initialized is torn down (barrier, destroy) after ``fn`` returns.
+
+    When ranks fail because others never reached a collective, ``WorkerError`` names those
+    others (``rank``: the first of them), what they last did, and the collective timeout.
     """
+    _check_not_bootstrapping()
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise ShardingTypeError(f"launch: nprocs must be a positive int — got {nprocs!r}.")
     if not callable(fn):
         raise ShardingTypeError(f"launch: fn must be callable — got {fn!r} of type {type(fn).__name__}.")
     if under_torchrun() or _world_initialized():
         created = init_world(backend, timeout, threads)
-        result = fn(*args, **kwargs)
+        watch = diagnose.WorldWatch()   # peers publish progress; a failed collective names who is behind
+        try:
+            result = fn(*args, **kwargs)
+        except BaseException as e:
+            watch.annotate(e)
+            raise
+        finally:
+            watch.stop()
         if created:
             leave_world()
         return [result]
@@ -193,13 +227,41 @@ def launch(fn: Callable, nprocs: int, *args: Any, backend: str | None = None,
 
     threads = threads or max(1, (os.cpu_count() or 1) // nprocs)
     result_dir = tempfile.mkdtemp(prefix="shardlib-launch-")
+    reaper = Reaper(result_dir)   # removes the directory and the ranks if this process is killed
+    saved = os.environ.get(_LAUNCH_DIR_ENV)
     try:
-        ctx = mp.start_processes(_worker, args=(fn, args, kwargs, nprocs, free_port(), result_dir, backend,
-                                                timeout, threads),
-                                 nprocs=nprocs, join=False, start_method="spawn")
-        return collect(ctx.processes, result_dir, nprocs, run_timeout)
+        os.environ[_LAUNCH_DIR_ENV] = result_dir
+        try:
+            ctx = mp.start_processes(_worker, args=(fn, args, kwargs, nprocs, free_port(), result_dir, backend,
+                                                    timeout, threads, os.getpid()),
+                                     nprocs=nprocs, join=False, start_method="spawn")
+        finally:
+            if saved is None:
+                os.environ.pop(_LAUNCH_DIR_ENV, None)
+            else:
+                os.environ[_LAUNCH_DIR_ENV] = saved
+        reaper.watch([p.pid for p in ctx.processes])
+        return collect(ctx.processes, result_dir, nprocs, run_timeout, timeout=timeout)
     finally:
         shutil.rmtree(result_dir, ignore_errors=True)
+        reaper.close()
+
+
+def _check_not_bootstrapping() -> None:
+    """A script without the ``__main__`` guard calls ``launch`` again in every rank it spawns,
+    while that rank imports it: stop there, with one line instead of multiprocessing's page."""
+    import multiprocessing
+
+    if not getattr(multiprocessing.current_process(), "_inheriting", False):
+        return
+    where = os.environ.get(_LAUNCH_DIR_ENV)
+    if where:   # one of our ranks: tell the launcher, which raises the one line once
+        try:
+            open(os.path.join(where, "unguarded"), "w").close()
+        except OSError:
+            pass
+        raise SystemExit(1)
+    raise SystemExit(UNGUARDED)
 
 
 def _world_initialized() -> bool:
@@ -209,12 +271,14 @@ def _world_initialized() -> bool:
 
 
 def collect(processes: list, result_dir: str, nprocs: int, run_timeout: float | None,
-            grace: float = 3.0) -> list[Any]:
+            grace: float = 3.0, timeout: float | None = None) -> list[Any]:
     """Wait for every rank's result file; once one fails or dies, stop the rest after ``grace`` s.
 
     Success is decided from the result files alone: a rank that wrote its result and then died
     (gloo's abort at exit) counts as done. A rank that died without a result is dated by the last
     time it was seen alive, so it is reported ahead of the peers that failed because it vanished.
+    Ranks that failed waiting for peers that never reached their collective are reported after
+    those peers (``diagnose.hang_report``; ``timeout``, the collective timeout, is named there).
     """
     deadline = time.monotonic() + run_timeout if run_timeout else None
     results: dict[int, dict] = {}
@@ -242,12 +306,34 @@ def collect(processes: list, result_dir: str, nprocs: int, run_timeout: float | 
                 failed_at = now
             timed_out = deadline is not None and now > deadline
             if (errors and (len(results) == nprocs or now - failed_at > grace)) or timed_out:
+                err = _failure(processes, result_dir, errors, results, nprocs, run_timeout, timeout)
                 _reap(processes, 0.5)
-                raise _worker_error(errors, results, nprocs, run_timeout)
+                raise err
             time.sleep(0.02)
     except BaseException:  # Ctrl-C or our own error: never leave ranks running
         _reap(processes, 0.0)
         raise
+
+
+def _failure(processes: list, result_dir: str, errors: dict[int, dict], results: dict[int, dict], nprocs: int,
+             run_timeout: float | None, timeout: float | None) -> BaseException:
+    """The error to raise: the unguarded script, ranks that never arrived, or the first failure."""
+    if os.path.exists(os.path.join(result_dir, "unguarded")):
+        return ShardingError(UNGUARDED)
+    records = {r: progress.read_file(_progress_path(result_dir, r)) for r in range(nprocs)}
+    returned = {r for r, v in results.items() if v["ok"]}
+    found = diagnose.hang_report(records, errors, returned, nprocs, timeout)
+    if found is None:
+        err = _worker_error(errors, results, nprocs, run_timeout)
+        behind = progress.laggards(records)
+        if not errors and behind:   # the run timed out while some ranks were behind the others
+            err.args = (err.args[0] + f" Behind the others: " + "; ".join(
+                f"rank {r} (last collective {progress.describe(records[r])})" for r in behind[:4]) + ".",)
+        return err
+    running = {r: processes[r].pid for r in found[0] if r not in results and processes[r].exitcode is None}
+    stacks = diagnose.dump_stacks(running, {r: _fault_path(result_dir, r) for r in running})
+    behind, msg = diagnose.hang_report(records, errors, returned, nprocs, timeout, stacks)
+    return WorkerError(msg, rank=behind[0], remote_traceback=stacks.get(behind[0], ""))
 
 
 def _worker_error(errors: dict[int, dict], results: dict[int, dict], nprocs: int,

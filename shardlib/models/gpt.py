@@ -86,10 +86,19 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        for name, p in self.named_parameters():
+        for module in self.modules():
+            self.init_weights(module)
+
+    @torch.no_grad()
+    def init_weights(self, module: nn.Module) -> None:
+        """GPT-2's initialization of ``module``'s own parameters: matrices and embeddings
+        ``N(0, 0.02)``, biases 0 (LayerNorm weights keep their 1). The constructor applies it to
+        every module in ``modules()`` order, after building them all; a model built on the meta
+        device is given the same values by replaying it (``shardlib.runtime.materialize``)."""
+        for name, p in module.named_parameters(recurse=False):
             if p.dim() >= 2:
                 nn.init.normal_(p, std=0.02)
-            elif name.endswith("bias"):
+            elif name == "bias":
                 nn.init.zeros_(p)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,8 +1,13 @@
-"""Building a plan: ``sl.plan(model, mesh, ...)`` -> ``Plan``; units, owners, buckets."""
+"""Building a plan: ``sl.plan(model, mesh, ...)`` -> ``Plan``; units, owners, buckets.
+
+Linear in the number of parameter tensors: a parameter's unit is found by walking the prefixes
+of its qualified name (``a.b.c`` -> ``a.b``, ``a``) through a set of unit names, never by
+scanning the units.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -10,38 +15,54 @@ from torch import nn
 from ..algebra.layout import Layout
 from ..algebra.mesh import AbstractMesh
 from ..algebra.spec import PartitionSpec
-from ..errors import Problems, ShardingError, ShardingTypeError
+from ..errors import ShardingError, ShardingTypeError
 from .plan import OPTIMIZER_STATE_BYTES, PRECISIONS, ParamPlan, Plan, UnitPlan
-from .states import StateLayouts
+from .states import StateLayouts, zero_problem
+from .traffic import fused_sizes
 
 # ---------------------------------------------------------------------------------------------
 
 def find_units(model: nn.Module, units: Sequence[str] | None = None) -> list[str]:
     """Unit module names: given ones, or every child of an ``nn.ModuleList`` that has parameters
-    (the blocks of a layer stack). The root unit ``""`` holds whatever is left."""
-    names = dict(model.named_modules())
+    (the blocks of a layer stack), outermost first. The root unit ``""`` holds whatever is left."""
     if units is not None:
-        bad = [u for u in units if u not in names or u == ""]
-        if bad:
-            raise ShardingError(f"plan: units {bad} are not submodules of the model — expected qualified "
-                                f"names such as {[n for n in names if n][:3]}.")
+        problems = _unit_problems(model, units)
+        if problems:
+            raise ShardingError(problems, api="plan")
         return list(units)
-    found = []
+    found: list[str] = []
+    seen: set[str] = set()
     for name, mod in model.named_modules():
         if isinstance(mod, nn.ModuleList):
             for child_name, child in mod.named_children():
                 q = f"{name}.{child_name}" if name else child_name
-                if any(True for _ in child.parameters()) and not any(q.startswith(f + ".") for f in found):
+                if _unit_of(q, seen) == "" and any(True for _ in child.parameters()):
                     found.append(q)
+                    seen.add(q)
     return found
 
 
-def _unit_of(name: str, units: list[str]) -> str:
-    best = ""
-    for u in units:
-        if (name.startswith(u + ".")) and len(u) > len(best):
-            best = u
-    return best
+def _unit_problems(model: nn.Module, units: object) -> list[str]:
+    if isinstance(units, str) or not isinstance(units, Iterable):
+        return [f"plan: units must be a list of module names — got {type(units).__name__} {units!r}; expected "
+                "qualified names such as ['blocks.0', 'blocks.1']."]
+    names = dict(model.named_modules())
+    bad = [u for u in units if not isinstance(u, str) or u not in names or u == ""]
+    if bad:
+        return [f"plan: units {_few(bad)} are not submodules of the model — expected qualified names such as "
+                f"{[n for n in names if n][:3]}."]
+    return []
+
+
+def _unit_of(name: str, units: Collection[str]) -> str:
+    """The longest of ``units`` that contains ``name`` (a proper dotted prefix of it), or ``""``
+    (the root). O(depth of ``name``) when ``units`` is a set."""
+    i = name.rfind(".")
+    while i > 0:
+        if name[:i] in units:
+            return name[:i]
+        i = name.rfind(".", 0, i)
+    return ""
 
 
 def param_owners(model: nn.Module) -> dict[int, list[tuple[str, str]]]:
@@ -57,11 +78,19 @@ def param_owners(model: nn.Module) -> dict[int, list[tuple[str, str]]]:
     return owners
 
 
+def _few(items: Sequence, k: int = 8) -> str:
+    """``items`` printed in full when short, else the first ``k`` and how many more."""
+    items = list(items)
+    return repr(items) if len(items) <= k else f"{items[:k]!r} (and {len(items) - k} more)"
+
+
+# ---------------------------------------------------------------------------------------------
+
 def plan(model: nn.Module, mesh: AbstractMesh, zero: int | None = None, *, states: StateLayouts | None = None,
          precision: str = "fp32", reduce_dtype: str | torch.dtype | None = None, grad_accum: int = 1,
          clip_grad_norm: float | None = None, recompute: bool | Iterable[str] = False,
          units: Sequence[str] | None = None, bucket_mb: float = 25.0, optimizer: str | int = "adamw",
-         reshard_after_forward: bool = True, data_axis: str = "data") -> Plan:
+         reshard_after_forward: bool = True, data_axis: str = "data", broadcast_buffers: bool = True) -> Plan:
     """Plan data-parallel training of ``model`` on ``mesh``.
 
     ``zero`` (0-3) names the usual stages; ``states`` gives the per-state layouts directly.
@@ -69,71 +98,39 @@ def plan(model: nn.Module, mesh: AbstractMesh, zero: int | None = None, *, state
     ``optimizer`` names the optimizer family (or gives its state bytes per parameter) so memory
     can be planned; ``recompute`` checkpoints units (True: every unit but the root).
     ``units`` names the modules gathered and freed together (default: each block of every
-    ``nn.ModuleList``; the root unit holds the rest). Under ZeRO-3, ``reshard_after_forward`` frees
+    ``nn.ModuleList``; the root unit holds the rest). ``broadcast_buffers`` (DDP's): rank 0's buffers
+    are broadcast before each step's forward (False: each rank keeps its own, e.g. BatchNorm statistics;
+    set-up always starts every rank from rank 0's parameters and buffers). Under ZeRO-3, ``reshard_after_forward`` frees
     each unit after its forward and gathers it again for its backward; the root unit, used at both
     ends of the model, stays gathered from its forward through its backward (as in FSDP2).
+
+    Every problem of the arguments is reported at once: a ``ShardingError`` listing them all
+    (a ``ShardingTypeError`` when each is of the wrong kind).
     """
     if not isinstance(model, nn.Module):
         raise ShardingTypeError(f"plan: expected an nn.Module — got {type(model).__name__}.")
     if not isinstance(mesh, AbstractMesh):
         raise ShardingTypeError(f"plan: expected a Mesh or AbstractMesh — got {type(mesh).__name__}.")
-    with Problems("plan", ShardingError) as p:
-        if zero is not None and states is not None:
-            p.add("plan: give either zero=... or states=..., not both.")
-        if data_axis not in mesh.axis_names:
-            p.add(f"plan: the mesh {mesh.axis_sizes} has no {data_axis!r} axis — expected the data-parallel "
-                  f"axis. Add it (size 1 if unused) or pass data_axis=.")
-        else:
-            others = {a: s for a, s in mesh.axis_sizes.items() if a != data_axis and s > 1}
-            if others:
-                p.add(f"plan: axes {others} are larger than 1, but this plan only uses {data_axis!r} — expected "
-                      "the other axes of size 1. Tensor and pipeline parallelism are not available yet.")
-        if precision not in PRECISIONS:
-            p.add(f"plan: precision {precision!r} is unknown — expected one of {tuple(PRECISIONS)}.")
-        if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1:
-            p.add(f"plan: grad_accum must be a positive int — got {grad_accum!r}.")
-        if clip_grad_norm is not None and not (isinstance(clip_grad_norm, (int, float)) and clip_grad_norm > 0):
-            p.add(f"plan: clip_grad_norm must be a positive number or None — got {clip_grad_norm!r}.")
-        if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
-            p.add(f"plan: bucket_mb must be positive — got {bucket_mb!r}.")
-        if isinstance(optimizer, str) and optimizer.lower() not in OPTIMIZER_STATE_BYTES:
-            p.add(f"plan: optimizer {optimizer!r} is unknown — expected one of {tuple(OPTIMIZER_STATE_BYTES)} "
-                  "or its state bytes per parameter as an int.")
-    if states is None:
-        states = StateLayouts.zero(0 if zero is None else zero, data_axis)
-    states.validate(mesh)
-    if reduce_dtype is None:
-        rdt = PRECISIONS[precision]
-    else:
-        rdt = PRECISIONS.get(reduce_dtype, reduce_dtype) if isinstance(reduce_dtype, str) else reduce_dtype
-        if rdt not in PRECISIONS.values():
-            raise ShardingError(f"plan: reduce_dtype {reduce_dtype!r} is unknown — expected fp32, bf16 or fp16.")
+    states, rdt, unit_names, rec, state_bytes = _check(
+        model, mesh, zero=zero, states=states, precision=precision, reduce_dtype=reduce_dtype,
+        grad_accum=grad_accum, clip_grad_norm=clip_grad_norm, recompute=recompute, units=units,
+        bucket_mb=bucket_mb, optimizer=optimizer, reshard_after_forward=reshard_after_forward,
+        data_axis=data_axis, broadcast_buffers=broadcast_buffers)
 
     named = list(model.named_parameters())
-    if not named:
-        raise ShardingError(f"plan: the model {type(model).__name__} has no parameters — expected at least "
-                            "one. There is nothing to train or shard.")
-    unit_names = find_units(model, units)
     owners = param_owners(model)
-    if recompute is True:
-        rec = set(unit_names)
-    elif recompute is False or recompute is None:
-        rec = set()
-    else:
-        rec = set(recompute)
-        if rec - set(unit_names):
-            raise ShardingError(f"plan: recompute names {sorted(rec - set(unit_names))}, which are not units — "
-                                f"expected some of {unit_names}.")
+    unit_set = set(unit_names)
+    unit_of: dict[str, str] = {}           # parameter name -> unit
+    for name, p in named:
+        units_of = {_unit_of(f"{m}.{a}" if m else a, unit_set) for m, a in owners[id(p)]}
+        unit_of[name] = units_of.pop() if len(units_of) == 1 else ""   # shared across units: root
 
     def layout(axis: str | None) -> Layout:
         return Layout(mesh, PartitionSpec(axis) if axis else PartitionSpec())
 
-    replicated = layout(None)
+    replicated, rest, grad, optim = layout(None), layout(states.params), layout(states.grads), layout(states.optim)
     itemsize = rdt.itemsize
     bucket_bytes = int(bucket_mb * 2**20)
-    def unit_of(p: nn.Parameter) -> str:
-        units_of = {_unit_of(f"{m}.{a}" if m else a, unit_names) for m, a in owners[id(p)]}
-        return units_of.pop() if len(units_of) == 1 else ""   # shared across units: root
 
     # Gradient buckets, in reverse order (the order gradients tend to become ready in backward),
     # up to bucket_mb each. With sharded gradients a bucket also ends where a unit ends: the
@@ -146,24 +143,121 @@ def plan(model: nn.Module, mesh: AbstractMesh, zero: int | None = None, *, state
             if not p.requires_grad:
                 continue
             size = p.numel() * itemsize
-            unit = unit_of(p)
+            unit = unit_of[name]
             if filled and (filled + size > bucket_bytes or (states.grads is not None and unit != last_unit)):
                 b, filled = b + 1, 0
             buckets[name] = b
             filled += size
             last_unit = unit
-    params = []
-    for name, p in named:
-        unit = unit_of(p)
-        params.append(ParamPlan(
-            name=name, shape=tuple(p.shape), unit=unit, bucket=buckets.get(name),
-            trainable=p.requires_grad, rest=layout(states.params), compute=replicated,
-            grad=layout(states.grads), optim=layout(states.optim)))
-    has_root = any(p.unit == "" for p in params)
-    unit_list = ([UnitPlan("", tuple(p.name for p in params if p.unit == ""), False, False)] if has_root else [])
-    unit_list += [UnitPlan(u, tuple(p.name for p in params if p.unit == u), reshard_after_forward, u in rec)
-                  for u in unit_names if any(p.unit == u for p in params)]
-    state_bytes = optimizer if isinstance(optimizer, int) else OPTIMIZER_STATE_BYTES[optimizer.lower()]
+    params = [ParamPlan(name=name, shape=tuple(p.shape), unit=unit_of[name], bucket=buckets.get(name),
+                        trainable=p.requires_grad, rest=rest, compute=replicated, grad=grad, optim=optim)
+              for name, p in named]
+    members: dict[str, list[str]] = {}
+    for pp in params:
+        members.setdefault(pp.unit, []).append(pp.name)
+    unit_list = [UnitPlan("", tuple(members[""]), False, False)] if "" in members else []
+    unit_list += [UnitPlan(u, tuple(members[u]), reshard_after_forward, u in rec) for u in unit_names if u in members]
+    buffers = list(model.buffers())
     return Plan(mesh=mesh, data_axis=data_axis, states=states, precision=precision, reduce_dtype=rdt,
                 grad_accum=grad_accum, clip_grad_norm=clip_grad_norm, optimizer_state_bytes=state_bytes,
-                bucket_bytes=bucket_bytes, params=tuple(params), units=tuple(unit_list), batch=layout(data_axis))
+                bucket_bytes=bucket_bytes, params=tuple(params), units=tuple(unit_list), batch=layout(data_axis),
+                broadcast_buffers=broadcast_buffers, buffer_sizes=fused_sizes(buffers),
+                setup_sizes=fused_sizes([*(p for _, p in named), *buffers]))
+
+
+def _check(model: nn.Module, mesh: AbstractMesh, *, zero, states, precision, reduce_dtype, grad_accum,
+           clip_grad_norm, recompute, units, bucket_mb, optimizer, reshard_after_forward, data_axis,
+           broadcast_buffers) -> tuple[StateLayouts, torch.dtype, list[str], set[str], int]:
+    """Check every argument of ``plan`` and raise all problems at once; return what they resolve
+    to: the state layouts, the reduction dtype, the unit names, the recomputed units and the
+    optimizer's state bytes per parameter."""
+    problems: list[tuple[bool, str]] = []     # (of the wrong kind, message)
+
+    def add(message: str, wrong_kind: bool = False) -> None:
+        problems.append((wrong_kind, message))
+
+    def number(x: object) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+    if zero is not None and states is not None:
+        add("plan: give either zero=... or states=..., not both.")
+    if zero is not None and (problem := zero_problem(zero)) is not None:
+        add(problem[1], problem[0] is ShardingTypeError)
+    if states is not None and not isinstance(states, StateLayouts):
+        add(f"plan: states must be a StateLayouts — got {type(states).__name__}; expected e.g. "
+            "sl.StateLayouts.zero(2).", True)
+    if not isinstance(data_axis, str):
+        add(f"plan: data_axis must be a mesh axis name — got {type(data_axis).__name__} {data_axis!r}.", True)
+    elif data_axis not in mesh.axis_names:
+        add(f"plan: the mesh {mesh.axis_sizes} has no {data_axis!r} axis — expected the data-parallel "
+            f"axis. Add it (size 1 if unused) or pass data_axis=.")
+    others = {a: s for a, s in mesh.axis_sizes.items() if a != data_axis and s > 1}
+    if others and data_axis in mesh.axis_names:
+        add(f"plan: axes {others} are larger than 1, but this plan only uses {data_axis!r} — expected "
+            "the other axes of size 1. Tensor and pipeline parallelism are not available yet.")
+    if not (isinstance(precision, str) and precision in PRECISIONS):
+        add(f"plan: precision {precision!r} is unknown — expected one of {tuple(PRECISIONS)}.")
+    rdt = PRECISIONS.get(precision, torch.float32) if isinstance(precision, str) else torch.float32
+    if reduce_dtype is not None:
+        rdt = PRECISIONS.get(reduce_dtype) if isinstance(reduce_dtype, str) else reduce_dtype
+        if rdt not in PRECISIONS.values():
+            add(f"plan: reduce_dtype {reduce_dtype!r} is unknown — expected fp32, bf16 or fp16 (or the torch dtype).")
+    if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1:
+        add(f"plan: grad_accum must be a positive int — got {grad_accum!r}.")
+    if clip_grad_norm is not None and not (number(clip_grad_norm) and clip_grad_norm > 0):
+        add(f"plan: clip_grad_norm must be a positive number or None — got {clip_grad_norm!r}.")
+    if not (number(bucket_mb) and bucket_mb > 0):
+        add(f"plan: bucket_mb must be positive — got {bucket_mb!r}.")
+    if not isinstance(broadcast_buffers, bool):
+        add(f"plan: broadcast_buffers must be True or False — got {broadcast_buffers!r}.")
+    if not isinstance(reshard_after_forward, bool):
+        add(f"plan: reshard_after_forward must be True or False — got {reshard_after_forward!r}.")
+    state_bytes = 0
+    if isinstance(optimizer, str):
+        if optimizer.lower() in OPTIMIZER_STATE_BYTES:
+            state_bytes = OPTIMIZER_STATE_BYTES[optimizer.lower()]
+        else:
+            add(f"plan: optimizer {optimizer!r} is unknown — expected one of {tuple(OPTIMIZER_STATE_BYTES)} "
+                "or its state bytes per parameter as an int.")
+    elif isinstance(optimizer, int) and not isinstance(optimizer, bool) and optimizer >= 0:
+        state_bytes = optimizer
+    else:
+        add(f"plan: optimizer must be a name such as 'adamw' or its state bytes per parameter (an int >= 0) "
+            f"— got {type(optimizer).__name__} {optimizer!r}.", isinstance(optimizer, bool) or not isinstance(optimizer, int))
+    if isinstance(states, StateLayouts):
+        for message in states.problems(mesh):
+            add(message)
+
+    if units is not None and not isinstance(units, str) and isinstance(units, Iterable):
+        units = list(units)                   # a generator is read once
+    if next(model.parameters(), None) is None:
+        add(f"plan: the model {type(model).__name__} has no parameters — expected at least one. There is "
+            "nothing to train or shard.")
+    if units is not None and (unit_problems := _unit_problems(model, units)):
+        add(unit_problems[0], unit_problems[0].startswith("plan: units must be"))
+        unit_names = [u for u in units if isinstance(u, str) and u] if isinstance(units, Iterable) else []
+    else:
+        unit_names = find_units(model, units)
+    rec: set[str] = set()
+    if recompute is True:
+        rec = set(unit_names)
+    elif recompute is not False and recompute is not None:
+        if isinstance(recompute, str) or not isinstance(recompute, Iterable):
+            add(f"plan: recompute must be True, False or a list of unit names — got {type(recompute).__name__} "
+                f"{recompute!r}.", True)
+        else:
+            names = list(recompute)
+            known = set(unit_names)
+            rec = {r for r in names if isinstance(r, str) and r in known}
+            if unknown := [r for r in names if not (isinstance(r, str) and r in known)]:
+                add(f"plan: recompute names {_few(unknown)}, which are not units — expected some of "
+                    f"{_few(unit_names)}.")
+
+    if problems:
+        messages = [m for _, m in problems]
+        if all(wrong_kind for wrong_kind, _ in problems):
+            raise ShardingTypeError(str(ShardingError(messages, api="plan")))
+        raise ShardingError(messages, api="plan")
+    if states is None:
+        states = StateLayouts.zero(0 if zero is None else zero, data_axis)
+    return states, rdt, unit_names, rec, state_bytes

@@ -1,12 +1,34 @@
-"""Printing a ``Plan``: ``explain()``. Mixed into ``Plan``."""
+"""Printing a ``Plan``: ``explain()``. Mixed into ``Plan``.
+
+A large plan reads in one screen: what repeats is printed once with a count. Names are grouped
+by their pattern, each number between dots a wildcard (``blocks.17.attn.qkv.weight`` ->
+``blocks.*.attn.qkv.weight``); where the wildcard takes a contiguous range it is printed as one
+(``blocks.0..999``). The gather schedule is printed as its repeating pattern (``[G(blocks.i+1)
+W(blocks.i) F(blocks.i)] x998 (i = 0..997)``). ``explain(full=True)`` lists everything one by one.
+Every number is computed from the whole plan either way. Linear in the number of parameters.
+"""
 
 from __future__ import annotations
 
+import re
+import textwrap
+
 from ..comm.core import format_bytes
+
+WIDTH = 150          # lines are wrapped at this width (a parameter name longer than a line is kept whole)
+MAX_GROUPS = 24      # collective groups printed by default (the totals count every collective)
+_DIGITS = re.compile(r"(?<![^.\s])\d+(?![^.\s])")    # a number between dots or spaces: blocks.12, bucket 3
 
 
 class Explain:
-    def explain(self, max_params: int = 40) -> str:
+    def explain(self, max_params: int | None = None, *, full: bool = False) -> str:
+        """The plan in words: state layouts, units, a row per parameter, model states per rank
+        (with the ZeRO formula), ZeRO-3's gather schedule, the collectives of a step and their total
+        against the ring minimum. By default repeated parameters, units and collectives are
+        grouped (at most ``max_params`` rows of parameters, 40 unless given); ``full=True`` lists
+        each of them (every parameter unless ``max_params`` is given)."""
+        if max_params is None:
+            max_params = len(self.params) if full else 40
         n = self.data_size
         stage = f"ZeRO-{self.zero}" if self.zero else ("data parallel" if self.zero == 0 else "custom")
         lines = [f"Plan: {stage} over {self.data_axis!r} (N={n}) on mesh {self.mesh.axis_sizes}; "
@@ -15,17 +37,11 @@ class Explain:
                  f"  states: params at rest {_spec(self.states.params)}, grads {_spec(self.states.grads)}, "
                  f"optimizer {_spec(self.states.optim)}, local grads "
                  f"{'kept' if self.states.keep_local_grads else 'freed after reduction'}",
-                 f"  batch: {self.batch.spec} (dim 0 over {self.data_axis!r})",
-                 "  units: " + ", ".join(f"{u.name or '<root>'}({len(u.params)})"
-                                          + ("*" if u.recompute else "") for u in self.units)
-                 + ("   (* = recomputed in backward)" if any(u.recompute for u in self.units) else ""),
-                 "", f"  {'parameter':<32} {'shape':<14} {'unit':<10} {'rest':<6} {'compute':<8} "
-                 f"{'grad':<6} {'optim':<6}"]
-        for p in self.params[:max_params]:
-            lines.append(f"  {p.name:<32} {str(list(p.shape)):<14} {p.unit or '<root>':<10} "
-                         f"{p.rest.short():<6} {p.compute.short():<8} {p.grad.short():<6} {p.optim.short():<6}")
-        if len(self.params) > max_params:
-            lines.append(f"  ... and {len(self.params) - max_params} more")
+                 f"  batch: {self.batch.spec} (dim 0 over {self.data_axis!r})"]
+        lines += _wrap("units: " + ", ".join(self._unit_words(full))
+                       + ("   (* = recomputed in backward)" if any(u.recompute for u in self.units) else ""),
+                       "  ", "    ")
+        lines += ["", *self._param_table(max_params, full)]
         mem, formula = self.memory_per_rank(), self.zero_formula()
         lines += ["", f"  model states per rank (Ψ = {self.num_params:,} parameters):"]
         for k in ("params", "grads", "optimizer", "total"):
@@ -33,13 +49,205 @@ class Explain:
         if self.states.params is not None:
             lines.append(f"    gathered   {format_bytes(self.transient_per_rank()['gathered']):>10}   "
                          "(transient peak of gathered units and gather buffers, in this order:)")
-            lines.append("      " + " ".join(self.gather_schedule()))
+            schedule = self.gather_schedule()
+            lines += _wrap(" ".join(schedule if full else _fold(schedule)), "      ", "      ")
         lines += ["", "  collectives per step (bytes sent per rank):"]
-        lines += [f"    {e}" for e in self.comm_per_step()] or ["    none (one rank)"]
+        entries = self.comm_per_step()
+        rows = [str(e) for e in entries] if full else _comm_rows(entries)
+        if len(rows) > MAX_GROUPS and not full:
+            rows = rows[:MAX_GROUPS] + [f"... and {len(rows) - MAX_GROUPS} more kinds (explain(full=True) lists "
+                                        "every collective)"]
+        lines += [f"    {r}" for r in rows] or ["    none (one rank)"]
         lines.append(f"    total {format_bytes(self.comm_bytes_per_step())}; params+grads "
                      f"{format_bytes(self.comm_bytes_per_step('params') + self.comm_bytes_per_step('grads'))} "
                      f"vs ring minimum {format_bytes(self.ring_minimum())}")
         return "\n".join(lines)
+
+    def _unit_words(self, full: bool) -> list[str]:
+        """``name(params)`` per unit, ``*`` when recomputed; by default units of one name pattern,
+        parameter count and policy are one entry: ``blocks.0..999 (1000 units x 12 params)*``."""
+        def star(u) -> str:
+            return "*" if u.recompute else ""
+        if full:
+            return [f"{u.name or '<root>'}({len(u.params)}){star(u)}" for u in self.units]
+        groups = _group(self.units, lambda u: (_pattern(u.name), len(u.params), u.recompute,
+                                               u.reshard_after_forward))
+        words = []
+        for us in groups:
+            u = us[0]
+            if len(us) == 1:
+                words.append(f"{u.name or '<root>'}({len(u.params)}){star(u)}")
+            else:
+                words.append(f"{_collapse([v.name for v in us])} ({len(us)} units x {len(u.params)} params)"
+                             f"{star(u)}")
+        return words
+
+    def _param_table(self, max_rows: int, full: bool) -> list[str]:
+        """A row per parameter (``full``) or per group of parameters of one name pattern, shape,
+        unit pattern and layouts, with their count."""
+        shorts: dict[int, str] = {}        # id(layout) -> its short form: parameters share a few layouts
+        unit_patterns = {u.name: _pattern(u.name) for u in self.units}
+
+        def short(layout) -> str:
+            s = shorts.get(id(layout))
+            if s is None:
+                s = shorts[id(layout)] = layout.short()
+            return s
+
+        def cells(p) -> tuple[str, ...]:
+            return (str(list(p.shape)), short(p.rest), short(p.compute), short(p.grad), short(p.optim))
+        if full:
+            rows = [(p.name, p.unit or "<root>", cells(p), 1) for p in self.params]
+        else:
+            groups = _group(self.params, lambda p: (_pattern(p.name), unit_patterns.get(p.unit) or _pattern(p.unit),
+                                                   cells(p)))
+            rows = [(_collapse([p.name for p in ps], ranges=False),
+                     _collapse([p.unit for p in ps], ranges=False) or "<root>", cells(ps[0]), len(ps))
+                    for ps in groups]
+        shown = rows[:max_rows]
+        w = max(32, min(64, max((len(r[0]) for r in shown), default=0)))
+        wu = max(10, min(32, max((len(r[1]) for r in shown), default=0)))
+        ws = max(14, min(32, max((len(r[2][0]) for r in shown), default=0)))
+        out = [f"  {'parameter':<{w}} {'shape':<{ws}} {'unit':<{wu}} {'rest':<6} {'compute':<8} {'grad':<6} "
+               f"{'optim':<6}" + ("" if full else " count")]
+        for name, unit, (shape, rest, compute, grad, optim), count in shown:
+            out.append(f"  {name:<{w}} {shape:<{ws}} {unit:<{wu}} {rest:<6} {compute:<8} {grad:<6} {optim:<6}"
+                       + ("" if full else f" {count:>5}"))
+        if len(rows) > max_rows:
+            what = "parameters" if full else f"rows ({sum(r[3] for r in rows[max_rows:])} parameters)"
+            out.append(f"  ... and {len(rows) - max_rows} more {what}")
+        return out
+
+
+# ---- grouping ----------------------------------------------------------------------------------
+
+def _pattern(name: str) -> str:
+    """``name`` with each number between dots (or spaces) a wildcard: ``blocks.17.ln1`` -> ``blocks.*.ln1``."""
+    return _DIGITS.sub("*", name)
+
+
+def _group(items, key) -> list[list]:
+    """``items`` grouped by ``key``, groups in order of first appearance."""
+    groups: dict = {}
+    for x in items:
+        groups.setdefault(key(x), []).append(x)
+    return list(groups.values())
+
+
+def _collapse(names: list[str], ranges: bool = True) -> str:
+    """One name for names of one pattern: digits equal in all of them are kept; digits that differ
+    are ``*``, or (``ranges``) ``a..b`` where they take each value of a contiguous range once.
+    Names of several patterns are collapsed per pattern and joined with commas."""
+    by_pattern = _group(names, _pattern)
+    if len(by_pattern) > 1:
+        return ", ".join(_collapse(g, ranges) for g in by_pattern)
+    texts = _DIGITS.split(names[0])
+    digits = [_DIGITS.findall(n) for n in names]
+    out = [texts[0]]
+    for k in range(len(digits[0])):
+        column = [d[k] for d in digits]
+        if all(c == column[0] for c in column):
+            out.append(column[0])
+        else:
+            values = [int(c) for c in column]
+            lo, hi = min(values), max(values)
+            contiguous = ranges and len(set(values)) == len(values) == hi - lo + 1
+            out.append(f"{lo}..{hi}" if contiguous else "*")
+        out.append(texts[k + 1])
+    return "".join(out)
+
+
+def _comm_rows(entries) -> list[str]:
+    """Collectives of one phase, kind, op, axes, bytes and count as one row: ``x1000`` of them, with
+    the units or buckets they serve."""
+    rows = []
+    for es in _group(entries, lambda e: (e.phase, e.what, e.op, e.axes, e.bytes, e.count, e.riders)):
+        if len(es) == 1:
+            rows.append(str(es[0]))
+            continue
+        e = es[0]
+        times = f" x{e.count}" if e.count > 1 else ""
+        where = _collapse([x.where for x in es if x.where])
+        rows.append(f"{e.phase:<8} {e.what:<7} {e.op}({', '.join(e.axes)}){times} {format_bytes(e.total)} "
+                    f"(x{len(es)}) = {format_bytes(e.total * len(es))}" + (f"  [{where}]" if where else ""))
+    return rows
+
+
+# ---- the gather schedule as its pattern --------------------------------------------------------
+
+_EVENT = re.compile(r"^(\w)\((.*)\)$")
+
+
+def _fold(events: tuple[str, ...], min_repeats: int = 3, max_period: int = 6) -> list[str]:
+    """The events with each run of a repeating block folded into ``[block] xK (i = a..b)``: a block of
+    ``p`` events repeats when each event recurs ``p`` later with its unit's number moved by the same
+    step ``d`` (``(i = a..b step d)`` unless 1 or -1; 0: the same events again). Numbers are written
+    relative to ``i``, the block's most common number. Linear: each event starts at most
+    ``max_period`` trials, and a folded run is skipped whole."""
+    parsed = [_parse(e) for e in events]
+    out: list[str] = []
+    j = 0
+    while j < len(events):
+        best = None                                       # (covered, period, d, repeats)
+        for p in range(1, min(max_period, (len(events) - j) // min_repeats) + 1):
+            a, b = parsed[j], parsed[j + p]
+            d = b[2] - a[2] if a[2] is not None and b[2] is not None else 0
+            k = 1
+            while j + (k + 1) * p <= len(events) and all(
+                    _shifted(parsed[j + q], parsed[j + k * p + q], k * d) for q in range(p)):
+                k += 1
+            if k >= min_repeats and (best is None or k * p > best[0]):
+                best = (k * p, p, d, k)
+        if best is None:
+            out.append(events[j])
+            j += 1
+            continue
+        _, p, d, k = best
+        block = parsed[j:j + p]
+        numbers = [num for _, _, num in block if num is not None]
+        if numbers and d:
+            base = max(numbers, key=numbers.count)
+            step = "" if abs(d) == 1 else f" step {d}"
+            words, where = [_relative(ev, base) for ev in block], f" (i = {base}..{base + (k - 1) * d}{step})"
+        else:                                             # the same events again and again
+            words, where = list(events[j:j + p]), ""
+        out.append(f"[{' '.join(words)}] x{k}{where}")
+        j += k * p
+    return out
+
+
+def _parse(event: str) -> tuple[str, str, int | None]:
+    """``G(blocks.12)`` -> ``("G", "blocks.*", 12)``; names without exactly one number keep it: ``None``."""
+    m = _EVENT.match(event)
+    if m is None:
+        return event, "", None
+    op, name = m.groups()
+    numbers = _DIGITS.findall(name)
+    if len(numbers) != 1:
+        return op, name, None
+    return op, _pattern(name), int(numbers[0])
+
+
+def _shifted(a, b, d: int) -> bool:
+    """``b`` is ``a`` with its number moved by ``d`` (equal when it has none)."""
+    if a[0] != b[0] or a[1] != b[1]:
+        return False
+    return a[2] == b[2] if a[2] is None else b[2] == a[2] + d
+
+
+def _relative(event, base: int | None) -> str:
+    op, pattern, num = event
+    if num is None:
+        return f"{op}({pattern})" if pattern else op
+    off = num - base
+    return f"{op}({pattern.replace('*', 'i' if off == 0 else f'i{off:+d}')})"
+
+
+# ---- printing ----------------------------------------------------------------------------------
+
+def _wrap(text: str, first: str, rest: str) -> list[str]:
+    return textwrap.wrap(text, WIDTH, initial_indent=first, subsequent_indent=rest, break_long_words=False,
+                         break_on_hyphens=False) or [first.rstrip()]
 
 
 def _spec(axis: str | None) -> str:

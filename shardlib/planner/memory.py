@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import ShardingError
+from .flat import FROZEN, TRAIN
 
 if TYPE_CHECKING:
     from .plan import UnitPlan
@@ -24,34 +25,38 @@ class MemoryAccounting:
         ``at="rest"``: between steps (the ZeRO-paper terms). ``at="update"``: while the optimizer
         steps, when ``grads`` also holds the gradients the optimizer reads where they are not
         kept between steps — fp32 copies where gradients are reduced in a 2-byte dtype, and
-        with fp32 reduction under ZeRO-1 the reduce-scatter outputs (padded rows) that the
-        masters' gradients view. ZeRO-3's
-        gathered units are transient as well: see ``transient_per_rank``."""
+        with fp32 reduction under ZeRO-1 the reduce-scatter outputs (each bucket's padded chunk)
+        that the masters' gradients view. ZeRO-3's gathered units are transient as well: see
+        ``transient_per_rank``.
+
+        Sharded states are split as flat segments (``flat.py``): a rank holds ``ceil(T/N)`` or
+        fewer of each segment's ``T`` elements, so every rank is within one element per segment
+        of the ZeRO formula. O(flat groups) per rank."""
         if at not in ("rest", "update"):
             raise ShardingError(f"memory_per_rank: at={at!r} — expected 'rest' or 'update'.")
         rank = self._rank(rank)
         c = self.compute_dtype.itemsize
         g = self.reduce_dtype.itemsize
-        params = grads = optim = 0
-        for p in self.params:
-            params += p.local_numel(p.rest, rank) * c
-            if not p.trainable:
-                continue
-            if self.states.keep_local_grads:
-                grads += p.numel * c                      # full local gradients (compute dtype) persist
-            else:
-                grads += p.local_numel(p.grad, rank) * g  # only the reduced shard persists
-            n_opt = p.local_numel(p.optim, rank)
-            master = 4 * n_opt if self.mixed else 0       # in fp32 the parameter is the master
-            optim += master + self.optimizer_state_bytes * n_opt
-            if at == "update":
-                if self.reduce_dtype != torch.float32:
-                    grads += 4 * n_opt                    # fp32 copies of the reduced gradients
-                elif self.states.keep_local_grads and (self.states.grads is not None
-                                                       or self.reduce_dtype != self.compute_dtype):
-                    # the master's gradient views the collective's output: ZeRO-1's reduced
-                    # (padded) rows, or a full all-reduced gradient kept apart from the local one
-                    grads += (p.padded_numel(p.grad) if self.states.grads is not None else p.numel) * g
+        states, groups = self.states, self.flat.groups
+        psi, psi_t = self.num_params, self.num_trainable
+        # this rank's elements of each flat group's segments (ZeRO's shards: flat.py)
+        mine = [(grp.local_numel(rank, TRAIN), grp.local_numel(rank, FROZEN)) for grp in groups]
+        mine_t = sum(t for t, _ in mine)
+        params = (sum(t + f for t, f in mine) if states.params is not None else psi) * c
+        if states.keep_local_grads:
+            grads = psi_t * c                             # full local gradients (compute dtype) persist
+        else:
+            grads = (mine_t if states.grads is not None else psi_t) * g   # only the reduced shard persists
+        n_opt = mine_t if states.optim is not None else psi_t
+        master = 4 * n_opt if self.mixed else 0           # in fp32 the parameter is the master
+        optim = master + self.optimizer_state_bytes * n_opt
+        if at == "update":
+            if self.reduce_dtype != torch.float32:
+                grads += 4 * n_opt                        # fp32 copies of the reduced gradients
+            elif states.keep_local_grads and (states.grads is not None or self.reduce_dtype != self.compute_dtype):
+                # the masters' gradients view the collective's output: ZeRO-1's reduced chunk of
+                # each bucket (padded), or a full all-reduced gradient kept apart from the local one
+                grads += (sum(grp.chunk(TRAIN) for grp in groups) if states.grads is not None else psi_t) * g
         buffers = 4 * self.scalars_per_step() if self.scalars_ride_gradients and self._grad_views else 0
         return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim,
                 "buffers": buffers}
@@ -117,8 +122,8 @@ class MemoryAccounting:
 
     def transient_per_rank(self, rank: int | None = None) -> dict[str, int]:
         """ZeRO-3: the peak bytes of gathered parameters plus the all-gather output buffers in
-        flight, replaying ``gather_schedule``: a gather holds its unit's padded output buffer
-        (``N x`` the padded shard) until its wait unpacks it into the parameters (both held for a
+        flight, replaying ``gather_schedule``: a gather holds its unit's output buffer (``N`` chunks
+        of ``ceil(T/N)`` elements per segment, ``flat.py``) until its wait unpacks it into the parameters (both held for a
         moment), a free releases the parameters. The engine tracks the same quantity
         (``engine.peak_gathered_bytes``). Full-size gradients of a unit before its reduce-scatter
         are not counted. Zero when parameters are replicated."""
@@ -126,7 +131,7 @@ class MemoryAccounting:
             return {"gathered": 0}
         c, n = self.compute_dtype.itemsize, self.data_size
         full = {u.name: sum(p.numel for p in self.unit_params(u.name)) * c for u in self.units}
-        buf = {u.name: sum(p.padded_numel(p.rest) for p in self.unit_params(u.name)) * n * c for u in self.units}
+        buf = {grp.name: (grp.chunk(TRAIN) + grp.chunk(FROZEN)) * n * c for grp in self.flat.groups}
         by_label = {(u.name or "<root>"): u.name for u in self.units}
         live = peak = 0
         for ev in self.gather_schedule():
@@ -146,7 +151,9 @@ class MemoryAccounting:
         """The ZeRO-paper terms for this plan, to compare with ``memory_per_rank``: parameters
         ``cΨ`` (``/N`` when sharded), gradients ``gΨ_t`` (``/N`` when sharded and not kept whole),
         optimizer ``KΨ_t`` (``/N`` when sharded), with Ψ the parameter count and Ψ_t the trainable
-        count (equal in the paper). Equal to ``memory_per_rank`` when every dim 0 divides by N."""
+        count (equal in the paper). Equal to ``memory_per_rank`` when every flat segment (a unit's or
+        bucket's trainable or frozen parameters, laid end to end) divides by N; above it by less than
+        one element per segment otherwise."""
         psi, psi_t, n = self.num_params, self.num_trainable, self.data_size
         c, g = self.compute_dtype.itemsize, self.reduce_dtype.itemsize
         k = (4 if self.mixed else 0) + self.optimizer_state_bytes

@@ -30,13 +30,16 @@ elements, ZeRO-3 ``3Ψ(N-1)/N`` (gather forward, gather backward, reduce-scatter
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
 from ..algebra.layout import Layout
 from ..algebra.mesh import AbstractMesh
 from .explain import Explain
+from .flat import FlatLayout, flat_layout
 from .memory import MemoryAccounting
 from .states import StateLayouts
 from .traffic import CommEntry as CommEntry  # re-exported: part of a plan's data
@@ -45,6 +48,31 @@ from .traffic import TrafficAccounting
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # bytes of optimizer state per parameter (fp32 state tensors)
 OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "sgd": 0, "sgd_momentum": 4, "rmsprop": 4, "adagrad": 4}
+
+
+# id(layout) -> (weak reference to it, {(shape, rank): elements}); see shard_numel
+_SHARD_MEMO: dict[int, tuple[weakref.ref, dict]] = {}
+
+
+def shard_numel(layout: Layout, shape: tuple[int, ...], rank: int | None = None, *, padded: bool = False) -> int:
+    """Elements of ``rank``'s shard of a ``shape`` tensor (``padded``: of the shard padded to ``ceil``
+    chunks, the same on every rank), remembered per layout object while it lives: a plan's thousands
+    of parameters share a few layouts and shapes, so accounting a plan asks the layout a few dozen
+    times, not once per parameter and rank."""
+    if rank is None and not padded:          # the running process's rank: not remembered
+        return math.prod(layout.local_shape(shape, None))
+    entry = _SHARD_MEMO.get(id(layout))
+    if entry is None or entry[0]() is not layout:
+        key = id(layout)
+        entry = _SHARD_MEMO[key] = (weakref.ref(layout, lambda _, key=key: _SHARD_MEMO.pop(key, None)), {})
+    memo, key = entry[1], (shape, None if padded else rank)
+    n = memo.get(key)
+    if n is None:
+        if len(memo) >= 1 << 16:            # bounded: planning every rank of a huge mesh
+            memo.clear()
+        n = math.prod(layout.padded_local_shape(shape) if padded else layout.local_shape(shape, rank))
+        memo[key] = n
+    return n
 
 
 @dataclass(frozen=True)
@@ -66,11 +94,11 @@ class ParamPlan:
         return math.prod(self.shape)
 
     def local_numel(self, layout: Layout, rank: int) -> int:
-        return math.prod(layout.local_shape(self.flat_shape, rank))
+        return shard_numel(layout, self.flat_shape, rank)
 
     def padded_numel(self, layout: Layout) -> int:
         """Elements of one rank's shard padded to ``ceil`` (what a collective moves per rank)."""
-        return math.prod(layout.padded_local_shape(self.flat_shape))
+        return shard_numel(layout, self.flat_shape, padded=True)
 
     @property
     def flat_shape(self) -> tuple[int, ...]:
@@ -104,6 +132,12 @@ class Plan(MemoryAccounting, TrafficAccounting, Explain):
     params: tuple[ParamPlan, ...]
     units: tuple[UnitPlan, ...]
     batch: Layout = field(repr=False)
+    # replicas stay equal (runtime/sync.py): rank 0's buffers broadcast before each step's forward
+    # (DDP's broadcast_buffers); (dtype, elements) of what is broadcast at set-up (parameters and
+    # buffers) and per step (buffers), one fused broadcast per dtype
+    broadcast_buffers: bool = True
+    setup_sizes: tuple[tuple[torch.dtype, int], ...] = ()
+    buffer_sizes: tuple[tuple[torch.dtype, int], ...] = ()
 
     # ---- basics --------------------------------------------------------------------------------
     @property
@@ -124,13 +158,10 @@ class Plan(MemoryAccounting, TrafficAccounting, Explain):
 
     @property
     def num_params(self) -> int:
-        return sum(p.numel for p in self.params)
+        return self._totals[0]
 
     def param(self, name: str) -> ParamPlan:
-        for p in self.params:
-            if p.name == name:
-                return p
-        raise KeyError(name)
+        return self._by_name[name]
 
     def buckets(self) -> list[list[ParamPlan]]:
         """Gradient buckets (replicated parameters), in the order they are reduced."""
@@ -141,7 +172,7 @@ class Plan(MemoryAccounting, TrafficAccounting, Explain):
         return [out[b] for b in sorted(out)]
 
     def unit_params(self, unit: str) -> list[ParamPlan]:
-        return [p for p in self.params if p.unit == unit]
+        return list(self._by_unit.get(unit, ()))
 
     def _rank(self, rank: int | None) -> int:
         return rank if rank is not None else getattr(self.mesh, "rank", 0)
@@ -149,4 +180,27 @@ class Plan(MemoryAccounting, TrafficAccounting, Explain):
     @property
     def num_trainable(self) -> int:
         """Parameters that get gradients and optimizer state (``requires_grad``)."""
-        return sum(p.numel for p in self.params if p.trainable)
+        return self._totals[1]
+
+    # ---- indexes (built once, on first use; not fields: equality and repr ignore them) ----------
+    @cached_property
+    def _by_name(self) -> dict[str, ParamPlan]:
+        return {p.name: p for p in self.params}
+
+    @cached_property
+    def _by_unit(self) -> dict[str, tuple[ParamPlan, ...]]:
+        out: dict[str, list[ParamPlan]] = {}
+        for p in self.params:
+            out.setdefault(p.unit, []).append(p)
+        return {u: tuple(ps) for u, ps in out.items()}
+
+    @cached_property
+    def flat(self) -> FlatLayout:
+        """The flat groups ZeRO shards (ZeRO-3 units or gradient buckets: parameters laid end to end,
+        each segment split evenly over ``data``) and each parameter's slot in them (``flat.py``)."""
+        return flat_layout(self)
+
+    @cached_property
+    def _totals(self) -> tuple[int, int]:
+        """(Ψ, trainable Ψ)."""
+        return sum(p.numel for p in self.params), sum(p.numel for p in self.params if p.trainable)

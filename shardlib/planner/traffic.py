@@ -9,14 +9,15 @@ import torch
 
 from ..comm import core as comm
 from ..comm.core import format_bytes
+from .flat import FROZEN, TRAIN
 
 
 @dataclass(frozen=True)
 class CommEntry:
     """One collective of a step: ``count`` times ``op`` over ``axes``, ``bytes`` each (per rank)."""
 
-    phase: str        # "forward" | "backward" | "step"
-    what: str         # "params" | "grads" | "scalars"
+    phase: str        # "setup" (once, when the engine is built) | "forward" | "backward" | "step"
+    what: str         # "params" | "grads" | "scalars" | "buffers" | "model" (params and buffers)
     op: str
     axes: tuple[str, ...]
     bytes: int
@@ -34,7 +35,35 @@ class CommEntry:
                 f"{format_bytes(self.total)}" + (f"  [{self.where}]" if self.where else ""))
 
 
+def fused_sizes(tensors) -> tuple[tuple[torch.dtype, int], ...]:
+    """``((dtype, elements), ...)`` of ``tensors`` packed one flat buffer per dtype, in order of first
+    appearance: what a fused broadcast of them sends."""
+    out: dict[torch.dtype, int] = {}
+    for t in tensors:
+        out[t.dtype] = out.get(t.dtype, 0) + t.numel()
+    return tuple(out.items())
+
+
 class TrafficAccounting:
+    def comm_setup(self) -> list[CommEntry]:
+        """The collectives run once, when the engine is built: rank 0's parameters (frozen ones too)
+        and buffers broadcast over the data axis, one fused broadcast per dtype, so every replica
+        starts from the same model (as ``DistributedDataParallel`` does)."""
+        n = self.data_size
+        if n == 1:
+            return []
+        return [CommEntry("setup", "model", "broadcast", (self.data_axis,), comm.broadcast_bytes(k, n, dt.itemsize),
+                          1, str(dt).replace("torch.", "")) for dt, k in self.setup_sizes]
+
+    def step_buffer_sizes(self) -> tuple[tuple[torch.dtype, int], ...]:
+        """``buffer_sizes`` as the buffers are while training: floating ones in the compute dtype
+        under mixed precision (the engine casts them, as ``model.to(dtype)`` does)."""
+        out: dict[torch.dtype, int] = {}
+        for dt, k in self.buffer_sizes:
+            dt = self.compute_dtype if self.mixed and dt.is_floating_point else dt
+            out[dt] = out.get(dt, 0) + k
+        return tuple(out.items())
+
     def scalars_per_step(self) -> int:
         """Floats in the one all-reduce that ends a step: the loss, (with sharded gradients) a
         non-finite count under fp16 and a squared norm under clipping, and one flag per trainable
@@ -63,17 +92,20 @@ class TrafficAccounting:
         c, g = self.compute_dtype.itemsize, self.reduce_dtype.itemsize
         out: list[CommEntry] = []
         if n > 1:
+            if self.broadcast_buffers:     # rank 0's buffers before the step's forward (DDP's broadcast_buffers)
+                out += [CommEntry("forward", "buffers", "broadcast", axis, comm.broadcast_bytes(k, n, dt.itemsize), 1,
+                                  str(dt).replace("torch.", "")) for dt, k in self.step_buffer_sizes()]
             m = self.grad_accum
+            groups = self.flat.groups                     # units (ZeRO-3) or buckets: flat.py
             if self.states.params is not None:           # ZeRO-3: per unit, every micro-step
-                for u in self.units:
-                    ps = self.unit_params(u.name)
-                    shard = sum(p.padded_numel(p.rest) for p in ps)
-                    gathered = comm.all_gather_bytes(shard, n, c)
+                for u, grp in zip(self.units, groups):
+                    # one chunk of each segment per rank: ceil(T/N) trainable + frozen elements
+                    gathered = comm.all_gather_bytes(grp.chunk(TRAIN) + grp.chunk(FROZEN), n, c)
                     out.append(CommEntry("forward", "params", "all_gather", axis, gathered, m, u.name or "<root>"))
                     if u.reshard_after_forward:
                         out.append(CommEntry("backward", "params", "all_gather", axis, gathered, m,
                                              u.name or "<root>"))
-                    tr = sum(p.padded_numel(p.grad) for p in ps if p.trainable)
+                    tr = grp.chunk(TRAIN)
                     if tr:
                         out.append(CommEntry("backward", "grads", "reduce_scatter", axis,
                                              comm.reduce_scatter_bytes(tr, n, g), m, u.name or "<root>"))
@@ -89,11 +121,11 @@ class TrafficAccounting:
                                              comm.all_reduce_bytes(numel + extra, n, g)
                                              - comm.all_reduce_bytes(numel, n, g)))
                     else:
-                        shard = sum(p.padded_numel(p.grad) for p in bucket)
+                        shard = groups[i].chunk(TRAIN)
                         out.append(CommEntry("backward", "grads", "reduce_scatter", axis,
                                              comm.reduce_scatter_bytes(shard, n, g), 1, f"bucket {i}"))
                     if self.states.optim is not None:
-                        shard = sum(p.padded_numel(p.optim) for p in bucket)
+                        shard = groups[i].chunk(TRAIN)
                         out.append(CommEntry("step", "params", "all_gather", axis,
                                              comm.all_gather_bytes(shard, n, c), 1, f"bucket {i}"))
             if not self.scalars_ride_gradients:
@@ -119,8 +151,9 @@ class TrafficAccounting:
         ``2Ψ(N-1)/N`` elements for DP and ZeRO-1/2; ``3Ψ(N-1)/N`` for ZeRO-3 (per micro-step), where
         a unit kept gathered from its forward through its backward (the root) needs 2, not 3.
         Gradients (and ZeRO-1/2's gather of updated parameters) only move for trainable
-        parameters; ZeRO-3 gathers frozen ones too. Padding of uneven shards is not counted, so
-        what runs may exceed this by the padding."""
+        parameters; ZeRO-3 gathers frozen ones too. Padding is not counted: a collective over a
+        flat segment of ``T`` elements moves ``ceil(T/N)`` per rank, so what runs exceeds this by
+        less than one element per rank and collective."""
         n = self.data_size
         c, g = self.compute_dtype.itemsize, self.reduce_dtype.itemsize
         if self.states.params is not None:

@@ -11,8 +11,12 @@ collectives in the same order even if gradients become ready in a different orde
   writes fresh ones, and the hook copies each into its place in the bucket as it is ready —
   one pass over the gradients, where zeroing a persistent buffer and accumulating into it
   takes two. The optimizer then reads the views.
-* grads sharded (ZeRO-1/2): reduce-scatter, each rank keeping its rows of every parameter;
-  without ``keep_local_grads`` (ZeRO-2) the full local gradients are freed once copied in.
+* grads sharded (ZeRO-1/2): reduce-scatter the bucket as a flat group (``flat.py``: its
+  gradients laid end to end, split evenly), each rank keeping its chunk — its piece of every
+  parameter; without ``keep_local_grads`` (ZeRO-2) the full local gradients are freed once
+  copied in.
+* optimizer state sharded (ZeRO-1/2): after the update, ``publish`` all-gathers each bucket's
+  updated pieces into the full compute-dtype parameters.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from ..comm import core as comm
-from .flat import pack_for_reduce_scatter, unpack_reduced
+from .flat import flat_runs
 from .state import ParamState
 
 
@@ -55,6 +59,9 @@ class GradBuckets:
                 self.grad_views.append(views)
             self._attach_views()
         self.bucket_of = {id(s): b for b, states in enumerate(buckets) for s in states}
+        # each bucket as a flat group (its states in plan order): where states are sharded
+        by_name = {s.name: s for states in buckets for s in states}
+        self.flats = flat_runs(plan.flat.groups, by_name, engine.mesh.rank) if plan.states.optim is not None else []
         # DP: copy each fresh gradient into its view instead of accumulating into a zeroed buffer
         self.copy_in = self.views and not self.sharded
         self.view_of = {id(s): v for states, views in zip(buckets, self.grad_views) for s, v in zip(states, views)}
@@ -137,7 +144,8 @@ class GradBuckets:
                 buf = torch.cat(parts + ([tail.to(self.rdt)] if tail is not None else []))
             self.pending[b] = comm.all_reduce(buf, self.mesh, self.axis, async_op=True, inplace=True)
         else:
-            flat = pack_for_reduce_scatter([s.param.grad for s in states], [s.rows for s in states], self.rdt)
+            flat = self.flats[b].pack_grads([s.param.grad for s in self.flats[b].train], self.rdt,
+                                            self.engine.mesh.device)
             if not self.engine.plan.states.keep_local_grads:
                 for s in states:
                     s.param.grad = None       # ZeRO-2: the full local gradient is not kept
@@ -145,11 +153,10 @@ class GradBuckets:
 
     def finish(self) -> list[list[torch.Tensor]]:
         """Launch what is left (unused parameters), wait for all; the reduced gradient of each
-        parameter: full (DP) or this rank's rows (ZeRO-1/2), in bucket order."""
+        parameter: full (DP) or this rank's piece (ZeRO-1/2), in bucket order."""
         while self.next < len(self.buckets):
             self._launch(self.next)
             self.next += 1
-        index = self.engine.data_index
         out = []
         for b, states in enumerate(self.buckets):
             reduced = self.pending[b].wait()
@@ -166,8 +173,16 @@ class GradBuckets:
                         off += s.param.numel()
                     out.append(views)
             else:
-                out.append(unpack_reduced(reduced, [s.rows for s in states], index))
+                out.append(self.flats[b].reduced(reduced))
         return out
+
+    @torch.no_grad()
+    def publish(self, dtype: torch.dtype) -> None:
+        """After a sharded update: all-gather each bucket's updated fp32 pieces (the masters), in
+        ``dtype``, into the full parameters every rank computes with."""
+        for fl in self.flats:
+            out = comm.all_gather(fl.pack(lambda s: s.master, dtype, self.engine.mesh.device), self.mesh, self.axis)
+            fl.unpack(out, lambda s: s.param.data)
 
     def remove(self) -> None:
         for h in self.handles:

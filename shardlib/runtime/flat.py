@@ -1,127 +1,125 @@
-"""Fused collectives over many parameters sharded on dim 0 (FSDP2's copy-in / copy-out).
+"""Fused collectives over a flat group (FSDP's flat parameter, copy-in / copy-out).
 
-A parameter of shape ``(d0, *rest)`` split ``n`` ways holds rows ``chunk_bounds(d0, n, i)``;
-every shard is padded to ``c = ceil(d0/n)`` rows so that one collective moves all parameters of
-a unit or bucket:
+A flat group (a ZeRO-3 unit, or a ZeRO-1/2 gradient bucket; ``planner/flat.py``) lays its
+parameters end to end in a ``train`` and a ``frozen`` segment; a segment of ``T`` elements is
+split in ``N`` chunks of ``c = ceil(T/N)``, and this rank holds its parameters' *pieces*: the
+parts of their flattened elements that fall in its chunk (``ParamState.lo:hi``). The pieces of a
+segment tile this rank's chunk in order, with zero padding after the last one.
 
-* all-gather input: ``cat(shard_p padded to c_p rows, flattened)`` — the same length on
-  every rank; the output is ``n`` such blocks, one per rank; parameter ``p`` is rebuilt from
-  its slice of each block.
-* reduce-scatter input: ``(n, Σ c_p·rest_p)``, row ``i`` holding every parameter's rows of
-  rank ``i``; the output is this rank's row.
+* all-gather input: this rank's chunk of each segment, ``c_train + c_frozen`` elements (the
+  same on every rank); the output is ``N`` such blocks, block ``i`` rank ``i``'s. Segment
+  element ``j`` sits in block ``j // c`` at ``j % c`` (after the train chunk, for frozen ones);
+  a parameter's contiguous range ``[offset, offset + numel)`` is copied out in at most three
+  copies (a partial block, the whole blocks between, a partial block) — one when the group has
+  no frozen segment, since the train chunks then lie end to end.
+* reduce-scatter input: the trainable gradients laid end to end (one contiguous copy each)
+  and padded to ``N·c_train``; the output is this rank's chunk, and each parameter's reduced
+  piece is a view of it at a known offset.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 
 import torch
 
-from ..algebra.layout import chunk_bounds, chunk_size
+from ..planner.flat import FROZEN, TRAIN, FlatGroup
+from .state import ParamState
 
 
-@dataclass(frozen=True)
-class RowSharding:
-    """How one parameter's dim 0 is split over ``n`` ranks."""
+class FlatRun:
+    """One flat group on this rank: its states by segment, in segment order, and this rank's
+    ``[start, stop)`` of each segment."""
 
-    shape: tuple[int, ...]   # full shape (0-d parameters are treated as (1,))
-    n: int
+    def __init__(self, group: FlatGroup, train: Sequence[ParamState], frozen: Sequence[ParamState], rank: int):
+        self.group = group
+        self.train, self.frozen = list(train), list(frozen)
+        seg_t, seg_f = group.segments[TRAIN], group.segments[FROZEN]
+        self.n = seg_t.layout.dim_shards(0)
+        self.numel_t, self.numel_f = seg_t.numel, seg_f.numel
+        self.ct, self.cf = seg_t.chunk, seg_f.chunk
+        self.start_t, self.stop_t = seg_t.bounds(rank)
+        self.start_f, self.stop_f = seg_f.bounds(rank)
 
-    @property
-    def rows(self) -> int:
-        return self.shape[0]
+    # ---- all-gather ----------------------------------------------------------------------------
+    def pack(self, source: Callable[[ParamState], torch.Tensor], dtype: torch.dtype,
+             device: torch.device | str | None = None) -> torch.Tensor:
+        """This rank's chunk of each segment, ``c_train + c_frozen`` elements in ``dtype``:
+        ``source(state)`` gives each parameter's piece (1-D, ``hi - lo`` elements)."""
+        out = torch.empty(self.ct + self.cf, dtype=dtype, device=device)
+        for states, base, held, chunk in ((self.train, 0, self.stop_t - self.start_t, self.ct),
+                                          (self.frozen, self.ct, self.stop_f - self.start_f, self.cf)):
+            pos = base
+            for s in states:
+                k = s.hi - s.lo
+                if k:
+                    out[pos:pos + k].copy_(source(s))
+                    pos += k
+            out[base + held:base + chunk].zero_()            # padding (the trailing ranks)
+        return out
 
-    @property
-    def row_numel(self) -> int:
-        return math.prod(self.shape[1:])
+    def unpack(self, out: torch.Tensor, dest: Callable[[ParamState], torch.Tensor]) -> None:
+        """Copy every parameter out of an all-gather output ``out`` (``N`` blocks) into
+        ``dest(state)`` (a contiguous full tensor)."""
+        if self.cf == 0:                                     # the train chunks lie end to end
+            for s in self.train:
+                o = s.slot.offset
+                dest(s).view(-1).copy_(out[o:o + s.slot.numel])
+            return
+        blocks = out.view(self.n, self.ct + self.cf)
+        for states, seg, c in ((self.train, blocks[:, :self.ct], self.ct),
+                               (self.frozen, blocks[:, self.ct:], self.cf)):
+            for s in states:
+                _copy_range(dest(s).view(-1), seg, c, s.slot.offset)
 
-    @property
-    def chunk(self) -> int:
-        """Rows per (padded) shard."""
-        return chunk_size(self.rows, self.n)
+    # ---- reduce-scatter ------------------------------------------------------------------------
+    def pack_grads(self, grads: Sequence[torch.Tensor | None], dtype: torch.dtype,
+                   device: torch.device | str | None = None) -> torch.Tensor:
+        """The trainable gradients (in ``self.train`` order; None: zeros) laid end to end, padded to
+        ``N·c_train``: the reduce-scatter input."""
+        if device is None:
+            device = next((g.device for g in grads if g is not None), None)
+        out = torch.empty(self.n * self.ct, dtype=dtype, device=device)
+        for s, g in zip(self.train, grads):
+            o = s.slot.offset
+            view = out[o:o + s.slot.numel]
+            if g is None:
+                view.zero_()
+            else:
+                view.copy_(g.reshape(-1))
+        out[self.numel_t:].zero_()
+        return out
 
-    @property
-    def padded_numel(self) -> int:
-        return self.chunk * self.row_numel
-
-    def bounds(self, i: int) -> tuple[int, int]:
-        return chunk_bounds(self.rows, self.n, i)
-
-    def shard_shape(self, i: int) -> tuple[int, ...]:
-        lo, hi = self.bounds(i)
-        return (hi - lo,) + self.shape[1:]
-
-
-def flat_shape(shape: Sequence[int]) -> tuple[int, ...]:
-    return tuple(shape) if len(shape) else (1,)
-
-
-def pack_shards(shards: Sequence[torch.Tensor], specs: Sequence[RowSharding], dtype: torch.dtype) -> torch.Tensor:
-    """This rank's shards, each padded to ``chunk`` rows, concatenated flat (all-gather input)."""
-    total = sum(s.padded_numel for s in specs)
-    out = torch.zeros(total, dtype=dtype, device=shards[0].device if shards else None)
-    off = 0
-    for x, s in zip(shards, specs):
-        n = x.numel()
-        out[off:off + n].copy_(x.reshape(-1))
-        off += s.padded_numel
-    return out
-
-
-def _by_rank(block: torch.Tensor, s: RowSharding) -> torch.Tensor:
-    """A ``(n, padded)`` slice of a flat buffer viewed as ``(n, chunk, *rest)`` (no copy)."""
-    return block.view((s.n, s.chunk) + s.shape[1:])
-
-
-def _copy_rows(dst_rows: torch.Tensor, src_chunks: torch.Tensor, s: RowSharding, to_chunks: bool) -> None:
-    """Copy between a ``(rows, *rest)`` tensor and its ``(n, chunk, *rest)`` padded form: the full
-    chunks in one copy, the trailing partial chunk in another (padding is left alone)."""
-    full = s.rows // s.chunk if s.chunk else 0
-    rem = s.rows - full * s.chunk
-    rows = dst_rows[:full * s.chunk].view((full, s.chunk) + s.shape[1:])
-    if to_chunks:
-        src_chunks[:full].copy_(rows)
-        if rem:
-            src_chunks[full, :rem].copy_(dst_rows[full * s.chunk:])
-    else:
-        rows.copy_(src_chunks[:full])
-        if rem:
-            dst_rows[full * s.chunk:].copy_(src_chunks[full, :rem])
-
-
-def unpack_gathered(out: torch.Tensor, specs: Sequence[RowSharding], dests: Sequence[torch.Tensor]) -> None:
-    """Copy each parameter's rows out of an all-gather output into ``dests`` (full tensors)."""
-    n = specs[0].n
-    blocks = out.view(n, -1)
-    off = 0
-    for s, dest in zip(specs, dests):
-        _copy_rows(dest.view(s.shape), _by_rank(blocks[:, off:off + s.padded_numel], s), s, to_chunks=False)
-        off += s.padded_numel
+    def reduced(self, out: torch.Tensor) -> list[torch.Tensor]:
+        """Views of each trainable parameter's reduced piece in this rank's chunk ``out``."""
+        views = []
+        for s in self.train:
+            pos = s.slot.offset + s.lo - self.start_t if s.hi > s.lo else 0
+            views.append(out[pos:pos + s.hi - s.lo])
+        return views
 
 
-def pack_for_reduce_scatter(grads: Sequence[torch.Tensor | None], specs: Sequence[RowSharding],
-                            dtype: torch.dtype) -> torch.Tensor:
-    """``(n, Σ padded)`` flattened: row ``i`` holds every gradient's rows of rank ``i``."""
-    n = specs[0].n
-    total = sum(s.padded_numel for s in specs)
-    device = next((g.device for g in grads if g is not None), None)
-    out = torch.zeros((n, total), dtype=dtype, device=device)
-    off = 0
-    for g, s in zip(grads, specs):
-        if g is not None:
-            _copy_rows(g.reshape(s.shape), _by_rank(out[:, off:off + s.padded_numel], s), s, to_chunks=True)
-        off += s.padded_numel
-    return out.view(-1)
+def _copy_range(dest: torch.Tensor, seg: torch.Tensor, c: int, offset: int) -> None:
+    """``dest`` (1-D, ``k`` elements) := segment elements ``[offset, offset + k)`` of ``seg``, an
+    ``(N, c)`` view: a partial block, the whole blocks between, a partial block."""
+    k = dest.numel()
+    b0, r0 = divmod(offset, c)
+    b1, r1 = divmod(offset + k, c)
+    if b0 == b1:
+        dest.copy_(seg[b0, r0:r1])
+        return
+    pos = 0
+    if r0:
+        dest[:c - r0].copy_(seg[b0, r0:])
+        pos, b0 = c - r0, b0 + 1
+    if b1 > b0:
+        m = b1 - b0
+        dest[pos:pos + m * c].view(m, c).copy_(seg[b0:b1])
+        pos += m * c
+    if r1:
+        dest[pos:].copy_(seg[b1, :r1])
 
 
-def unpack_reduced(out: torch.Tensor, specs: Sequence[RowSharding], rank_index: int) -> list[torch.Tensor]:
-    """Views of each parameter's reduced shard (its real rows) in a reduce-scatter output."""
-    views, off = [], 0
-    for s in specs:
-        shard = out[off:off + s.padded_numel].view((s.chunk,) + s.shape[1:])
-        lo, hi = s.bounds(rank_index)
-        views.append(shard[:hi - lo])
-        off += s.padded_numel
-    return views
+def flat_runs(groups: Sequence[FlatGroup], by_name: dict[str, ParamState], rank: int) -> list[FlatRun]:
+    """A ``FlatRun`` for each group, its states looked up by parameter name."""
+    return [FlatRun(g, [by_name[n] for n in g.train], [by_name[n] for n in g.frozen], rank) for g in groups]

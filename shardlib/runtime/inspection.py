@@ -1,12 +1,9 @@
 """Looking into a running engine: the storage it holds (``memory_held``, checked against the
-plan), ZeRO-3's gathered peak, and full parameter values (``full_state_dict``)."""
+plan) and ZeRO-3's gathered peak. Full parameter values: ``access.py``."""
 
 from __future__ import annotations
 
 import torch
-
-from ..comm import core as comm
-from .flat import pack_shards, unpack_gathered
 
 
 class EngineInspection:
@@ -58,20 +55,3 @@ class EngineInspection:
     def peak_gathered_bytes(self) -> int:
         """ZeRO-3: the most bytes of gathered parameters (and gather buffers) held at once."""
         return self.units.peak if self.units is not None else 0
-
-    @torch.no_grad()
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter's full value (fp32 masters, gathered where sharded), the same on every rank."""
-        out = {}
-        for s in self.states:
-            if s.master is not None and s.master.shape == s.param.shape:
-                out[s.name] = s.master.detach().float().clone()          # replicated master
-            elif self.plan.states.params is None and not (s.master is not None and self.plan.mixed):
-                out[s.name] = s.param.detach().float().clone()           # the full copy is exact
-            else:
-                rows = s.master if s.master is not None else s.shard
-                flat = pack_shards([rows.detach().float()], [s.rows], torch.float32)
-                full = torch.empty(s.rows.shape, dtype=torch.float32, device=self.mesh.device)
-                unpack_gathered(comm.all_gather(flat, self.mesh, self.plan.data_axis), [s.rows], [full])
-                out[s.name] = full.reshape(s.plan.shape)
-        return out

@@ -12,7 +12,7 @@ from ..algebra.mesh import Mesh
 from ..errors import ShardingError, ShardingTypeError
 from ..planner.build import param_owners
 from ..planner.plan import Plan
-from .flat import RowSharding, flat_shape
+from .flat import flat_runs
 from .scaler import LossScaler
 from .state import ParamState
 from .units import Unit, UnitRunner
@@ -31,14 +31,19 @@ class EngineSetup:
         owners = param_owners(self.model)
         modules = dict(self.model.named_modules())
         named = dict(self.model.named_parameters())
+        flat, sharded = plan.flat, plan.states.optim is not None
         states = []
         for i, pp in enumerate(plan.params):
             p = named[pp.name]
-            rows = RowSharding(flat_shape(pp.shape), self.data_size)
-            lo, hi = rows.bounds(self.data_index)
-            st = ParamState(i, pp, p, rows, lo, hi, [(modules[m], a) for m, a in owners[id(p)]])
+            # this rank's piece: elements [lo, hi) of the flattened parameter (planner/flat.py)
+            slot = flat.slot(pp.name) if sharded else None
+            if slot is None:
+                lo, hi = 0, pp.numel
+            else:
+                lo, hi = slot.piece(flat.groups[slot.group].segments[slot.segment].bounds(mesh.rank))
+            st = ParamState(i, pp, p, slot, lo, hi, [(modules[m], a) for m, a in owners[id(p)]])
             value = p.detach().to(device=mesh.device, dtype=torch.float32)
-            mine = value.view(rows.shape)[lo:hi]
+            mine = st.local_piece(value)
             with torch.no_grad():
                 if plan.states.params is None:
                     p.data = value.to(self.cdt) if plan.mixed else value
@@ -47,8 +52,8 @@ class EngineSetup:
                             st.master = nn.Parameter(value.clone()) if plan.mixed else p
                         elif plan.mixed:
                             st.master = nn.Parameter(mine.clone())
-                        else:   # fp32: the optimizer updates this rank's rows of the parameter in place
-                            st.master = nn.Parameter(p.data.view(rows.shape)[lo:hi])
+                        else:   # fp32: the optimizer updates this rank's piece of the parameter in place
+                            st.master = nn.Parameter(st.local_piece(p.data))
                         if plan.states.grads is not None and not plan.states.keep_local_grads:
                             st.grad_shard = torch.zeros_like(mine, dtype=self.rdt)
                             if self.grad_is_master:
@@ -73,9 +78,10 @@ class EngineSetup:
     def _build_units(self) -> UnitRunner:
         modules = dict(self.model.named_modules())
         by_name = {s.name: s for s in self.states}
+        flats = flat_runs(self.plan.flat.groups, by_name, self.mesh.rank)     # one per unit, in order
         root, units = None, []
-        for u in self.plan.units:
-            unit = Unit(u.name, modules[u.name], [by_name[n] for n in u.params], u.reshard_after_forward)
+        for u, fl in zip(self.plan.units, flats):
+            unit = Unit(u.name, modules[u.name], [by_name[n] for n in u.params], u.reshard_after_forward, fl)
             if u.name == "":
                 root = unit
             else:

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..planner.flat import FlatSlot
 from ..planner.plan import ParamPlan
-from .flat import RowSharding
 
 
 @dataclass(eq=False)
@@ -17,16 +17,20 @@ class ParamState:
 
     * ``param`` — the ``nn.Parameter`` the module holds: full shape, compute dtype (under ZeRO-3
       its storage is allocated only while its unit is gathered);
-    * ``master`` — what the optimizer sees: fp32, full or this rank's rows (None if frozen);
-    * ``shard`` — ZeRO-3: this rank's rows in compute dtype, at rest (the master itself in fp32);
-    * ``grad_shard`` — the reduced gradient rows kept between steps (ZeRO-2/3);
+    * ``master`` — what the optimizer sees: fp32, full or this rank's piece (None if frozen);
+    * ``shard`` — ZeRO-3: this rank's piece in compute dtype, at rest (the master itself in fp32);
+    * ``grad_shard`` — the reduced gradient piece kept between steps (ZeRO-2/3);
     * ``used`` — this step's backward gave the parameter a gradient on this rank.
+
+    Where ZeRO shards it, a parameter lies at ``slot`` in a flat group (``planner/flat.py``) and
+    this rank's piece is elements ``[lo, hi)`` of the flattened parameter (possibly empty); the
+    pieces are 1-D. Unsharded: ``slot`` is None and ``[lo, hi)`` is the whole parameter.
     """
 
     index: int
     plan: ParamPlan
     param: nn.Parameter
-    rows: RowSharding
+    slot: FlatSlot | None
     lo: int
     hi: int
     owners: list[tuple[nn.Module, str]] = field(default_factory=list)
@@ -43,11 +47,8 @@ class ParamState:
     def trainable(self) -> bool:
         return self.plan.trainable
 
-    def flat(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` viewed with the sharding shape (0-d parameters become one row)."""
-        return t.view(self.rows.shape)
-
     def local_piece(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's part of a full-shaped tensor ``full`` (a view): what ``master``, ``shard`` and
-        ``grad_shard`` hold of the parameter. The one place that knows how a parameter is split."""
-        return self.flat(full)[self.lo:self.hi]
+        """This rank's part of a full-shaped contiguous tensor ``full`` (a 1-D view, elements
+        ``[lo, hi)`` of it flattened): what ``master``, ``shard`` and ``grad_shard`` hold of the
+        parameter where it is sharded. The one place that knows how a parameter is split."""
+        return full.view(-1)[self.lo:self.hi]

@@ -1,14 +1,14 @@
 """ZeRO-3: parameters sharded at rest, gathered per unit just before use, freed right after.
 
-Each unit (a module subtree, e.g. one transformer block) holds its parameters as this rank's
-rows. Around the unit's forward:
+Each unit (a module subtree, e.g. one transformer block) is a flat group (``flat.py``): this
+rank holds its chunk of the unit's parameters laid end to end. Around the unit's forward:
 
 * pre-forward: all-gather the unit (compute dtype) into the module's parameters, and start
   gathering the next unit (prefetch) so it overlaps this unit's compute;
 * post-forward: free the parameters' storage (unless the unit stays gathered), and hook the
   unit's outputs so that, in backward, the unit is gathered again before its gradients flow;
 * post-backward (when gradients reach the unit's inputs): reduce-scatter the unit's
-  gradients into this rank's rows, free the full gradients and parameters.
+  trainable gradients into this rank's chunk, free the full gradients and parameters.
 
 Storage is freed with ``untyped_storage().resize_(0)`` and re-filled in place, so tensors that
 autograd saved in forward stay valid. The root unit (what no other unit holds: embeddings,
@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from ..comm import core as comm
-from .flat import pack_for_reduce_scatter, pack_shards, unpack_gathered, unpack_reduced
+from .flat import FlatRun
 from .state import ParamState
 
 
@@ -46,9 +46,9 @@ class _PostBackward(torch.autograd.Function):
 
 
 class Unit:
-    def __init__(self, name: str, module: nn.Module, states: list[ParamState], reshard: bool):
+    def __init__(self, name: str, module: nn.Module, states: list[ParamState], reshard: bool, flat: FlatRun):
         self.name, self.module, self.states, self.reshard = name, module, states, reshard
-        self.specs = [s.rows for s in states]
+        self.flat = flat                  # its parameters laid end to end, this rank's chunk
         self.status = "free"          # free | gathering | gathered
         self.pending = None           # all-gather in flight
         self.buffer_bytes = 0         # its output buffer
@@ -89,7 +89,7 @@ class UnitRunner:
         if u.status != "free":
             return
         with torch.no_grad():
-            flat = pack_shards([s.shard for s in u.states], u.specs, self.cdt)
+            flat = u.flat.pack(lambda s: s.shard, self.cdt, self.engine.mesh.device)
         u.pending = comm.all_gather(flat, self.mesh, self.axis, async_op=True)
         u.buffer_bytes = flat.numel() * flat.element_size() * self.engine.data_size
         self._track(u.buffer_bytes)
@@ -97,7 +97,7 @@ class UnitRunner:
         self.events.append(f"G({u.name or '<root>'})")
 
     def wait(self, u: Unit) -> None:
-        """Make ``u``'s parameters whole: finish its gather and copy the rows into place."""
+        """Make ``u``'s parameters whole: finish its gather and copy the parameters into place."""
         if u.status == "gathered":
             return
         self.gather(u)
@@ -109,7 +109,7 @@ class UnitRunner:
         self._track(u.gathered_bytes)
         # through .data: autograd's version counters stay as they were, so tensors saved in
         # forward (the same values) remain valid for backward
-        unpack_gathered(out, u.specs, [s.param.data for s in u.states])
+        u.flat.unpack(out, lambda s: s.param.data)
         del out
         self._track(-u.buffer_bytes)
         u.status = "gathered"
@@ -178,11 +178,11 @@ class UnitRunner:
         self._reduce(u)
 
     def _reduce(self, u: Unit) -> None:
-        trainable = [s for s in u.states if s.trainable]
+        trainable = u.flat.train
         for s in trainable:
             s.used = s.used or s.param.grad is not None
         if trainable:
-            flat = pack_for_reduce_scatter([s.param.grad for s in trainable], [s.rows for s in trainable], self.rdt)
+            flat = u.flat.pack_grads([s.param.grad for s in trainable], self.rdt, self.engine.mesh.device)
             for s in trainable:
                 s.param.grad = None
             u.reducing = comm.reduce_scatter(flat, self.mesh, self.axis, async_op=True)
@@ -198,9 +198,9 @@ class UnitRunner:
 
     def end_micro(self) -> None:
         """After backward: reduce the units whose inputs needed no gradient (and the root), wait
-        for every reduce-scatter, add the rows into the persistent gradient shards. A unit whose
-        gather was started but which never ran (a prefetched, unused unit) has its gather
-        finished and dropped, so no collective stays in flight past the step."""
+        for every reduce-scatter, add the reduced pieces into the persistent gradient shards. A
+        unit whose gather was started but which never ran (a prefetched, unused unit) has its
+        gather finished and dropped, so no collective stays in flight past the step."""
         for u in reversed(self.all):
             if not u.reduced:
                 self._reduce(u)
@@ -210,14 +210,12 @@ class UnitRunner:
                 u.pending = None
                 self._track(-u.buffer_bytes)
                 u.status = "free"
-        index = self.engine.data_index
         for u in reversed(self.all):
             if u.reducing is None:
                 continue
-            trainable = [s for s in u.states if s.trainable]
-            rows = unpack_reduced(u.reducing.wait(), [s.rows for s in trainable], index)
+            pieces = u.flat.reduced(u.reducing.wait())
             u.reducing = None
-            for s, r in zip(trainable, rows):
+            for s, r in zip(u.flat.train, pieces):
                 if self.micro_first:
                     s.grad_shard.copy_(r)
                 else:
