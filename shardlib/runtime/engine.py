@@ -34,6 +34,7 @@ from ..planner.plan import Plan
 from .access import EngineAccess
 from .buckets import GradBuckets
 from .inspection import EngineInspection
+from .materialize import is_meta
 from .scaler import LossScaler
 from .setup import EngineSetup, _check_optimizer, _scaler, _validate
 from .sync import broadcast_buffers, broadcast_module, cast_buffers
@@ -61,6 +62,14 @@ def parallelize(model: nn.Module, plan: Plan, optimizer: Callable[[list[nn.Param
     A trainable parameter that gets no gradient on any rank in a step (unused by the model's
     forward) is left out of that update, as one process would leave it (its ``grad`` is None):
     no weight decay, no momentum.
+
+    A model built under ``with torch.device("meta"):`` (shapes, no values) is given the values a
+    normal CPU build from the same generator state gives it — rank 0's on every rank — replayed
+    from the model's ``reset_parameters()`` / ``init_weights(module)`` (the contract in
+    ``runtime/materialize.py``); under ZeRO-3 unit by unit, each rank keeping only its piece, so
+    building never holds more than one unit's full values. Seed before building the model, and draw
+    no random numbers between building it and ``parallelize``. A model that cannot be replayed is
+    refused with a ``ShardingError`` naming its modules.
     """
     return Engine(model, plan, optimizer, lr_scheduler=lr_scheduler, loss_fn=loss_fn,
                   loss_scale=loss_scale, mesh=mesh)
@@ -81,10 +90,14 @@ class Engine(EngineSetup, EngineInspection, EngineAccess):
         self.step_count = 0
         self.scaler = _scaler(loss_scale, plan)
         warn_slow_precision(plan.precision, mesh.device)
-        broadcast_module(model, mesh, plan.data_axis)     # every replica starts from rank 0's model, as DDP
+        rng = None
+        if is_meta(model):      # built on the meta device: rank 0's values, replayed (see _materialize)
+            rng = self._materialize()
+        else:
+            broadcast_module(model, mesh, plan.data_axis)     # every replica starts from rank 0's model, as DDP
+        self.states = self._build_states(rng)
         if plan.mixed:
             cast_buffers(model, self.cdt)
-        self.states = self._build_states()
         self._apply_recompute()
         trainable = [s for s in self.states if s.trainable]
         if plan.states.params is None:

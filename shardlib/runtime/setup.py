@@ -13,6 +13,8 @@ from ..errors import ShardingError, ShardingTypeError
 from ..planner.build import param_owners
 from ..planner.plan import Plan
 from .flat import flat_runs
+from .materialize import (agreed_rng_state, init_program, materialize, materialize_, partly_meta, put_buffers,
+                          unit_groups)
 from .scaler import LossScaler
 from .state import ParamState
 from .units import Unit, UnitRunner
@@ -26,54 +28,125 @@ _NEEDS_CLOSURE = ("LBFGS",)
 class EngineSetup:
     """The construction half of ``Engine`` (mixed in)."""
 
-    def _build_states(self) -> list[ParamState]:
-        plan, mesh = self.plan, self.mesh
-        owners = param_owners(self.model)
-        modules = dict(self.model.named_modules())
-        named = dict(self.model.named_parameters())
-        flat, sharded = plan.flat, plan.states.optim is not None
+    def _materialize(self) -> torch.Tensor | None:
+        """A model built on the meta device gets the values a normal build gives it (see
+        ``materialize.py``). Building on meta draws no random numbers, so the generator's state
+        now is the state the build began from (the seed set before it, or inside the model's
+        constructor); every rank takes rank 0's (one ~5 KB broadcast over the whole mesh, a set-up
+        collective) and replays from it, so every rank gets rank 0's values bit for bit — the
+        set-up broadcast of the model is not needed, and not run. Without ZeRO-3 each rank keeps
+        the full model anyway: it is materialized whole, in place. Under ZeRO-3 returns the agreed
+        state, for ``_build_states`` to materialize unit by unit. Afterwards the generator is where
+        rank 0's normal build would leave it, on every rank."""
+        real = partly_meta(self.model)
+        if real:
+            raise ShardingError(
+                f"parallelize: the model is partly on the meta device — got {len(real)} tensor(s) with values "
+                f"({', '.join(real[:4])}{' ...' if len(real) > 4 else ''}); expected every parameter and buffer "
+                "on the meta device (materialized here) or none. Build the whole model under "
+                "torch.device('meta'), or none of it.")
+        init_program(self.model)              # refuse a model that cannot be replayed before any collective
+        rng = agreed_rng_state(self.mesh)
+        if self.plan.states.params is not None:
+            return rng
+        materialize_(self.model, rng_state=rng)
+        return None
+
+    def _build_states(self, rng_state: torch.Tensor | None = None) -> list[ParamState]:
+        """Each parameter's runtime state, from the model's values. ``rng_state`` (ZeRO-3, a model on
+        the meta device): the values are replayed unit by unit from that generator state instead
+        (``_build_states_meta``)."""
+        if rng_state is not None:
+            return self._build_states_meta(rng_state)
+        named, owners = dict(self.model.named_parameters()), self._owners()
         states = []
-        for i, pp in enumerate(plan.params):
+        for i, pp in enumerate(self.plan.params):
             p = named[pp.name]
-            # this rank's piece: elements [lo, hi) of the flattened parameter (planner/flat.py)
-            slot = flat.slot(pp.name) if sharded else None
-            if slot is None:
-                lo, hi = 0, pp.numel
-            else:
-                lo, hi = slot.piece(flat.groups[slot.group].segments[slot.segment].bounds(mesh.rank))
-            st = ParamState(i, pp, p, slot, lo, hi, [(modules[m], a) for m, a in owners[id(p)]])
-            value = p.detach().to(device=mesh.device, dtype=torch.float32)
-            mine = st.local_piece(value)
-            with torch.no_grad():
-                if plan.states.params is None:
-                    p.data = value.to(self.cdt) if plan.mixed else value
-                    if pp.trainable:
-                        if plan.states.optim is None:
-                            st.master = nn.Parameter(value.clone()) if plan.mixed else p
-                        elif plan.mixed:
-                            st.master = nn.Parameter(mine.clone())
-                        else:   # fp32: the optimizer updates this rank's piece of the parameter in place
-                            st.master = nn.Parameter(st.local_piece(p.data))
-                        if plan.states.grads is not None and not plan.states.keep_local_grads:
-                            st.grad_shard = torch.zeros_like(mine, dtype=self.rdt)
-                            if self.grad_is_master:
-                                st.master.grad = st.grad_shard
-                else:
-                    master = nn.Parameter(mine.clone(), requires_grad=pp.trainable)
-                    st.shard = master.detach().to(self.cdt) if plan.mixed else master.detach()
-                    if pp.trainable:
-                        st.master = master
-                        st.grad_shard = torch.zeros_like(mine, dtype=self.rdt)
-                        if self.grad_is_master:
-                            master.grad = st.grad_shard
-                    full = nn.Parameter(torch.empty(pp.shape, dtype=self.cdt, device=mesh.device),
-                                        requires_grad=pp.trainable)
-                    full.untyped_storage().resize_(0)
-                    for mod, attr in st.owners:
-                        mod._parameters[attr] = full
-                    st.param = full
+            st = self._param_state(i, pp, p, p.detach(), owners[id(p)])
+            self._put(st)
             states.append(st)
         return states
+
+    def _build_states_meta(self, rng_state: torch.Tensor) -> list[ParamState]:
+        """ZeRO-3 on a meta-device model: the plan's units materialized one at a time
+        (``materialize.py``), each rank keeping its piece of each parameter and every buffer; a
+        unit's full values are dropped before the next is built, so building holds one unit's
+        values (plus one module's scratch tensors), not the model's. The modules get their
+        tensors once every unit is built (the replay must see the meta tensors)."""
+        model, plan = self.model, self.plan
+        named, owners = dict(model.named_parameters()), self._owners()
+        index = {pp.name: i for i, pp in enumerate(plan.params)}
+        groups = unit_groups(model, [u.name for u in plan.units if u.name])
+        states: list[ParamState | None] = [None] * len(plan.params)
+        buffers: dict[str, torch.Tensor] = {}
+        for _, values in materialize(model, list(groups.values()), rng_state=rng_state):
+            for name in list(values):
+                value = values.pop(name)
+                if name in index:
+                    i = index[name]
+                    states[i] = self._param_state(i, plan.params[i], named[name], value, owners[id(named[name])])
+                else:
+                    buffers[name] = value.to(self.mesh.device)
+                del value
+        for st in states:
+            self._put(st)
+        put_buffers(model, buffers)
+        return states
+
+    def _param_state(self, i: int, pp, p: nn.Parameter, full: torch.Tensor,
+                     owners: list[tuple[nn.Module, str]]) -> ParamState:
+        """Parameter ``i``'s state from its full value ``full`` (``p`` itself, or a materialized
+        value for the meta parameter ``p``): this rank keeps its piece under ZeRO-3, the whole
+        parameter otherwise."""
+        plan, mesh = self.plan, self.mesh
+        flat, sharded = plan.flat, plan.states.optim is not None
+        # this rank's piece: elements [lo, hi) of the flattened parameter (planner/flat.py)
+        slot = flat.slot(pp.name) if sharded else None
+        if slot is None:
+            lo, hi = 0, pp.numel
+        else:
+            lo, hi = slot.piece(flat.groups[slot.group].segments[slot.segment].bounds(mesh.rank))
+        st = ParamState(i, pp, p, slot, lo, hi, owners)
+        value = full.to(device=mesh.device, dtype=torch.float32)
+        mine = st.local_piece(value)
+        with torch.no_grad():
+            if plan.states.params is None:
+                p.data = value.to(self.cdt) if plan.mixed else value
+                if pp.trainable:
+                    if plan.states.optim is None:
+                        st.master = nn.Parameter(value.clone()) if plan.mixed else p
+                    elif plan.mixed:
+                        st.master = nn.Parameter(mine.clone())
+                    else:   # fp32: the optimizer updates this rank's piece of the parameter in place
+                        st.master = nn.Parameter(st.local_piece(p.data))
+                    if plan.states.grads is not None and not plan.states.keep_local_grads:
+                        st.grad_shard = torch.zeros_like(mine, dtype=self.rdt)
+                        if self.grad_is_master:
+                            st.master.grad = st.grad_shard
+            else:
+                master = nn.Parameter(mine.clone(), requires_grad=pp.trainable)
+                st.shard = master.detach().to(self.cdt) if plan.mixed else master.detach()
+                if pp.trainable:
+                    st.master = master
+                    st.grad_shard = torch.zeros_like(mine, dtype=self.rdt)
+                    if self.grad_is_master:
+                        master.grad = st.grad_shard
+                full = nn.Parameter(torch.empty(pp.shape, dtype=self.cdt, device=mesh.device),
+                                    requires_grad=pp.trainable)
+                full.untyped_storage().resize_(0)
+                st.param = full
+        return st
+
+    def _owners(self) -> dict[int, list[tuple[nn.Module, str]]]:
+        """Every (module, attribute) holding each parameter, by the parameter's id."""
+        modules = dict(self.model.named_modules())
+        return {k: [(modules[m], a) for m, a in v] for k, v in param_owners(self.model).items()}
+
+    def _put(self, st: ParamState) -> None:
+        """ZeRO-3: the modules hold the parameter's full-shaped tensor (storage only while gathered)."""
+        if self.plan.states.params is not None:
+            for mod, attr in st.owners:
+                mod._parameters[attr] = st.param
 
     def _build_units(self) -> UnitRunner:
         modules = dict(self.model.named_modules())
