@@ -342,7 +342,9 @@ def _setup_counted(zero: int) -> dict:
     plan = sl.plan(model, mesh, zero=zero)
     with sl.count_collectives() as counter:
         sl.parallelize(model, plan, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
-    return {"counted": counter.by_op(), "tags": {r.tag for r in counter.records}}
+    planned = [(e.op, e.axes, e.bytes, e.what) for e in plan.comm_setup()]
+    return {"counted": counter.by_op(), "tags": {r.tag for r in counter.records}, "planned": planned,
+            "records": [(r.op, r.axes, r.bytes) for r in counter.records]}
 
 
 @pytest.mark.parametrize("zero", [1, 3])
@@ -352,6 +354,7 @@ def test_meta_setup_sends_the_generator_state_not_the_model(world, zero):
     for res in world(2, _setup_counted, zero):
         assert res["counted"] == {"broadcast": (1, broadcast_bytes(rng.numel(), 2, rng.element_size()))}, res
         assert res["tags"] == {"setup"}, res
+        assert res["planned"] == [(op, axes, b, "rng state") for op, axes, b in res["records"]], res
 
 
 def test_parallelize_refuses_a_meta_model_it_cannot_replay():

@@ -9,13 +9,13 @@ Python run (deterministic, unlike time): 10x the layers may cost at most ~10x th
 from __future__ import annotations
 
 import re
-import sys
 
 import pytest
 import torch
 
 import shardlib as sl
 from shardlib.models import GPT, GPTConfig
+from work import steps
 
 MESH = sl.AbstractMesh({"data": 8})
 
@@ -24,35 +24,6 @@ def gpt(layers: int) -> torch.nn.Module:
     """A GPT of ``layers`` blocks of 12 tensors (+ 5 at the root), tiny enough to build on the CPU
     (``torch.device("meta")`` construction is several times slower than these few floats)."""
     return GPT(GPTConfig(vocab_size=16, seq_len=4, d_model=8, n_heads=2, n_layers=layers), seed=0)
-
-
-def steps(fn) -> int:
-    """Python lines executed and C functions called while ``fn()`` runs: a measure of work that
-    does not depend on the machine's load (a loop over every parameter counts each turn)."""
-    n = 0
-
-    def local(frame, event, arg):
-        nonlocal n
-        n += 1
-        return local
-
-    def count(frame, event, arg):
-        nonlocal n
-        n += 1
-        return local
-
-    def c_calls(frame, event, arg):
-        nonlocal n
-        n += event == "c_call"
-
-    sys.settrace(count)
-    sys.setprofile(c_calls)
-    try:
-        fn()
-    finally:
-        sys.settrace(None)
-        sys.setprofile(None)
-    return n
 
 
 @pytest.mark.parametrize("zero", [0, 3])

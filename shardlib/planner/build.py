@@ -158,11 +158,16 @@ def plan(model: nn.Module, mesh: AbstractMesh, zero: int | None = None, *, state
     unit_list = [UnitPlan("", tuple(members[""]), False, False)] if "" in members else []
     unit_list += [UnitPlan(u, tuple(members[u]), reshard_after_forward, u in rec) for u in unit_names if u in members]
     buffers = list(model.buffers())
+    tensors = [*(p for _, p in named), *buffers]
+    # built on the meta device: the engine replays rank 0's initialization (runtime/materialize.py),
+    # so set-up sends rank 0's generator state over the whole mesh instead of the model
+    meta = bool(tensors) and all(t.is_meta for t in tensors)
+    setup = ((torch.uint8, torch.get_rng_state().numel()),) if meta else fused_sizes(tensors)
     return Plan(mesh=mesh, data_axis=data_axis, states=states, precision=precision, reduce_dtype=rdt,
                 grad_accum=grad_accum, clip_grad_norm=clip_grad_norm, optimizer_state_bytes=state_bytes,
                 bucket_bytes=bucket_bytes, params=tuple(params), units=tuple(unit_list), batch=layout(data_axis),
                 broadcast_buffers=broadcast_buffers, buffer_sizes=fused_sizes(buffers),
-                setup_sizes=fused_sizes([*(p for _, p in named), *buffers]))
+                setup_sizes=setup, meta_build=meta)
 
 
 def _check(model: nn.Module, mesh: AbstractMesh, *, zero, states, precision, reduce_dtype, grad_accum,

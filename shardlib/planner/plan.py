@@ -137,6 +137,9 @@ class Plan(MemoryAccounting, TrafficAccounting, Explain):
     # buffers) and per step (buffers), one fused broadcast per dtype
     broadcast_buffers: bool = True
     setup_sizes: tuple[tuple[torch.dtype, int], ...] = ()
+    # the model was built on the meta device: set-up broadcasts rank 0's generator state over the
+    # whole mesh (every rank replays rank 0's initialization) in place of the model
+    meta_build: bool = False
     buffer_sizes: tuple[tuple[torch.dtype, int], ...] = ()
 
     # ---- basics --------------------------------------------------------------------------------

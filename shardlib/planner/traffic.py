@@ -48,11 +48,15 @@ class TrafficAccounting:
     def comm_setup(self) -> list[CommEntry]:
         """The collectives run once, when the engine is built: rank 0's parameters (frozen ones too)
         and buffers broadcast over the data axis, one fused broadcast per dtype, so every replica
-        starts from the same model (as ``DistributedDataParallel`` does)."""
-        n = self.data_size
+        starts from the same model (as ``DistributedDataParallel`` does). A model built on the meta
+        device is not sent: rank 0's generator state is, over the whole mesh, and every rank
+        replays rank 0's initialization from it (``runtime/materialize.py``)."""
+        axes = self.mesh.canonical_axes(self.mesh.axis_names if self.meta_build else self.data_axis)
+        n = self.mesh.axis_size(axes) if axes else 1
         if n == 1:
             return []
-        return [CommEntry("setup", "model", "broadcast", (self.data_axis,), comm.broadcast_bytes(k, n, dt.itemsize),
+        what = "rng state" if self.meta_build else "model"
+        return [CommEntry("setup", what, "broadcast", axes, comm.broadcast_bytes(k, n, dt.itemsize),
                           1, str(dt).replace("torch.", "")) for dt, k in self.setup_sizes]
 
     def step_buffer_sizes(self) -> tuple[tuple[torch.dtype, int], ...]:
