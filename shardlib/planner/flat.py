@@ -23,6 +23,7 @@ rank.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -43,7 +44,7 @@ class Segment:
     numel: int
     layout: Layout
 
-    @property
+    @functools.cached_property
     def chunk(self) -> int:
         """Elements per rank, padded: ``ceil(T/N)`` (what a collective moves per rank)."""
         return self.layout.padded_local_shape((self.numel,))[0]
