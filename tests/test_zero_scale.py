@@ -229,3 +229,18 @@ def test_local_piece_is_a_view_of_the_flattened_parameter():
     assert torch.equal(piece, torch.arange(s.lo, s.hi, dtype=torch.float32))
     piece.fill_(-1)
     assert (full.view(-1)[s.lo:s.hi] == -1).all() and (full >= 0).sum() == full.numel() - (s.hi - s.lo)
+
+
+@pytest.mark.parametrize("n", [8, 1000, 16384])
+def test_the_steps_scalars_are_priced_as_the_few_floats_they_are(n):
+    """A ZeRO-3 step ends with one all-reduce of ~the number of trainable tensors in fp32. The ring
+    never sends padding, so no element goes out more than twice: at most ``2·k·4`` bytes — at
+    N = 16,384 not ``2(N-1)`` padded elements (128 KiB) as a ceil-chunk formula said."""
+    model = GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=12), seed=0)
+    k = 1 + sum(1 for p in model.parameters() if p.requires_grad)       # the loss + one flag each
+    plan = sl.plan(model, sl.AbstractMesh({"data": n}), zero=3)
+    (entry,) = [e for e in plan.comm_per_step() if e.what == "scalars"]
+    assert entry.op == "all_reduce" and entry.count == 1
+    assert entry.bytes == min(2 * (n - 1) * -(-k // n), 2 * k) * 4, (entry, k)
+    if n > k:
+        assert entry.bytes == 2 * k * 4
