@@ -46,6 +46,10 @@ class Explain:
         lines += ["", f"  model states per rank (Ψ = {self.num_params:,} parameters):"]
         for k in ("params", "grads", "optimizer", "total"):
             lines.append(f"    {k:<10} {format_bytes(mem[k]):>10}   (ZeRO formula {format_bytes(formula[k])})")
+        pk = self.peak_per_rank()
+        lines.append(f"    peak       {format_bytes(pk['peak']):>10}   (states + largest transient "
+                     f"{format_bytes(pk['transient'])}, at the {max(('build', 'backward', 'update', 'publish'), key=pk.get)}; "
+                     "+ activations: peak_per_rank(activation_bytes=...))")
         if self.states.params is not None:
             lines.append(f"    gathered   {format_bytes(self.transient_per_rank()['gathered']):>10}   "
                          "(transient peak of gathered units and gather buffers, in this order:)")

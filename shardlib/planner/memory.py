@@ -61,6 +61,16 @@ class MemoryAccounting:
         return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim,
                 "buffers": buffers}
 
+    def peak_per_rank(self, rank: int | None = None, *, activation_bytes: int = 0, foreach: bool | None = None,
+                      meta_build: bool = False) -> dict[str, int]:
+        """The most memory ``rank`` holds at once in a step: model states + the largest transient
+        + one micro-batch's ``activation_bytes`` (estimate it with
+        ``shardlib.planner.peak.activation_bytes(model, batch)``), by the moments of a step
+        (build, backward, update, publish): ``peak``, ``states``, ``transient``, ``activations``
+        and each moment's total. The formulas: ``planner/peak.py``."""
+        from .peak import peak_per_rank
+        return peak_per_rank(self, rank, activation_bytes=activation_bytes, foreach=foreach, meta_build=meta_build)
+
     @property
     def _grad_views(self) -> bool:
         """Replicated-parameter gradients live in persistent bucket buffers (views into them)."""
@@ -70,9 +80,9 @@ class MemoryAccounting:
     def gather_schedule(self) -> tuple[str, ...]:
         """ZeRO-3: the order in which one micro-step starts gathering (``G``), waits for and
         unpacks (``W``) and frees (``F``) its units, as the runtime runs it: the root when the
-        model's forward starts; each unit just before its forward, prefetching the next one; in
-        backward each unit again (unless it stayed gathered), prefetching the one before it, and
-        freed once its gradients are reduced; the root last. Empty when parameters are replicated.
+        model's forward starts; each unit just before its forward, then prefetching the next one;
+        in backward each unit again (unless it stayed gathered), freed once its gradients are
+        reduced, then gathering the one before it; the root last. Empty when parameters are replicated.
         """
         if self.states.params is None:
             return ()
@@ -105,17 +115,15 @@ class MemoryAccounting:
         if units:
             gather(units[0])
         for i, u in enumerate(units):                       # forward
-            gather(u)
-            gather(units[i + 1] if i + 1 < len(units) else None)
             wait(u)
+            gather(units[i + 1] if i + 1 < len(units) else None)
             if u.reshard_after_forward:
                 free(u)
         for i in reversed(range(len(units))):               # backward
             u = units[i]
-            gather(u)
-            gather(units[i - 1] if i > 0 else None)
             wait(u)
             free(u)
+            gather(units[i - 1] if i > 0 else None)
         if root is not None:
             free(root)
         return tuple(events)

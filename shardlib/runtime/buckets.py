@@ -14,7 +14,9 @@ collectives in the same order even if gradients become ready in a different orde
 * grads sharded (ZeRO-1/2): reduce-scatter the bucket as a flat group (``flat.py``: its
   gradients laid end to end, split evenly), each rank keeping its chunk — its piece of every
   parameter; without ``keep_local_grads`` (ZeRO-2) the full local gradients are freed once
-  copied in.
+  copied in. Launching a bucket's reduce-scatter first waits for the one launched
+  ``MAX_IN_FLIGHT`` buckets before it, which frees that one's input (its output, this rank's
+  chunk, is kept): the inputs do not pile up to a whole model's gradients over the backward.
 * optimizer state sharded (ZeRO-1/2): after the update, ``publish`` all-gathers each bucket's
   updated pieces into the full compute-dtype parameters.
 """
@@ -26,6 +28,8 @@ import torch
 from ..comm import core as comm
 from .flat import flat_runs
 from .state import ParamState
+
+MAX_IN_FLIGHT = 1     # reduce-scatters in flight at once when a bucket's is launched
 
 
 class GradBuckets:
@@ -71,6 +75,9 @@ class GradBuckets:
         self.counts = [0] * len(buckets)
         self.next = 0
         self.pending: list = [None] * len(buckets)
+        self.results: list = [None] * len(buckets)
+        # ZeRO-2: a reduced chunk goes straight into the gradient shards (kept between steps)
+        self.into_shards = self.sharded and not plan.states.keep_local_grads
 
     def _make_hook(self, state: ParamState):
         def hook(_param: torch.Tensor) -> None:
@@ -117,6 +124,7 @@ class GradBuckets:
         self.counts = [0] * len(self.buckets)
         self.next = 0
         self.pending = [None] * len(self.buckets)
+        self.results = [None] * len(self.buckets)
 
     def _ready(self, b: int) -> None:
         if not self.sync:
@@ -149,7 +157,10 @@ class GradBuckets:
             if not self.engine.plan.states.keep_local_grads:
                 for s in states:
                     s.param.grad = None       # ZeRO-2: the full local gradient is not kept
+            for older in range(max(0, b - MAX_IN_FLIGHT), b):
+                self._wait(older)                 # frees its input
             self.pending[b] = comm.reduce_scatter(flat, self.mesh, self.axis, async_op=True)
+            del flat
 
     def finish(self) -> list[list[torch.Tensor]]:
         """Launch what is left (unused parameters), wait for all; the reduced gradient of each
@@ -157,24 +168,38 @@ class GradBuckets:
         while self.next < len(self.buckets):
             self._launch(self.next)
             self.next += 1
-        out = []
-        for b, states in enumerate(self.buckets):
-            reduced = self.pending[b].wait()
-            self.pending[b] = None
-            if self.riders and b == len(self.buckets) - 1:
-                self.rider_sums = reduced[-self.riders:].float()
-            if not self.sharded:
-                if self.views:
-                    out.append(self.grad_views[b])
-                else:
-                    views, off = [], 0
-                    for s in states:
-                        views.append(reduced[off:off + s.param.numel()].view(s.param.shape))
-                        off += s.param.numel()
-                    out.append(views)
-            else:
-                out.append(self.flats[b].reduced(reduced))
+        for b in range(len(self.buckets)):
+            self._wait(b)
+        out, self.results = self.results, [None] * len(self.buckets)
         return out
+
+    def _wait(self, b: int) -> None:
+        """Wait for bucket ``b``'s collective (once) and keep its reduced gradients in ``results``:
+        full views (DP), this rank's pieces (ZeRO-1: views of the chunk), or the gradient shards
+        the chunk was copied into (ZeRO-2: the chunk is dropped)."""
+        if self.pending[b] is None:
+            return
+        reduced = self.pending[b].wait()
+        self.pending[b] = None
+        if self.riders and b == len(self.buckets) - 1:
+            self.rider_sums = reduced[-self.riders:].float()
+        if not self.sharded:
+            if self.views:
+                self.results[b] = self.grad_views[b]
+            else:
+                views, off = [], 0
+                for s in self.buckets[b]:
+                    views.append(reduced[off:off + s.param.numel()].view(s.param.shape))
+                    off += s.param.numel()
+                self.results[b] = views
+        elif self.into_shards:
+            fl = self.flats[b]
+            with torch.no_grad():
+                for s, piece in zip(fl.train, fl.reduced(reduced)):
+                    s.grad_shard.copy_(piece)
+            self.results[b] = [s.grad_shard for s in fl.train]
+        else:
+            self.results[b] = self.flats[b].reduced(reduced)
 
     @torch.no_grad()
     def publish(self, dtype: torch.dtype) -> None:

@@ -283,7 +283,7 @@ class Engine(EngineSetup, EngineInspection, EngineAccess):
             if not s.trainable:
                 continue
             if s.grad_shard is not None:
-                if plan.states.params is None:
+                if plan.states.params is None and by_name[s.name] is not s.grad_shard:
                     s.grad_shard.copy_(by_name[s.name])       # ZeRO-2: keep only the reduced rows
                 g = s.grad_shard
             else:

@@ -90,6 +90,22 @@ class FlatRun:
         out[self.numel_t:].zero_()
         return out
 
+    def grad_buffer(self, dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:
+        """An uninitialized reduce-scatter input, ``N·c_train`` elements, to fill with ``copy_grad``
+        as gradients arrive (then ``zero_padding``): ``pack_grads`` one gradient at a time."""
+        return torch.empty(self.n * self.ct, dtype=dtype, device=device)
+
+    def copy_grad(self, buf: torch.Tensor, state: ParamState, grad: torch.Tensor | None) -> None:
+        """Lay ``state``'s gradient (None: zeros) into its place in ``buf``."""
+        view = buf[state.slot.offset:state.slot.offset + state.slot.numel]
+        if grad is None:
+            view.zero_()
+        else:
+            view.copy_(grad.reshape(-1))
+
+    def zero_padding(self, buf: torch.Tensor) -> None:
+        buf[self.numel_t:].zero_()
+
     def reduced(self, out: torch.Tensor) -> list[torch.Tensor]:
         """Views of each trainable parameter's reduced piece in this rank's chunk ``out``."""
         views = []

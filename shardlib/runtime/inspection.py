@@ -55,3 +55,14 @@ class EngineInspection:
     def peak_gathered_bytes(self) -> int:
         """ZeRO-3: the most bytes of gathered parameters (and gather buffers) held at once."""
         return self.units.peak if self.units is not None else 0
+
+    @property
+    def peak_transient_bytes(self) -> dict[str, int]:
+        """ZeRO-3: the most bytes held at once of ``gathered`` parameters and gather buffers, of
+        ``grads`` on their way to a reduce-scatter (its inputs being filled or in flight, and
+        outputs not yet added into the shards), and of ``both`` together — what
+        ``plan.peak_per_rank`` bounds by its backward transient. Zeros when parameters are replicated."""
+        u = self.units
+        if u is None:
+            return {"gathered": 0, "grads": 0, "both": 0}
+        return {"gathered": u.peak, "grads": u.grad_peak, "both": u.total_peak}

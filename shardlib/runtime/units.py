@@ -3,12 +3,23 @@
 Each unit (a module subtree, e.g. one transformer block) is a flat group (``flat.py``): this
 rank holds its chunk of the unit's parameters laid end to end. Around the unit's forward:
 
-* pre-forward: all-gather the unit (compute dtype) into the module's parameters, and start
-  gathering the next unit (prefetch) so it overlaps this unit's compute;
+* pre-forward: all-gather the unit (compute dtype) into the module's parameters, then start
+  gathering the next unit (prefetch) so it overlaps this unit's compute (after the wait, so a
+  rank never holds a unit, its gather buffer and the next one's at once);
 * post-forward: free the parameters' storage (unless the unit stays gathered), and hook the
   unit's outputs so that, in backward, the unit is gathered again before its gradients flow;
-* post-backward (when gradients reach the unit's inputs): reduce-scatter the unit's
-  trainable gradients into this rank's chunk, free the full gradients and parameters.
+* in backward, each trainable parameter's gradient is copied, as soon as autograd has it, into
+  the unit's reduce-scatter input (allocated with the unit's first gradient) and dropped, so a
+  unit never holds its full gradients twice (as tensors and laid flat) — except the root's,
+  whose gradients arrive at both ends of backward (head first, embeddings last): they stay
+  tensors until its reduce, rather than a whole flat input held through the backward;
+* post-backward (when gradients reach the unit's inputs): reduce-scatter that input into this
+  rank's chunk, free the parameters, then start gathering the unit before it (in backward a
+  rank holds one unit's parameters besides the root's, not two: the gather overlaps the
+  reduce-scatter rather than this unit's backward). The reduce-scatter overlaps the backward of the next unit
+  until that unit's first gradient, which waits for it and adds its chunk into the gradient
+  shards before allocating its own input: one unit's input at a time, where every unit's input
+  used to live until the end of backward (a whole model's gradients at once).
 
 Storage is freed with ``untyped_storage().resize_(0)`` and re-filled in place, so tensors that
 autograd saved in forward stay valid. The root unit (what no other unit holds: embeddings,
@@ -17,7 +28,9 @@ head) is gathered when the model's forward starts and freed when its backward en
 The runner logs what it does (``events``: ``G(unit)`` gather started, ``W(unit)`` waited and
 unpacked, ``F(unit)`` freed) for the last micro-step, in the notation of
 ``Plan.gather_schedule``, and tracks the bytes of gathered parameters plus all-gather output
-buffers in flight (``peak``) — the quantity ``Plan.transient_per_rank`` plans.
+buffers in flight (``peak``) — the quantity ``Plan.transient_per_rank`` plans — and the bytes of
+gradient buffers (reduce-scatter inputs being filled or in flight, and their outputs not yet
+added: ``grad_peak``), and of both at once (``total_peak``), which ``planner/peak.py`` bounds.
 """
 
 from __future__ import annotations
@@ -53,6 +66,9 @@ class Unit:
         self.pending = None           # all-gather in flight
         self.buffer_bytes = 0         # its output buffer
         self.reducing = None          # reduce-scatter in flight
+        self.grad_buf: torch.Tensor | None = None    # its reduce-scatter input while gradients arrive
+        self.filled: set[int] = set()                # ids of the states copied into grad_buf
+        self.grad_bytes = 0           # bytes of its gradient buffers (input, and output in flight)
         self.reduced = False          # this micro-step's gradients are reduced
 
     @property
@@ -70,6 +86,9 @@ class UnitRunner:
         self.all = ([root] if root else []) + units
         self.live = 0                           # bytes of gathered parameters and gather buffers
         self.peak = 0
+        self.grad_live = self.grad_peak = 0     # bytes of gradient buffers (reduce-scatter in/out)
+        self.total_peak = 0                     # most of both at once
+        self.in_flight: list[Unit] = []         # units whose reduce-scatter is in flight, oldest first
         self.events: list[str] = []             # this micro-step's G/W/F actions
         self.micro_first = True
         self.handles = []
@@ -78,11 +97,20 @@ class UnitRunner:
         for u in units:
             self.handles.append(u.module.register_forward_pre_hook(self._make_pre(u), with_kwargs=True))
             self.handles.append(u.module.register_forward_hook(self._make_post(u)))
+        for u in self.all:
+            for s in u.flat.train:
+                self.handles.append(s.param.register_post_accumulate_grad_hook(self._make_grad_hook(u, s)))
 
     # ---- gather / free -------------------------------------------------------------------------
     def _track(self, delta: int) -> None:
         self.live += delta
         self.peak = max(self.peak, self.live)
+        self.total_peak = max(self.total_peak, self.live + self.grad_live)
+
+    def _track_grads(self, delta: int) -> None:
+        self.grad_live += delta
+        self.grad_peak = max(self.grad_peak, self.grad_live)
+        self.total_peak = max(self.total_peak, self.live + self.grad_live)
 
     def gather(self, u: Unit) -> None:
         """Start gathering ``u`` (async) unless it is gathered or on its way."""
@@ -132,11 +160,10 @@ class UnitRunner:
 
     def _make_pre(self, u: Unit):
         def pre(module, args, kwargs):
-            self.gather(u)
+            self.wait(u)                      # then prefetch: never two gather buffers and a unit at once
             nxt = self._neighbor(u, +1)
             if nxt is not None:
                 self.gather(nxt)
-            self.wait(u)
             idx = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
             if idx and torch.is_grad_enabled():
                 wrapped = _PostBackward.apply(self, u, *[args[i] for i in idx])
@@ -166,10 +193,6 @@ class UnitRunner:
     def pre_backward(self, u: Unit) -> None:
         if u.reduced:
             return
-        self.gather(u)
-        prev = self._neighbor(u, -1)
-        if prev is not None and not prev.reduced:
-            self.gather(prev)
         self.wait(u)
 
     def post_backward(self, u: Unit) -> None:
@@ -177,17 +200,68 @@ class UnitRunner:
             return
         self._reduce(u)
 
+    def _make_grad_hook(self, u: Unit, s: ParamState):
+        def hook(param: torch.Tensor) -> None:
+            if u is self.root or u.reduced or param.grad is None:
+                return       # the root's gradients arrive at both ends of backward: laid flat at its reduce
+            if u.grad_buf is None:
+                self._new_grad_buffer(u)
+            with torch.no_grad():
+                u.flat.copy_grad(u.grad_buf, s, param.grad)
+            u.filled.add(id(s))
+            s.used = True
+            param.grad = None                        # laid flat: the tensor itself is not kept
+        return hook
+
     def _reduce(self, u: Unit) -> None:
         trainable = u.flat.train
         for s in trainable:
             s.used = s.used or s.param.grad is not None
         if trainable:
-            flat = u.flat.pack_grads([s.param.grad for s in trainable], self.rdt, self.engine.mesh.device)
-            for s in trainable:
-                s.param.grad = None
+            if u.grad_buf is None:                   # no gradient arrived through the hooks (the root)
+                self._new_grad_buffer(u)
+            with torch.no_grad():
+                for s in trainable:                  # what the hooks did not copy: a late .grad, or zeros
+                    if id(s) not in u.filled:
+                        u.flat.copy_grad(u.grad_buf, s, s.param.grad)
+                    s.param.grad = None
+                u.flat.zero_padding(u.grad_buf)
+            flat, u.grad_buf = u.grad_buf, None
+            u.filled = set()
             u.reducing = comm.reduce_scatter(flat, self.mesh, self.axis, async_op=True)
+            del flat                                 # the collective holds it until it is waited for
+            out = u.flat.ct * self.rdt.itemsize
+            u.grad_bytes += out                      # its output chunk, until added into the shards
+            self._track_grads(out)
+            self.in_flight.append(u)
         u.reduced = True
         self.free(u)
+        if u is not self.root:
+            prev = self._neighbor(u, -1)      # gathered once this unit is freed: one unit's parameters
+            if prev is not None and not prev.reduced:     # at a time in backward, beside the root
+                self.gather(prev)
+
+    def _new_grad_buffer(self, u: Unit) -> None:
+        """Allocate ``u``'s reduce-scatter input, once the reduce-scatter in flight is done (it
+        overlapped the backward up to ``u``'s first gradient): never two units' at once."""
+        while self.in_flight:
+            self._finish_reduce(self.in_flight.pop(0))
+        u.grad_buf = u.flat.grad_buffer(self.rdt, self.engine.mesh.device)
+        u.grad_bytes = u.grad_buf.numel() * u.grad_buf.element_size()
+        self._track_grads(u.grad_bytes)
+
+    def _finish_reduce(self, u: Unit) -> None:
+        """Wait for ``u``'s reduce-scatter and add its chunk into the persistent gradient shards."""
+        pieces = u.flat.reduced(u.reducing.wait())
+        u.reducing = None
+        for s, r in zip(u.flat.train, pieces):
+            if self.micro_first:
+                s.grad_shard.copy_(r)
+            else:
+                s.grad_shard.add_(r)
+        del pieces
+        self._track_grads(-u.grad_bytes)
+        u.grad_bytes = 0
 
     # ---- per micro-step ------------------------------------------------------------------------
     def begin_micro(self, first: bool) -> None:
@@ -210,16 +284,8 @@ class UnitRunner:
                 u.pending = None
                 self._track(-u.buffer_bytes)
                 u.status = "free"
-        for u in reversed(self.all):
-            if u.reducing is None:
-                continue
-            pieces = u.flat.reduced(u.reducing.wait())
-            u.reducing = None
-            for s, r in zip(u.flat.train, pieces):
-                if self.micro_first:
-                    s.grad_shard.copy_(r)
-                else:
-                    s.grad_shard.add_(r)
+        while self.in_flight:
+            self._finish_reduce(self.in_flight.pop(0))
 
     def remove(self) -> None:
         for h in self.handles:

@@ -1,0 +1,218 @@
+"""The peak memory of a rank in a training step: model states + the largest transient + activations.
+
+``Plan.memory_per_rank`` counts the model states a rank keeps between steps (the ZeRO-paper
+terms). A step needs more for a while, and what it needs depends on where in the step it is, so
+the peak is the largest of four moments, each ``states + what lives only then`` (bytes per rank;
+``c``/``g`` the compute/reduce dtype's bytes, ``N`` the data degree, a *group* a ZeRO-3 unit or a
+gradient bucket, laid flat: ``planner/flat.py``):
+
+* **build** — the engine copies this rank's states out of the model as built: states at rest
+  without optimizer state (created at the first update) plus the built model where the engine
+  does not keep its tensors — the whole model (4-byte elements) when parameters are sharded at
+  rest or cast to a compute dtype; with a model built on the meta device
+  (``runtime/materialize.py``) only the largest unit, one unit at a time.
+* **backward** — states at rest + the activations of one micro-batch (``activation_bytes``) +
+  what the gradient reduction holds:
+
+  - ZeRO-3: the gathered units and all-gather buffers of ``transient_per_rank`` (the root unit
+    stays gathered through backward), plus the gradients on their way to the reduce-scatter
+    (``runtime/units.py``): the root's gradients (``c``, kept as tensors: they arrive at both
+    ends of backward) and, at once, one other unit's reduce-scatter input (``N`` chunks, ``g``)
+    and output (a chunk) — a unit's gradients are laid into its input as autograd makes them,
+    after the previous unit's reduce-scatter is waited for — plus one fresh gradient (the largest
+    trainable parameter, ``c``); or, at the end, the root's gradients, input and output;
+  - ZeRO-1/2: bucket ``b`` being packed — its local gradients (ZeRO-2; ZeRO-1 keeps them between
+    steps: states) and its reduce-scatter input — while bucket ``b-1``'s is in flight (input and
+    output), the largest over ``b``; ZeRO-1 also keeps every reduced chunk (the masters' gradients
+    at the update), ZeRO-2 copies them into its gradient shards;
+  - DP: a parameter's fresh gradient before it is copied into its bucket (the largest
+    parameter); with gradients reduced in another dtype, every bucket's reduced copy as well.
+* **update** — states at the update (``memory_per_rank(at="update")``) + the optimizer's
+  temporaries. Adam's per-tensor step (torch's default on the CPU) holds two fp32 temporaries the
+  size of the tensor it updates (``sqrt`` of the second moment, then its quotient): twice the
+  largest master piece. The multi-tensor (``foreach``) step, torch's default on GPUs, holds one
+  per master at once: all master bytes.
+* **publish** (ZeRO-1/2) — after the update the new parameters are all-gathered bucket by bucket:
+  states at the update + the largest bucket's all-gather input (its chunk) and output (``c``).
+
+The moments' transients are added as if they coincided (ZeRO-3's gathered peak and its
+gradients' peak fall in the same backward, not always at the same instant): the plan is an upper
+bound for the runtime's tracked bytes (``engine.peak_transient_bytes``); activations are an
+estimate (below). Allocator overhead (glibc's heap keeps freed memory unless big blocks are
+mapped on their own: ``frontend/launcher.py``'s ``set_mmap_threshold``, set in every rank) and a
+process's fixed costs (libraries torch loads on first use, ~85 MB on CPU) are not model memory
+and not counted.
+
+``activation_bytes(model, batch)`` estimates a micro-batch's activations without computing: the
+model's forward runs on fake tensors (shapes only, CPU kernels' choices, e.g. CPU flash
+attention), recording the distinct storages autograd saves for backward other than parameters,
+plus the largest one again (the gradient that flows back through it when backward starts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ..errors import ShardingError, ShardingTypeError
+
+if TYPE_CHECKING:
+    from .plan import Plan
+
+
+def _chunks(plan: Plan) -> list[tuple[int, int, int, int]]:
+    """Per flat group: (trainable elements, all elements, trainable chunk, all chunks) where a chunk
+    is ``ceil(T/N)`` per segment; one group per unit (ZeRO-3) or bucket (ZeRO-1/2)."""
+    n = plan.data_size
+    flat = getattr(plan, "flat", None)
+    out = []
+    if flat is not None:
+        for grp in flat.groups:
+            t = grp.segments["train"].numel
+            f = grp.segments["frozen"].numel if "frozen" in grp.segments else 0
+            ct = grp.chunk("train")
+            cf = grp.chunk("frozen") if f else 0
+            out.append((t, t + f, ct, ct + cf))
+        return out
+    groups = ([plan.unit_params(u.name) for u in plan.units] if plan.states.params is not None
+              else plan.buckets())
+    for params in groups:
+        t = sum(p.numel for p in params if p.trainable)
+        a = sum(p.numel for p in params)
+        out.append((t, a, -(-t // n), -(-t // n) + -(-(a - t) // n)))
+    return out
+
+
+def _master_pieces(plan: Plan, rank: int) -> list[int]:
+    """Elements of each optimizer-visible master tensor on ``rank`` (a parameter's piece)."""
+    flat = getattr(plan, "flat", None)
+    out = []
+    for p in plan.params:
+        if not p.trainable:
+            continue
+        if plan.states.optim is None:
+            out.append(p.numel)
+            continue
+        slot = flat.slot(p.name) if flat is not None else None
+        if slot is not None:
+            lo, hi = slot.piece(flat.groups[slot.group].segments[slot.segment].bounds(rank))
+            out.append(hi - lo)
+        else:
+            out.append(p.local_numel(p.optim, rank))
+    return out
+
+
+def peak_per_rank(plan: Plan, rank: int | None = None, *, activation_bytes: int = 0,
+                  foreach: bool | None = None, meta_build: bool = False) -> dict[str, int]:
+    """The most memory ``rank`` holds at once, by the moments of a step (see the module doc):
+    ``states`` (at rest), ``activations``, ``transient`` (what the peak moment holds beyond them)
+    and ``peak``; and each moment's total: ``build``, ``backward``, ``update``, ``publish``.
+
+    ``activation_bytes``: one micro-batch's activations (``activation_bytes(model, batch)``).
+    ``foreach``: whether the optimizer steps all tensors at once (default: on GPUs, as torch's
+    Adam does). ``meta_build``: the model was built on the meta device."""
+    if isinstance(activation_bytes, bool) or not isinstance(activation_bytes, int) or activation_bytes < 0:
+        raise ShardingError(f"peak_per_rank: activation_bytes must be a non-negative int — got "
+                            f"{activation_bytes!r}. Estimate it with activation_bytes(model, batch).")
+    rank = plan._rank(rank)
+    st = plan.states
+    n, c, g = plan.data_size, plan.compute_dtype.itemsize, plan.reduce_dtype.itemsize
+    rest = plan.memory_per_rank(rank)
+    update = plan.memory_per_rank(rank, at="update")
+    states = rest["total"] + rest["buffers"]
+    at_update = update["total"] + update["buffers"]
+    if foreach is None:
+        foreach = getattr(getattr(plan.mesh, "device", None), "type", "cpu") == "cuda"
+    groups = _chunks(plan)
+    # a group's reduce-scatter input (N chunks of its trainable segment) and output (one chunk)
+    rs_in = [n * ct * g for _, _, ct, _ in groups]
+    rs_out = [ct * g for _, _, ct, _ in groups]
+    local = [t * c for t, _, _, _ in groups]          # a group's local gradients
+    if st.params is not None:                          # ZeRO-3: units (runtime/units.py)
+        names = [grp.name for grp in plan.flat.groups]
+        root = names.index("") if "" in names else None
+        fresh = max((p.numel for p in plan.params if p.trainable), default=0) * c
+        kept = local[root] if root is not None else 0
+        others = [rs_in[i] + rs_out[i] for i in range(len(groups)) if i != root]
+        reduce = kept + max(max(others, default=0) + fresh,
+                            rs_in[root] + rs_out[root] if root is not None else 0)
+    elif st.grads is not None:                         # ZeRO-1/2: buckets, one in flight while the next packs
+        packing = [local[b] * (not st.keep_local_grads) + rs_in[b]
+                   + (rs_in[b - 1] + rs_out[b - 1] if b else 0) for b in range(len(groups))]
+        reduce = max(packing, default=0) + (sum(rs_out) if st.keep_local_grads else 0)
+    else:                                              # replicated: copied into bucket views
+        reduce = max((p.numel for p in plan.params if p.trainable), default=0) * c
+        if not plan._grad_views:
+            reduce += plan.num_trainable * g
+    gathered = plan.transient_per_rank(rank)["gathered"] if st.params is not None else 0
+    backward = states + activation_bytes + gathered + reduce
+    masters = _master_pieces(plan, rank)
+    temps = 4 * (sum(masters) if foreach else 2 * max(masters, default=0))
+    at_step = at_update + temps
+    publish = 0
+    if st.params is None and st.optim is not None:
+        publish = at_update + max(((1 + n) * ct * c for _, _, ct, _ in groups), default=0)
+    opt_state = plan.optimizer_state_bytes * sum(masters)
+    model_bytes = 4 * plan.num_params
+    if meta_build:
+        built = max((4 * a for _, a, _, _ in groups), default=0) if st.params is not None else 0
+    else:
+        built = model_bytes if (st.params is not None or plan.mixed) else 0
+    build = states - opt_state + built
+    moments = {"build": build, "backward": backward, "update": at_step, "publish": publish}
+    peak = max(moments.values())
+    extra = activation_bytes if peak == backward else 0
+    return {"states": states, "activations": extra, "transient": peak - states - extra, "peak": peak,
+            **moments}
+
+
+def activation_bytes(model: nn.Module, batch: Any, *, loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+                     device: str | torch.device = "cpu") -> int:
+    """Estimate one micro-batch's activations: the bytes autograd saves in ``model``'s forward on
+    ``batch`` (this rank's micro-batch; tensors, or shapes given as tensors on any device, the meta
+    device included), distinct storages other than parameters and buffers, plus the largest of them
+    once more (the gradient flowing back through it). Nothing is computed: the forward runs on fake
+    tensors on ``device``, so kernels are chosen as there. The model is not changed; it may be on
+    the meta device."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.func import functional_call
+    from torch.utils._pytree import tree_map_only
+
+    if not isinstance(model, nn.Module):
+        raise ShardingTypeError(f"activation_bytes: expected an nn.Module — got {type(model).__name__}.")
+    device = torch.device(device)
+    with FakeTensorMode(allow_non_fake_inputs=False):
+        def fake(t: torch.Tensor, grad: bool = False) -> torch.Tensor:
+            return torch.empty(t.shape, dtype=t.dtype, device=device, requires_grad=grad)
+
+        params = {n: fake(p, p.requires_grad) for n, p in model.named_parameters()}
+        buffers = {n: fake(b) for n, b in model.named_buffers()}
+        fb = tree_map_only(torch.Tensor, fake, batch)
+        own = {id(t.untyped_storage()) for t in list(params.values()) + list(buffers.values())}
+        saved: dict[int, tuple[torch.UntypedStorage, int]] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            s = t.untyped_storage()
+            if id(s) not in own:
+                saved[id(s)] = (s, s.nbytes())
+            return t
+
+        state = {**params, **buffers}
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            if loss_fn is not None:
+                # loss_fn calls the model; route the call through the fake state
+                class _Bound(nn.Module):
+                    def forward(self, *a, **k):
+                        return functional_call(model, state, a, k)
+                loss_fn(_Bound(), fb)
+            elif isinstance(fb, dict):
+                functional_call(model, state, (), fb)
+            elif isinstance(fb, (tuple, list)):
+                functional_call(model, state, tuple(fb))
+            else:
+                functional_call(model, state, (fb,))
+    sizes = [b for _, b in saved.values()]
+    return sum(sizes) + max(sizes, default=0)
