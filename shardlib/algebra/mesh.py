@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from ..allocator import set_mmap_threshold
 from ..errors import MeshError, Problems, ShardingTypeError, SpecError
 
 
@@ -338,6 +339,7 @@ class Mesh(AbstractMesh):
             if backend == "nccl":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             timeout = timeout or default_timeout()
+            set_mmap_threshold()          # this rank's host allocator, as sl.launch's ranks get it
             dist.init_process_group(backend, timeout=timeout)
             initialized = True
 

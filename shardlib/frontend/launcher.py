@@ -36,6 +36,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from ..allocator import set_mmap_threshold
 from ..comm import progress
 from ..errors import ShardingError, ShardingTypeError
 from . import diagnose
@@ -65,59 +66,6 @@ def free_port() -> int:
 
 def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
-
-
-MMAP_THRESHOLD = 64 * 1024      # bytes; see set_mmap_threshold
-_M_MMAP_THRESHOLD = -3            # glibc's mallopt parameter number (malloc.h)
-
-
-def set_mmap_threshold(threshold: int | None = None) -> int | None:
-    """Fix glibc's mmap threshold in this process, so that a freed tensor's memory goes back to the
-    system; return the threshold set, or None where nothing was changed.
-
-    glibc serves an allocation of at least the *mmap threshold* (128 KiB at start) with its own
-    ``mmap``, unmapped on ``free``; smaller ones come from the heap, which keeps freed memory for
-    reuse. The threshold is dynamic: freeing an mmapped block raises it to that block's size (up
-    to 32 MiB). A training step frees blocks of up to a parameter's size, so after a step or two
-    every tensor up to 32 MiB lives on the heap, where freed gradients, gather buffers and
-    activations fragment it and the process keeps them: on a 69M-parameter GPT at data=2 the
-    peak resident memory of a ZeRO-3 rank rose 1753 MB above the post-import baseline, against
-    993 MB with a fixed threshold (the plan's states: 529 MiB). Setting the threshold with
-    ``mallopt(M_MMAP_THRESHOLD, t)`` fixes it (and the heap's trim threshold) for the process.
-    Blocks of at least ``t`` are then mapped and unmapped each time (page faults: a cost in step
-    time, measured by ``benchmarks/bench_memory.py``).
-
-    ``threshold``: bytes (default ``SHARDLIB_MMAP_THRESHOLD`` from the environment, else
-    ``MMAP_THRESHOLD`` = 64 KiB); 0 leaves the allocator alone. Nothing is changed where glibc's
-    ``MALLOC_MMAP_THRESHOLD_`` environment variable already sets it, on a C library other than
-    glibc (musl, macOS, Windows), or where ``mallopt`` refuses. Called in every rank process by
-    ``init_world`` (``sl.launch``'s ranks, ``torchrun``'s) before the model is built; on a GPU the
-    model's tensors are not on this heap, and the call is harmless."""
-    import ctypes
-    import ctypes.util
-    import platform
-
-    if threshold is None:
-        env = os.environ.get("SHARDLIB_MMAP_THRESHOLD", "")
-        try:
-            threshold = int(env) if env.strip() else MMAP_THRESHOLD
-        except ValueError:
-            raise ShardingError(f"SHARDLIB_MMAP_THRESHOLD: not an integer — got {env!r}; expected bytes "
-                                "(e.g. 65536) or 0 to leave the allocator alone. Fix the variable.") from None
-    if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
-        raise ShardingTypeError(f"set_mmap_threshold: threshold must be a non-negative int (bytes) — got "
-                                f"{threshold!r}. Pass e.g. 65536, or 0 to leave the allocator alone.")
-    if threshold == 0 or "MALLOC_MMAP_THRESHOLD_" in os.environ:
-        return None
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return None
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return threshold if mallopt(_M_MMAP_THRESHOLD, threshold) == 1 else None
 
 
 def init_world(backend: str | None = None, timeout: float | datetime.timedelta | None = None,
@@ -382,7 +330,7 @@ def _failure(processes: list, result_dir: str, errors: dict[int, dict], results:
         err = _worker_error(errors, results, nprocs, run_timeout)
         behind = progress.laggards(records)
         if not errors and behind:   # the run timed out while some ranks were behind the others
-            err.args = (err.args[0] + f" Behind the others: " + "; ".join(
+            err.args = (err.args[0] + " Behind the others: " + "; ".join(
                 f"rank {r} (last collective {progress.describe(records[r])})" for r in behind[:4]) + ".",)
         return err
     running = {r: processes[r].pid for r in found[0] if r not in results and processes[r].exitcode is None}

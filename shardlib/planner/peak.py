@@ -39,7 +39,7 @@ The moments' transients are added as if they coincided (ZeRO-3's gathered peak a
 gradients' peak fall in the same backward, not always at the same instant): the plan is an upper
 bound for the runtime's tracked bytes (``engine.peak_transient_bytes``); activations are an
 estimate (below). Allocator overhead (glibc's heap keeps freed memory unless big blocks are
-mapped on their own: ``frontend/launcher.py``'s ``set_mmap_threshold``, set in every rank) and a
+mapped on their own: ``shardlib/allocator.py``'s ``set_mmap_threshold``, set in every rank) and a
 process's fixed costs (libraries torch loads on first use, ~85 MB on CPU) are not model memory
 and not counted.
 
