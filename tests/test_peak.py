@@ -122,3 +122,20 @@ def test_engine_transients_stay_within_the_plan(world, cfg_name):
         assert t["grads"] <= r["planned_backward"] - r["gathered"], r
         assert t["grads"] >= 4 * BLOCK, r
         assert t["grads"] < 4 * (ROOT + 2 * BLOCK), r      # never every unit's input at once
+
+
+def test_a_plan_of_a_meta_built_model_states_the_build_of_one_unit():
+    """Built on the meta device, ZeRO-3 materializes one unit at a time (runtime/materialize.py):
+    the plan knows (``Plan.meta_build``) and its build moment holds the largest unit's fp32
+    elements where a normally built model holds all of them."""
+    cfg = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=6)
+    mesh = sl.AbstractMesh({"data": 4})
+    normal = sl.plan(GPT(cfg, seed=0), mesh, zero=3)
+    with torch.device("meta"):
+        meta_model = GPT(cfg, seed=None)
+    meta = sl.plan(meta_model, mesh, zero=3)
+    assert meta.meta_build and not normal.meta_build
+    built = normal.peak_per_rank()["build"] - meta.peak_per_rank()["build"]
+    units = [sum(normal.param(n).numel for n in u.params) for u in normal.units]
+    assert built == 4 * (normal.num_params - max(units))
+    assert meta.peak_per_rank() == normal.peak_per_rank(meta_build=True)

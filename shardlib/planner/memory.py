@@ -62,13 +62,15 @@ class MemoryAccounting:
                 "buffers": buffers}
 
     def peak_per_rank(self, rank: int | None = None, *, activation_bytes: int = 0, foreach: bool | None = None,
-                      meta_build: bool = False) -> dict[str, int]:
+                      meta_build: bool | None = None) -> dict[str, int]:
         """The most memory ``rank`` holds at once in a step: model states + the largest transient
         + one micro-batch's ``activation_bytes`` (estimate it with
         ``shardlib.planner.peak.activation_bytes(model, batch)``), by the moments of a step
         (build, backward, update, publish): ``peak``, ``states``, ``transient``, ``activations``
-        and each moment's total. The formulas: ``planner/peak.py``."""
+        and each moment's total. ``meta_build``: the model is built on the meta device (default:
+        as the planned model was). The formulas: ``planner/peak.py``."""
         from .peak import peak_per_rank
+        meta_build = self.meta_build if meta_build is None else meta_build
         return peak_per_rank(self, rank, activation_bytes=activation_bytes, foreach=foreach, meta_build=meta_build)
 
     @property
