@@ -56,6 +56,8 @@ def check_shape(shape: object, api: str, name: str | None = None) -> tuple[int, 
     shape is not a sequence or holds a non-integer (listing every bad dim, negative ones too),
     else ``SpecError`` with one problem per negative dim.
     """
+    if type(shape) is tuple and all(type(s) is int and s >= 0 for s in shape):
+        return shape                      # the common case, checked cheaply (it is on every hot path)
     who = f"the shape of {name!r}" if name else "the shape"
     if isinstance(shape, (str, bytes)) or not isinstance(shape, (tuple, list, range, np.ndarray)):
         try:

@@ -703,9 +703,13 @@ def _exec_exchange(x, s: Step, shape, mesh: Mesh):
         region = x[tuple(slice(b.start - m.start, b.stop - m.start) for b, m in zip(box, my_src))]
         sends.append(region.reshape(-1))
         in_splits.append(region.numel())
+    # what each peer q sends me: src(q) ∩ dst(me), from the peers that agree with me on the axes
+    # replicated in src (the mirror of _exchange_sends, without computing every peer's sends)
+    rep = [a for a in canon if a not in s.src.spec.axes]
     boxes_in, out_splits = [], []
     for q in mesh.group_ranks(me, canon):
-        box = dict(_exchange_sends(s.src, s.dst, s.axes, shape, q))[me]
+        box = (_intersect(s.src.local_slices(shape, q), my_dst)
+               if all(mesh.coord(me, a) == mesh.coord(q, a) for a in rep) else None)
         boxes_in.append(box)
         out_splits.append(_box_numel(box))
     flat = torch.cat(sends) if sends else x.new_empty((0,))
