@@ -3,42 +3,55 @@ leaves glibc alone. Run in subprocesses: ``mallopt`` changes the process for goo
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
 import sys
 
-import pytest
-
-_PROBE = "from shardlib.allocator import set_mmap_threshold as s; print(s({arg}))"
-
-
-def _probe(arg: str = "", **env: str) -> subprocess.CompletedProcess:
-    clean = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", "SHARDLIB_MMAP_THRESHOLD")}
-    return subprocess.run([sys.executable, "-c", _PROBE.format(arg=arg)], env={**clean, **env},
-                          capture_output=True, text=True, timeout=120)
-
-
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
+# one interpreter tries every case in turn (the function reads the environment when called)
+_PROBE = """
+import json, os
+from shardlib.allocator import set_mmap_threshold, applied
+out = {"default": set_mmap_threshold(), "applied": applied()}
+for key, env in [("65536", {"SHARDLIB_MMAP_THRESHOLD": "65536"}), ("off", {"SHARDLIB_MMAP_THRESHOLD": "0"}),
+                 ("glibc var", {"MALLOC_MMAP_THRESHOLD_": "131072"})]:
+    os.environ.update(env)
+    out[key] = set_mmap_threshold()
+    for k in env:
+        del os.environ[k]
+for key, call in [("bad env", lambda: (os.environ.update(SHARDLIB_MMAP_THRESHOLD="4MB"), set_mmap_threshold())),
+                  ("negative", lambda: set_mmap_threshold(-1))]:
+    try:
+        call()
+        out[key] = "no error"
+    except (ValueError, TypeError) as e:
+        out[key] = str(e)
+    os.environ.pop("SHARDLIB_MMAP_THRESHOLD", None)
+print(json.dumps(out))
+"""
 
-def test_default_is_4_mib_on_glibc_and_nothing_elsewhere():
-    out = _probe().stdout.strip()
-    assert out == (str(4 * 2**20) if GLIBC else "None")
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", "SHARDLIB_MMAP_THRESHOLD")}
+    return {**env, **extra}
 
 
-@pytest.mark.parametrize("env, want", [({"SHARDLIB_MMAP_THRESHOLD": "65536"}, "65536"),
-                                       ({"SHARDLIB_MMAP_THRESHOLD": "0"}, "None"),
-                                       ({"MALLOC_MMAP_THRESHOLD_": "131072"}, "None")])
-def test_the_environment_chooses_or_leaves_the_allocator_alone(env, want):
-    assert _probe(**env).stdout.strip() == (want if GLIBC else "None")
-
-
-def test_bad_values_are_refused_with_the_fix():
-    proc = _probe(SHARDLIB_MMAP_THRESHOLD="4MB")
-    assert proc.returncode != 0 and "SHARDLIB_MMAP_THRESHOLD: not an integer — got '4MB'" in proc.stderr
-    proc = _probe(arg="-1")
-    assert proc.returncode != 0 and "threshold must be a non-negative int" in proc.stderr
+def test_default_environment_choices_and_bad_values():
+    proc = subprocess.run([sys.executable, "-c", _PROBE], env=_clean_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    if GLIBC:
+        assert out["default"] == out["applied"] == 4 * 2**20
+        assert out["65536"] == 65536
+    else:
+        assert out["default"] is None and out["65536"] is None
+    assert out["off"] is None and out["glibc var"] is None        # left alone
+    assert out["bad env"].startswith("SHARDLIB_MMAP_THRESHOLD: not an integer — got '4MB'")
+    assert "threshold must be a non-negative int" in out["negative"]
 
 
 def test_every_rank_of_a_launch_gets_it(tmp_path):
@@ -49,8 +62,7 @@ def test_every_rank_of_a_launch_gets_it(tmp_path):
                       "    return applied()\n"
                       "if __name__ == '__main__':\n"
                       "    print(sl.launch(f, 2))\n")
-    clean = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
-    proc = subprocess.run([sys.executable, str(script)], env={**clean, "SHARDLIB_MMAP_THRESHOLD": "1048576"},
+    proc = subprocess.run([sys.executable, str(script)], env=_clean_env(SHARDLIB_MMAP_THRESHOLD="1048576"),
                           capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == ("[1048576, 1048576]" if GLIBC else "[None, None]")
