@@ -29,6 +29,7 @@ elements, ZeRO-3 ``3Ψ(N-1)/N`` (gather forward, gather backward, reduce-scatter
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from dataclasses import dataclass, field
@@ -89,7 +90,7 @@ class ParamPlan:
     grad: Layout      # gradient after reduction
     optim: Layout     # fp32 master copy and optimizer state
 
-    @property
+    @functools.cached_property
     def numel(self) -> int:
         return math.prod(self.shape)
 
