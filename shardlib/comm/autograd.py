@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from . import core as comm
-from .redistribute import all_to_all_dims, gather_dim, scatter_dim
+from .execute import all_to_all_dims, gather_dim, scatter_dim
 
 
 def _fresh(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -26,24 +26,25 @@ is ``[0:3],[3:5]``, split 4 ways ``[0:2],[2:4],[4:5],[5:5]``, so going from one 
 is not a gather within a group. Each step is checked for exactness on the actual shape;
 when one is not exact the plan sends exactly the elements each rank lacks instead
 (``exchange``: one uneven all-to-all over the axes that change).
+
+This module plans; ``pricing.py`` prices each step for every rank, ``execute.py`` runs the steps.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
-from ..algebra.layout import Layout, chunk_bounds, chunk_size
+from ..algebra.layout import Layout, chunk_size
 from ..algebra.mesh import AbstractMesh, Mesh
 from ..algebra.spec import PartitionSpec
 from ..errors import ShardingError, ShardingTypeError
-from . import core as comm
 from .core import format_bytes
+from .execute import EXEC
+from .pricing import step_bytes
 
 NETWORK = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "exchange")
 
@@ -137,7 +138,7 @@ class RedistributePlan:
                                 f"{self.dtype}. Plan with dtype={x.dtype}.")
         with torch.no_grad():
             for s in self.steps:
-                x = _EXEC[s.op](x, s, self.shape, mesh)
+                x = EXEC[s.op](x, s, self.shape, mesh)
         return x
 
     def reverse(self) -> RedistributePlan:
@@ -220,7 +221,7 @@ def _materialize(steps: list[tuple], start: _State, mesh: AbstractMesh, shape: t
     for op, axes, d, e, extra in steps:
         nxt = cur.apply(op, axes, d, e, extra)
         s_lay, d_lay = cur.layout(mesh), nxt.layout(mesh)
-        out.append(Step(op, axes, s_lay, d_lay, d, e, _step_bytes(op, axes, s_lay, d_lay, d, e, shape, itemsize)))
+        out.append(Step(op, axes, s_lay, d_lay, d, e, step_bytes(op, axes, s_lay, d_lay, d, e, shape, itemsize)))
         cur = nxt
     return tuple(out)
 
@@ -233,7 +234,7 @@ def _rank_bytes(steps: list[tuple], start: _State, mesh: AbstractMesh, shape: tu
     for op, axes, d, e, extra in steps:
         nxt = cur.apply(op, axes, d, e, extra)
         if op in NETWORK:
-            total += _step_bytes(op, axes, cur.layout(mesh), nxt.layout(mesh), d, e, shape, itemsize, rank)
+            total += step_bytes(op, axes, cur.layout(mesh), nxt.layout(mesh), d, e, shape, itemsize, rank)
         cur = nxt
     return total
 
@@ -394,341 +395,6 @@ def _fallback(a: Layout, b: Layout, ndim: int) -> list[tuple]:
     if mark:
         steps.append(("make_partial", mark, None, None, None))
     return steps
-
-
-# ---------------------------------------------------------------------------------------------
-# Bytes
-# ---------------------------------------------------------------------------------------------
-
-def _per_rank(values: np.ndarray, price) -> tuple[int, ...]:
-    """``price(v)`` for every rank's value ``v``, as Python ints: priced once per distinct value
-    (a mesh of 10,000 ranks has a handful), with the same function execution counts with."""
-    if len(values) and values.min() == values.max():
-        return (price(int(values[0])),) * len(values)
-    uniq, inverse = np.unique(values, return_inverse=True)
-    table = [price(int(v)) for v in uniq.tolist()]
-    return tuple(map(table.__getitem__, inverse.ravel().tolist()))
-
-
-def _int_dtype(shape: tuple[int, ...], mesh: AbstractMesh):
-    """int64 where per-rank element counts (times the group size) cannot overflow it, else object."""
-    return np.int64 if math.prod(shape) * max(mesh.size, 1) < 2 ** 62 else object
-
-
-def _bounds(lay: Layout, shape: tuple[int, ...], rank: int | None) -> tuple[np.ndarray, np.ndarray]:
-    """``(starts, stops)`` of shape ``(ndim, ranks)``: every rank's, or one ``rank``'s."""
-    if rank is None:
-        return lay.local_bounds(shape)
-    box = lay.local_slices(shape, rank)
-    return (np.array([[b.start] for b in box], dtype=np.int64).reshape(len(shape), 1),
-            np.array([[b.stop] for b in box], dtype=np.int64).reshape(len(shape), 1))
-
-
-def _step_bytes(op: str, axes: tuple[str, ...], src: Layout, dst: Layout, d: int | None, e: int | None,
-                shape: tuple[int, ...], itemsize: int, rank: int | None = None) -> tuple[int, ...] | int:
-    """Bytes each rank sends in one step (or ``rank`` alone, as an int), priced by the same
-    ``core`` functions that count them when the step runs (on the padded buffers it passes)."""
-    mesh = src.mesh
-    n = mesh.size if rank is None else 1
-    if op in ("slice", "make_partial"):
-        out = (0,) * n
-    elif op == "exchange":
-        out = _exchange_bytes(src, dst, axes, shape, itemsize, rank)
-    else:
-        k = mesh.axis_size(axes)
-        starts, stops = _bounds(src, shape, rank)
-        loc = (stops - starts).astype(_int_dtype(shape, mesh))
-        if op == "all_gather":
-            loc[d] = chunk_size(shape[d], src.dim_shards(d))
-        elif op == "reduce_scatter":
-            loc[d] = chunk_size(shape[d], dst.dim_shards(d))
-        elif op == "all_to_all":
-            loc[d] = chunk_size(shape[d], src.dim_shards(d))
-            loc[e] = chunk_size(shape[e], dst.dim_shards(e))
-        numel = np.prod(loc, axis=0) if len(shape) else np.ones(n, dtype=np.int64)
-        price = {"copy": lambda m: m * itemsize,
-                 "all_gather": lambda m: comm.all_gather_bytes(m, k, itemsize),
-                 "reduce_scatter": lambda m: comm.reduce_scatter_bytes(m, k, itemsize),
-                 "all_reduce": lambda m: comm.all_reduce_bytes(m, k, itemsize),
-                 "all_to_all": lambda m: (k - 1) * m * itemsize}[op]
-        out = _per_rank(numel, price)
-    return out if rank is None else out[0]
-
-
-def _intersect(a: tuple[slice, ...], b: tuple[slice, ...]) -> tuple[slice, ...] | None:
-    out = []
-    for x, y in zip(a, b):
-        lo, hi = max(x.start, y.start), min(x.stop, y.stop)
-        if hi <= lo:
-            return None
-        out.append(slice(lo, hi))
-    return tuple(out)
-
-
-def _box_numel(box: tuple[slice, ...] | None) -> int:
-    return 0 if box is None else math.prod(s.stop - s.start for s in box)
-
-
-def _exchange_sends(src: Layout, dst: Layout, axes: tuple[str, ...], shape, me: int) -> list[tuple[int, tuple | None]]:
-    """For rank ``me``: ``[(peer, box)]`` over its exchange group (mesh order) — the global box of
-    the data ``me`` sends to ``peer`` (None if nothing). The sender of an element to ``peer`` is
-    the holder whose coordinates on axes replicated in ``src`` equal the peer's."""
-    mesh = src.mesh
-    canon = mesh.canonical_axes(axes)
-    rep = [x for x in canon if x not in src.spec.axes]
-    mine = src.local_slices(shape, me)
-    out = []
-    for q in mesh.group_ranks(me, canon):
-        if all(mesh.coord(me, x) == mesh.coord(q, x) for x in rep):
-            out.append((q, _intersect(mine, dst.local_slices(shape, q))))
-        else:
-            out.append((q, None))
-    return out
-
-
-def _exchange_bytes(src: Layout, dst: Layout, axes, shape, itemsize, rank: int | None = None
-                    ) -> tuple[int, ...]:
-    """Bytes each rank (or ``rank`` alone) sends in an exchange, in O(ranks + chunks) numpy
-    work — never a loop over pairs of ranks.
-
-    Rank ``r`` sends to the peers ``q`` of its group that agree with it on the axes replicated in
-    ``src`` (so peers range over ``vary``, the group's axes that shard ``src``); it sends ``q``
-    the box ``src(r) ∩ dst(q)``. Summed over peers this factorizes per dim: on dim ``d`` with
-    destination axes ``t``, the peers' chunks are those whose digits on ``t`` minus ``vary``
-    equal ``r``'s coordinates on those axes (the ``key``), so the dim contributes the overlap of
-    ``r``'s source chunk with every destination chunk of its key (``_peer_overlap``). Peer
-    coordinates no destination dim depends on multiply (``free``); what ``r`` keeps itself is
-    subtracted."""
-    mesh = src.mesh
-    canon = mesh.canonical_axes(axes)
-    vary = [x for x in canon if x in src.spec.axes]           # peers range over these coordinates
-    free = math.prod(mesh.axis_size(x) for x in vary if x not in dst.spec.axes)
-    dtype = _int_dtype(shape, mesh)
-    s_lo, s_hi = _bounds(src, shape, rank)
-    d_lo, d_hi = _bounds(dst, shape, rank)
-    total = np.full(s_lo.shape[1], free, dtype=dtype)
-    kept = np.ones(s_lo.shape[1], dtype=dtype)
-    for d, n in enumerate(shape):
-        kept *= np.clip(np.minimum(s_hi[d], d_hi[d]) - np.maximum(s_lo[d], d_lo[d]), 0, None).astype(dtype)
-        t = dst.dim_axes(d)
-        if not t:
-            total *= (s_hi[d] - s_lo[d]).astype(dtype)
-        else:
-            fixed = [x for x in t if x not in vary]
-            total *= _peer_overlap(src, d, n, t, fixed, rank).astype(dtype)
-    return _per_rank((total - kept) * itemsize, lambda v: v)
-
-
-def _chunk_keys(j: np.ndarray, t: tuple[str, ...], fixed: list[str], mesh: AbstractMesh) -> np.ndarray:
-    """The digits of destination chunks ``j`` (over axes ``t``, first major) on the ``fixed``
-    axes, as one mixed-radix number — comparable with ``mesh.group_index(r, fixed)``."""
-    key = np.zeros_like(j)
-    for x in fixed:
-        stride = mesh.axis_size(t[t.index(x) + 1:])
-        key = key * mesh.axis_size(x) + (j // stride) % mesh.axis_size(x)
-    return key
-
-
-def _peer_overlap(src: Layout, d: int, n: int, t: tuple[str, ...], fixed: list[str], rank: int | None
-                  ) -> np.ndarray:
-    """Per rank ``r`` (every rank, or ``rank`` alone): how many elements of ``r``'s source chunk
-    on dim ``d`` fall in destination chunks (over axes ``t``) whose digits on the ``fixed`` axes
-    equal ``r``'s coordinates.
-
-    Source and destination chunk boundaries, merged, cut ``[0, n)`` into at most
-    ``k_src + k_dst`` segments, each inside one source chunk ``g`` and one destination chunk
-    ``j``; summing segment lengths by ``(g, key(j))`` gives every rank's answer at once."""
-    mesh = src.mesh
-    s_axes = src.dim_axes(d)
-    k_src, k_dst = src.dim_shards(d), mesh.axis_size(t)
-    c_src, c_dst = chunk_size(n, k_src), chunk_size(n, k_dst)
-    if rank is not None:   # one rank: the destination chunks its source chunk overlaps
-        lo, hi = chunk_bounds(n, k_src, mesh.group_index(rank, s_axes) if s_axes else 0)
-        if hi <= lo:
-            return np.zeros(1, dtype=np.int64)
-        j = np.arange(lo // c_dst, (hi - 1) // c_dst + 1, dtype=np.int64)
-        length = np.minimum((j + 1) * c_dst, hi) - np.maximum(j * c_dst, lo)
-        mine = _chunk_keys(j, t, fixed, mesh) == mesh.group_index(rank, fixed)
-        return np.array([int(length[mine].sum())], dtype=np.int64)
-    if n == 0:
-        return np.zeros(mesh.size, dtype=np.int64)
-    bounds = np.union1d(np.minimum(np.arange(k_src + 1, dtype=np.int64) * c_src, n),
-                        np.minimum(np.arange(k_dst + 1, dtype=np.int64) * c_dst, n))
-    lo, length = bounds[:-1], np.diff(bounds)
-    n_keys = mesh.axis_size(fixed)
-    seg = (lo // c_src) * n_keys + _chunk_keys(lo // c_dst, t, fixed, mesh)
-    g_rank = mesh.group_indices(s_axes) if s_axes else np.zeros(mesh.size, dtype=np.int64)
-    want = g_rank * n_keys + mesh.group_indices(fixed)
-    if k_src * n_keys <= 4 * (mesh.size + len(seg)):      # a dense table indexed by (g, key)
-        table = np.zeros(k_src * n_keys, dtype=np.int64)
-        np.add.at(table, seg, length)
-        return table[want]
-    combos, inverse = np.unique(seg, return_inverse=True)   # sparse: only the pairs that occur
-    sums = np.zeros(len(combos), dtype=np.int64)
-    np.add.at(sums, inverse.ravel(), length)
-    pos = np.minimum(np.searchsorted(combos, want), len(combos) - 1)
-    return np.where(combos[pos] == want, sums[pos], 0)
-
-
-# ---------------------------------------------------------------------------------------------
-# Execution (one function per op, on this rank's shard)
-# ---------------------------------------------------------------------------------------------
-
-def _pad_dim(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
-    if x.shape[dim] == size:
-        return x
-    pad_shape = list(x.shape)
-    pad_shape[dim] = size - x.shape[dim]
-    return torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
-
-
-def gather_dim(x: torch.Tensor, mesh: Mesh, axes: Sequence[str], dim: int) -> torch.Tensor:
-    """All-gather equal shards along ``dim``; chunks ordered by ``axes`` (first major)."""
-    k = comm.group_size(mesh, axes)
-    if k == 1:
-        return x
-    out = comm.all_gather(x.movedim(dim, 0).contiguous(), mesh, axes)
-    perm = comm.group_perm(mesh, axes)
-    if perm != sorted(perm):
-        chunks = out.chunk(k)
-        ordered = [None] * k
-        for g, p in enumerate(perm):
-            ordered[p] = chunks[g]
-        out = torch.cat(ordered)
-    return out.movedim(0, dim)
-
-
-def scatter_dim(x: torch.Tensor, mesh: Mesh, axes: Sequence[str], dim: int, op: str = "sum") -> torch.Tensor:
-    """Reduce over the group and keep this rank's chunk of ``dim`` (chunks ordered by ``axes``)."""
-    k = comm.group_size(mesh, axes)
-    if k == 1:
-        return x
-    xt = x.movedim(dim, 0)
-    perm = comm.group_perm(mesh, axes)
-    if perm != sorted(perm):
-        chunks = xt.chunk(k)
-        xt = torch.cat([chunks[p] for p in perm])
-    return comm.reduce_scatter(xt.contiguous(), mesh, axes, op=op).movedim(0, dim)
-
-
-def all_to_all_dims(x: torch.Tensor, mesh: Mesh, axes: Sequence[str], split_dim: int, concat_dim: int
-                    ) -> torch.Tensor:
-    """Split ``split_dim`` into k chunks, send chunk i to the member at index i (``axes`` order),
-    concatenate what arrives along ``concat_dim`` in member order."""
-    k = comm.group_size(mesh, axes)
-    if k == 1:
-        return x
-    perm = comm.group_perm(mesh, axes)
-    chunks = x.movedim(split_dim, 0).chunk(k)
-    send = torch.cat([chunks[p] for p in perm]).contiguous()
-    got = comm.all_to_all(send, mesh, axes).chunk(k)
-    ordered = [None] * k
-    for g, p in enumerate(perm):
-        ordered[p] = got[g].movedim(0, split_dim)
-    return torch.cat(ordered, dim=concat_dim)
-
-
-def _narrow(x: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
-    start = max(0, min(start, x.shape[dim]))
-    return x.narrow(dim, start, max(0, min(length, x.shape[dim] - start)))
-
-
-def _exec_all_gather(x, s: Step, shape, mesh: Mesh):
-    d = s.dim
-    n, k_outer = shape[d], s.dst.dim_shards(d)
-    c_new = chunk_size(n, s.src.dim_shards(d))
-    g = gather_dim(_pad_dim(x, d, c_new), mesh, s.axes, d)
-    outer = s.dst.dim_axes(d)
-    c = mesh.group_index(mesh.rank, outer) if outer else 0
-    lo, hi = chunk_bounds(n, k_outer, c)
-    base = chunk_bounds(n, s.src.dim_shards(d), c * mesh.axis_size(s.axes))[0]
-    return _narrow(g, d, lo - base, hi - lo).contiguous()
-
-
-def _exec_slice(x, s: Step, shape, mesh: Mesh):
-    d = s.dim
-    old = s.src.local_slices(shape, mesh.rank)[d]
-    new = s.dst.local_slices(shape, mesh.rank)[d]
-    return _narrow(x, d, new.start - old.start, new.stop - new.start).contiguous()
-
-
-def _exec_reduce_scatter(x, s: Step, shape, mesh: Mesh):
-    d = s.dim
-    k = mesh.axis_size(s.axes)
-    c_new = chunk_size(shape[d], s.dst.dim_shards(d))
-    out = scatter_dim(_pad_dim(x, d, k * c_new), mesh, s.axes, d)
-    new = s.dst.local_slices(shape, mesh.rank)[d]
-    return _narrow(out, d, 0, new.stop - new.start).contiguous()
-
-
-def _exec_all_to_all(x, s: Step, shape, mesh: Mesh):
-    d, e = s.dim, s.dim2
-    k = mesh.axis_size(s.axes)
-    cd = chunk_size(shape[d], s.src.dim_shards(d))
-    ce = chunk_size(shape[e], s.dst.dim_shards(e))
-    xp = _pad_dim(_pad_dim(x, d, cd), e, k * ce)
-    y = all_to_all_dims(xp, mesh, s.axes, split_dim=e, concat_dim=d)
-    mine = s.dst.local_slices(shape, mesh.rank)
-    outer = s.dst.dim_axes(d)
-    c = mesh.group_index(mesh.rank, outer) if outer else 0
-    base = chunk_bounds(shape[d], s.src.dim_shards(d), c * k)[0]
-    y = _narrow(y, d, mine[d].start - base, mine[d].stop - mine[d].start)
-    return _narrow(y, e, 0, mine[e].stop - mine[e].start).contiguous()
-
-
-def _exec_all_reduce(x, s: Step, shape, mesh: Mesh):
-    return comm.all_reduce(x, mesh, s.axes)
-
-
-def _exec_make_partial(x, s: Step, shape, mesh: Mesh):
-    if all(mesh.coord(mesh.rank, a) == 0 for a in s.axes):
-        return x
-    return torch.zeros_like(x)
-
-
-def _exec_copy(x, s: Step, shape, mesh: Mesh):
-    return comm.copy_to(x, mesh.device if s.dst.memory == "device" else "cpu")
-
-
-def _exec_exchange(x, s: Step, shape, mesh: Mesh):
-    me = mesh.rank
-    canon = mesh.canonical_axes(s.axes)
-    my_src = s.src.local_slices(shape, me)
-    my_dst = s.dst.local_slices(shape, me)
-    sends, in_splits = [], []
-    for _peer, box in _exchange_sends(s.src, s.dst, s.axes, shape, me):
-        if box is None:
-            in_splits.append(0)
-            continue
-        region = x[tuple(slice(b.start - m.start, b.stop - m.start) for b, m in zip(box, my_src))]
-        sends.append(region.reshape(-1))
-        in_splits.append(region.numel())
-    # what each peer q sends me: src(q) ∩ dst(me), from the peers that agree with me on the axes
-    # replicated in src (the mirror of _exchange_sends, without computing every peer's sends)
-    rep = [a for a in canon if a not in s.src.spec.axes]
-    boxes_in, out_splits = [], []
-    for q in mesh.group_ranks(me, canon):
-        box = (_intersect(s.src.local_slices(shape, q), my_dst)
-               if all(mesh.coord(me, a) == mesh.coord(q, a) for a in rep) else None)
-        boxes_in.append(box)
-        out_splits.append(_box_numel(box))
-    flat = torch.cat(sends) if sends else x.new_empty((0,))
-    got = comm.all_to_all(flat, mesh, canon, in_splits=in_splits, out_splits=out_splits)
-    out = x.new_zeros(tuple(b.stop - b.start for b in my_dst))
-    offset = 0
-    for box, n in zip(boxes_in, out_splits):
-        if box is None:
-            continue
-        shape_b = tuple(b.stop - b.start for b in box)
-        out[tuple(slice(b.start - m.start, b.stop - m.start) for b, m in zip(box, my_dst))] = \
-            got[offset:offset + n].reshape(shape_b)
-        offset += n
-    return out
-
-
-_EXEC = {"all_gather": _exec_all_gather, "slice": _exec_slice, "reduce_scatter": _exec_reduce_scatter,
-         "all_to_all": _exec_all_to_all, "all_reduce": _exec_all_reduce, "make_partial": _exec_make_partial,
-         "copy": _exec_copy, "exchange": _exec_exchange}
 
 
 # ---------------------------------------------------------------------------------------------
