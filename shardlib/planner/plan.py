@@ -97,10 +97,6 @@ class ParamPlan:
     def local_numel(self, layout: Layout, rank: int) -> int:
         return shard_numel(layout, self.flat_shape, rank)
 
-    def padded_numel(self, layout: Layout) -> int:
-        """Elements of one rank's shard padded to ``ceil`` (what a collective moves per rank)."""
-        return shard_numel(layout, self.flat_shape, padded=True)
-
     @property
     def flat_shape(self) -> tuple[int, ...]:
         """Shape used for sharding (0-d parameters are treated as 1 element)."""

@@ -44,7 +44,6 @@ built normally on a GPU draws from that device's generator instead.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -420,9 +419,3 @@ def partly_meta(model: nn.Module) -> list[str]:
     named = list(model.named_parameters()) + list(model.named_buffers())
     real = [n for n, t in named if not t.is_meta]
     return real if len(real) < len(named) else []
-
-
-def tensor_bytes(model: nn.Module) -> int:
-    """Bytes of every parameter and buffer (each once)."""
-    tensors = _Tensors(model)
-    return sum(math.prod(t.shape) * t.element_size() for t in tensors.meta)
