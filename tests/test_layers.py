@@ -11,7 +11,7 @@ import shardlib
 
 ROOT = Path(shardlib.__file__).parent
 LAYERS = {"errors": 0, "algebra": 1, "comm": 2, "planner": 3, "runtime": 4, "frontend": 5, "testing": 5,
-          "models": 0, "allocator": 0}
+          "models": 6, "allocator": 0}
 
 
 def _module(path: Path) -> str:

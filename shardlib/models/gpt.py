@@ -25,6 +25,11 @@ class GPTConfig:
     n_heads: int = 4
     n_layers: int = 2
     mlp_ratio: int = 4
+    mlp_width: int | None = None       # the MLP's hidden width (default mlp_ratio * d_model)
+
+    @property
+    def hidden(self) -> int:
+        return self.mlp_width if self.mlp_width is not None else self.mlp_ratio * self.d_model
 
     @property
     def head_dim(self) -> int:
@@ -36,7 +41,7 @@ class Attention(nn.Module):
         super().__init__()
         if cfg.d_model % cfg.n_heads:
             raise ValueError(f"GPTConfig: d_model {cfg.d_model} does not divide into {cfg.n_heads} heads.")
-        self.head_dim = cfg.head_dim
+        self.head_dim, self.n_heads = cfg.head_dim, cfg.n_heads
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
 
@@ -50,8 +55,8 @@ class Attention(nn.Module):
 class MLPBlock(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.fc = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model)
-        self.out = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model)
+        self.fc = nn.Linear(cfg.d_model, cfg.hidden)
+        self.out = nn.Linear(cfg.hidden, cfg.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(F.gelu(self.fc(x)))

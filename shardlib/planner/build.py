@@ -8,6 +8,8 @@ scanning the units.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Sequence
+from dataclasses import replace
+from typing import Any
 
 import torch
 from torch import nn
@@ -17,7 +19,9 @@ from ..algebra.mesh import AbstractMesh
 from ..algebra.spec import PartitionSpec
 from ..errors import ShardingError, ShardingTypeError
 from .plan import OPTIMIZER_STATE_BYTES, PRECISIONS, ParamPlan, Plan, UnitPlan
+from .specs import resolve_specs
 from .states import StateLayouts, zero_problem
+from .tensor import TensorPlan, derive
 from .traffic import fused_sizes
 
 # ---------------------------------------------------------------------------------------------
@@ -90,8 +94,17 @@ def plan(model: nn.Module, mesh: AbstractMesh, zero: int | None = None, *, state
          precision: str = "fp32", reduce_dtype: str | torch.dtype | None = None, grad_accum: int = 1,
          clip_grad_norm: float | None = None, recompute: bool | Iterable[str] = False,
          units: Sequence[str] | None = None, bucket_mb: float = 25.0, optimizer: str | int = "adamw",
-         reshard_after_forward: bool = True, data_axis: str = "data", broadcast_buffers: bool = True) -> Plan:
-    """Plan data-parallel training of ``model`` on ``mesh``.
+         reshard_after_forward: bool = True, data_axis: str = "data", broadcast_buffers: bool = True,
+         rules: Any = None, sequence_parallel: bool = False, batch: Any = None, tensor_axis: str = "tensor") -> Plan:
+    """Plan training of ``model`` on ``mesh``: data parallel / ZeRO on ``data``, tensor parallel on ``tensor``.
+
+    Each parameter's spec comes from the ``sl.shard`` tables on the model's modules, with logical
+    dim names resolved through ``rules`` (``sl.AxisRules`` or a dict, e.g. ``{"heads": "tensor",
+    "mlp": "tensor", "vocab": "tensor"}``); what the specs split on ``tensor`` runs Megatron-style
+    (``planner/tensor.py``), ``sequence_parallel`` also splits the residual stream on the sequence
+    dim inside the layer stack. ``batch`` (an example global batch: tensors, or meta tensors of its
+    shape) lets the planner trace one forward on the meta device and account the activation
+    collectives of the tensor axis in ``comm_per_step()`` and ``explain()``.
 
     ``zero`` (0-3) names the usual stages; ``states`` gives the per-state layouts directly.
     ``precision`` is the compute dtype (``fp32``, ``bf16``, ``fp16``); master weights stay fp32.
@@ -111,11 +124,12 @@ def plan(model: nn.Module, mesh: AbstractMesh, zero: int | None = None, *, state
         raise ShardingTypeError(f"plan: expected an nn.Module — got {type(model).__name__}.")
     if not isinstance(mesh, AbstractMesh):
         raise ShardingTypeError(f"plan: expected a Mesh or AbstractMesh — got {type(mesh).__name__}.")
-    states, rdt, unit_names, rec, state_bytes = _check(
+    states, rdt, unit_names, rec, state_bytes, specs, tplan = _check(
         model, mesh, zero=zero, states=states, precision=precision, reduce_dtype=reduce_dtype,
         grad_accum=grad_accum, clip_grad_norm=clip_grad_norm, recompute=recompute, units=units,
         bucket_mb=bucket_mb, optimizer=optimizer, reshard_after_forward=reshard_after_forward,
-        data_axis=data_axis, broadcast_buffers=broadcast_buffers)
+        data_axis=data_axis, broadcast_buffers=broadcast_buffers, rules=rules,
+        sequence_parallel=sequence_parallel, tensor_axis=tensor_axis)
 
     named = list(model.named_parameters())
     owners = param_owners(model)
@@ -128,7 +142,15 @@ def plan(model: nn.Module, mesh: AbstractMesh, zero: int | None = None, *, state
     def layout(axis: str | None) -> Layout:
         return Layout(mesh, PartitionSpec(axis) if axis else PartitionSpec())
 
-    replicated, rest, grad, optim = layout(None), layout(states.params), layout(states.grads), layout(states.optim)
+    layouts: dict[PartitionSpec, tuple[Layout, ...]] = {}
+
+    def state_layouts(spec: PartitionSpec) -> tuple[Layout, ...]:
+        """(rest, compute, grad, optim) over the whole mesh: the spec's own split, and ``data``
+        splitting dim 0 of what it left local where the ZeRO stage shards that state."""
+        if spec not in layouts:
+            layouts[spec] = (Layout(mesh, with_data(spec, states.params)), Layout(mesh, spec),
+                             Layout(mesh, with_data(spec, states.grads)), Layout(mesh, with_data(spec, states.optim)))
+        return layouts[spec]
     itemsize = rdt.itemsize
     bucket_bytes = int(bucket_mb * 2**20)
 
@@ -149,8 +171,9 @@ def plan(model: nn.Module, mesh: AbstractMesh, zero: int | None = None, *, state
             buckets[name] = b
             filled += size
             last_unit = unit
-    params = [ParamPlan(name=name, shape=tuple(p.shape), unit=unit_of[name], bucket=buckets.get(name),
-                        trainable=p.requires_grad, rest=rest, compute=replicated, grad=grad, optim=optim)
+    params = [ParamPlan(name, tuple(p.shape), unit_of[name], buckets.get(name), p.requires_grad,
+                        *state_layouts(specs.get(name, PartitionSpec()) if p.dim() else PartitionSpec()),
+                        spec=specs.get(name, PartitionSpec()))
               for name, p in named]
     members: dict[str, list[str]] = {}
     for pp in params:
@@ -163,16 +186,33 @@ def plan(model: nn.Module, mesh: AbstractMesh, zero: int | None = None, *, state
     # so set-up sends rank 0's generator state over the whole mesh instead of the model
     meta = bool(tensors) and all(t.is_meta for t in tensors)
     setup = ((torch.uint8, torch.get_rng_state().numel()),) if meta else fused_sizes(tensors)
-    return Plan(mesh=mesh, data_axis=data_axis, states=states, precision=precision, reduce_dtype=rdt,
-                grad_accum=grad_accum, clip_grad_norm=clip_grad_norm, optimizer_state_bytes=state_bytes,
-                bucket_bytes=bucket_bytes, params=tuple(params), units=tuple(unit_list), batch=layout(data_axis),
-                broadcast_buffers=broadcast_buffers, buffer_sizes=fused_sizes(buffers),
-                setup_sizes=setup, meta_build=meta)
+    out = Plan(mesh=mesh, data_axis=data_axis, states=states, precision=precision, reduce_dtype=rdt,
+               grad_accum=grad_accum, clip_grad_norm=clip_grad_norm, optimizer_state_bytes=state_bytes,
+               bucket_bytes=bucket_bytes, params=tuple(params), units=tuple(unit_list), batch=layout(data_axis),
+               broadcast_buffers=broadcast_buffers, buffer_sizes=fused_sizes(buffers),
+               setup_sizes=setup, meta_build=meta, tensor=tplan)
+    if tplan is not None and batch is not None:
+        from .trace import trace_activations
+        out = replace(out, activations=trace_activations(model, out, batch))
+    return out
+
+
+def with_data(spec: PartitionSpec, axis: str | None) -> PartitionSpec:
+    """``spec`` with ``axis`` (ZeRO's data axis) splitting dim 0 inside whatever already splits it:
+    ``P("tensor", None)`` -> ``P(("tensor", "data"), None)``, ``P(None, "tensor")`` ->
+    ``P("data", "tensor")``. ``axis=None``: ``spec`` unchanged."""
+    if axis is None:
+        return spec
+    entries = list(spec) or [None]
+    first = entries[0]
+    entries[0] = axis if first is None else ((*first, axis) if isinstance(first, tuple) else (first, axis))
+    return PartitionSpec(*entries)
 
 
 def _check(model: nn.Module, mesh: AbstractMesh, *, zero, states, precision, reduce_dtype, grad_accum,
            clip_grad_norm, recompute, units, bucket_mb, optimizer, reshard_after_forward, data_axis,
-           broadcast_buffers) -> tuple[StateLayouts, torch.dtype, list[str], set[str], int]:
+           broadcast_buffers, rules, sequence_parallel, tensor_axis
+           ) -> tuple[StateLayouts, torch.dtype, list[str], set[str], int, dict[str, PartitionSpec], TensorPlan | None]:
     """Check every argument of ``plan`` and raise all problems at once; return what they resolve
     to: the state layouts, the reduction dtype, the unit names, the recomputed units and the
     optimizer's state bytes per parameter."""
@@ -196,10 +236,12 @@ def _check(model: nn.Module, mesh: AbstractMesh, *, zero, states, precision, red
     elif data_axis not in mesh.axis_names:
         add(f"plan: the mesh {mesh.axis_sizes} has no {data_axis!r} axis — expected the data-parallel "
             f"axis. Add it (size 1 if unused) or pass data_axis=.")
-    others = {a: s for a, s in mesh.axis_sizes.items() if a != data_axis and s > 1}
+    others = {a: s for a, s in mesh.axis_sizes.items() if a not in (data_axis, tensor_axis) and s > 1}
     if others and data_axis in mesh.axis_names:
-        add(f"plan: axes {others} are larger than 1, but this plan only uses {data_axis!r} — expected "
-            "the other axes of size 1. Tensor and pipeline parallelism are not available yet.")
+        add(f"plan: axes {others} are larger than 1, but this plan uses only {data_axis!r} and {tensor_axis!r} — "
+            "expected the other axes of size 1. Pipeline parallelism is not available yet.")
+    if not isinstance(sequence_parallel, bool):
+        add(f"plan: sequence_parallel must be True or False — got {sequence_parallel!r}.", True)
     if not (isinstance(precision, str) and precision in PRECISIONS):
         add(f"plan: precision {precision!r} is unknown — expected one of {tuple(PRECISIONS)}.")
     rdt = PRECISIONS.get(precision, torch.float32) if isinstance(precision, str) else torch.float32
@@ -258,6 +300,22 @@ def _check(model: nn.Module, mesh: AbstractMesh, *, zero, states, precision, red
                 add(f"plan: recompute names {_few(unknown)}, which are not units — expected some of "
                     f"{_few(unit_names)}.")
 
+    specs: dict[str, PartitionSpec] = {}
+    tplan = None
+    if not problems:
+        try:
+            specs = resolve_specs(model, mesh, rules)
+        except ShardingError as e:
+            for m in e.problems:
+                add(m)
+        t = mesh.axis_sizes.get(tensor_axis, 1)
+        if not problems and t > 1:
+            tplan, tproblems = derive(model, specs, axis=tensor_axis, size=t, units=unit_names,
+                                      sequence_parallel=bool(sequence_parallel))
+            for m in tproblems:
+                add(m)
+        elif sequence_parallel and t == 1:
+            pass                                   # nothing to split: sequence parallelism is a no-op
     if problems:
         messages = [m for _, m in problems]
         if all(wrong_kind for wrong_kind, _ in problems):
@@ -265,4 +323,4 @@ def _check(model: nn.Module, mesh: AbstractMesh, *, zero, states, precision, red
         raise ShardingError(messages, api="plan")
     if states is None:
         states = StateLayouts.zero(0 if zero is None else zero, data_axis)
-    return states, rdt, unit_names, rec, state_bytes
+    return states, rdt, unit_names, rec, state_bytes, specs, tplan

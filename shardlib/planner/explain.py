@@ -38,6 +38,8 @@ class Explain:
                  f"optimizer {_spec(self.states.optim)}, local grads "
                  f"{'kept' if self.states.keep_local_grads else 'freed after reduction'}",
                  f"  batch: {self.batch.spec} (dim 0 over {self.data_axis!r})"]
+        if self.tensor is not None:
+            lines += self._tensor_lines(full)
         lines += _wrap("units: " + ", ".join(self._unit_words(full))
                        + ("   (* = recomputed in backward)" if any(u.recompute for u in self.units) else ""),
                        "  ", "    ")
@@ -67,6 +69,42 @@ class Explain:
                      f"vs ring minimum {format_bytes(self.ring_minimum())}")
         return "\n".join(lines)
 
+    def _tensor_lines(self, full: bool) -> list[str]:
+        """The tensor axis: split modules by kind, the residual stream's layout at the unit
+        boundaries, and the activation collectives of one micro-step per unit."""
+        tp = self.tensor
+        kinds: dict[str, list[str]] = {}
+        for site in tp.sites:
+            kinds.setdefault(site.kind, []).append(site.module)
+        words = [f"{k} {_collapse(v) if not full else ', '.join(v)} ({len(v)})" for k, v in kinds.items()]
+        d, t = self.data_axis, tp.axis
+        stream = (f"P({d!r}, {t!r}, None): batch over {d!r}, sequence over {t!r} (sequence parallel)"
+                  if tp.sequence_parallel else f"P({d!r}, None, None): replicated over {t!r}")
+        out = [f"  tensor: {t!r} (t={tp.size}), sequence_parallel={tp.sequence_parallel}"]
+        out += _wrap("split modules: " + "; ".join(words), "    ", "      ")
+        out.append(f"    residual stream at every unit boundary: {stream}; outside the units "
+                   f"P({d!r}, None, None)")
+        entries = self.activation_entries()
+        if not entries:
+            out.append("    activation collectives: pass batch= to sl.plan to trace them")
+            return out
+        out.append(f"    activation collectives per micro-step (tensor coordinate {self.tensor_coord()}, bytes "
+                   "sent per rank), per unit:")
+        by_unit = _group(entries, lambda e: e.where)
+        if full:
+            rows = [f"{u[0].where}: " + ", ".join(f"{e.phase[:3]} {e.op}{'(' + e.what + ')' if e.what != 'activations' else ''}"
+                                                 f" {format_bytes(e.bytes)}" for e in u) for u in by_unit]
+        else:
+            rows = []
+            for same in _group(by_unit, lambda u: (_pattern(u[0].where),
+                                                   tuple((e.phase, e.op, e.what, e.bytes) for e in u))):
+                u = same[0]
+                words = ", ".join(f"{e.phase[:3]} {e.op}{'(' + e.what + ')' if e.what != 'activations' else ''} "
+                                  f"{format_bytes(e.bytes)}" for e in u)
+                rows.append(f"{_collapse([x[0].where for x in same])}: {words}")
+        out += [f"      {r}" for r in rows]
+        return out
+
     def _unit_words(self, full: bool) -> list[str]:
         """``name(params)`` per unit, ``*`` when recomputed; by default units of one name pattern,
         parameter count and policy are one entry: ``blocks.0..999 (1000 units x 12 params)*``."""
@@ -95,7 +133,7 @@ class Explain:
         def short(layout) -> str:
             s = shorts.get(id(layout))
             if s is None:
-                s = shorts[id(layout)] = layout.short()
+                s = shorts[id(layout)] = _dims(layout.spec) if self.tensor is not None else layout.short()
             return s
 
         def cells(p) -> tuple[str, ...]:
@@ -252,6 +290,15 @@ def _relative(event, base: int | None) -> str:
 def _wrap(text: str, first: str, rest: str) -> list[str]:
     return textwrap.wrap(text, WIDTH, initial_indent=first, subsequent_indent=rest, break_long_words=False,
                          break_on_hyphens=False) or [first.rstrip()]
+
+
+def _dims(spec) -> str:
+    """A spec per dim, axes of a dim joined by ``·`` (major first), ``-`` = not split:
+    ``P(("tensor", "data"), None)`` -> ``tensor·data,-``; ``P()`` -> ``-``."""
+    entries = tuple(spec)
+    if not any(e is not None for e in entries):
+        return "-"
+    return ",".join("-" if e is None else "·".join(e) if isinstance(e, tuple) else e for e in entries)
 
 
 def _spec(axis: str | None) -> str:

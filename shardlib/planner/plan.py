@@ -39,10 +39,12 @@ import torch
 
 from ..algebra.layout import Layout
 from ..algebra.mesh import AbstractMesh
+from ..algebra.spec import PartitionSpec
 from .explain import Explain
 from .flat import FlatLayout, flat_layout
 from .memory import MemoryAccounting
 from .states import StateLayouts
+from .tensor import TensorPlan
 from .traffic import CommEntry as CommEntry  # re-exported: part of a plan's data
 from .traffic import TrafficAccounting
 
@@ -89,6 +91,11 @@ class ParamPlan:
     compute: Layout   # compute-dtype copy while used
     grad: Layout      # gradient after reduction
     optim: Layout     # fp32 master copy and optimizer state
+    # the parameter's own spec (tensor axis) over its full shape; ``full_shape`` is set in a
+    # tensor-local plan (``Plan.local``), where ``shape`` is this rank's shard and the four layouts
+    # above are the data axis's over that shard
+    spec: PartitionSpec = PartitionSpec()
+    full_shape: tuple[int, ...] | None = None
 
     @functools.cached_property
     def numel(self) -> int:
@@ -138,6 +145,13 @@ class Plan(MemoryAccounting, TrafficAccounting, Explain):
     # whole mesh (every rank replays rank 0's initialization) in place of the model
     meta_build: bool = False
     buffer_sizes: tuple[tuple[torch.dtype, int], ...] = ()
+    # the tensor axis (planner/tensor.py); None when the mesh has no tensor axis larger than 1
+    tensor: TensorPlan | None = None
+    # per tensor coordinate, the activation collectives of one micro-step (traced at plan time
+    # from ``batch=``; empty without it): ((coordinate, entries), ...)
+    activations: tuple[tuple[int, tuple[CommEntry, ...]], ...] = ()
+    # set in a tensor-local plan (``local``): the tensor coordinate whose shards it describes
+    local_coord: int | None = None
 
     # ---- basics --------------------------------------------------------------------------------
     @property
@@ -182,6 +196,77 @@ class Plan(MemoryAccounting, TrafficAccounting, Explain):
         """Parameters that get gradients and optimizer state (``requires_grad``)."""
         return self._totals[1]
 
+    # ---- the tensor axis -----------------------------------------------------------------------
+    @property
+    def tensor_size(self) -> int:
+        return self.tensor.size if self.tensor is not None else 1
+
+    @property
+    def split(self) -> bool:
+        """Whether this is a whole-mesh plan whose parameters are split over ``tensor`` (its
+        per-rank accounting is that of ``local(rank)``)."""
+        return self.tensor_size > 1 and self.local_coord is None
+
+    def tensor_coord(self, rank: int | None = None) -> int:
+        return self.mesh.coord(self._rank(rank), self.tensor.axis) if self.tensor is not None else 0
+
+    def local(self, rank: int | None = None) -> Plan:
+        """The plan of ``rank``'s tensor-local shards: every parameter's ``shape`` is its shard on
+        this rank's tensor coordinate (ceil chunks: uneven widths give uneven shards), its layouts
+        are the data axis's over that shard. The data-parallel engine (DP, ZeRO-1/2/3) runs this
+        plan unchanged: ``data`` splits what the tensor axis left local. The plan itself when
+        nothing is split over ``tensor``."""
+        if not self.split:
+            return self
+        coord = self.tensor_coord(rank)
+        cache = self._local_plans
+        if coord not in cache:
+            cache[coord] = _localize(self, self._rank(rank), coord)
+        return cache[coord]
+
+    def activation_entries(self, rank: int | None = None) -> tuple[CommEntry, ...]:
+        """The tensor axis's activation collectives of one micro-step on ``rank`` (traced at plan
+        time from ``batch=``; empty without it)."""
+        if self.tensor is None:
+            return ()
+        coord = self.local_coord if self.local_coord is not None else self.tensor_coord(rank)
+        return dict(self.activations).get(coord, ())
+
+    @cached_property
+    def _local_plans(self) -> dict[int, Plan]:
+        return {}
+
+    # per-rank accounting of a split plan is that of the rank's tensor-local plan
+    def memory_per_rank(self, rank: int | None = None, *, at: str = "rest") -> dict[str, int]:
+        if self.split:
+            return self.local(rank).memory_per_rank(rank, at=at)
+        return super().memory_per_rank(rank, at=at)
+
+    def transient_per_rank(self, rank: int | None = None) -> dict[str, int]:
+        if self.split:
+            return self.local(rank).transient_per_rank(rank)
+        return super().transient_per_rank(rank)
+
+    def peak_per_rank(self, rank: int | None = None, **kwargs) -> dict[str, int]:
+        if self.split:
+            return self.local(rank).peak_per_rank(rank, **kwargs)
+        return super().peak_per_rank(rank, **kwargs)
+
+    def zero_formula(self, rank: int | None = None) -> dict[str, float]:
+        if self.split:
+            return self.local(rank).zero_formula()
+        return super().zero_formula()
+
+    def ring_minimum(self, rank: int | None = None) -> int:
+        if self.split:
+            return self.local(rank).ring_minimum()
+        return super().ring_minimum()
+
+    def comm_per_step(self, rank: int | None = None) -> list[CommEntry]:
+        if self.split:
+            return self.local(rank).comm_per_step()
+        return super().comm_per_step()
+
     # ---- indexes (built once, on first use; not fields: equality and repr ignore them) ----------
     @cached_property
     def _by_name(self) -> dict[str, ParamPlan]:
@@ -198,9 +283,26 @@ class Plan(MemoryAccounting, TrafficAccounting, Explain):
     def flat(self) -> FlatLayout:
         """The flat groups ZeRO shards (ZeRO-3 units or gradient buckets: parameters laid end to end,
         each segment split evenly over ``data``) and each parameter's slot in them (``flat.py``)."""
-        return flat_layout(self)
+        return self.local().flat if self.split else flat_layout(self)
 
     @cached_property
     def _totals(self) -> tuple[int, int]:
         """(Ψ, trainable Ψ)."""
         return sum(p.numel for p in self.params), sum(p.numel for p in self.params if p.trainable)
+
+
+def _localize(plan: Plan, rank: int, coord: int) -> Plan:
+    """``plan.local(rank)``: shapes become ``rank``'s tensor shards, layouts the data axis's."""
+    from dataclasses import replace
+
+    mesh, st = plan.mesh, plan.states
+
+    def data_layout(axis: str | None) -> Layout:
+        return Layout(mesh, PartitionSpec(axis) if axis else PartitionSpec())
+
+    rest, grad, optim, rep = data_layout(st.params), data_layout(st.grads), data_layout(st.optim), data_layout(None)
+    params = []
+    for p in plan.params:
+        shape = tuple(Layout(mesh, p.spec).local_shape(p.shape, rank)) if p.shape else p.shape
+        params.append(replace(p, shape=shape, full_shape=p.shape, rest=rest, compute=rep, grad=grad, optim=optim))
+    return replace(plan, params=tuple(params), local_coord=coord)

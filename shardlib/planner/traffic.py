@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -51,7 +51,9 @@ class TrafficAccounting:
         starts from the same model (as ``DistributedDataParallel`` does). A model built on the meta
         device is not sent: rank 0's generator state is, over the whole mesh, and every rank
         replays rank 0's initialization from it (``runtime/materialize.py``)."""
-        axes = self.mesh.canonical_axes(self.mesh.axis_names if self.meta_build else self.data_axis)
+        # split over tensor: every rank takes rank 0's full model, then keeps its shards
+        whole = self.meta_build or self.tensor_size > 1
+        axes = self.mesh.canonical_axes(self.mesh.axis_names if whole else self.data_axis)
         n = self.mesh.axis_size(axes) if axes else 1
         if n == 1:
             return []
@@ -75,7 +77,7 @@ class TrafficAccounting:
         rank is left out of the update, as one process leaves a parameter whose ``grad`` is None
         (the role of DDP's ``find_unused_parameters`` bitmap)."""
         k = 1 + sum(1 for p in self.params if p.trainable)
-        if self.states.grads is not None:
+        if self.states.grads is not None or self.tensor_size > 1:
             k += int(self.precision == "fp16") + int(self.clip_grad_norm is not None)
         return k
 
@@ -88,7 +90,7 @@ class TrafficAccounting:
         each rank would receive its own row's sum, added in another order, and ranks must agree on
         the loss to the bit."""
         return (self.states.params is None and self.states.grads is None and self.data_size > 1
-                and self.reduce_dtype == torch.float32)
+                and self.reduce_dtype == torch.float32 and self.tensor_size == 1)
 
     def comm_per_step(self) -> list[CommEntry]:
         """Every collective one ``step`` issues, with the bytes this rank sends (ring model)."""
@@ -132,9 +134,16 @@ class TrafficAccounting:
                         shard = groups[i].chunk(TRAIN)
                         out.append(CommEntry("step", "params", "all_gather", axis,
                                              comm.all_gather_bytes(shard, n, c), 1, f"bucket {i}"))
-            if not self.scalars_ride_gradients:
+            if not self.scalars_ride_gradients and self.tensor_size == 1:
                 out.append(CommEntry("step", "scalars", "all_reduce", axis,
                                      comm.all_reduce_bytes(self.scalars_per_step(), n, 4), 1))
+        if self.tensor_size > 1:
+            # the step's scalars over the whole (data, tensor) group: split gradients' norms add up
+            # over tensor (runtime/engine.py counts each element once)
+            both = self.mesh.canonical_axes((self.data_axis, self.tensor.axis))
+            out.append(CommEntry("step", "scalars", "all_reduce", both,
+                                 comm.all_reduce_bytes(self.scalars_per_step(), n * self.tensor_size, 4), 1))
+            out += [replace(e, count=e.count * self.grad_accum) for e in self.activation_entries()]
         return out
 
     def comm_bytes_per_step(self, what: str | None = None) -> int:

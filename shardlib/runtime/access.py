@@ -33,7 +33,10 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from ..algebra.layout import Layout
+from ..algebra.spec import PartitionSpec
 from ..comm import core as comm
+from ..comm.redistribute import redistribute
 from ..errors import ShardingError
 from .sync import broadcast_coalesced
 
@@ -267,9 +270,10 @@ class EngineAccess:
             installed = {id(mod._parameters[attr]) for s in self.states for mod, attr in s.owners}
             raw = self.model.state_dict(keep_vars=True)
         out, buffers = {}, []
+        whole = self._untensor(raw)        # split over tensor: every rank gathers the full parameter
         for k, v in raw.items():
             if isinstance(v, torch.Tensor) and id(v) in installed:
-                out[k] = v.detach()
+                out[k] = whole.get(id(v), v).detach()
             elif isinstance(v, torch.Tensor):
                 out[k] = v.detach().clone()
                 buffers.append(out[k])
@@ -277,3 +281,21 @@ class EngineAccess:
                 out[k] = v
         broadcast_coalesced(buffers, self.mesh, self.plan.data_axis)
         return out
+
+    def _untensor(self, raw: dict) -> dict[int, torch.Tensor]:
+        """``id(local value) -> full value`` of every parameter split over tensor, gathered from
+        the tensor shards (uneven ones too) by the redistribution planner, in plan order on every
+        rank (the collectives match)."""
+        if self.plan.tensor_size == 1:
+            return {}
+        done: dict[int, torch.Tensor] = {}
+        for s in self.states:
+            pp = s.plan
+            if pp.full_shape is None or pp.full_shape == pp.shape:
+                continue
+            v = raw[s.name]
+            if id(v) in done:
+                continue
+            done[id(v)] = redistribute(v.detach().contiguous(), Layout(self.mesh, pp.spec), Layout(self.mesh, PartitionSpec()),
+                                       pp.full_shape)
+        return done

@@ -38,6 +38,7 @@ from .materialize import is_meta
 from .scaler import LossScaler
 from .setup import EngineSetup, _check_optimizer, _scaler, _validate
 from .sync import broadcast_buffers, broadcast_module, cast_buffers
+from .tensor import TensorRuntime
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -80,6 +81,10 @@ class Engine(EngineSetup, EngineInspection, EngineAccess):
                  loss_scale: LossScaler | None = None, mesh: Mesh | None = None):
         mesh = mesh if mesh is not None else plan.mesh
         _validate(model, plan, optimizer, mesh, loss_fn)
+        # the whole-mesh plan; the engine runs this rank's tensor-local plan (the plan itself when
+        # nothing is split over tensor): data parallel and ZeRO act on the tensor shards
+        self.global_plan = plan
+        plan = plan.local(mesh.rank)
         self.model, self.plan, self.mesh = model, plan, mesh
         self.loss_fn = loss_fn
         self.data_size = plan.data_size
@@ -93,9 +98,10 @@ class Engine(EngineSetup, EngineInspection, EngineAccess):
         rng = None
         if is_meta(model):      # built on the meta device: rank 0's values, replayed (see _materialize)
             rng = self._materialize()
-        else:
-            broadcast_module(model, mesh, plan.data_axis)     # every replica starts from rank 0's model, as DDP
+        else:   # every replica starts from rank 0's model, as DDP (split over tensor: the whole mesh does)
+            broadcast_module(model, mesh, mesh.axis_names if plan.tensor_size > 1 else plan.data_axis)
         self.states = self._build_states(rng)
+        self.tensor = TensorRuntime(self) if plan.tensor_size > 1 else None
         if plan.mixed:
             cast_buffers(model, self.cdt)
         self._apply_recompute()
@@ -139,16 +145,19 @@ class Engine(EngineSetup, EngineInspection, EngineAccess):
                 self.buckets.begin_micro(sync=last)
             else:
                 self.units.begin_micro(first=i == 0)
-            loss = self._loss(mb)
+            loss = self._loss(mb) if self.tensor is None else self.tensor.loss(mb)
             loss_sum += loss.detach().float()
             (loss.float() * factor).backward()
+            if self.tensor is not None:
+                self.tensor.clear()
             if self.units is not None:
                 self.units.end_micro()
         reduced = self.buckets.finish() if self.buckets is not None else None
         trainable = [s for s in self.states if s.trainable]
         grads = self._master_grads(reduced, scale)
         scalars = [loss_sum]
-        sharded = plan.states.grads is not None
+        split = self.tensor is not None
+        sharded = plan.states.grads is not None or split
         found_inf = torch.zeros((), device=self.mesh.device)
         if self.scaler:
             found_inf = sum((~torch.isfinite(g)).sum() for g in grads).float() if grads else found_inf
@@ -156,13 +165,16 @@ class Engine(EngineSetup, EngineInspection, EngineAccess):
                 scalars.append(found_inf)
         sumsq = None
         if plan.clip_grad_norm is not None:
-            sumsq = sum((g.double() ** 2).sum() for g in grads).float() if grads else torch.zeros(())
+            sumsq = (self.tensor.sum_of_squares(grads) if split else
+                     sum((g.double() ** 2).sum() for g in grads).float() if grads else torch.zeros(()))
             if sharded:
                 scalars.append(sumsq)
         # the step's scalars, then on how many ranks each parameter got a gradient: summed by one
         # all-reduce, or already summed in the last gradient bucket's collective
         if self.buckets is not None and self.buckets.riders:
             vec = self.buckets.rider_sums
+        elif split:      # over (data, tensor), each value counted once (TensorRuntime.scalars)
+            vec = self.tensor.reduce_scalars(self._scalar_vector(scalars), found_inf=self.scaler is not None)
         else:
             vec = comm.all_reduce(self._scalar_vector(scalars), self.mesh, plan.data_axis)
         loss = vec[0] / (self.data_size * m)

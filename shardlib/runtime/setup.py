@@ -8,6 +8,7 @@ import math
 import torch
 from torch import nn
 
+from ..algebra.layout import Layout
 from ..algebra.mesh import Mesh
 from ..errors import ShardingError, ShardingTypeError
 from ..planner.build import param_owners
@@ -107,6 +108,9 @@ class EngineSetup:
         else:
             lo, hi = slot.piece(flat.groups[slot.group].segments[slot.segment].bounds(mesh.rank))
         st = ParamState(i, pp, p, slot, lo, hi, owners)
+        if pp.full_shape is not None and tuple(full.shape) != pp.shape:   # split over tensor: keep this rank's shard
+            full = full[Layout(mesh, pp.spec).local_slices(pp.full_shape, mesh.rank)].clone(
+                memory_format=torch.contiguous_format)          # not a view: the full value is freed
         value = full.to(device=mesh.device, dtype=torch.float32)
         mine = st.local_piece(value)
         with torch.no_grad():

@@ -1,0 +1,258 @@
+"""Module boundaries of the tensor axis: where a producer's layout differs from what its consumer
+needs, the redistribution runs here, autograd-aware, so Megatron's f/g and sequence
+parallelism's all-gather/reduce-scatter pairs emerge from the parameter specs
+(``planner/tensor.py`` derives the sites; this file lowers them onto the modules).
+
+============================  =================================  ===================================
+boundary                      forward                            backward
+============================  =================================  ===================================
+replicated -> column input    identity (``f``)                   all-reduce over tensor
+seq-split -> column input     all-gather of the sequence         reduce-scatter of the sequence
+row output (partial)          all-reduce (``g``)                 identity
+  inside the layer stack, SP  reduce-scatter of the sequence     all-gather of the sequence
+vocab-split embedding output  all-reduce                         identity
+first unit's input, SP        keep this rank's sequence chunk    all-gather of the sequence
+last unit's output, SP        all-gather of the sequence         keep this rank's chunk
+replicated param used on the  identity                           all-reduce over tensor (its
+  seq-split stream (SP)                                          gradient is a partial sum)
+============================  =================================  ===================================
+
+Model code runs unchanged on local shards. A column input is memoised per tensor: the q, k
+and v projections of one attention read one input and cost one ``f`` (one all-reduce in
+backward), as Megatron's fused QKV does. ``Ops`` executes the collectives; the planner's tracer
+(``planner/trace.py``) gives the same hooks an ``Ops`` that records them instead, so what a step
+runs and what the plan counts are one code path.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import ShardingError
+from . import core as comm
+from .autograd import _AllGather, _PBroadcast, _Psum, _PsumScatter
+from .execute import gather_dim
+
+
+class _SliceSeq(torch.autograd.Function):
+    """Keep this rank's chunk of ``dim`` of a replicated tensor; backward all-gathers the chunks'
+    gradients (each rank's gradient covers only its chunk)."""
+
+    @staticmethod
+    def forward(ctx, x, mesh, axes, dim):
+        ctx.mesh, ctx.axes, ctx.dim = mesh, axes, dim
+        k, i = comm.group_size(mesh, axes), mesh.group_index(mesh.rank, axes)
+        return x.chunk(k, dim)[i].contiguous()
+
+    @staticmethod
+    def backward(ctx, g):
+        return gather_dim(g.contiguous(), ctx.mesh, ctx.axes, ctx.dim), None, None, None
+
+
+class _GatherInvariant(torch.autograd.Function):
+    """All-gather ``dim`` into a tensor every rank then uses identically; backward keeps this
+    rank's chunk of the (identical) gradient — no collective."""
+
+    @staticmethod
+    def forward(ctx, x, mesh, axes, dim):
+        ctx.mesh, ctx.axes, ctx.dim = mesh, axes, dim
+        return gather_dim(x.contiguous(), mesh, axes, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        k, i = comm.group_size(ctx.mesh, ctx.axes), ctx.mesh.group_index(ctx.mesh.rank, ctx.axes)
+        return g.chunk(k, ctx.dim)[i].contiguous(), None, None, None
+
+
+class Ops:
+    """The boundary collectives over ``axis`` of ``mesh`` (running processes)."""
+
+    def __init__(self, mesh, axis: str, seq_dim: int = 1):
+        self.mesh, self.axes, self.seq_dim = mesh, (axis,), seq_dim
+        self.size = mesh.axis_size(axis)
+        self.unit = ""                       # the unit running (set by the unit hooks)
+
+    def f(self, x: torch.Tensor) -> torch.Tensor:
+        return _PBroadcast.apply(x, self.mesh, self.axes)
+
+    def g(self, y: torch.Tensor) -> torch.Tensor:
+        return _Psum.apply(y, self.mesh, self.axes)
+
+    def gather_seq(self, x: torch.Tensor) -> torch.Tensor:
+        return _AllGather.apply(x, self.mesh, self.axes, self.seq_dim)
+
+    def scatter_seq(self, y: torch.Tensor) -> torch.Tensor:
+        self._check_seq(y)
+        return _PsumScatter.apply(y, self.mesh, self.axes, self.seq_dim)
+
+    def slice_seq(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_seq(x)
+        return _SliceSeq.apply(x, self.mesh, self.axes, self.seq_dim)
+
+    def unslice_seq(self, x: torch.Tensor) -> torch.Tensor:
+        return _GatherInvariant.apply(x, self.mesh, self.axes, self.seq_dim)
+
+    def param_f(self, p: torch.Tensor) -> torch.Tensor:
+        return _PBroadcast.apply(p, self.mesh, self.axes)
+
+    def coord(self) -> int:
+        return self.mesh.group_index(self.mesh.rank, self.axes)
+
+    def _check_seq(self, x: torch.Tensor) -> None:
+        if x.dim() <= self.seq_dim or x.shape[self.seq_dim] % self.size:
+            raise ShardingError(
+                f"sequence_parallel: the residual stream {tuple(x.shape)} splits its sequence dim {self.seq_dim} over "
+                f"tensor={self.size} ranks — expected a sequence length divisible by {self.size}. Use such a "
+                "sequence length, or sequence_parallel=False.")
+
+
+def vocab_range(width: int, size: int, coord: int) -> tuple[int, int]:
+    """Ids ``[lo, hi)`` of a ``width``-row table that tensor coordinate ``coord`` holds (ceil chunks)."""
+    c = -(-width // size)
+    return min(coord * c, width), min((coord + 1) * c, width)
+
+
+class Boundaries:
+    """Installs the boundary redistributions of a ``TensorPlan`` on ``model``'s modules; ``remove()``
+    takes them off. ``on_logits(tensor, site)`` is called with each vocab-split logits output."""
+
+    def __init__(self, model: nn.Module, tplan: Any, ops: Ops, units: list[str], *, on_logits=None):
+        self.model, self.tplan, self.ops = model, tplan, ops
+        self.on_logits = on_logits
+        self._memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._handles: list[Any] = []
+        self._forwards: list[nn.Module] = []
+        modules = dict(model.named_modules())
+        sp = tplan.sequence_parallel and tplan.size > 1
+        self.sp = sp
+        sp_modules = set(tplan.sp_modules)
+        for site in tplan.sites:
+            mod = modules[site.module]
+            in_sp = sp and bool(site.unit)
+            if site.kind in ("column", "logits"):
+                self._handles.append(mod.register_forward_pre_hook(self._column_pre(in_sp)))
+                if site.kind == "logits":
+                    self._handles.append(mod.register_forward_hook(self._logits_post(site)))
+            elif site.kind == "row":
+                self._override(mod, _row_forward(self, in_sp, site.module in sp_modules))
+            elif site.kind == "vocab":
+                self._override(mod, _vocab_forward(self, site, in_sp))
+        for name in tplan.sp_modules:
+            mod = modules[name]
+            if tplan.site(name) is None:
+                self._override(mod, _sp_param_forward(self, mod))
+        body = [u for u in units if u]
+        for u in body:
+            self._handles.append(modules[u].register_forward_pre_hook(self._unit_pre(u, sp and u == body[0])))
+        for u in body:
+            last_sp = sp and u == body[-1]
+            self._handles.append(modules[u].register_forward_hook(self._unit_post(last_sp)))
+
+    # ---- hooks ---------------------------------------------------------------------------------
+    def _column_pre(self, in_sp: bool):
+        def hook(module, args):
+            if not args:
+                return None
+            x = args[0]
+            hit = self._memo.get(id(x))
+            if hit is None or hit[0] is not x:
+                y = self.ops.gather_seq(x) if in_sp else self.ops.f(x)
+                self._memo[id(x)] = (x, y)
+            else:
+                y = hit[1]
+            return (y, *args[1:])
+        return hook
+
+    def _logits_post(self, site):
+        def hook(module, args, output):
+            if self.on_logits is not None:
+                self.on_logits(output, site)
+        return hook
+
+    def _unit_pre(self, unit: str, first_sp: bool):
+        def hook(module, args):
+            self._memo.clear()
+            out = None
+            if first_sp and args and isinstance(args[0], torch.Tensor):
+                out = (self.ops.slice_seq(args[0]), *args[1:])      # before the unit: not recomputed
+            self.ops.unit = unit
+            return out
+        return hook
+
+    def _unit_post(self, last_sp: bool):
+        def hook(module, args, output):
+            self.ops.unit = ""
+            if not last_sp:
+                return None
+            if isinstance(output, torch.Tensor):
+                return self.ops.unslice_seq(output)
+            if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+                return (self.ops.unslice_seq(output[0]), *output[1:])
+            return None
+        return hook
+
+    def clear(self) -> None:
+        """Forget memoised inputs (end of a forward or backward)."""
+        self._memo.clear()
+        self.ops.unit = ""
+
+    # ---- installing ----------------------------------------------------------------------------
+    def _override(self, mod: nn.Module, fn) -> None:
+        mod.forward = types.MethodType(fn, mod)
+        self._forwards.append(mod)
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        for mod in self._forwards:
+            mod.__dict__.pop("forward", None)
+        self._handles, self._forwards = [], []
+        self.clear()
+
+
+def _row_forward(b: Boundaries, in_sp: bool, bias_partial: bool):
+    def forward(self, x):
+        y = F.linear(x, self.weight)
+        y = b.ops.scatter_seq(y) if in_sp else b.ops.g(y)
+        if self.bias is not None:
+            y = y + (b.ops.param_f(self.bias) if bias_partial else self.bias)
+        return y
+    return forward
+
+
+def _vocab_forward(b: Boundaries, site, in_sp: bool):
+    def forward(self, ids):
+        lo, hi = vocab_range(site.width, b.ops.size, b.ops.coord())
+        w = self.weight
+        out_of_range = (ids < lo) | (ids >= hi)
+        if w.shape[0] == 0:                      # an empty trailing shard holds no ids
+            y = w.new_zeros((*ids.shape, w.shape[1])) + w.sum()
+        else:
+            pad = self.padding_idx
+            pad = pad - lo if pad is not None and lo <= pad < hi else None
+            y = F.embedding((ids - lo).masked_fill(out_of_range, 0), w, pad)
+            y = y.masked_fill(out_of_range.unsqueeze(-1), 0)
+        return b.ops.scatter_seq(y) if in_sp else b.ops.g(y)
+    return forward
+
+
+def _sp_param_forward(b: Boundaries, mod: nn.Module):
+    """A module with tensor-replicated parameters acting on the sequence-split stream: its
+    parameters enter through ``f`` so their gradients (partial sums over the sequence chunks)
+    are summed over tensor in backward."""
+    cls_forward = type(mod).forward
+
+    def forward(self, *args, **kwargs):
+        saved = {a: p for a, p in self._parameters.items() if p is not None}
+        try:
+            for a, p in saved.items():
+                self._parameters[a] = b.ops.param_f(p)
+            return cls_forward(self, *args, **kwargs)
+        finally:
+            self._parameters.update(saved)
+    return forward
