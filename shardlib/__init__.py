@@ -35,6 +35,8 @@ from .errors import SpecError as SpecError
 from .frontend.launcher import WorkerError as WorkerError
 from .frontend.launcher import launch as launch
 from .frontend.shard_map import shard_map as shard_map
+from .frontend.specs import AxisRules as AxisRules
+from .frontend.specs import shard as shard
 from .planner.build import plan as plan
 from .planner.plan import Plan as Plan
 from .planner.states import StateLayouts as StateLayouts
@@ -46,10 +48,10 @@ from .runtime.engine import parallelize as parallelize
 __version__ = "0.1.0"
 
 __all__ = [
-    "AbstractMesh", "CollectiveCounter", "CommEntry", "Engine", "NonFiniteLossError", "Plan", "StateLayouts",
+    "AbstractMesh", "AxisRules", "CollectiveCounter", "CommEntry", "Engine", "NonFiniteLossError", "Plan", "StateLayouts",
     "parallelize", "plan", "CollectiveError", "CollectiveRecord", "Layout", "Mesh", "MeshError",
     "P", "PartitionSpec", "RedistributePlan", "ShardingError", "ShardingTypeError", "SpecError", "Step",
     "WorkerError", "all_gather", "all_to_all", "axis_index", "count_collectives", "current_mesh",
     "format_bytes", "from_dtensor", "launch", "pbroadcast", "plan_redistribute", "ppermute", "psum",
-    "psum_scatter", "redistribute", "shard_map", "to_dtensor", "use_mesh",
+    "psum_scatter", "redistribute", "shard", "shard_map", "to_dtensor", "use_mesh",
 ]

@@ -1,0 +1,464 @@
+"""Parameter specs from pattern tables: ``@sl.shard``, ``sl.AxisRules`` and ``resolve_specs``.
+
+A model says where its parameters live with tables of ``fnmatch`` patterns, relative to the
+module they are attached to::
+
+    @sl.shard({"qkv.weight": ("heads", "embed"), "proj.weight": ("embed", "heads")})
+    class Attention(nn.Module): ...
+
+    sl.shard(mesh, {"*.q_proj.weight": P("tensor", None)})(llama)     # a third-party instance
+
+A value is either a ``PartitionSpec`` (mesh axes) or a tuple of *logical* dim names, one per
+tensor dim, that ``AxisRules`` maps to mesh axes at plan time (``{"heads": "tensor"}``); a logical
+name with no rule is a replicated dim, so a model that names its dims trains replicated until
+rules are given. The tables live in side tables keyed by class and by module instance
+(weak references): nothing is stored on a tensor or a module, and a decorated class is returned
+unchanged (a ``copy.deepcopy`` of an instance does not carry the tables of ``sl.shard(...)(instance)``;
+class tables apply to every instance, copies included).
+
+``resolve_specs(model, mesh, rules)`` gives every parameter (qualified names as
+``model.named_parameters()``) its spec, checking everything against the mesh and raising once with
+every problem. Work is linear in the number of parameters: each parameter looks up the tables of
+its ancestors by qualified-name prefix (depth many dict look-ups), and each table's patterns are
+compiled once.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import TypeVar
+
+from torch import nn
+
+from ..algebra.mesh import AbstractMesh, current_mesh, unknown_axis_message
+from ..algebra.spec import PartitionSpec
+from ..errors import MeshError, Problems, ShardingTypeError, SpecError
+
+RuleValue = str | tuple[str, ...] | None
+Logical = tuple[str | None, ...]
+M = TypeVar("M")
+API = "sl.shard"
+
+# Mesh axes that a parameter spec may not name, and why (the fix in each message).
+_FORBIDDEN = {
+    "data": ("Parameters are sharded over 'data' by ZeRO, not by a spec: use sl.plan(..., zero=3) and "
+             "drop 'data' from this spec"),
+    "pipe": ("Pipeline parallelism comes from a 'layers' -> 'pipe' rule on the layer stack, not from a "
+             "parameter spec, and is not available yet: drop 'pipe' from this spec"),
+}
+
+
+def _entry_axes(value: RuleValue) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, str) else value
+
+
+def _nonempty_str(x: object) -> bool:
+    return isinstance(x, str) and bool(x)
+
+
+# ---------------------------------------------------------------------------------------------
+# Logical dim names -> mesh axes
+# ---------------------------------------------------------------------------------------------
+
+class AxisRules(Mapping):
+    """Logical dim name -> mesh axis, ``None`` (replicated) or a tuple of axes (major first).
+
+    Immutable; a read-only mapping. A logical name absent from the rules is replicated.
+    """
+
+    __slots__ = ("_rules",)
+
+    def __init__(self, rules: Mapping[str, RuleValue] | None = None):
+        if isinstance(rules, AxisRules):
+            self._rules: dict[str, RuleValue] = dict(rules._rules)
+            return
+        if rules is None:
+            rules = {}
+        if not isinstance(rules, Mapping):
+            raise ShardingTypeError(
+                f"AxisRules: expected a mapping of logical dim name to mesh axis — got {rules!r} of type "
+                f"{type(rules).__name__}. Write sl.AxisRules({{'heads': 'tensor', 'embed': None}}).")
+        bad: list[str] = []
+        out: dict[str, RuleValue] = {}
+        with Problems("AxisRules", SpecError) as problems:
+            for key, value in rules.items():
+                if not _nonempty_str(key):
+                    bad.append(f"AxisRules: key {key!r} of type {type(key).__name__} is not a logical dim "
+                               "name — expected a non-empty str such as 'heads'.")
+                    continue
+                if value is None or _nonempty_str(value):
+                    out[key] = value
+                elif isinstance(value, (tuple, list)) and all(_nonempty_str(a) for a in value):
+                    axes = tuple(value)
+                    if len(set(axes)) != len(axes):
+                        problems.add(f"AxisRules: rule {key!r} names a mesh axis twice — got {axes!r}; "
+                                     "expected distinct axes. Drop the repeated axis.")
+                    out[key] = None if not axes else axes[0] if len(axes) == 1 else axes
+                else:
+                    bad.append(f"AxisRules: rule {key!r} maps to {value!r} of type {type(value).__name__} — "
+                               "expected a mesh axis name (str), None (replicated) or a tuple of axis "
+                               f"names. Write {{{key!r}: 'tensor'}}.")
+            if bad:
+                raise ShardingTypeError(bad[0] if len(bad) == 1 else "AxisRules: several rules are of the "
+                                        "wrong kind:\n" + "\n".join(f"  - {b}" for b in bad))
+        self._rules = out
+
+    @classmethod
+    def coerce(cls, rules: AxisRules | Mapping[str, RuleValue] | None) -> AxisRules:
+        """``rules`` as ``AxisRules``: a plain dict is accepted, ``None`` is no rules."""
+        return rules if isinstance(rules, AxisRules) else cls(rules)
+
+    def __getitem__(self, name: str) -> RuleValue:
+        return self._rules[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._rules)
+
+    def __len__(self) -> int:
+        return len(self._rules)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Mapping) and dict(self.items()) == dict(other.items())
+
+    def __hash__(self) -> int:
+        return hash(tuple(self._rules.items()))
+
+    def __repr__(self) -> str:
+        return f"AxisRules({self._rules!r})"
+
+    def __reduce__(self):
+        return (AxisRules, (self._rules,))
+
+    def map(self, logical: Logical, where: str) -> tuple[PartitionSpec, list[str]]:
+        """Map logical names to a spec; problems (a mesh axis given to two dims) as messages,
+        each starting with ``where``. The second use of an axis is dropped from the spec."""
+        seen: dict[str, tuple[int, str]] = {}
+        entries: list[tuple[str, ...]] = []
+        problems: list[str] = []
+        for d, lname in enumerate(logical):
+            kept = []
+            for a in _entry_axes(None if lname is None else self._rules.get(lname)):
+                if a in seen:
+                    d0, n0 = seen[a]
+                    problems.append(
+                        f"{where}: the rules map two dims to mesh axis {a!r} — got dim {d0} {n0!r} -> "
+                        f"{self._rules[n0]!r} and dim {d} {lname!r} -> {self._rules[lname]!r}; expected each "
+                        f"mesh axis at most once per tensor. Map at most one of {n0!r} and {lname!r} to {a!r} "
+                        "in the AxisRules (a tensor cannot be split twice over the same devices).")
+                else:
+                    seen[a] = (d, lname)
+                    kept.append(a)
+            entries.append(tuple(kept))
+        return PartitionSpec(*entries), problems
+
+    def resolve(self, logical: Logical, *, mesh: AbstractMesh | None = None, name: str | None = None,
+                shape: tuple[int, ...] | None = None) -> PartitionSpec:
+        """The ``PartitionSpec`` of a tensor whose dims are named ``logical`` (``None`` = replicated).
+
+        With ``mesh`` the axes are checked against it, with ``shape`` the rank; every problem is
+        raised at once as a ``SpecError``.
+        """
+        api = "AxisRules.resolve" + (f" of {name!r}" if name else "")
+        logical = _check_logical(logical, api)
+        where = f"{api}: {logical!r}" + (f" (shape {tuple(shape)})" if shape is not None else "")
+        spec, problems = self.map(logical, where)
+        if shape is not None:
+            problems += _rank_problems(len(logical), tuple(shape), where, "Name at most one dim per tensor dim")
+        if mesh is not None:
+            problems += _axis_problems(spec, mesh, where, logical=logical, rules=self, forbid=False)
+        if problems:
+            raise SpecError(problems, api=api)
+        return spec
+
+
+def _check_logical(logical: object, api: str) -> Logical:
+    if isinstance(logical, (tuple, list)) and not isinstance(logical, PartitionSpec) and all(
+            n is None or _nonempty_str(n) for n in logical):
+        return tuple(logical)
+    raise ShardingTypeError(f"{api}: expected a tuple of logical dim names (str, or None for a replicated "
+                            f"dim), one per tensor dim — got {logical!r} of type {type(logical).__name__}. "
+                            "Write ('heads', 'embed').")
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks shared by decoration and resolution
+# ---------------------------------------------------------------------------------------------
+
+def _rank_problems(n: int, shape: tuple[int, ...], where: str, fix: str) -> list[str]:
+    if n <= len(shape):
+        return []
+    return [(f"{where}: the spec has {n} entries but the tensor has rank {len(shape)} — expected at most one "
+             f"entry per dim. {fix}.")]
+
+
+def _axis_problems(spec: PartitionSpec, mesh: AbstractMesh | None, where: str, *,
+                   logical: Logical | None = None, rules: AxisRules | None = None,
+                   forbid: bool = True) -> list[str]:
+    """Unknown mesh axes, and (``forbid``) the axes a parameter spec may not name."""
+    out = []
+    for d, axes in spec.dims():
+        for a in axes:
+            via = f", dim {d}" + (f" ({logical[d]!r} -> {rules[logical[d]]!r} by the rules)" if logical else "")
+            if forbid and a in _FORBIDDEN:
+                out.append(f"{where}{via}: puts mesh axis {a!r} on a parameter — got {spec}; expected parameter "
+                           f"specs over 'tensor' (or other model axes). {_FORBIDDEN[a]}.")
+            elif mesh is not None and a not in mesh.axis_names:
+                out.append(unknown_axis_message(a, mesh, where + via))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Tables
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, eq=False)
+class _Entry:
+    index: int
+    pattern: str
+    spec: PartitionSpec | None      # a mesh-axis spec, or
+    logical: Logical | None         # logical dim names resolved through the rules
+
+
+class ShardTable:
+    """One ``sl.shard`` table: patterns compiled once; ``match(rel)`` lists the entries matching a
+    name relative to the decorated module, in table order."""
+
+    def __init__(self, table: object, *, strict: bool, mesh: AbstractMesh | None):
+        if not isinstance(table, Mapping):
+            raise ShardingTypeError(
+                f"{API}: expected a table mapping parameter-name patterns to a P or a tuple of logical dim "
+                f"names — got {table!r} of type {type(table).__name__}. Write sl.shard(mesh, "
+                "{'attn.qkv.weight': P('tensor', None)}).")
+        bad: list[str] = []
+        entries: list[_Entry] = []
+        for i, (pattern, value) in enumerate(table.items()):
+            if not _nonempty_str(pattern):
+                bad.append(f"{API}: pattern {pattern!r} of type {type(pattern).__name__} — expected a non-empty "
+                           "fnmatch pattern (str) such as '*.o_proj.weight'.")
+            elif isinstance(value, PartitionSpec):
+                entries.append(_Entry(i, pattern, value, None))
+            elif isinstance(value, (tuple, list)) and all(n is None or _nonempty_str(n) for n in value):
+                entries.append(_Entry(i, pattern, None, tuple(value)))
+            else:
+                bad.append(f"{API}: pattern {pattern!r} maps to {value!r} of type {type(value).__name__} — "
+                           "expected a P (mesh axes) or a tuple of logical dim names (str or None). Write "
+                           f"{{{pattern!r}: P('tensor', None)}} or {{{pattern!r}: ('heads', 'embed')}}"
+                           + ("; P() replicates" if value is None else "") + ".")
+        if bad:
+            raise ShardingTypeError(bad[0] if len(bad) == 1 else f"{API}: several table entries are of the "
+                                    "wrong kind:\n" + "\n".join(f"  - {b}" for b in bad))
+        with Problems(API, SpecError) as problems:
+            for e in entries:
+                if e.spec is not None:
+                    for p in _axis_problems(e.spec, mesh, f"{API}: pattern {e.pattern!r} -> {e.spec}"):
+                        problems.add(p)
+        self.entries = tuple(entries)
+        self.strict = strict
+        self.mesh = mesh
+        self._literal = {e.pattern: e for e in entries if not any(c in e.pattern for c in "*?[")}
+        self._wild = [(e, re.compile(fnmatch.translate(e.pattern))) for e in entries
+                      if e.pattern not in self._literal]
+        self._any_wild = (re.compile("|".join(f"(?:{fnmatch.translate(e.pattern)})" for e, _ in self._wild))
+                          if self._wild else None)
+
+    def match(self, rel: str) -> list[_Entry]:
+        hit = self._literal.get(rel)
+        out = [hit] if hit is not None else []
+        if self._any_wild is not None and self._any_wild.match(rel):
+            out += [e for e, rx in self._wild if rx.match(rel)]
+            out.sort(key=lambda e: e.index)
+        return out
+
+
+_CLASS_TABLES: weakref.WeakKeyDictionary[type, list[ShardTable]] = weakref.WeakKeyDictionary()
+_INSTANCE_TABLES: weakref.WeakKeyDictionary[nn.Module, list[ShardTable]] = weakref.WeakKeyDictionary()
+
+
+def shard(mesh: AbstractMesh | Mapping | None = None, spec: Mapping | None = None, *,
+          strict: bool = False) -> Callable[[M], M]:
+    """Attach a spec table to an ``nn.Module`` subclass (every instance) or instance (returned).
+
+    ``sl.shard(mesh, table)``, ``sl.shard(table)`` or ``sl.shard(spec=table)``: the mesh (given, or
+    from an enclosing ``with sl.use_mesh(mesh):``) is used only to check the table's axes now;
+    planning uses the plan's mesh. With ``strict=True`` every parameter under the module must
+    match a pattern, and every pattern a parameter.
+    """
+    if spec is None and isinstance(mesh, Mapping):
+        mesh, spec = None, mesh
+    if isinstance(mesh, nn.Module) or (isinstance(mesh, type) and issubclass(mesh, nn.Module)):
+        raise ShardingTypeError(f"{API}: got the module {mesh!r} where the mesh belongs — expected "
+                                "sl.shard(mesh, table) or sl.shard(table). Apply the result to the module: "
+                                "sl.shard(mesh, table)(model), or use @sl.shard(table) on the class.")
+    if mesh is not None and not isinstance(mesh, AbstractMesh):
+        raise ShardingTypeError(f"{API}: expected a Mesh or AbstractMesh — got {mesh!r} of type "
+                                f"{type(mesh).__name__}. Pass the table as the second argument or spec=.")
+    if spec is None:
+        raise ShardingTypeError(f"{API}: no table given — expected sl.shard(mesh, {{pattern: spec}}). "
+                                "Write sl.shard(mesh, {'attn.qkv.weight': P('tensor', None)}).")
+    if not isinstance(strict, bool):
+        raise ShardingTypeError(f"{API}: strict must be True or False — got {strict!r}.")
+    if mesh is None:
+        try:
+            mesh = current_mesh(API)
+        except MeshError:
+            mesh = None          # checked against the plan's mesh later
+    table = ShardTable(spec, strict=strict, mesh=mesh)
+
+    def apply(target: M) -> M:
+        if isinstance(target, type) and issubclass(target, nn.Module):
+            _CLASS_TABLES.setdefault(target, []).append(table)
+        elif isinstance(target, nn.Module):
+            _INSTANCE_TABLES.setdefault(target, []).append(table)
+        else:
+            raise ShardingTypeError(f"{API}: applied to {target!r} of type {type(target).__name__} — "
+                                    "expected an nn.Module subclass or instance.")
+        return target
+
+    return apply
+
+
+def _owner(prefix: str, module: nn.Module, cls: type | None) -> str:
+    at = f"{prefix!r}" if prefix else "the model"
+    if cls is not None:
+        return f"@sl.shard on class {cls.__qualname__} (at {at})"
+    return f"sl.shard on {at} ({type(module).__qualname__})"
+
+
+def _tables_by_prefix(model: nn.Module) -> dict[str, list[tuple[ShardTable, str]]]:
+    """Qualified module name -> the tables attached there (base classes, class, then instance)."""
+    out: dict[str, list[tuple[ShardTable, str]]] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        found = [(t, _owner(prefix, module, cls)) for cls in reversed(type(module).__mro__)
+                 for t in _CLASS_TABLES.get(cls, ())]
+        found += [(t, _owner(prefix, module, None)) for t in _INSTANCE_TABLES.get(module, ())]
+        if found:
+            out[prefix] = found
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Resolution
+# ---------------------------------------------------------------------------------------------
+
+def _same(a: PartitionSpec, b: PartitionSpec) -> bool:
+    """Equal layouts: trailing replicated dims do not count."""
+    return (PartitionSpec.from_dim_axes([ax for _, ax in a.dims()])
+            == PartitionSpec.from_dim_axes([ax for _, ax in b.dims()]))
+
+
+def resolve_specs(model: nn.Module, mesh: AbstractMesh | None = None,
+                  rules: AxisRules | Mapping[str, RuleValue] | None = None, *,
+                  strict: bool | None = None) -> dict[str, PartitionSpec]:
+    """``{qualified parameter name: PartitionSpec over the full parameter shape}`` for ``model``.
+
+    A parameter no pattern matches is ``P()``. ``strict=True`` makes every table strict (``None``
+    or ``False`` leave each table's own ``strict``). Raises one ``SpecError`` listing every problem.
+    """
+    if not isinstance(model, nn.Module):
+        raise ShardingTypeError(f"resolve_specs: expected an nn.Module — got {type(model).__name__}.")
+    mesh = current_mesh("resolve_specs") if mesh is None else mesh
+    if not isinstance(mesh, AbstractMesh):
+        raise ShardingTypeError(f"resolve_specs: expected a Mesh or AbstractMesh — got {type(mesh).__name__}.")
+    if strict is not None and not isinstance(strict, bool):
+        raise ShardingTypeError(f"resolve_specs: strict must be True, False or None — got {strict!r}.")
+    rules = AxisRules.coerce(rules)
+    by_prefix = _tables_by_prefix(model)
+    aliases: dict[int, tuple[nn.Parameter, list[str]]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), (p, []))[1].append(name)
+
+    problems = Problems(API, SpecError)
+    used: set[tuple[int, int]] = set()                 # (table, entry) pairs that matched something
+    valid: set[tuple[PartitionSpec, int]] = set()      # (spec, rank) known to pass every check
+    mapped: dict[Logical, PartitionSpec] = {}          # logical dims the rules map without a problem
+    out: dict[str, PartitionSpec] = {}
+    for p, names in aliases.values():
+        shape = tuple(p.shape)
+        hits: list[tuple[PartitionSpec, _Entry, str]] = []
+        strict_by: list[str] = ["resolve_specs(strict=True)"] if strict else []
+        for name in names:
+            for cut in [-1] + [i for i, c in enumerate(name) if c == "."]:
+                tables = by_prefix.get(name[:cut] if cut >= 0 else "")
+                if not tables:
+                    continue
+                rel = name[cut + 1:]
+                for table, owner in tables:
+                    if table.strict:
+                        strict_by.append(owner)
+                    for e in table.match(rel):
+                        used.add((id(table), e.index))
+                        spec = e.spec if e.spec is not None else mapped.get(e.logical)
+                        if spec is None:
+                            src = f"{API}: parameter {name!r} of shape {shape}, {_origin(e, owner)}"
+                            spec, found = _resolve_logical(e.logical, rules, mesh, src)
+                            for msg in found:
+                                problems.add(msg)
+                            if not found:
+                                mapped[e.logical] = spec
+                        if (spec, len(shape)) not in valid:
+                            src = f"{API}: parameter {name!r} of shape {shape}, {_origin(e, owner, spec)}"
+                            found = _rank_problems(len(spec), shape, src,
+                                                   "Give the pattern a spec of the parameter's rank, or narrow "
+                                                   "the pattern so it does not match this parameter")
+                            found += _axis_problems(spec, mesh, src, logical=e.logical, rules=rules)
+                            for msg in found:
+                                problems.add(msg)
+                            if not found:
+                                valid.add((spec, len(shape)))
+                        hits.append((spec, e, owner))
+        where = f"{API}: parameter {names[0]!r} of shape {shape}"
+        if not hits and strict_by:
+            under = strict_by[0] if strict else f"the strict table of {strict_by[0]}"
+            problems.add(f"{where} matches no pattern — expected every parameter under {under} to match one. "
+                         "Add a pattern for it (P() to replicate it), or drop strict.")
+        if any(h[0] != hits[0][0] for h in hits):
+            groups: list[tuple[PartitionSpec, list[str]]] = []    # the matches, by distinct layout
+            for spec, e, owner in hits:
+                group = next((g for g in groups if _same(g[0], spec)), None)
+                if group is None:
+                    groups.append((spec, [_origin(e, owner, spec)]))
+                else:
+                    group[1].append(_origin(e, owner, spec))
+            if len(groups) > 1:
+                problems.add(f"{where} gets different specs from different patterns — got "
+                             + "; ".join(" and ".join(o) for _, o in groups) + "; expected one spec per "
+                             "parameter. Narrow the patterns so only one of them matches it, or give them the "
+                             "same spec.")
+        out[names[0]] = hits[0][0] if hits else PartitionSpec()
+
+    for table, owner in {id(t): (t, o) for tables in by_prefix.values() for t, o in tables}.values():
+        if table.strict or strict:
+            for e in table.entries:
+                if (id(table), e.index) not in used:
+                    problems.add(f"{API}: pattern {e.pattern!r} of {owner} matches no parameter — expected every "
+                                 "pattern of a strict table to match one (names are relative to the decorated "
+                                 "module, e.g. 'attn.qkv.weight' or '*.qkv.weight'). Fix the pattern or drop it.")
+    problems.raise_if_any()
+    return out
+
+
+def _origin(e: _Entry, owner: str, spec: PartitionSpec | None = None) -> str:
+    """Where a parameter's spec came from, for messages."""
+    if e.spec is not None:
+        return f"spec {e.spec} from pattern {e.pattern!r} of {owner}"
+    got = f"logical dims {e.logical!r}" if spec is None else f"{e.logical!r} -> {spec}"
+    return f"{got} from pattern {e.pattern!r} of {owner}"
+
+
+def _resolve_logical(logical: Logical, rules: AxisRules, mesh: AbstractMesh, src: str
+                     ) -> tuple[PartitionSpec, list[str]]:
+    spec, found = rules.map(logical, src)
+    for n in logical:
+        if n is not None and n not in rules and n in mesh.axis_names:
+            found.append(f"{src}: {n!r} is a mesh axis but no logical dim name of the AxisRules — got rules "
+                         f"{dict(rules)!r}; expected a tuple in a table to hold logical dim names. Write "
+                         f"P(...) to name mesh axes, or add a rule for {n!r}.")
+    return spec, found
+
+
