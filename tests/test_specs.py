@@ -9,7 +9,7 @@ from torch import nn
 
 import shardlib as sl
 from shardlib import P
-from shardlib.frontend.specs import resolve_specs
+from shardlib.planner.specs import resolve_specs
 
 MESH = sl.AbstractMesh({"data": 2, "tensor": 2})
 RULES = {"heads": "tensor", "mlp": "tensor", "vocab": "tensor"}

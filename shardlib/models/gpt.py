@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from ..planner.specs import shard
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -36,6 +38,11 @@ class GPTConfig:
         return self.d_model // self.n_heads
 
 
+# The model names its dims (logical axes); ``AxisRules`` map them to mesh axes at plan time, so
+# ``rules={"heads": "tensor", "mlp": "tensor", "vocab": "tensor"}`` is Megatron TP and no rules
+# (every name unmapped) is plain replication. Strict: every parameter is named.
+@shard({"qkv.weight": ("heads", "embed"), "qkv.bias": ("heads",),
+        "proj.weight": ("embed", "heads"), "proj.bias": ("embed",)}, strict=True)
 class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -52,6 +59,8 @@ class Attention(nn.Module):
         return self.proj(rearrange(y, "b h s d -> b s (h d)"))
 
 
+@shard({"fc.weight": ("mlp", "embed"), "fc.bias": ("mlp",),
+        "out.weight": ("embed", "mlp"), "out.bias": ("embed",)}, strict=True)
 class MLPBlock(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -62,6 +71,7 @@ class MLPBlock(nn.Module):
         return self.out(F.gelu(self.fc(x)))
 
 
+@shard({"ln?.*": ("embed",)}, strict=True)
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -75,6 +85,9 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+# wpe's dim 0 is left unnamed: a "seq" rule for activations must not split the position table
+@shard({"wte.weight": ("vocab", "embed"), "wpe.weight": (None, "embed"),
+        "head.weight": ("vocab", "embed"), "ln_f.*": ("embed",)}, strict=True)
 class GPT(nn.Module):
     """Token and position embeddings, ``n_layers`` pre-norm blocks, a final norm and an LM head.
 

@@ -166,8 +166,12 @@ class EngineSetup:
         return UnitRunner(self, units, root)
 
     def _apply_recompute(self) -> None:
-        from torch.utils.checkpoint import checkpoint
+        from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
+        # split over tensor, a recomputed unit runs collectives: recompute it whole (no early stop,
+        # which would skip the collectives after the last tensor backward needs), so what runs is
+        # what the plan traced
+        early = self.plan.tensor_size == 1
         modules = dict(self.model.named_modules())
         for u in self.plan.units:
             if u.recompute:
@@ -175,7 +179,8 @@ class EngineSetup:
                 inner = mod.forward
 
                 def forward(*args, _inner=inner, **kwargs):
-                    return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+                    with set_checkpoint_early_stop(early):
+                        return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
 
                 mod.forward = forward
 
