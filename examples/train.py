@@ -6,6 +6,7 @@ each rank's rows by the plan's batch layout. Rank 0 prints the plan, then the lo
 
     python examples/train.py                                   # ZeRO-2, 2 processes
     python examples/train.py mesh=dp4 zero=3 precision=bf16    # any stage, any precision
+    python examples/train.py mesh=2x2 sequence_parallel=true   # data 2 x tensor 2 (Megatron TP + SP)
 
 The whole configuration is checked before any process starts (``check_config``): a bad value
 prints one message and exits with code 2.
@@ -48,8 +49,18 @@ def batch(text: torch.Tensor, n: int, seq: int, gen: torch.Generator) -> tuple[t
 
 
 def _plan(model: torch.nn.Module, mesh: sl.AbstractMesh, cfg: dict) -> sl.Plan:
+    # the model names its dims; on a mesh with a tensor axis the rules make it Megatron TP
+    rules = dict(cfg["rules"]) if "tensor" in mesh.axis_names else None
     return sl.plan(model, mesh, zero=cfg["zero"], precision=cfg["precision"], grad_accum=cfg["grad_accum"],
-                   clip_grad_norm=cfg["clip_grad_norm"], recompute=cfg["recompute"])
+                   clip_grad_norm=cfg["clip_grad_norm"], recompute=cfg["recompute"], rules=rules,
+                   sequence_parallel=cfg["sequence_parallel"], batch=_example_batch(cfg) if rules else None)
+
+
+def _example_batch(cfg: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shapes of a global batch (meta tensors): the planner traces the tensor axis's activation
+    collectives from them."""
+    ids = torch.zeros(cfg["batch"], cfg["model"]["seq_len"], dtype=torch.long, device="meta")
+    return ids, ids
 
 
 def check_config(cfg: dict) -> list[str]:

@@ -7,7 +7,9 @@ parallelism's all-gather/reduce-scatter pairs emerge from the parameter specs
 boundary                      forward                            backward
 ============================  =================================  ===================================
 replicated -> column input    identity (``f``)                   all-reduce over tensor
-seq-split -> column input     all-gather of the sequence         reduce-scatter of the sequence
+seq-split -> split region     all-gather of the sequence         reduce-scatter of the sequence
+  (the module holding the
+  column projections)
 row output (partial)          all-reduce (``g``)                 identity
   inside the layer stack, SP  reduce-scatter of the sequence     all-gather of the sequence
 vocab-split embedding output  all-reduce                         identity
@@ -131,9 +133,21 @@ class Boundaries:
         sp = tplan.sequence_parallel and tplan.size > 1
         self.sp = sp
         sp_modules = set(tplan.sp_modules)
+        regions: list[str] = []
         for site in tplan.sites:
             mod = modules[site.module]
             in_sp = sp and bool(site.unit)
+            region = site.module.rpartition(".")[0]
+            if in_sp and site.kind == "column" and region != site.unit and region.startswith(site.unit + "."):
+                # SP: the sequence is gathered where the split region begins (the attention or MLP
+                # module holding the column projections), so the region's own code sees the whole
+                # sequence — a model that reshapes by its input's shape (``view(*input_shape, -1,
+                # head_dim)``) reshapes the gathered stream. Its backward reduce-scatter also sums
+                # the columns' partial input gradients: no f on the columns inside.
+                if region not in regions:
+                    regions.append(region)
+                    self._handles.append(modules[region].register_forward_pre_hook(self._region_pre, with_kwargs=True))
+                continue
             if site.kind in ("column", "logits"):
                 self._handles.append(mod.register_forward_pre_hook(self._column_pre(in_sp)))
                 if site.kind == "logits":
@@ -168,10 +182,18 @@ class Boundaries:
             return (y, *args[1:])
         return hook
 
+    def _region_pre(self, module, args, kwargs):
+        """SP: gather the sequence of the region's stream input (its first tensor argument)."""
+        if args and isinstance(args[0], torch.Tensor):
+            return (self.ops.gather_seq(args[0]), *args[1:]), kwargs
+        for k, v in kwargs.items():
+            if isinstance(v, torch.Tensor):
+                return args, {**kwargs, k: self.ops.gather_seq(v)}
+        return None
+
     def _logits_post(self, site):
-        def hook(module, args, output):
-            if self.on_logits is not None:
-                self.on_logits(output, site)
+        def hook(module, args, output):       # on_logits may replace the output (the planner's trace)
+            return self.on_logits(output, site) if self.on_logits is not None else None
         return hook
 
     def _unit_pre(self, unit: str, first_sp: bool):

@@ -97,7 +97,7 @@ class RecordingOps:
                 "Use such a sequence length, or sequence_parallel=False.")
 
 
-def _micro_batch(plan: Plan, batch: Any) -> Any:
+def _micro_batch(plan: Plan, batch: Any, device: str) -> Any:
     rows = None
 
     def cut(t: torch.Tensor) -> torch.Tensor:
@@ -106,46 +106,56 @@ def _micro_batch(plan: Plan, batch: Any) -> Any:
         if t.dim() == 0 or t.shape[0] % n:
             raise ShardingError(f"plan: batch= has a tensor of shape {tuple(t.shape)} whose dim 0 does not split "
                                 f"over data={plan.data_size} x grad_accum={plan.grad_accum} — expected a multiple of {n}.")
-        t = t.to("meta")[: t.shape[0] // n]
+        t = t.to(device)[: t.shape[0] // n]
         return t.to(plan.compute_dtype) if t.is_floating_point() and plan.mixed else t
     return tree_map_only(torch.Tensor, cut, batch)
 
 
 def trace_activations(model: nn.Module, plan: Plan, batch: Any) -> tuple[tuple[int, tuple[CommEntry, ...]], ...]:
-    """Per tensor coordinate, the activation collectives of one micro-step (see module doc)."""
-    tp = plan.tensor
-    mesh = plan.mesh
-    mb = _micro_batch(plan, batch)
-    recompute = {u.name for u in plan.units if u.recompute}
-    units = [u.name for u in plan.units]
-    out = []
-    for coord in range(tp.size):
-        coords = [0] * mesh.ndim
-        coords[mesh.axis_index(tp.axis)] = coord
-        rank = mesh.rank_at(coords)
-        values: dict[str, torch.Tensor] = {}
-        for p in plan.params:
-            shape = tuple(Layout(mesh, p.spec).local_shape(p.shape, rank)) if p.shape else ()
-            values[p.name] = torch.empty(shape, dtype=plan.compute_dtype, device="meta")
-        for name, b in model.named_buffers():
-            dt = plan.compute_dtype if b.is_floating_point() and plan.mixed else b.dtype
-            values[name] = torch.empty(b.shape, dtype=dt, device="meta")
-        ops = RecordingOps(tp.axis, tp.size, coord, tp.seq_dim, recompute)
+    """Per tensor coordinate, the activation collectives of one micro-step (see module doc).
 
-        def logits(output: torch.Tensor, site, ops=ops) -> None:
-            # vocab-parallel cross-entropy (runtime/vocab.py): max, then sum-exp and target logit
-            n = output.numel() // max(output.shape[-1], 1)
-            ops._rec("forward", "all_reduce", comm.all_reduce_bytes(n, ops.size, 4), what="loss")
-            ops._rec("forward", "all_reduce", comm.all_reduce_bytes(2 * n, ops.size, 4), what="loss")
-        bounds = Boundaries(model, tp, ops, units, on_logits=logits)
-        try:
-            with torch.no_grad():
-                if isinstance(mb, dict):
-                    args, kwargs = (), mb
-                else:
-                    args, kwargs = (tuple(mb) if isinstance(mb, (tuple, list)) else (mb,)), {}
-                torch.func.functional_call(model, values, args, kwargs, strict=False, tie_weights=True)
-        finally:
-            bounds.remove()
-        out.append((coord, tuple(ops.entries)))
-    return tuple(out)
+    On the meta device first; a model whose forward reads values (``.item()``, data-dependent
+    control flow: ``transformers``' mask helpers do) is traced again on zero-filled CPU tensors of
+    the shard shapes, which holds one tensor-local copy of the model while it runs."""
+    try:
+        return tuple(_trace(model, plan, batch, coord, "meta") for coord in range(plan.tensor.size))
+    except (RuntimeError, NotImplementedError) as e:
+        if "meta" not in str(e):
+            raise
+    return tuple(_trace(model, plan, batch, coord, "cpu") for coord in range(plan.tensor.size))
+
+
+def _trace(model: nn.Module, plan: Plan, batch: Any, coord: int, device: str) -> tuple[int, tuple[CommEntry, ...]]:
+    tp, mesh = plan.tensor, plan.mesh
+    mb = _micro_batch(plan, batch, device)
+    coords = [0] * mesh.ndim
+    coords[mesh.axis_index(tp.axis)] = coord
+    rank = mesh.rank_at(coords)
+    values: dict[str, torch.Tensor] = {}
+    for p in plan.params:
+        shape = tuple(Layout(mesh, p.spec).local_shape(p.shape, rank)) if p.shape else ()
+        values[p.name] = torch.zeros(shape, dtype=plan.compute_dtype, device=device)
+    for name, b in model.named_buffers():
+        dt = plan.compute_dtype if b.is_floating_point() and plan.mixed else b.dtype
+        values[name] = b.to(device=device, dtype=dt) if device != "meta" else torch.empty(b.shape, dtype=dt,
+                                                                                            device=device)
+    ops = RecordingOps(tp.axis, tp.size, coord, tp.seq_dim, {u.name for u in plan.units if u.recompute})
+
+    def logits(output: torch.Tensor, site) -> torch.Tensor:
+        # vocab-parallel cross-entropy (runtime/vocab.py): max, then sum-exp and target logit; the
+        # code after the head sees full-width logits, as the runtime's ShardedLogits makes it see
+        n = output.numel() // max(output.shape[-1], 1)
+        ops._rec("forward", "all_reduce", comm.all_reduce_bytes(n, ops.size, 4), what="loss")
+        ops._rec("forward", "all_reduce", comm.all_reduce_bytes(2 * n, ops.size, 4), what="loss")
+        return output.new_zeros((*output.shape[:-1], site.width))
+    bounds = Boundaries(model, tp, ops, [u.name for u in plan.units], on_logits=logits)
+    try:
+        with torch.no_grad():
+            if isinstance(mb, dict):
+                args, kwargs = (), mb
+            else:
+                args, kwargs = (tuple(mb) if isinstance(mb, (tuple, list)) else (mb,)), {}
+            torch.func.functional_call(model, values, args, kwargs, strict=False, tie_weights=True)
+    finally:
+        bounds.remove()
+    return coord, tuple(ops.entries)
