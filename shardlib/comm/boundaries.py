@@ -156,8 +156,17 @@ class Boundaries:
                 self._override(mod, _row_forward(self, in_sp, site.module in sp_modules))
             elif site.kind == "vocab":
                 self._override(mod, _vocab_forward(self, site, in_sp))
+        # SP: a unit's tensor-replicated parameters (norms, row biases) enter its forward through
+        # one f over all of them, laid end to end: one all-reduce of their partial gradients per
+        # unit in backward (Megatron sums these "sequence-parallel gradients" in one all-reduce too)
+        self._sp_params: dict[str, list[tuple[nn.Module, str]]] = {}
+        self._sp_values: dict[tuple[int, str], torch.Tensor] = {}
         for name in tplan.sp_modules:
             mod = modules[name]
+            unit = _unit_of(name, set(units))
+            for a, p in mod._parameters.items():
+                if p is not None and (tplan.site(name) is None or a == "bias"):
+                    self._sp_params.setdefault(unit, []).append((mod, a))
             if tplan.site(name) is None:
                 self._override(mod, _sp_param_forward(self, mod))
         body = [u for u in units if u]
@@ -203,12 +212,20 @@ class Boundaries:
             if first_sp and args and isinstance(args[0], torch.Tensor):
                 out = (self.ops.slice_seq(args[0]), *args[1:])      # before the unit: not recomputed
             self.ops.unit = unit
+            owned = self._sp_params.get(unit)
+            self._sp_values.clear()
+            if owned:
+                params = [m._parameters[a] for m, a in owned]
+                flat = self.ops.param_f(torch.cat([p.reshape(-1) for p in params]))
+                for (m, a), p, v in zip(owned, params, flat.split([p.numel() for p in params])):
+                    self._sp_values[(id(m), a)] = v.view(p.shape)
             return out
         return hook
 
     def _unit_post(self, last_sp: bool):
         def hook(module, args, output):
             self.ops.unit = ""
+            self._sp_values.clear()
             if not last_sp:
                 return None
             if isinstance(output, torch.Tensor):
@@ -218,9 +235,15 @@ class Boundaries:
             return None
         return hook
 
+    def sp_value(self, mod: nn.Module, attr: str) -> torch.Tensor:
+        """The parameter as its unit's forward uses it under SP (a view of the unit's f)."""
+        v = self._sp_values.get((id(mod), attr))
+        return v if v is not None else self.ops.param_f(mod._parameters[attr])   # called outside its unit
+
     def clear(self) -> None:
         """Forget memoised inputs (end of a forward or backward)."""
         self._memo.clear()
+        self._sp_values.clear()
         self.ops.unit = ""
 
     # ---- installing ----------------------------------------------------------------------------
@@ -237,12 +260,18 @@ class Boundaries:
         self.clear()
 
 
+def _unit_of(name: str, units: set[str]) -> str:
+    while name and name not in units:
+        name = name.rpartition(".")[0]
+    return name
+
+
 def _row_forward(b: Boundaries, in_sp: bool, bias_partial: bool):
     def forward(self, x):
         y = F.linear(x, self.weight)
         y = b.ops.scatter_seq(y) if in_sp else b.ops.g(y)
         if self.bias is not None:
-            y = y + (b.ops.param_f(self.bias) if bias_partial else self.bias)
+            y = y + (b.sp_value(self, "bias") if bias_partial else self.bias)
         return y
     return forward
 
@@ -272,8 +301,8 @@ def _sp_param_forward(b: Boundaries, mod: nn.Module):
     def forward(self, *args, **kwargs):
         saved = {a: p for a, p in self._parameters.items() if p is not None}
         try:
-            for a, p in saved.items():
-                self._parameters[a] = b.ops.param_f(p)
+            for a in saved:
+                self._parameters[a] = b.sp_value(self, a)
             return cls_forward(self, *args, **kwargs)
         finally:
             self._parameters.update(saved)

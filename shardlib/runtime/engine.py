@@ -101,7 +101,6 @@ class Engine(EngineSetup, EngineInspection, EngineAccess):
         else:   # every replica starts from rank 0's model, as DDP (split over tensor: the whole mesh does)
             broadcast_module(model, mesh, mesh.axis_names if plan.tensor_size > 1 else plan.data_axis)
         self.states = self._build_states(rng)
-        self.tensor = TensorRuntime(self) if plan.tensor_size > 1 else None
         if plan.mixed:
             cast_buffers(model, self.cdt)
         self._apply_recompute()
@@ -113,6 +112,8 @@ class Engine(EngineSetup, EngineInspection, EngineAccess):
             self.buckets, self.units = GradBuckets(self, by_bucket, riders), None
         else:
             self.buckets, self.units = None, self._build_units()
+        # after the units: its unit hooks run after ZeRO-3's gathers
+        self.tensor = TensorRuntime(self) if plan.tensor_size > 1 else None
         self.optimizer = optimizer([s.master for s in trainable])
         _check_optimizer(self.optimizer, [s.master for s in trainable], plan, model)
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
