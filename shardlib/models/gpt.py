@@ -40,9 +40,9 @@ class GPTConfig:
 
 # The model names its dims (logical axes); ``AxisRules`` map them to mesh axes at plan time, so
 # ``rules={"heads": "tensor", "mlp": "tensor", "vocab": "tensor"}`` is Megatron TP and no rules
-# (every name unmapped) is plain replication. Strict: every parameter is named.
+# (every name unmapped) is plain replication.
 @shard({"qkv.weight": ("heads", "embed"), "qkv.bias": ("heads",),
-        "proj.weight": ("embed", "heads"), "proj.bias": ("embed",)}, strict=True)
+        "proj.weight": ("embed", "heads"), "proj.bias": ("embed",)})
 class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -60,7 +60,7 @@ class Attention(nn.Module):
 
 
 @shard({"fc.weight": ("mlp", "embed"), "fc.bias": ("mlp",),
-        "out.weight": ("embed", "mlp"), "out.bias": ("embed",)}, strict=True)
+        "out.weight": ("embed", "mlp"), "out.bias": ("embed",)})
 class MLPBlock(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -71,7 +71,7 @@ class MLPBlock(nn.Module):
         return self.out(F.gelu(self.fc(x)))
 
 
-@shard({"ln?.*": ("embed",)}, strict=True)
+@shard({"ln?.*": ("embed",)})
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -87,7 +87,7 @@ class Block(nn.Module):
 
 # wpe's dim 0 is left unnamed: a "seq" rule for activations must not split the position table
 @shard({"wte.weight": ("vocab", "embed"), "wpe.weight": (None, "embed"),
-        "head.weight": ("vocab", "embed"), "ln_f.*": ("embed",)}, strict=True)
+        "head.weight": ("vocab", "embed"), "ln_f.*": ("embed",)})
 class GPT(nn.Module):
     """Token and position embeddings, ``n_layers`` pre-norm blocks, a final norm and an LM head.
 

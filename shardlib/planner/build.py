@@ -171,6 +171,7 @@ def plan(model: nn.Module, mesh: AbstractMesh, zero: int | None = None, *, state
             buckets[name] = b
             filled += size
             last_unit = unit
+    specs = {k: _trim(v) for k, v in specs.items()}
     params = [ParamPlan(name, tuple(p.shape), unit_of[name], buckets.get(name), p.requires_grad,
                         *state_layouts(specs.get(name, PartitionSpec()) if p.dim() else PartitionSpec()),
                         spec=specs.get(name, PartitionSpec()))
@@ -195,6 +196,11 @@ def plan(model: nn.Module, mesh: AbstractMesh, zero: int | None = None, *, state
         from .trace import trace_activations
         out = replace(out, activations=trace_activations(model, out, batch))
     return out
+
+
+def _trim(spec: PartitionSpec) -> PartitionSpec:
+    """``P()`` for a spec that splits nothing (``P(None, None)``: logical names no rule maps)."""
+    return spec if any(e is not None for e in spec) else PartitionSpec()
 
 
 def with_data(spec: PartitionSpec, axis: str | None) -> PartitionSpec:
