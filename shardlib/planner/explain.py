@@ -81,7 +81,8 @@ class Explain:
         stream = (f"P({d!r}, {t!r}, None): batch over {d!r}, sequence over {t!r} (sequence parallel)"
                   if tp.sequence_parallel else f"P({d!r}, None, None): replicated over {t!r}")
         out = [f"  tensor: {t!r} (t={tp.size}), sequence_parallel={tp.sequence_parallel}"]
-        out += _wrap("split modules: " + "; ".join(words), "    ", "      ")
+        out += _wrap("split modules: " + ("; ".join(words) or f"none (no parameter's spec names {t!r}: give sl.plan "
+                                                             "rules= or sl.shard specs)"), "    ", "      ")
         out.append(f"    residual stream at every unit boundary: {stream}; outside the units "
                    f"P({d!r}, None, None)")
         entries = self.activation_entries()
@@ -150,11 +151,13 @@ class Explain:
         w = max(32, min(64, max((len(r[0]) for r in shown), default=0)))
         wu = max(10, min(32, max((len(r[1]) for r in shown), default=0)))
         ws = max(14, min(32, max((len(r[2][0]) for r in shown), default=0)))
-        out = [f"  {'parameter':<{w}} {'shape':<{ws}} {'unit':<{wu}} {'rest':<6} {'compute':<8} {'grad':<6} "
-               f"{'optim':<6}" + ("" if full else " count")]
+        # the layout columns as wide as their widest cell (tensor·data,- is wider than a header)
+        wl = [max(m, *(len(r[2][k]) for r in shown)) if shown else m for k, m in enumerate((0, 6, 8, 6, 6))]
+        out = [f"  {'parameter':<{w}} {'shape':<{ws}} {'unit':<{wu}} {'rest':<{wl[1]}} {'compute':<{wl[2]}} "
+               f"{'grad':<{wl[3]}} {'optim':<{wl[4]}}" + ("" if full else " count")]
         for name, unit, (shape, rest, compute, grad, optim), count in shown:
-            out.append(f"  {name:<{w}} {shape:<{ws}} {unit:<{wu}} {rest:<6} {compute:<8} {grad:<6} {optim:<6}"
-                       + ("" if full else f" {count:>5}"))
+            out.append(f"  {name:<{w}} {shape:<{ws}} {unit:<{wu}} {rest:<{wl[1]}} {compute:<{wl[2]}} {grad:<{wl[3]}} "
+                       f"{optim:<{wl[4]}}" + ("" if full else f" {count:>5}"))
         if len(rows) > max_rows:
             what = "parameters" if full else f"rows ({sum(r[3] for r in rows[max_rows:])} parameters)"
             out.append(f"  ... and {len(rows) - max_rows} more {what}")

@@ -109,7 +109,7 @@ def derive(model: nn.Module, specs: dict[str, PartitionSpec], *, axis: str, size
     sites: list[Site] = []
     sp_modules: list[str] = []
     unit_set = set(units)
-    checked_parents: set[str] = set()
+    projections: dict[str, list[str]] = {}     # parent module -> its split Linear weights, for messages
     modules = dict(model.named_modules())
     for mname, mod in modules.items():
         own = [(a, p) for a, p in mod._parameters.items() if p is not None]
@@ -142,6 +142,7 @@ def derive(model: nn.Module, specs: dict[str, PartitionSpec], *, axis: str, size
             if row and tuple(w) != (None, axis):
                 problems.append(_combo(wq, wshape, w, axis, where))
                 continue
+            projections.setdefault(mname.rpartition(".")[0], []).append(f"{wq} {wshape} {_fmt(w)}")
             if col:
                 if bias_spec is not None and not _on(bias_spec, 0, axis):
                     problems.append(f"plan: {qual['bias']} {tuple(mod.bias.shape)} of {where} is {_fmt(bias_spec)} but "
@@ -160,10 +161,6 @@ def derive(model: nn.Module, specs: dict[str, PartitionSpec], *, axis: str, size
                 sites.append(Site(mname, ROW, wq, qual.get("bias"), mod.in_features, unit))
                 if sequence_parallel and size > 1 and unit and mod.bias is not None:
                     sp_modules.append(mname)
-            parent = mname.rpartition(".")[0]
-            if parent in modules and parent not in checked_parents:
-                checked_parents.add(parent)
-                problems += _head_problems(parent, modules[parent], size, axis)
         elif isinstance(mod, nn.Embedding):
             w = split.get("weight")
             if w is not None and tuple(w) in ((axis,), (axis, None)):
@@ -186,6 +183,8 @@ def derive(model: nn.Module, specs: dict[str, PartitionSpec], *, axis: str, size
                                 "of nn.Linear (out- or in-features) and nn.Embedding (vocabulary), and a column "
                                 f"Linear's bias, can be split. Keep {qual[a]} replicated (P()); with "
                                 "sequence_parallel=True a norm runs on sequence shards with its weights replicated.")
+    for parent, weights in projections.items():
+        problems += _head_problems(parent, modules[parent], size, axis, weights)
     # a column whose output no row of the same parent consumes ends the model: the LM head
     row_parents = {s.module.rpartition(".")[0] for s in sites if s.kind == ROW}
     sites = [Site(s.module, LOGITS, s.weight, s.bias, s.width, s.unit)
@@ -214,10 +213,15 @@ def _combo(name: str, shape: tuple[int, ...], spec: PartitionSpec, axis: str, wh
 
 
 def _count(mod: nn.Module, names: tuple[str, ...]) -> int | None:
+    """A head count of ``mod``: its own attribute, else (for an attention module only: one that
+    has a ``head_dim`` or ``num_key_value_groups``) its ``config``'s. An MLP or a whole model
+    holding the same ``config`` has no heads of its own."""
     for n in names:
         v = getattr(mod, n, None)
         if isinstance(v, int) and not isinstance(v, bool):
             return v
+    if not any(hasattr(mod, a) for a in ("head_dim", "num_key_value_groups")):
+        return None
     cfg = getattr(mod, "config", None)
     for n in names:
         v = getattr(cfg, n, None)
@@ -226,16 +230,18 @@ def _count(mod: nn.Module, names: tuple[str, ...]) -> int | None:
     return None
 
 
-def _head_problems(name: str, mod: nn.Module, size: int, axis: str) -> list[str]:
+def _head_problems(name: str, mod: nn.Module, size: int, axis: str, weights: list[str]) -> list[str]:
     """Attention heads must split whole over ``tensor``: a shard holding part of a head would
-    compute a wrong softmax. Read off the module holding the projections (``n_heads``,
-    ``num_heads``, ``num_attention_heads``, their KV forms, or its ``config``)."""
+    compute a wrong softmax. Read off the module holding the split projections ``weights``
+    (``n_heads``, ``num_heads``, ``num_attention_heads``, their KV forms, or its ``config``'s)."""
     out = []
     heads, kv = _count(mod, _HEADS), _count(mod, _KV_HEADS)
+    where = name or "<root>"
     for what, n in (("attention heads", heads), ("KV heads", kv)):
         if n is not None and n % size:
             ok = [t for t in range(1, n + 1) if n % t == 0]
-            out.append(f"plan: {type(mod).__name__} {name!r} has {n} {what}, which {axis}={size} ranks cannot split "
-                       f"whole (heads={heads}, kv_heads={kv}) — expected a {axis} degree dividing {n} (one of {ok}). "
-                       f"Use such a {axis} degree, or keep {name}'s projections replicated.")
+            out.append(f"plan: {type(mod).__name__} {where!r} has {n} {what}, which {axis}={size} ranks cannot split "
+                       f"whole — got heads={heads}, kv_heads={kv}, projections {', '.join(weights)}; expected a "
+                       f"{axis} degree dividing {n} (one of {ok}). Use such a {axis} degree, or keep the "
+                       f"projections of {where} replicated (P()).")
     return out
