@@ -33,24 +33,27 @@ def tp_run(cfg: dict, shape: dict) -> dict:
         kw["clip_grad_norm"] = cfg["clip"]
     plan = sl.plan(model, mesh, rules=RULES, sequence_parallel=cfg.get("sp", False), batch=batches[0], **kw)
     engine = sl.parallelize(model, plan, optimizer=make_optimizer(cfg.get("optimizer", "adamw")))
-    losses, counted = [], None
+    losses, counts = train_counting(engine, plan, batches)
+    full = engine.full_state_dict()
+    params = {name: full[name] for name, _ in make_model("gpt_tp").named_parameters()}
+    return {"losses": losses, "params": params, **counts}
+
+
+def train_counting(engine, plan, batches) -> tuple[list[float], dict]:
+    """Step through ``batches``; the second step's collectives, counted, next to the plan's:
+    ``{"counted": {(op, axes): bytes, (op, axes, "n"): count}, "planned": the same from the plan}``."""
+    losses, counted, planned = [], collections.Counter(), collections.Counter()
     for i, batch in enumerate(batches):
+        with sl.count_collectives() as c:
+            losses.append(engine.step(batch))
         if i == 1:
-            with sl.count_collectives() as c:
-                losses.append(engine.step(batch))
-            counted = collections.Counter()
             for r in c.records:
                 counted[(r.op, r.axes)] += r.bytes
                 counted[(r.op, r.axes, "n")] += 1
-        else:
-            losses.append(engine.step(batch))
-    planned = collections.Counter()
-    for e in plan.comm_per_step(mesh.rank):
+    for e in plan.comm_per_step(engine.mesh.rank):
         planned[(e.op, e.axes)] += e.total
         planned[(e.op, e.axes, "n")] += e.count
-    full = engine.full_state_dict()
-    params = {name: full[name] for name, _ in make_model("gpt_tp").named_parameters()}
-    return {"losses": losses, "params": params, "counted": dict(counted), "planned": dict(planned)}
+    return losses, {"counted": dict(counted), "planned": dict(planned)}
 
 
 def tp_runs(cfgs: list[dict], shape: dict) -> list[dict]:

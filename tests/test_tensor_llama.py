@@ -10,8 +10,6 @@ losses within 1e-5 relative, final weights equal; collectives counted equal the 
 
 from __future__ import annotations
 
-import collections
-
 import pytest
 import torch
 
@@ -19,6 +17,7 @@ import shardlib as sl
 from llama import LLAMA_TP, LLAMA_VOCAB_TP, llama_batch, tiny_config, tiny_llama
 from shardlib.testing import get_mesh
 from test_engine import max_rel
+from test_tensor import train_counting
 
 STEPS = 4
 BATCH = 4
@@ -59,23 +58,9 @@ def llama_run(cfg: dict, shape: dict) -> dict:
     batches = _batches()
     plan = sl.plan(model, mesh, zero=cfg.get("zero", 0), sequence_parallel=cfg.get("sp", False), batch=batches[0])
     engine = sl.parallelize(model, plan, optimizer=_optimizer, loss_fn=_loss)
-    losses, counted = [], collections.Counter()
-    for i, batch in enumerate(batches):
-        if i == 1:
-            with sl.count_collectives() as c:
-                losses.append(engine.step(batch))
-            for r in c.records:
-                counted[(r.op, r.axes)] += r.bytes
-                counted[(r.op, r.axes, "n")] += 1
-        else:
-            losses.append(engine.step(batch))
-    planned = collections.Counter()
-    for e in plan.comm_per_step(mesh.rank):
-        planned[(e.op, e.axes)] += e.total
-        planned[(e.op, e.axes, "n")] += e.count
+    losses, counts = train_counting(engine, plan, batches)
     full = engine.full_state_dict()
-    return {"losses": losses, "params": {n: full[n] for n, _ in model.named_parameters()},
-            "counted": dict(counted), "planned": dict(planned)}
+    return {"losses": losses, "params": {n: full[n] for n, _ in model.named_parameters()}, **counts}
 
 
 def llama_runs(cfgs: list[dict], shape: dict) -> list[dict]:

@@ -106,11 +106,16 @@ class Ops:
         return self.mesh.group_index(self.mesh.rank, self.axes)
 
     def _check_seq(self, x: torch.Tensor) -> None:
-        if x.dim() <= self.seq_dim or x.shape[self.seq_dim] % self.size:
-            raise ShardingError(
-                f"sequence_parallel: the residual stream {tuple(x.shape)} splits its sequence dim {self.seq_dim} over "
-                f"tensor={self.size} ranks — expected a sequence length divisible by {self.size}. Use such a "
-                "sequence length, or sequence_parallel=False.")
+        check_seq(x, self.seq_dim, self.size, "sequence_parallel")
+
+
+def check_seq(x: torch.Tensor, dim: int, size: int, api: str) -> None:
+    """The residual stream's sequence dim must split evenly over the tensor ranks."""
+    if x.dim() <= dim or x.shape[dim] % size:
+        raise ShardingError(
+            f"{api}: sequence_parallel splits the residual stream {tuple(x.shape)} on its sequence dim {dim} over "
+            f"tensor={size} ranks — expected a sequence length divisible by {size}. Use such a sequence length, "
+            "or sequence_parallel=False.")
 
 
 def vocab_range(width: int, size: int, coord: int) -> tuple[int, int]:

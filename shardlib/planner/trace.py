@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_map_only
 
 from ..algebra.layout import Layout
 from ..comm import core as comm
-from ..comm.boundaries import Boundaries
+from ..comm.boundaries import Boundaries, check_seq
 from ..errors import ShardingError
 from .traffic import CommEntry
 
@@ -90,11 +90,7 @@ class RecordingOps:
         return self._coord
 
     def _check(self, x: torch.Tensor) -> None:
-        if x.dim() <= self.seq_dim or x.shape[self.seq_dim] % self.size:
-            raise ShardingError(
-                f"plan: sequence_parallel splits the residual stream {tuple(x.shape)} on its sequence dim "
-                f"{self.seq_dim} over tensor={self.size} ranks — expected a sequence length divisible by {self.size}. "
-                "Use such a sequence length, or sequence_parallel=False.")
+        check_seq(x, self.seq_dim, self.size, "plan")
 
 
 def _micro_batch(plan: Plan, batch: Any, device: str) -> Any:
