@@ -32,7 +32,8 @@ def tp_run(cfg: dict, shape: dict) -> dict:
     if "clip" in cfg:
         kw["clip_grad_norm"] = cfg["clip"]
     plan = sl.plan(model, mesh, rules=RULES, sequence_parallel=cfg.get("sp", False), batch=batches[0], **kw)
-    engine = sl.parallelize(model, plan, optimizer=make_optimizer(cfg.get("optimizer", "adamw")))
+    engine = sl.parallelize(model, plan, optimizer=make_optimizer(cfg.get("optimizer", "adamw")),
+                            loss_scale=cfg.get("loss_scale"))
     losses, counts = train_counting(engine, plan, batches)
     full = engine.full_state_dict()
     params = {name: full[name] for name, _ in make_model("gpt_tp").named_parameters()}
@@ -60,7 +61,7 @@ def tp_runs(cfgs: list[dict], shape: dict) -> list[dict]:
     return [tp_run(c, shape) for c in cfgs]
 
 
-def _check(world, cfgs: list[dict], shape: dict) -> None:
+def _check(world, cfgs: list[dict], shape: dict, **tolerance) -> None:
     n = 1
     for v in shape.values():
         n *= v
@@ -68,8 +69,9 @@ def _check(world, cfgs: list[dict], shape: dict) -> None:
     for i, cfg in enumerate(cfgs):
         results = [per_rank[r][i] for r in range(n)]
         ref = reference_for({"model": "gpt_tp", **{k: v for k, v in cfg.items()
-                                                    if k in ("optimizer", "grad_accum", "clip")}})
-        check_parity(cfg, results, ref)
+                                                    if k in ("optimizer", "grad_accum", "clip", "precision",
+                                                             "loss_scale")}})
+        check_parity(cfg, results, ref, **tolerance)
         for r, res in enumerate(results):
             assert res["counted"] == res["planned"], f"{cfg} {shape}: rank {r} ran {res['counted']}, " \
                                                      f"the plan says {res['planned']}"
@@ -96,6 +98,19 @@ def test_data_by_tensor_policies(world):
             {"zero": 3, "sp": False, "clip": 0.05, "recompute": True, "optimizer": "sgd"},
             {"zero": 0, "sp": True, "recompute": True, "grad_accum": 2}]
     _check(world, cfgs, {"data": 2, "tensor": 2})
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_data_by_tensor_mixed_precision(world, precision):
+    """bf16/fp16 compute with fp32 masters (fp16: a dynamic loss scale, 2^10 so that neither run
+    overflows), ZeRO-3 with SP: the losses of the same policy in one process, within 2.5 epsilon of
+    the low dtype (``test_engine_precision``'s bound: the rounding of another order of sums; here
+    also the vocab-parallel loss, computed in fp32 where one process rounds in the low dtype)."""
+    eps = torch.finfo(getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[precision])).eps
+    cfg = {"zero": 3, "sp": True, "precision": precision}
+    if precision == "fp16":
+        cfg["loss_scale"] = 2.0 ** 10
+    _check(world, [cfg], {"data": 2, "tensor": 2}, rtol=2.5 * eps, param_tol={"rtol": 1.0, "atol": 1.0})
 
 
 # ---- the plan: Megatron's collectives per block ---------------------------------------------
