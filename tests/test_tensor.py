@@ -77,7 +77,7 @@ def _check(world, cfgs: list[dict], shape: dict, **tolerance) -> None:
                                                      f"the plan says {res['planned']}"
 
 
-@pytest.mark.parametrize("tensor", [2, 4])
+@pytest.mark.parametrize("tensor", [1, 2, 4])
 def test_tensor_parallel_alone(world, tensor):
     cfgs = [{"sp": False}, {"sp": True}, {"sp": False, "optimizer": "sgd_plain"},
             {"sp": True, "optimizer": "sgd_plain"}]
