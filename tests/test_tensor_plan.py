@@ -143,8 +143,11 @@ def test_two_patterns_giving_one_parameter_different_specs():
 
 def test_rule_mapping_two_logical_dims_of_one_tensor_to_one_axis():
     err = plan_error(GPT(CFG), MESH, rules={"heads": "tensor", "embed": "tensor"})
-    # every attention projection is ("heads", "embed") or ("embed", "heads"); one problem each
-    assert len(err.problems) == 2 * CFG.n_layers, err
+    # every attention projection is ("heads", "embed") or ("embed", "heads"); one problem each (listed
+    # with what embed -> tensor does elsewhere: norms split on tensor, ...: every problem at once)
+    two = [m for m in err.problems if "Map at most one of" in m]
+    assert len(two) == 2 * CFG.n_layers, err
+    assert any("LayerNorm" in m for m in err.problems), err
     d = CFG.d_model
     the_problem(err, "'blocks.0.attn.qkv.weight'", f"({3 * d}, {d})", "('heads', 'embed')",
                 "'heads' -> 'tensor'", "'embed' -> 'tensor'", "Map at most one of 'heads' and 'embed' to 'tensor'")

@@ -309,13 +309,12 @@ def _check(model: nn.Module, mesh: AbstractMesh, *, zero, states, precision, red
     specs: dict[str, PartitionSpec] = {}
     tplan = None
     if not problems:
-        try:
-            specs = resolve_specs(model, mesh, rules)
-        except ShardingError as e:
-            for m in e.problems:
-                add(m)
+        spec_problems: list[str] = []
+        specs = resolve_specs(model, mesh, rules, collect=spec_problems)
+        for m in spec_problems:
+            add(m)
         t = mesh.axis_sizes.get(tensor_axis, 1)
-        if not problems and t > 1:
+        if t > 1:       # with the spec problems: every problem at once
             tplan, tproblems = derive(model, specs, axis=tensor_axis, size=t, units=unit_names,
                                       sequence_parallel=bool(sequence_parallel))
             for m in tproblems:

@@ -354,8 +354,9 @@ def _same(a: PartitionSpec, b: PartitionSpec) -> bool:
 
 def resolve_specs(model: nn.Module, mesh: AbstractMesh | None = None,
                   rules: AxisRules | Mapping[str, RuleValue] | None = None, *,
-                  strict: bool | None = None) -> dict[str, PartitionSpec]:
+                  strict: bool | None = None, collect: list[str] | None = None) -> dict[str, PartitionSpec]:
     """``{qualified parameter name: PartitionSpec over the full parameter shape}`` for ``model``.
+    ``collect``: append the problems to it and return what resolved, instead of raising.
 
     A parameter no pattern matches is ``P()``. ``strict=True`` makes every table strict (``None``
     or ``False`` leave each table's own ``strict``). Raises one ``SpecError`` listing every problem.
@@ -439,6 +440,9 @@ def resolve_specs(model: nn.Module, mesh: AbstractMesh | None = None,
                     problems.add(f"{API}: pattern {e.pattern!r} of {owner} matches no parameter — expected every "
                                  "pattern of a strict table to match one (names are relative to the decorated "
                                  "module, e.g. 'attn.qkv.weight' or '*.qkv.weight'). Fix the pattern or drop it.")
+    if collect is not None:              # the planner lists these with its own problems
+        collect.extend(problems.items)
+        return out
     problems.raise_if_any()
     return out
 
