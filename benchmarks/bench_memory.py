@@ -52,7 +52,8 @@ CONFIGS = [("DP", 0), ("ZeRO-1", 1), ("ZeRO-2", 2), ("ZeRO-3", 3), ("FSDP2", Non
 MiB = 2**20
 
 
-def _status(key: str) -> int:
+def proc_status(key: str) -> int:
+    """A ``/proc/self/status`` size in bytes (``VmRSS``, ``VmHWM``)."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(key + ":"):
@@ -74,18 +75,18 @@ class PeakRSS:
                 f.write("5")
         except OSError:
             self.exact = False
-            self._peak = _status("VmRSS")
+            self._peak = proc_status("VmRSS")
             self._thread = threading.Thread(target=self._sample, daemon=True)
             self._thread.start()
 
     def _sample(self) -> None:
         while not self._stop.wait(0.001):
-            self._peak = max(self._peak, _status("VmRSS"))
+            self._peak = max(self._peak, proc_status("VmRSS"))
 
     def peak(self) -> int:
         if self.exact:
-            return _status("VmHWM")
-        self._peak = max(self._peak, _status("VmRSS"))
+            return proc_status("VmHWM")
+        self._peak = max(self._peak, proc_status("VmRSS"))
         return self._peak
 
     def stop(self) -> None:
@@ -129,13 +130,13 @@ def rank_main(zero: int | None, steps: int) -> dict:
     mesh = sl.Mesh({"data": 2})
     n = mesh.axis_size("data")
     # warm-up: load what torch loads on first use, through the same code, on a tiny model
-    before = _status("VmRSS")
+    before = proc_status("VmRSS")
     step, _ = _build(TINY, mesh, zero)
     for b in _batches(TINY, mesh.rank, n, 2):
         step(b)
     del step
     gc.collect()
-    base = _status("VmRSS")
+    base = proc_status("VmRSS")
     meter = PeakRSS()
     meter.start()
     step, plan = _build(CFG, mesh, zero)

@@ -60,6 +60,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardlib as sl
+from bench_memory import proc_status   # benchmarks/ is on the path when run as a script
 from shardlib.comm.core import all_gather_bytes, all_reduce_bytes, broadcast_bytes, reduce_scatter_bytes
 from shardlib.models import GPT, GPTConfig, token_batch
 
@@ -282,14 +283,6 @@ def megatron_bytes(cfg: GPTConfig, mesh_shape: dict[str, int], itemsize: int = 4
 # Ranks
 # ---------------------------------------------------------------------------------------------
 
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {key}")
-
-
 def local_batches(mesh_shape: dict[str, int], rank: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """This rank's rows of ``count`` global batches: its data coordinate's slice (rank-major mesh)."""
     d, t = mesh_shape["data"], mesh_shape["tensor"]
@@ -362,11 +355,11 @@ def rss_main(label: str, side: str, steps: int) -> dict:
     torch.set_num_threads(1)
     mesh_shape, sp, zero, _ = CONFIGS[label]
     batches = local_batches(mesh_shape, dist.get_rank(), steps)
-    before = _status("VmRSS")
+    before = proc_status("VmRSS")
     step = SIDES[side](CFG, mesh_shape, sp, zero).step
     for b in batches:
         step(b)
-    return {"before": before, "peak": _status("VmHWM")}
+    return {"before": before, "peak": proc_status("VmHWM")}
 
 
 def reference_losses(count: int) -> list[float]:

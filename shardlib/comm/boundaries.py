@@ -136,7 +136,6 @@ class Boundaries:
         self._forwards: list[nn.Module] = []
         modules = dict(model.named_modules())
         sp = tplan.sequence_parallel and tplan.size > 1
-        self.sp = sp
         sp_modules = set(tplan.sp_modules)
         regions: list[str] = []
         for site in tplan.sites:

@@ -319,8 +319,6 @@ def _check(model: nn.Module, mesh: AbstractMesh, *, zero, states, precision, red
                                       sequence_parallel=bool(sequence_parallel))
             for m in tproblems:
                 add(m)
-        elif sequence_parallel and t == 1:
-            pass                                   # nothing to split: sequence parallelism is a no-op
     if problems:
         messages = [m for _, m in problems]
         if all(wrong_kind for wrong_kind, _ in problems):

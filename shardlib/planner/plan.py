@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 import math
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 import torch
@@ -293,8 +293,6 @@ class Plan(MemoryAccounting, TrafficAccounting, Explain):
 
 def _localize(plan: Plan, rank: int, coord: int) -> Plan:
     """``plan.local(rank)``: shapes become ``rank``'s tensor shards, layouts the data axis's."""
-    from dataclasses import replace
-
     mesh, st = plan.mesh, plan.states
 
     def data_layout(axis: str | None) -> Layout:
@@ -303,6 +301,6 @@ def _localize(plan: Plan, rank: int, coord: int) -> Plan:
     rest, grad, optim, rep = data_layout(st.params), data_layout(st.grads), data_layout(st.optim), data_layout(None)
     params = []
     for p in plan.params:
-        shape = tuple(Layout(mesh, p.spec).local_shape(p.shape, rank)) if p.shape else p.shape
+        shape = tuple(p.compute.local_shape(p.shape, rank)) if p.shape else p.shape   # compute = the spec's layout
         params.append(replace(p, shape=shape, full_shape=p.shape, rest=rest, compute=rep, grad=grad, optim=optim))
     return replace(plan, params=tuple(params), local_coord=coord)

@@ -37,6 +37,7 @@ runs; errors name the module, the parameter, its shape, the spec and the fix.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from torch import nn
 
@@ -75,10 +76,11 @@ class TensorPlan:
     seq_dim: int = 1
 
     def site(self, module: str) -> Site | None:
-        for s in self.sites:
-            if s.module == module:
-                return s
-        return None
+        return self._by_module.get(module)
+
+    @cached_property
+    def _by_module(self) -> dict[str, Site]:
+        return {s.module: s for s in self.sites}
 
     @property
     def has_logits(self) -> bool:

@@ -94,10 +94,7 @@ class RecordingOps:
 
 
 def _micro_batch(plan: Plan, batch: Any, device: str) -> Any:
-    rows = None
-
     def cut(t: torch.Tensor) -> torch.Tensor:
-        nonlocal rows
         n = plan.data_size * plan.grad_accum
         if t.dim() == 0 or t.shape[0] % n:
             raise ShardingError(f"plan: batch= has a tensor of shape {tuple(t.shape)} whose dim 0 does not split "

@@ -175,7 +175,7 @@ class Engine(EngineSetup, EngineInspection, EngineAccess):
         if self.buckets is not None and self.buckets.riders:
             vec = self.buckets.rider_sums
         elif split:      # over (data, tensor), each value counted once (TensorRuntime.scalars)
-            vec = self.tensor.reduce_scalars(self._scalar_vector(scalars), found_inf=self.scaler is not None)
+            vec = self.tensor.reduce_scalars(self._scalar_vector(scalars))
         else:
             vec = comm.all_reduce(self._scalar_vector(scalars), self.mesh, plan.data_axis)
         loss = vec[0] / (self.data_size * m)

@@ -64,14 +64,13 @@ class TensorRuntime:
         parameters on tensor coordinate 0 only; with replicated (DP) gradients on data coordinate
         0 only. Summed over ``(data, tensor)`` it counts each element once."""
         zero = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
+        if self.engine.plan.states.grads is None and self.data_coord != 0:
+            return zero.float()          # replicated gradients: data coordinate 0 counts them
         split = sum(((g.double() ** 2).sum() for g, s in zip(grads, self.split) if s), zero)
         rep = sum(((g.double() ** 2).sum() for g, s in zip(grads, self.split) if not s), zero)
-        total = split + (rep if self.coord == 0 else 0.0)
-        if self.engine.plan.states.grads is None and self.data_coord != 0:
-            total = total * 0.0
-        return total.float()
+        return (split + rep if self.coord == 0 else split).float()
 
-    def reduce_scalars(self, vec: torch.Tensor, *, found_inf: bool) -> torch.Tensor:
+    def reduce_scalars(self, vec: torch.Tensor) -> torch.Tensor:
         """All-reduce the step's scalar vector ``[loss, (found_inf), (sumsq), used...]`` over
         ``(data, tensor)``: the loss and the used flags are the same on every tensor coordinate, so
         coordinate 0 alone contributes them (adding zeros is exact)."""
