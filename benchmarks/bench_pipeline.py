@@ -1,0 +1,477 @@
+"""shardlib's pipe axis vs ``torch.distributed.pipelining``, side by side in the same processes.
+
+    PYTHONPATH=. python3 benchmarks/bench_pipeline.py                 # every config, prints a Markdown table
+    PYTHONPATH=. python3 benchmarks/bench_pipeline.py --configs gpipe-p2 1f1b-p4 --steps 10 --json rows.json
+
+Configs (``p`` pipe ranks = processes, ``m`` microbatches, ``v`` stages per rank; torch's class, shardlib's
+schedule name):
+
+* ``gpipe-p{2,4}``        v = 1   ``ScheduleGPipe``                  ``"gpipe"``
+* ``1f1b-p{2,4}``         v = 1   ``Schedule1F1B``                   ``"1f1b"``
+* ``interleaved-p{2,4}``  v = 2   ``ScheduleInterleaved1F1B``        ``"interleaved_1f1b"``
+* ``zb1-p{2,4}``          v = 1   ``ScheduleInterleavedZeroBubble``  ``"zb_h1"`` (torch's ZB1P on one stage per
+                                  rank: the zero-bubble schedule shardlib's ``zb_h1`` is)
+* ``zb-p{2,4}``           v = 2   ``ScheduleInterleavedZeroBubble``  torch only: shardlib's ``zb_h1`` is v = 1
+
+m = 8 everywhere. The zero-bubble schedules split each backward into I (input gradient) and W (weight
+gradient); torch does the split on the autograd graph (``stage_backward_input``/``stage_backward_weight``).
+
+**The torch side** is built by hand, as torchtitan builds its pipeline stages: every rank builds the whole
+``GPT(CFG, seed=0)`` (so its weights equal the single-process model's), keeps the stages it owns and drops the
+rest. The ``p·v`` stages cut the 8 blocks into equal contiguous slices; stage ``s`` lives on rank ``s % p``
+(torch's looped placement, as in shardlib's design). A stage (``GPTStage``) holds ``wte``/``wpe`` when it is
+the first, its blocks, ``ln_f``/``head`` when it is the last, and computes exactly ``GPT.forward``'s math::
+
+    first:  x = wte(idx) + wpe(arange(s));  x = blocks(x)          (tokens -> activations)
+    middle: x = blocks(x)                                          (activations -> activations)
+    last:   x = blocks(x);  logits = head(ln_f(x))                 (activations -> logits)
+    loss_fn(logits, targets) = cross_entropy(logits as (b·s, vocab), targets as (b·s,))   (mean)
+
+Each stage is a ``PipelineStage`` on the world group (gloo); the schedule gets ``loss_fn`` and its default
+``scale_grads=True`` (gradients divided by ``m``), so with equal microbatches the gradient is the one of the
+global batch's mean loss and the reported loss, the mean of the ``m`` microbatch losses, is the global-batch
+loss. The optimizer is SGD (lr ``LR``) on each rank's parameters, stepped after the schedule.
+
+**Timing.** For each config one ``sl.launch`` world (``p`` gloo ranks, 1 thread each) builds both sides from
+the same seed, warms them up, then steps them alternately (A B, B A, ...) on the same global batches, so a
+change in machine load hits both alike. A step is the schedule (forward + backward of all microbatches) plus
+the optimizer step; every rank notes its start (after a barrier) and end on the machine's monotonic clock,
+and the step's time is the latest end minus the earliest start over the ranks. Peak RSS per rank (``VmHWM``)
+is measured apart, each side alone in a fresh world.
+
+**Idle fraction (the measured bubble).** The torch side's stage methods ``forward_one_chunk``,
+``backward_one_chunk`` and ``backward_weight_one_chunk`` are wrapped to note their start and end as
+``Record(rank, action, start, end)`` (actions spelled like torch's ``_Action``: ``0F3``, ``1B0``, ``1I2``,
+``1W2``; the last stage's loss is part of its F), two clock reads per action. Over one step::
+
+    span    = max(end) - min(start)        over all ranks' records
+    busy_r  = |union of rank r's compute intervals|
+    idle_r  = 1 - busy_r / span            (the same measure as shardlib.frontend.timeline.idle_fractions)
+
+reported as the median over the timed steps of the mean over ranks, beside the formula: ``(p-1)/(m+p-1)``
+for GPipe and 1F1B, ``(p-1)/(v·m+p-1)`` interleaved, about ``(p-1)/(3m)`` for ZB-H1 when F = B = W. On the
+2-core reference machine 4 ranks share 2 cores, so at p = 4 a rank's compute is stretched by its neighbours'
+and the measured idle is not the schedule's bubble alone.
+
+**Correctness.** One process trains the whole model on the whole batch with the same optimizer and batches
+(``reference_losses``); the table gives the largest relative loss difference over every step.
+
+**Hangs.** gloo point-to-point under torch's pipelining has hung before (pytorch/pytorch#132644: a batch of
+p2p ops returned several ``Work``s on gloo and only one was waited on; fixed upstream by waiting on all). Every
+world runs under a collective timeout (``--timeout``; it bounds gloo's point-to-point waits too) and a
+whole-world timeout (``--world-timeout``); a config that fails or hangs is reported as FAILED with the first
+line of the error, and where both sides ran in it each side is then run alone, so that one side's failure
+does not hide the other's numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections import namedtuple
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from bench_memory import proc_status  # benchmarks/ is on the path when run as a script
+from torch import nn
+
+import shardlib as sl
+from shardlib.models import GPT, GPTConfig, token_batch
+
+CFG = GPTConfig(vocab_size=512, seq_len=64, d_model=128, n_heads=4, n_layers=8)   # 1.73 M parameters
+BATCH = 16   # global batch (sequences): m = 8 microbatches of 2
+LR = 0.1
+# label: (shardlib schedule name, p, m, v for torch, v for shardlib — None: no shardlib counterpart)
+CONFIGS = {
+    "gpipe-p2": ("gpipe", 2, 8, 1, 1),
+    "1f1b-p2": ("1f1b", 2, 8, 1, 1),
+    "interleaved-p2": ("interleaved_1f1b", 2, 8, 2, 2),
+    "zb1-p2": ("zb_h1", 2, 8, 1, 1),
+    "zb-p2": ("zb_h1", 2, 8, 2, None),
+    "gpipe-p4": ("gpipe", 4, 8, 1, 1),
+    "1f1b-p4": ("1f1b", 4, 8, 1, 1),
+    "interleaved-p4": ("interleaved_1f1b", 4, 8, 2, 2),
+    "zb1-p4": ("zb_h1", 4, 8, 1, 1),
+    "zb-p4": ("zb_h1", 4, 8, 2, None),
+}
+TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
+                   "interleaved_1f1b": "ScheduleInterleaved1F1B", "zb_h1": "ScheduleInterleavedZeroBubble"}
+Record = namedtuple("Record", "rank action start end")   # seconds on the machine's monotonic clock
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def make_optimizer(params) -> torch.optim.Optimizer:
+    """The optimizer of every side and of the single-process reference."""
+    return torch.optim.SGD(params, lr=LR)
+
+
+@dataclass
+class Built:
+    """One side, built in a rank. ``step(global_batch)`` runs one training step and returns the
+    global-batch loss where this rank knows it (None elsewhere); ``records()`` the compute records of
+    the last step (empty where the side records none)."""
+    step: Callable[[Batch], float | None]
+    records: Callable[[], list] = field(default=list)
+
+
+# ---------------------------------------------------------------------------------------------
+# The shardlib side (part 2: the engine is being written)
+# ---------------------------------------------------------------------------------------------
+
+def run_shardlib(schedule: str, p: int, m: int, v: int, cfg: GPTConfig = CFG) -> Built:
+    """shardlib's pipeline engine for ``GPT(cfg, seed=0)`` in this rank of a world of ``p`` ranks.
+
+    To be: ``plan = sl.plan(model, sl.Mesh({"pipe": p}), rules={"layers": "pipe"}, microbatches=m,
+    schedule=schedule, virtual_stages=v)``; ``engine = sl.parallelize(model, plan,
+    optimizer=make_optimizer)``; ``step = lambda batch: float(engine.step(batch))`` with the global batch;
+    ``records = lambda: engine.timeline``.
+    """
+    raise NotImplementedError("run_shardlib: shardlib's pipeline engine is not benchmarked yet (part 2)")
+
+
+# ---------------------------------------------------------------------------------------------
+# The torch side
+# ---------------------------------------------------------------------------------------------
+
+class GPTStage(nn.Module):
+    """Blocks ``[lo, hi)`` of a ``GPT``, with its embeddings when ``first`` and its final norm and head
+    when ``last`` (the modules are the model's own, not copies). ``forward`` is ``GPT.forward``'s math
+    for that slice: tokens -> activations on the first stage, activations -> logits on the last."""
+
+    def __init__(self, model: GPT, lo: int, hi: int, first: bool, last: bool):
+        super().__init__()
+        self.first, self.last = first, last
+        if first:
+            self.wte, self.wpe = model.wte, model.wpe
+        self.blocks = nn.ModuleList(model.blocks[lo:hi])
+        if last:
+            self.ln_f, self.head = model.ln_f, model.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            x = self.wte(x) + self.wpe(torch.arange(x.shape[1], device=x.device))
+        for block in self.blocks:
+            x = block(x)
+        if self.last:
+            x = self.head(self.ln_f(x))
+        return x
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``GPT.forward``'s loss: mean cross-entropy over the ``b·s`` tokens of a microbatch."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _record_stage(stage, rank: int, out: list) -> None:
+    """Wrap the stage's compute methods so each call appends ``Record(rank, "<stage><kind><mb>", t0, t1)``."""
+    s = stage.stage_index
+    fwd, bwd, wgt = stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk
+
+    def forward_one_chunk(mb, *args, **kwargs):
+        t0 = time.perf_counter()
+        y = fwd(mb, *args, **kwargs)
+        out.append(Record(rank, f"{s}F{mb}", t0, time.perf_counter()))
+        return y
+
+    def backward_one_chunk(mb, loss=None, full_backward=True, last_backward=False):
+        t0 = time.perf_counter()
+        y = bwd(mb, loss=loss, full_backward=full_backward, last_backward=last_backward)
+        out.append(Record(rank, f"{s}{'B' if full_backward else 'I'}{mb}", t0, time.perf_counter()))
+        return y
+
+    def backward_weight_one_chunk(mb, last_backward=False):
+        t0 = time.perf_counter()
+        y = wgt(mb, last_backward=last_backward)
+        out.append(Record(rank, f"{s}W{mb}", t0, time.perf_counter()))
+        return y
+
+    stage.forward_one_chunk = forward_one_chunk
+    stage.backward_one_chunk = backward_one_chunk
+    stage.backward_weight_one_chunk = backward_weight_one_chunk
+
+
+def run_torch(schedule: str, p: int, m: int, v: int, cfg: GPTConfig = CFG) -> Built:
+    """``torch.distributed.pipelining`` on ``GPT(cfg, seed=0)`` in this rank of a world of ``p`` ranks:
+    ``p·v`` hand-built ``GPTStage``s (stage ``s`` on rank ``s % p``), torch's schedule for ``schedule``
+    (GPipe and 1F1B take the rank's one stage; the runtime schedules, zero-bubble too, a list of them)."""
+    from torch.distributed import pipelining as pp
+
+    rank, n_stages = dist.get_rank(), p * v
+    if dist.get_world_size() != p or cfg.n_layers % n_stages:
+        raise ValueError(f"run_torch: {cfg.n_layers} blocks on {n_stages} stages in a world of "
+                         f"{dist.get_world_size()} — expected world p = {p} and p·v dividing the blocks.")
+    per = cfg.n_layers // n_stages
+    model = GPT(cfg, seed=0)
+    mods = [GPTStage(model, s * per, (s + 1) * per, s == 0, s == n_stages - 1) for s in range(rank, n_stages, p)]
+    del model   # the other ranks' blocks go with it
+    stages = [pp.PipelineStage(mod, s, n_stages, torch.device("cpu"))
+              for mod, s in zip(mods, range(rank, n_stages, p))]
+    records: list = []
+    for st in stages:
+        _record_stage(st, rank, records)
+    cls = getattr(pp, TORCH_SCHEDULES[schedule])
+    sched = cls(stages[0] if v == 1 and schedule in ("gpipe", "1f1b") else stages, n_microbatches=m, loss_fn=lm_loss)
+    compute_loss = sched._compute_loss
+
+    def timed_loss(output, target, loss_kwargs=None):
+        y = compute_loss(output, target, loss_kwargs)
+        records[-1] = records[-1]._replace(end=time.perf_counter())   # the loss belongs to the last F
+        return y
+
+    sched._compute_loss = timed_loss
+    opt = make_optimizer([q for mod in mods for q in mod.parameters()])
+    has_first, has_last = rank == 0, (n_stages - 1) % p == rank
+
+    def step(batch: Batch) -> float | None:
+        idx, targets = batch
+        records.clear()
+        losses: list = []
+        args = (idx,) if has_first else ()
+        kwargs = {"target": targets, "losses": losses} if has_last else {}
+        sched.step(*args, **kwargs)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(torch.stack(losses).detach().mean()) if has_last else None
+
+    return Built(step, lambda: list(records))
+
+
+SIDES = {"torch": run_torch, "shardlib": run_shardlib}
+
+
+# ---------------------------------------------------------------------------------------------
+# Ranks
+# ---------------------------------------------------------------------------------------------
+
+def idle_fractions(records: list) -> dict[int, float]:
+    """``1 - busy_r / span`` per rank: ``busy_r`` the union of rank r's compute intervals, ``span`` the
+    earliest start to the latest end over all ranks (``frontend/timeline.py``'s definition)."""
+    span = max(r.end for r in records) - min(r.start for r in records)
+    out = {}
+    for rank in sorted({r.rank for r in records}):
+        busy, cur_s, cur_e = 0.0, None, None
+        for r in sorted((r for r in records if r.rank == rank), key=lambda r: r.start):
+            if cur_e is None or r.start > cur_e:
+                busy += 0.0 if cur_e is None else cur_e - cur_s
+                cur_s, cur_e = r.start, r.end
+            else:
+                cur_e = max(cur_e, r.end)
+        busy += cur_e - cur_s
+        out[rank] = 1.0 - busy / span
+    return out
+
+
+def rank_main(label: str, sides: list[str], warmup: int, steps: int) -> dict:
+    """The sides alive in one world, warmed up, then stepped alternately; gathered to every rank."""
+    torch.set_num_threads(1)
+    schedule, p, m, vt, vs = CONFIGS[label]
+    v = {"torch": vt, "shardlib": vs}
+    batches = [token_batch(CFG, BATCH, s) for s in range(warmup + steps)]
+    built, errors = {}, {}
+    for side in sides:
+        try:
+            built[side] = SIDES[side](schedule, p, m, v[side])
+        except NotImplementedError as e:
+            errors[side] = str(e)
+    mine = {s: {"losses": [], "spans": [], "records": []} for s in built}
+    for i, batch in enumerate(batches[:warmup]):
+        for side, b in built.items():
+            mine[side]["losses"].append(b.step(batch))
+    order = list(built)
+    for i, batch in enumerate(batches[warmup:]):
+        for side in (order if i % 2 == 0 else order[::-1]):
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = built[side].step(batch)
+            mine[side]["spans"].append((t0, time.perf_counter()))
+            mine[side]["losses"].append(loss)
+            mine[side]["records"].append(built[side].records())
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    res = {"errors": errors, "times": {}, "losses": {}, "idle": {}, "idle_per_rank": {}, "example": {}}
+    for side in built:
+        per = [e[side] for e in everyone]
+        res["times"][side] = [max(r["spans"][k][1] for r in per) - min(r["spans"][k][0] for r in per)
+                              for k in range(steps)]
+        res["losses"][side] = [next(x for x in xs if x is not None) for xs in zip(*(r["losses"] for r in per))]
+        recs = [[rec for r in per for rec in r["records"][k]] for k in range(steps)]
+        if all(recs):
+            fr = [idle_fractions(rs) for rs in recs]
+            res["idle"][side] = [sum(f.values()) / len(f) for f in fr]
+            res["idle_per_rank"][side] = {r: statistics.median(f[r] for f in fr) for r in fr[0]}
+            res["example"][side] = [tuple(x) for x in recs[len(recs) // 2]]
+    return res
+
+
+def rss_main(label: str, side: str, steps: int) -> dict:
+    """In a fresh world, one side alone: RSS before building and its peak (VmHWM) after ``steps``."""
+    torch.set_num_threads(1)
+    schedule, p, m, vt, vs = CONFIGS[label]
+    before = proc_status("VmRSS")
+    b = SIDES[side](schedule, p, m, vt if side == "torch" else vs)
+    for s in range(steps):
+        b.step(token_batch(CFG, BATCH, s))
+    return {"before": before, "peak": proc_status("VmHWM")}
+
+
+def reference_losses(count: int) -> list[float]:
+    """One process, the whole model and batch, the same optimizer and batches."""
+    torch.set_num_threads(1)
+    model = GPT(CFG, seed=0)
+    opt = make_optimizer(model.parameters())
+    out = []
+    for s in range(count):
+        loss = model(*token_batch(CFG, BATCH, s))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        out.append(loss.item())
+    return out
+
+
+def formula_idle(schedule: str, p: int, m: int, v: int) -> float | None:
+    """The bubble fraction with equal per-microbatch costs and free p2p (None: no formula stated)."""
+    if schedule in ("gpipe", "1f1b"):
+        return (p - 1) / (m + p - 1)
+    if schedule == "interleaved_1f1b":
+        return (p - 1) / (v * m + p - 1)
+    return (p - 1) / (3 * m) if v == 1 else None   # ZB-H1, F = B = W: about (p-1)/(3m)
+
+
+# ---------------------------------------------------------------------------------------------
+# Driver and table
+# ---------------------------------------------------------------------------------------------
+
+def _launch(fn, p: int, *args, timeout: tuple[float, float]) -> tuple[list | None, str | None]:
+    """``sl.launch`` under ``timeout = (collective, whole world)`` seconds; ``(results, None)`` or
+    ``(None, first line of the error)``."""
+    try:
+        return sl.launch(fn, p, *args, threads=1, timeout=timeout[0], run_timeout=timeout[1]), None
+    except sl.WorkerError as e:   # a rank raised, died or hung: reported, not hidden
+        tb = getattr(e, "remote_traceback", "")
+        print(f"{fn.__name__}{args}: FAILED: {e}\n{tb}", file=sys.stderr, flush=True)
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+
+
+def run_config(label: str, sides: list[str], warmup: int, steps: int, timeout: tuple[float, float],
+               rss: bool) -> dict:
+    schedule, p, m, vt, vs = CONFIGS[label]
+    row = {"config": label, "schedule": schedule, "torch_class": TORCH_SCHEDULES[schedule], "p": p, "m": m,
+           "v": {"torch": vt, "shardlib": vs}, "results": {}, "failed": {}, "pending": {}, "rss": {}}
+    sides = [s for s in sides if row["v"][s] is not None]
+    if not sides:
+        return row
+    per_rank, err = _launch(rank_main, p, label, sides, warmup, steps, timeout=timeout)
+    results = {}
+    if per_rank is not None:
+        results = per_rank[0]
+    elif len(sides) > 1:   # one side's failure must not hide the other's numbers
+        for side in sides:
+            alone, e = _launch(rank_main, p, label, [side], warmup, steps, timeout=timeout)
+            if alone is None:
+                row["failed"][side] = e
+            else:
+                for k in ("times", "losses", "idle", "idle_per_rank", "example", "errors"):
+                    results.setdefault(k, {}).update(alone[0][k])
+    else:
+        row["failed"][sides[0]] = err
+    row["pending"] = dict(results.get("errors", {}))
+    for side in results.get("times", {}):
+        row["results"][side] = {k: results[k].get(side) for k in ("times", "losses", "idle", "idle_per_rank",
+                                                                    "example")}
+        if rss:
+            out, e = _launch(rss_main, p, label, side, warmup + 2, timeout=timeout)
+            if out is not None:
+                row["rss"][side] = out
+    return row
+
+
+def summarize(row: dict, ref: list[float]) -> dict:
+    """Medians, ratio, RSS and loss gaps of a ``run_config`` row."""
+    schedule, p, m = row["schedule"], row["p"], row["m"]
+    for side, r in row["results"].items():
+        t, q = r["times"], statistics.quantiles(r["times"], n=4)
+        r["ms"], r["p25"], r["p75"] = 1e3 * statistics.median(t), 1e3 * q[0], 1e3 * q[2]
+        r["dloss"] = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref))
+        r["idle_median"] = statistics.median(r["idle"]) if r["idle"] else None
+        r["formula"] = formula_idle(schedule, p, m, row["v"][side])
+        if side in row["rss"]:
+            rs = row["rss"][side]
+            r["peak_mb"] = [x["peak"] / 2**20 for x in rs]
+            r["rise_mb"] = [(x["peak"] - x["before"]) / 2**20 for x in rs]
+    if "torch" in row["results"] and "shardlib" in row["results"]:
+        row["ratio"] = row["results"]["shardlib"]["ms"] / row["results"]["torch"]["ms"]
+    return row
+
+
+def _cells(row: dict, side: str) -> list[str]:
+    """ms, RSS per rank, idle measured (formula), Δloss — or why there is no number."""
+    if side in row["failed"]:
+        return [f"FAILED ({row['failed'][side]})", "–", "–", "–"]
+    if row["v"][side] is None:
+        return ["no counterpart", "–", "–", "–"]
+    if side not in row["results"]:
+        return ["pending" if side in row["pending"] else "–", "–", "–", "–"]
+    r = row["results"][side]
+    rss = "/".join(f"{x:.0f}" for x in r["peak_mb"]) + " (+" + "/".join(f"{x:.0f}" for x in r["rise_mb"]) + ")" \
+        if "peak_mb" in r else "–"
+    formula = "–" if r["formula"] is None else f"{r['formula']:.2f}"
+    idle = f"{r['idle_median']:.2f} ({formula})" if r["idle_median"] is not None else f"– ({formula})"
+    return [f"{r['ms']:.0f} ({r['p25']:.0f}-{r['p75']:.0f})", rss, idle, f"{r['dloss']:.1e}"]
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| config | p | m | v torch/shardlib | torch class | ms torch | ms shardlib | ratio "
+            "| peak RSS MB per rank (+ rise) torch | shardlib | idle measured (formula) torch | shardlib "
+            "| max rel Δloss torch | shardlib |\n|" + "---|" * 14)
+    lines = [head]
+    for r in rows:
+        t, s = _cells(r, "torch"), _cells(r, "shardlib")
+        ratio = f"**{r['ratio']:.2f}**" if "ratio" in r else "–"
+        lines.append("| " + " | ".join([r["config"], str(r["p"]), str(r["m"]), f"{r['v']['torch']}/{r['v']['shardlib'] or '–'}",
+                                        r["torch_class"], t[0], s[0], ratio, t[1], s[1], t[2], s[2], t[3], s[3]]) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument("--sides", nargs="*", default=["shardlib", "torch"], choices=["shardlib", "torch"])
+    ap.add_argument("--steps", type=int, default=15, help="timed steps per side")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--timeout", type=float, default=120.0, help="collective (and p2p) timeout, seconds")
+    ap.add_argument("--world-timeout", type=float, default=900.0, help="one world's whole run, seconds")
+    ap.add_argument("--no-rss", action="store_true", help="skip the peak-RSS worlds")
+    ap.add_argument("--json", default=None, help="also write the rows to this file")
+    args = ap.parse_args(argv)
+    ref = reference_losses(args.warmup + args.steps)
+    rows = []
+    for label in args.configs:
+        t0 = time.time()
+        row = summarize(run_config(label, args.sides, args.warmup, args.steps, (args.timeout, args.world_timeout),
+                                   not args.no_rss), ref)
+        rows.append(row)
+        for side, err in {**row["pending"], **row["failed"]}.items():
+            print(f"{label}: {side}: {err}", file=sys.stderr, flush=True)
+        print(f"{label}: done in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+    n_params = sum(q.numel() for q in GPT(CFG, seed=0).parameters())
+    print(f"\nGPT {CFG.n_layers} layers, d_model {CFG.d_model}, {CFG.n_heads} heads, vocab {CFG.vocab_size}, "
+          f"seq {CFG.seq_len} ({n_params / 1e6:.2f} M parameters), global batch {BATCH}, fp32 SGD lr {LR}; "
+          f"torch {torch.__version__}, gloo, 1 thread per rank, {os.cpu_count()} cores; median of {args.steps} "
+          f"steps each (p25-p75), step = latest end - earliest start over the ranks. Idle: median over steps of "
+          f"the mean over ranks. Δloss: relative to one process on the whole batch, every step.\n")
+    print(table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
