@@ -227,7 +227,7 @@ def test_spec_longer_than_rank_and_axis_twice():
 
 
 @pytest.mark.parametrize("spec, fix", [(P("data", None), "zero=3"), (P(("tensor", "data")), "zero=3"),
-                                       (P(None, "pipe"), "'layers' -> 'pipe'")])
+                                       (P(None, "pipe"), "{'layers': 'pipe'}")])
 def test_data_and_pipe_on_a_parameter(spec, fix):
     mesh = sl.AbstractMesh({"data": 2, "pipe": 1, "tensor": 2})
     with pytest.raises(sl.SpecError, match=fix):                     # at decoration, when the table says it

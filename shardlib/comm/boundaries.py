@@ -79,28 +79,36 @@ class Ops:
         self.size = mesh.axis_size(axis)
         self.unit = ""                       # the unit running (set by the unit hooks)
 
+    # On meta tensors (a stage working out the shape of the stream it will receive, before any
+    # data arrives) each op only reshapes: nothing is communicated.
     def f(self, x: torch.Tensor) -> torch.Tensor:
-        return _PBroadcast.apply(x, self.mesh, self.axes)
+        return x if x.is_meta else _PBroadcast.apply(x, self.mesh, self.axes)
 
     def g(self, y: torch.Tensor) -> torch.Tensor:
-        return _Psum.apply(y, self.mesh, self.axes)
+        return y if y.is_meta else _Psum.apply(y, self.mesh, self.axes)
 
     def gather_seq(self, x: torch.Tensor) -> torch.Tensor:
-        return _AllGather.apply(x, self.mesh, self.axes, self.seq_dim)
+        return self._meta_seq(x, self.size, 1) if x.is_meta else _AllGather.apply(x, self.mesh, self.axes, self.seq_dim)
 
     def scatter_seq(self, y: torch.Tensor) -> torch.Tensor:
         self._check_seq(y)
-        return _PsumScatter.apply(y, self.mesh, self.axes, self.seq_dim)
+        return self._meta_seq(y, 1, self.size) if y.is_meta else _PsumScatter.apply(y, self.mesh, self.axes, self.seq_dim)
 
     def slice_seq(self, x: torch.Tensor) -> torch.Tensor:
         self._check_seq(x)
-        return _SliceSeq.apply(x, self.mesh, self.axes, self.seq_dim)
+        return self._meta_seq(x, 1, self.size) if x.is_meta else _SliceSeq.apply(x, self.mesh, self.axes, self.seq_dim)
 
     def unslice_seq(self, x: torch.Tensor) -> torch.Tensor:
-        return _GatherInvariant.apply(x, self.mesh, self.axes, self.seq_dim)
+        return (self._meta_seq(x, self.size, 1) if x.is_meta
+                else _GatherInvariant.apply(x, self.mesh, self.axes, self.seq_dim))
 
     def param_f(self, p: torch.Tensor) -> torch.Tensor:
-        return _PBroadcast.apply(p, self.mesh, self.axes)
+        return p if p.is_meta else _PBroadcast.apply(p, self.mesh, self.axes)
+
+    def _meta_seq(self, x: torch.Tensor, mul: int, div: int) -> torch.Tensor:
+        shape = list(x.shape)
+        shape[self.seq_dim] = shape[self.seq_dim] * mul // div
+        return x.new_empty(shape)
 
     def coord(self) -> int:
         return self.mesh.group_index(self.mesh.rank, self.axes)

@@ -383,6 +383,34 @@ def send_recv(x: torch.Tensor, mesh: Mesh, axes: str | Sequence[str], pairs: Seq
     return out
 
 
+def send(x: torch.Tensor, mesh: Mesh, axis: str, dst: int, *, tag: int = 0) -> Pending:
+    """Asynchronous point-to-point send of ``x`` to member ``dst`` (index along ``axis``) of this
+    rank's group over ``axis`` (a pipeline stage's output or input gradient). Counted as
+    ``send`` with its bytes; ``wait()`` on the result before reusing ``x``."""
+    mesh = _require_mesh(mesh, "send")
+    x = _check_tensor(x, "send", mesh)
+    peer = _peer(mesh, axis, dst, "send")
+    _record("send", (axis,), x.numel() * x.element_size(), x, 2)
+    return Pending(dist.isend(x, dst=peer, tag=tag), x)
+
+
+def recv(out: torch.Tensor, mesh: Mesh, axis: str, src: int, *, tag: int = 0) -> Pending:
+    """Asynchronous receive into ``out`` from member ``src`` (index along ``axis``); ``wait()``
+    returns ``out`` once the data is in. Counted as ``recv`` (no bytes sent)."""
+    mesh = _require_mesh(mesh, "recv")
+    peer = _peer(mesh, axis, src, "recv")
+    _record("recv", (axis,), 0, out, 2)
+    return Pending(dist.irecv(out, src=peer, tag=tag), out)
+
+
+def _peer(mesh: Mesh, axis: str, index: int, api: str) -> int:
+    k = mesh.axis_size(axis)
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < k:
+        raise CollectiveError(f"{api} over {axis!r}: peer {index!r} is not a member — expected 0..{k - 1}.")
+    members = sorted(mesh.group_ranks(mesh.rank, (axis,)), key=lambda r: mesh.group_index(r, (axis,)))
+    return members[index]
+
+
 def copy_to(x: torch.Tensor, device: torch.device | str, *, non_blocking: bool = False) -> torch.Tensor:
     """Move between memory kinds (device <-> cpu), counted as a copy, not network traffic."""
     device = torch.device(device)

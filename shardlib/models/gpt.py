@@ -86,8 +86,9 @@ class Block(nn.Module):
 
 
 # wpe's dim 0 is left unnamed: a "seq" rule for activations must not split the position table
+# ``blocks`` is the layer stack: ``rules={"layers": "pipe"}`` cuts it into pipeline stages
 @shard({"wte.weight": ("vocab", "embed"), "wpe.weight": (None, "embed"),
-        "head.weight": ("vocab", "embed"), "ln_f.*": ("embed",)})
+        "head.weight": ("vocab", "embed"), "ln_f.*": ("embed",), "blocks": ("layers",)})
 class GPT(nn.Module):
     """Token and position embeddings, ``n_layers`` pre-norm blocks, a final norm and an LM head.
 
@@ -119,15 +120,22 @@ class GPT(nn.Module):
             elif name == "bias":
                 nn.init.zeros_(p)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    # the pipeline protocol (planner/pipeline.py): what runs before the stack, and after it
+    def pipeline_pre(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.wte(idx) + self.wpe(pos)
-        for block in self.blocks:
-            x = block(x)
+        return self.wte(idx) + self.wpe(pos)
+
+    def pipeline_post(self, x: torch.Tensor, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         logits = self.head(self.ln_f(x))
         if targets is None:
             return logits
         return F.cross_entropy(rearrange(logits, "b s v -> (b s) v"), rearrange(targets, "b s -> (b s)"))
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.pipeline_pre(idx, targets)
+        for block in self.blocks:
+            x = block(x)
+        return self.pipeline_post(x, idx, targets)
 
 
 def token_batch(cfg: GPTConfig, batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,6 +18,8 @@ from ..algebra.layout import Layout
 from ..algebra.mesh import AbstractMesh
 from ..algebra.spec import PartitionSpec
 from ..errors import ShardingError, ShardingTypeError
+from .pipeline import PipelinePlan
+from .pipeline import derive as derive_pipeline
 from .plan import OPTIMIZER_STATE_BYTES, PRECISIONS, ParamPlan, Plan, UnitPlan
 from .specs import resolve_specs
 from .states import StateLayouts, zero_problem
@@ -95,7 +97,9 @@ def plan(model: nn.Module, mesh: AbstractMesh, zero: int | None = None, *, state
          clip_grad_norm: float | None = None, recompute: bool | Iterable[str] = False,
          units: Sequence[str] | None = None, bucket_mb: float = 25.0, optimizer: str | int = "adamw",
          reshard_after_forward: bool = True, data_axis: str = "data", broadcast_buffers: bool = True,
-         rules: Any = None, sequence_parallel: bool = False, batch: Any = None, tensor_axis: str = "tensor") -> Plan:
+         rules: Any = None, sequence_parallel: bool = False, batch: Any = None, tensor_axis: str = "tensor",
+         microbatches: int | None = None, schedule: str | None = None, virtual_stages: int | None = None,
+         stages: Any = None, pipe_axis: str = "pipe") -> Plan:
     """Plan training of ``model`` on ``mesh``: data parallel / ZeRO on ``data``, tensor parallel on ``tensor``.
 
     Each parameter's spec comes from the ``sl.shard`` tables on the model's modules, with logical
@@ -105,6 +109,13 @@ def plan(model: nn.Module, mesh: AbstractMesh, zero: int | None = None, *, state
     dim inside the layer stack. ``batch`` (an example global batch: tensors, or meta tensors of its
     shape) lets the planner trace one forward on the meta device and account the activation
     collectives of the tensor axis in ``comm_per_step()`` and ``explain()``.
+
+    The pipe axis (``planner/pipeline.py``): with the rule ``{"layers": "pipe"}`` the model's declared
+    layer stack is cut into ``pipe x virtual_stages`` stages (``stages=``: blocks per stage, or a
+    layout such as ``"E|t t|t t|t L"``; default balanced by parameter count), run by ``schedule``
+    (``"gpipe"``, ``"1f1b"`` (default), ``"interleaved_1f1b"``, ``"zb_h1"``) over ``microbatches``
+    micro-batches per step and data rank (default: the pipe size). ``microbatches`` is the same
+    thing as ``grad_accum`` (give one of them).
 
     ``zero`` (0-3) names the usual stages; ``states`` gives the per-state layouts directly.
     ``precision`` is the compute dtype (``fp32``, ``bf16``, ``fp16``); master weights stay fp32.
@@ -124,12 +135,17 @@ def plan(model: nn.Module, mesh: AbstractMesh, zero: int | None = None, *, state
         raise ShardingTypeError(f"plan: expected an nn.Module — got {type(model).__name__}.")
     if not isinstance(mesh, AbstractMesh):
         raise ShardingTypeError(f"plan: expected a Mesh or AbstractMesh — got {type(mesh).__name__}.")
-    states, rdt, unit_names, rec, state_bytes, specs, tplan = _check(
+    states, rdt, unit_names, rec, state_bytes, specs, tplan, pplan = _check(
         model, mesh, zero=zero, states=states, precision=precision, reduce_dtype=reduce_dtype,
         grad_accum=grad_accum, clip_grad_norm=clip_grad_norm, recompute=recompute, units=units,
         bucket_mb=bucket_mb, optimizer=optimizer, reshard_after_forward=reshard_after_forward,
         data_axis=data_axis, broadcast_buffers=broadcast_buffers, rules=rules,
-        sequence_parallel=sequence_parallel, tensor_axis=tensor_axis)
+        sequence_parallel=sequence_parallel, tensor_axis=tensor_axis, microbatches=microbatches,
+        schedule=schedule, virtual_stages=virtual_stages, stages=stages, pipe_axis=pipe_axis)
+    if pplan is not None:
+        grad_accum = pplan.microbatches
+    elif microbatches is not None:
+        grad_accum = microbatches
 
     named = list(model.named_parameters())
     owners = param_owners(model)
@@ -191,7 +207,7 @@ def plan(model: nn.Module, mesh: AbstractMesh, zero: int | None = None, *, state
                grad_accum=grad_accum, clip_grad_norm=clip_grad_norm, optimizer_state_bytes=state_bytes,
                bucket_bytes=bucket_bytes, params=tuple(params), units=tuple(unit_list), batch=layout(data_axis),
                broadcast_buffers=broadcast_buffers, buffer_sizes=fused_sizes(buffers),
-               setup_sizes=setup, meta_build=meta, tensor=tplan)
+               setup_sizes=setup, meta_build=meta, tensor=tplan, pipeline=pplan)
     if tplan is not None and batch is not None:
         from .trace import trace_activations
         out = replace(out, activations=trace_activations(model, out, batch))
@@ -217,8 +233,9 @@ def with_data(spec: PartitionSpec, axis: str | None) -> PartitionSpec:
 
 def _check(model: nn.Module, mesh: AbstractMesh, *, zero, states, precision, reduce_dtype, grad_accum,
            clip_grad_norm, recompute, units, bucket_mb, optimizer, reshard_after_forward, data_axis,
-           broadcast_buffers, rules, sequence_parallel, tensor_axis
-           ) -> tuple[StateLayouts, torch.dtype, list[str], set[str], int, dict[str, PartitionSpec], TensorPlan | None]:
+           broadcast_buffers, rules, sequence_parallel, tensor_axis, microbatches, schedule, virtual_stages,
+           stages, pipe_axis) -> tuple[StateLayouts, torch.dtype, list[str], set[str], int, dict[str, PartitionSpec],
+                                       TensorPlan | None, PipelinePlan | None]:
     """Check every argument of ``plan`` and raise all problems at once; return what they resolve
     to: the state layouts, the reduction dtype, the unit names, the recomputed units and the
     optimizer's state bytes per parameter."""
@@ -242,10 +259,19 @@ def _check(model: nn.Module, mesh: AbstractMesh, *, zero, states, precision, red
     elif data_axis not in mesh.axis_names:
         add(f"plan: the mesh {mesh.axis_sizes} has no {data_axis!r} axis — expected the data-parallel "
             f"axis. Add it (size 1 if unused) or pass data_axis=.")
-    others = {a: s for a, s in mesh.axis_sizes.items() if a not in (data_axis, tensor_axis) and s > 1}
+    others = {a: s for a, s in mesh.axis_sizes.items() if a not in (data_axis, tensor_axis, pipe_axis) and s > 1}
     if others and data_axis in mesh.axis_names:
-        add(f"plan: axes {others} are larger than 1, but this plan uses only {data_axis!r} and {tensor_axis!r} — "
-            "expected the other axes of size 1. Pipeline parallelism is not available yet.")
+        add(f"plan: axes {others} are larger than 1, but this plan uses only {data_axis!r}, {pipe_axis!r} and "
+            f"{tensor_axis!r} — expected the other axes of size 1. Use them as one of those (data_axis=, "
+            "pipe_axis=, tensor_axis=) or give them size 1.")
+    if microbatches is not None:
+        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+            add(f"plan: microbatches must be a positive int — got {microbatches!r}.")
+        elif grad_accum != 1 and grad_accum != microbatches:
+            add(f"plan: microbatches={microbatches} and grad_accum={grad_accum} disagree — they are the same thing "
+                "(micro-batches per step and data rank); give one of them.")
+    elif mesh.axis_sizes.get(pipe_axis, 1) > 1 and grad_accum != 1:
+        microbatches = grad_accum
     if not isinstance(sequence_parallel, bool):
         add(f"plan: sequence_parallel must be True or False — got {sequence_parallel!r}.", True)
     if not (isinstance(precision, str) and precision in PRECISIONS):
@@ -307,8 +333,13 @@ def _check(model: nn.Module, mesh: AbstractMesh, *, zero, states, precision, red
                     f"{_few(unit_names)}.")
 
     specs: dict[str, PartitionSpec] = {}
-    tplan = None
+    tplan = pplan = None
     if not problems:
+        pplan, pproblems = derive_pipeline(model, mesh, rules=rules, axis=pipe_axis, microbatches=microbatches,
+                                           schedule=schedule, virtual=virtual_stages, stages=stages,
+                                           recompute=sorted(rec))
+        for m in pproblems:
+            add(m)
         spec_problems: list[str] = []
         specs = resolve_specs(model, mesh, rules, collect=spec_problems)
         for m in spec_problems:
@@ -326,4 +357,4 @@ def _check(model: nn.Module, mesh: AbstractMesh, *, zero, states, precision, red
         raise ShardingError(messages, api="plan")
     if states is None:
         states = StateLayouts.zero(0 if zero is None else zero, data_axis)
-    return states, rdt, unit_names, rec, state_bytes, specs, tplan
+    return states, rdt, unit_names, rec, state_bytes, specs, tplan, pplan

@@ -44,6 +44,7 @@ from .explain import Explain
 from .flat import FlatLayout, flat_layout
 from .memory import MemoryAccounting
 from .states import StateLayouts
+from .pipeline import PipelinePlan
 from .tensor import TensorPlan
 from .traffic import CommEntry as CommEntry  # re-exported: part of a plan's data
 from .traffic import TrafficAccounting
@@ -152,6 +153,10 @@ class Plan(MemoryAccounting, TrafficAccounting, Explain):
     activations: tuple[tuple[int, tuple[CommEntry, ...]], ...] = ()
     # set in a tensor-local plan (``local``): the tensor coordinate whose shards it describes
     local_coord: int | None = None
+    # the pipe axis (planner/pipeline.py); None when the mesh has no pipe axis larger than 1
+    pipeline: PipelinePlan | None = None
+    # set in a stage-local plan (``local``): the pipe coordinate whose stages it holds
+    pipe_coord: int | None = None
 
     # ---- basics --------------------------------------------------------------------------------
     @property
@@ -202,27 +207,35 @@ class Plan(MemoryAccounting, TrafficAccounting, Explain):
         return self.tensor.size if self.tensor is not None else 1
 
     @property
+    def pipe_size(self) -> int:
+        return self.pipeline.size if self.pipeline is not None else 1
+
+    def pipe_coord_of(self, rank: int | None = None) -> int:
+        return self.mesh.coord(self._rank(rank), self.pipeline.axis) if self.pipeline is not None else 0
+
+    @property
     def split(self) -> bool:
-        """Whether this is a whole-mesh plan whose parameters are split over ``tensor`` (its
-        per-rank accounting is that of ``local(rank)``)."""
-        return self.tensor_size > 1 and self.local_coord is None
+        """Whether this is a whole-mesh plan whose parameters are split over ``tensor`` or cut into
+        pipeline stages (its per-rank accounting is that of ``local(rank)``)."""
+        return ((self.tensor_size > 1 and self.local_coord is None)
+                or (self.pipe_size > 1 and self.pipe_coord is None))
 
     def tensor_coord(self, rank: int | None = None) -> int:
         return self.mesh.coord(self._rank(rank), self.tensor.axis) if self.tensor is not None else 0
 
     def local(self, rank: int | None = None) -> Plan:
-        """The plan of ``rank``'s tensor-local shards: every parameter's ``shape`` is its shard on
-        this rank's tensor coordinate (ceil chunks: uneven widths give uneven shards), its layouts
-        are the data axis's over that shard. The data-parallel engine (DP, ZeRO-1/2/3) runs this
-        plan unchanged: ``data`` splits what the tensor axis left local. The plan itself when
-        nothing is split over ``tensor``."""
+        """The plan of what ``rank`` holds: its pipeline stages' parameters only (pipe axis), each
+        parameter's ``shape`` its shard on this rank's tensor coordinate (ceil chunks: uneven widths
+        give uneven shards), with the data axis's layouts over that shard. The data-parallel engine
+        (DP, ZeRO-1/2/3) runs this plan unchanged: ``data`` splits what the tensor and pipe axes
+        left local. The plan itself when nothing is split over ``tensor`` or ``pipe``."""
         if not self.split:
             return self
-        coord = self.tensor_coord(rank)
+        key = (self.pipe_coord_of(rank), self.tensor_coord(rank) if self.tensor_size > 1 else None)
         cache = self._local_plans
-        if coord not in cache:
-            cache[coord] = _localize(self, self._rank(rank), coord)
-        return cache[coord]
+        if key not in cache:
+            cache[key] = _localize(self, self._rank(rank), key)
+        return cache[key]
 
     def activation_entries(self, rank: int | None = None) -> tuple[CommEntry, ...]:
         """The tensor axis's activation collectives of one micro-step on ``rank`` (traced at plan
@@ -291,16 +304,54 @@ class Plan(MemoryAccounting, TrafficAccounting, Explain):
         return sum(p.numel for p in self.params), sum(p.numel for p in self.params if p.trainable)
 
 
-def _localize(plan: Plan, rank: int, coord: int) -> Plan:
-    """``plan.local(rank)``: shapes become ``rank``'s tensor shards, layouts the data axis's."""
+def _localize(plan: Plan, rank: int, key: tuple[int, int | None]) -> Plan:
+    """``plan.local(rank)``: the parameters of ``rank``'s pipeline stages; shapes become its tensor
+    shards, layouts the data axis's."""
+    pcoord, tcoord = key
     mesh, st = plan.mesh, plan.states
+    out = plan
+    if plan.pipeline is not None and plan.pipe_size > 1:
+        pp = plan.pipeline
+        mine = {s.index for s in pp.stages_of(pcoord)}
+        keep = tuple(p for p in plan.params if pp.stage_of(p.name) in mine)
+        names = {p.name for p in keep}
+        units = []
+        for u in plan.units:
+            held = tuple(n for n in u.params if n in names)
+            if held:
+                units.append(replace(u, params=held))
+        out = replace(out, params=keep, units=tuple(units), pipe_coord=pcoord,
+                      activations=_stage_activations(plan, mine))
+    if tcoord is None or plan.tensor_size <= 1:
+        return out
 
     def data_layout(axis: str | None) -> Layout:
         return Layout(mesh, PartitionSpec(axis) if axis else PartitionSpec())
 
     rest, grad, optim, rep = data_layout(st.params), data_layout(st.grads), data_layout(st.optim), data_layout(None)
     params = []
-    for p in plan.params:
+    for p in out.params:
         shape = tuple(p.compute.local_shape(p.shape, rank)) if p.shape else p.shape   # compute = the spec's layout
         params.append(replace(p, shape=shape, full_shape=p.shape, rest=rest, compute=rep, grad=grad, optim=optim))
-    return replace(plan, params=tuple(params), local_coord=coord)
+    return replace(out, params=tuple(params), local_coord=tcoord)
+
+
+def _stage_activations(plan: Plan, mine: set[int]) -> tuple:
+    """The traced tensor-axis activation collectives that ``mine`` (virtual stages) run: those of
+    their blocks; the root's before the first block belong to the first stage (``pipeline_pre``),
+    after the last block to the last stage (``pipeline_post``)."""
+    pp = plan.pipeline
+    last = len(pp.stages) - 1
+    out = []
+    for coord, entries in plan.activations:
+        kept, seen_block = [], False
+        for e in entries:
+            if e.where in pp._stage_of_block:
+                seen_block = True
+                stage = pp.stage_of_block(e.where)
+            else:
+                stage = last if seen_block else 0
+            if stage in mine:
+                kept.append(e)
+        out.append((coord, tuple(kept)))
+    return tuple(out)

@@ -47,8 +47,9 @@ API = "sl.shard"
 _FORBIDDEN = {
     "data": ("Parameters are sharded over 'data' by ZeRO, not by a spec: use sl.plan(..., zero=3) and "
              "drop 'data' from this spec"),
-    "pipe": ("Pipeline parallelism comes from a 'layers' -> 'pipe' rule on the layer stack, not from a "
-             "parameter spec, and is not available yet: drop 'pipe' from this spec"),
+    "pipe": ("Pipeline parallelism shards only the layer stack (an nn.ModuleList named with the logical dim "
+             "'layers' in a table, e.g. {'blocks': ('layers',)}, and the rule {'layers': 'pipe'}), not a "
+             "parameter's dim: drop 'pipe' from this spec or rule"),
 }
 
 
@@ -433,6 +434,8 @@ def resolve_specs(model: nn.Module, mesh: AbstractMesh | None = None,
                              "same spec.")
         out[names[0]] = hits[0][0] if hits else PartitionSpec()
 
+    for _, table, e, _ in _stack_hits(model, by_prefix):     # a stack entry names a module, not a parameter
+        used.add((id(table), e.index))
     for table, owner in {id(t): (t, o) for tables in by_prefix.values() for t, o in tables}.values():
         if table.strict or strict:
             for e in table.entries:
@@ -466,3 +469,57 @@ def _resolve_logical(logical: Logical, rules: AxisRules, mesh: AbstractMesh, src
     return spec, found
 
 
+
+
+# ---------------------------------------------------------------------------------------------
+# The layer stack (the pipe axis)
+# ---------------------------------------------------------------------------------------------
+
+def _stack_hits(model: nn.Module, by_prefix: dict[str, list[tuple[ShardTable, str]]]
+                ) -> list[tuple[str, ShardTable, _Entry, str]]:
+    """Table entries whose pattern names an ``nn.ModuleList`` under the table's module:
+    ``(qualified module name, table, entry, owner)``."""
+    out = []
+    modules = dict(model.named_modules())
+    for prefix, tables in by_prefix.items():
+        for table, owner in tables:
+            for e in table.entries:
+                rel = e.pattern
+                name = f"{prefix}.{rel}" if prefix else rel
+                if isinstance(modules.get(name), nn.ModuleList):
+                    out.append((name, table, e, owner))
+    return out
+
+
+def find_stack(model: nn.Module, rules: AxisRules | Mapping[str, RuleValue] | None
+               ) -> tuple[str | None, tuple[str, ...], list[str]]:
+    """The model's declared layer stack: ``(qualified name or None, the mesh axes its dim is split
+    over, problems)``. The stack is an ``nn.ModuleList`` named in a table with a one-dim entry —
+    logical (``{"blocks": ("layers",)}``, mapped through ``rules``) or a mesh-axis spec
+    (``{"blocks": P("pipe")}``)."""
+    rules = AxisRules.coerce(rules)
+    hits = _stack_hits(model, _tables_by_prefix(model))
+    problems: list[str] = []
+    found: dict[str, tuple[tuple[str, ...], str]] = {}
+    for name, _, e, owner in hits:
+        where = f"{API}: the layer stack {name!r} ({_origin(e, owner)})"
+        dims = e.spec if e.spec is not None else e.logical
+        if len(tuple(dims)) != 1:
+            problems.append(f"{where} has {len(tuple(dims))} dims — expected one: the stack's index, e.g. "
+                            f"{{{e.pattern!r}: ('layers',)}}.")
+            continue
+        if e.spec is not None:
+            axes = tuple(a for _, ax in e.spec.dims() for a in ax)
+        else:
+            axes = _entry_axes(None if e.logical[0] is None else rules.get(e.logical[0]))
+        if name in found and found[name][0] != axes:
+            problems.append(f"{where} is split over {axes}, but {found[name][1]} splits it over "
+                            f"{found[name][0]} — expected one layout for the stack.")
+        found.setdefault(name, (axes, owner))
+    if len(found) > 1:
+        problems.append(f"{API}: several layer stacks are declared — got {sorted(found)}; expected one "
+                        "nn.ModuleList with the 'layers' dim. Declare only the stack the pipeline cuts.")
+    if not found:
+        return None, (), problems
+    name = next(iter(found))
+    return name, found[name][0], problems

@@ -274,13 +274,45 @@ class EngineAccess:
         for k, v in raw.items():
             if isinstance(v, torch.Tensor) and id(v) in installed:
                 out[k] = whole.get(id(v), v).detach()
+            elif isinstance(v, torch.Tensor) and v.is_meta:
+                out[k] = None              # another pipeline stage's parameter: filled below
             elif isinstance(v, torch.Tensor):
                 out[k] = v.detach().clone()
                 buffers.append(out[k])
             else:
                 out[k] = v
         broadcast_coalesced(buffers, self.mesh, self.plan.data_axis)
+        if self.global_plan.pipe_size > 1:
+            self._gather_stages(out)
         return out
+
+    def _gather_stages(self, out: dict) -> None:
+        """Fill in the other pipeline stages' parameters: each pipe coordinate broadcasts its
+        stages' full fp32 parameters, laid end to end, over the pipe axis."""
+        gplan = self.global_plan
+        pp = gplan.pipeline
+        me = self.mesh.coord(self.mesh.rank, pp.axis)
+        first = {id(p): k for k, p in self.model.named_parameters()}
+        aliases: dict[str, list[str]] = {}
+        for k, p in self.model.named_parameters(remove_duplicate=False):
+            aliases.setdefault(first[id(p)], []).append(k)
+        for c in range(pp.size):
+            mine = {s.index for s in pp.stages_of(c)}
+            params = [p for p in gplan.params if pp.stage_of(p.name) in mine]
+            total = sum(p.numel for p in params)
+            if c == me:
+                buf = torch.cat([out[p.name].reshape(-1).float() for p in params]) if params else torch.zeros(0)
+            else:
+                buf = torch.empty(total, dtype=torch.float32, device=self.mesh.device)
+            buf = comm.broadcast(buf, self.mesh, (pp.axis,), src=c)
+            if c == me:
+                continue
+            off = 0
+            for p in params:
+                value = buf[off:off + p.numel].view(p.shape).clone()
+                off += p.numel
+                for k in aliases.get(p.name, [p.name]):
+                    out[k] = value
 
     def _untensor(self, raw: dict) -> dict[int, torch.Tensor]:
         """``id(local value) -> full value`` of every parameter split over tensor, gathered from

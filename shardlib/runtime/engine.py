@@ -35,6 +35,7 @@ from .access import EngineAccess
 from .buckets import GradBuckets
 from .inspection import EngineInspection
 from .materialize import is_meta
+from .pipeline import PipelineRuntime, strip_to_stage
 from .scaler import LossScaler
 from .setup import EngineSetup, _check_optimizer, _scaler, _validate
 from .sync import broadcast_buffers, broadcast_module, cast_buffers
@@ -96,10 +97,20 @@ class Engine(EngineSetup, EngineInspection, EngineAccess):
         self.scaler = _scaler(loss_scale, plan)
         warn_slow_precision(plan.precision, mesh.device)
         rng = None
-        if is_meta(model):      # built on the meta device: rank 0's values, replayed (see _materialize)
+        piped = self.global_plan.pipe_size > 1
+        meta = is_meta(model)
+        if piped and meta:
+            raise ShardingError("parallelize: the model is on the meta device and the plan cuts it into pipeline "
+                                "stages — expected a model built on CPU for a pipe axis > 1 (building each stage "
+                                "from the meta device is not supported yet). Build the model normally.")
+        if piped:              # this rank keeps its stages' parameters; the rest stays shapes only
+            strip_to_stage(model, {p.name for p in plan.params})
+        if meta:      # built on the meta device: rank 0's values, replayed (see _materialize)
             rng = self._materialize()
         else:   # every replica starts from rank 0's model, as DDP (split over tensor: the whole mesh does)
-            broadcast_module(model, mesh, mesh.axis_names if plan.tensor_size > 1 else plan.data_axis)
+            axes = (tuple(a for a in mesh.axis_names if not piped or a != self.global_plan.pipeline.axis)
+                    if plan.tensor_size > 1 else plan.data_axis)
+            broadcast_module(model, mesh, axes)
         self.states = self._build_states(rng)
         if plan.mixed:
             cast_buffers(model, self.cdt)
@@ -112,8 +123,11 @@ class Engine(EngineSetup, EngineInspection, EngineAccess):
             self.buckets, self.units = GradBuckets(self, by_bucket, riders), None
         else:
             self.buckets, self.units = None, self._build_units()
+        if piped and self.units is not None:
+            self.units.remove()       # the pipeline gathers and reduces a stage's units once per step
         # after the units: its unit hooks run after ZeRO-3's gathers
         self.tensor = TensorRuntime(self) if plan.tensor_size > 1 else None
+        self.pipe = PipelineRuntime(self) if piped else None
         self.optimizer = optimizer([s.master for s in trainable])
         _check_optimizer(self.optimizer, [s.master for s in trainable], plan, model)
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
@@ -140,6 +154,11 @@ class Engine(EngineSetup, EngineInspection, EngineAccess):
             # read when the last bucket launches (end of the last backward): the loss of every
             # micro-step is in by then, and so is every parameter's "got a gradient" flag
             self.buckets.rider_values = lambda: self._scalar_vector([loss_sum])
+        if self.pipe is not None:
+            if self.buckets is not None:
+                self.buckets.begin_micro(sync=False)     # reduced after the schedule (finish)
+            loss_sum = self.pipe.run(micro, factor)
+            micro = []
         for i, mb in enumerate(micro):
             last = i == m - 1
             if self.buckets is not None:
@@ -158,7 +177,7 @@ class Engine(EngineSetup, EngineInspection, EngineAccess):
         grads = self._master_grads(reduced, scale)
         scalars = [loss_sum]
         split = self.tensor is not None
-        sharded = plan.states.grads is not None or split
+        sharded = plan.states.grads is not None or split or self.pipe is not None
         found_inf = torch.zeros((), device=self.mesh.device)
         if self.scaler:
             found_inf = sum((~torch.isfinite(g)).sum() for g in grads).float() if grads else found_inf
@@ -167,6 +186,7 @@ class Engine(EngineSetup, EngineInspection, EngineAccess):
         sumsq = None
         if plan.clip_grad_norm is not None:
             sumsq = (self.tensor.sum_of_squares(grads) if split else
+                     self.pipe.sum_of_squares(grads) if self.pipe is not None else
                      sum((g.double() ** 2).sum() for g in grads).float() if grads else torch.zeros(()))
             if sharded:
                 scalars.append(sumsq)
@@ -174,6 +194,8 @@ class Engine(EngineSetup, EngineInspection, EngineAccess):
         # all-reduce, or already summed in the last gradient bucket's collective
         if self.buckets is not None and self.buckets.riders:
             vec = self.buckets.rider_sums
+        elif self.pipe is not None:   # over the whole mesh: each stage adds its own
+            vec = self.pipe.reduce_scalars(scalars)
         elif split:      # over (data, tensor), each value counted once (TensorRuntime.scalars)
             vec = self.tensor.reduce_scalars(self._scalar_vector(scalars))
         else:

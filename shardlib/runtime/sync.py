@@ -56,7 +56,8 @@ def module_tensors(model: nn.Module) -> list[torch.Tensor]:
 
 def broadcast_module(model: nn.Module, mesh: Mesh, axis: str) -> None:
     """Set-up: every rank takes rank 0's parameters and buffers (the ranks of ``axis`` hold replicas)."""
-    broadcast_coalesced(module_tensors(model), mesh, axis, tag="setup")
+    # a pipeline stage holds only its own tensors: the others are meta (nothing to send)
+    broadcast_coalesced([t for t in module_tensors(model) if not t.is_meta], mesh, axis, tag="setup")
 
 
 def broadcast_buffers(model: nn.Module, mesh: Mesh, axis: str) -> None:

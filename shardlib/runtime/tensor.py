@@ -38,7 +38,9 @@ class TensorRuntime:
         self.data_coord = mesh.coord(mesh.rank, plan.data_axis)
         self.ops = Ops(mesh, tp.axis, tp.seq_dim)
         self.logits = ShardedLogits() if tp.has_logits else None
-        self.boundaries = Boundaries(engine.model, tp, self.ops, [u.name for u in plan.units],
+        # the whole model's units (a pipeline stage holds some): the first and last of the stack
+        # slice and gather the sequence under SP wherever they run
+        self.boundaries = Boundaries(engine.model, tp, self.ops, [u.name for u in engine.global_plan.units],
                                      on_logits=self._mark if self.logits is not None else None)
         self.split = [_split(s.plan.spec, tp.axis) for s in engine.states if s.trainable]
 

@@ -1,0 +1,331 @@
+"""The pipe axis in the planner: stages from the layer stack's ``layers -> pipe`` layout.
+
+A pipeline is not a separate API. The model declares its layer stack — an ``nn.ModuleList``
+named in its ``sl.shard`` table with the logical dim ``layers`` (``@sl.shard({"blocks":
+("layers",)})``) — and ``rules={"layers": "pipe"}`` shards that dim over the mesh axis ``pipe``:
+the stack is cut into ``p·v`` contiguous virtual stages, virtual stage ``s`` on pipe rank
+``s % p`` (``v`` interleaved chunks per rank, Megatron's looped placement). What comes before the
+stack lives with the first stage, what comes after with the last.
+
+**The protocol a model follows** (the reference GPT does):
+
+* the stack: an ``nn.ModuleList`` attribute named by the ``("layers",)`` entry of its table;
+* ``model.pipeline_pre(*batch) -> x``: what comes before the stack (embeddings), from the batch
+  that ``engine.step`` is given (e.g. ``(idx, targets)``) to the residual stream;
+* each block: ``x = block(x)``, one tensor in, one tensor of the same shape out;
+* ``model.pipeline_post(x, *batch) -> loss``: what comes after (final norm, head, loss), the mean
+  loss of the micro-batch's rows, a scalar.
+
+The model's own ``forward`` must compute the same thing (``pipeline_post(blocks(pipeline_pre(b)), b)``)
+so that one process and every pipeline train alike. Modules registered before the stack
+attribute run in ``pipeline_pre`` (first stage); those registered after it in ``pipeline_post``
+(last stage); a parameter used on both sides (tied embeddings) is refused at plan time.
+
+**The split.** By default the stack is cut so that the largest stage (counting the parameters of
+``pipeline_pre`` on the first stage and of ``pipeline_post`` on the last) is as small as it can
+be — balanced by parameter count (``explain()`` says so). ``stages=[3, 3, 2]`` gives the blocks of
+each virtual stage; ``stages="E|t t t|t t|t L"`` is a layout in the spirit of Megatron's
+``--pipeline-model-parallel-layout`` (``E`` the embeddings, ``t`` a block, ``L`` the head and
+loss, ``|`` between stages).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+if TYPE_CHECKING:
+    from .schedules import Action
+
+PRE, POST = "pipeline_pre", "pipeline_post"
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One virtual stage: its blocks (qualified module names) and whether it runs the model's
+    ``pipeline_pre`` / ``pipeline_post``."""
+
+    index: int
+    rank: int                    # pipe coordinate that runs it
+    blocks: tuple[str, ...]
+    pre: bool
+    post: bool
+    numel: int                   # parameter elements (its blocks, plus pre/post)
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    axis: str
+    size: int                    # p
+    virtual: int                 # v: stages per rank
+    microbatches: int            # m
+    schedule: str
+    stack: str                   # qualified name of the layer stack
+    stages: tuple[StagePlan, ...]
+    split: str                   # how the stack was cut (said in explain())
+    pre_params: tuple[str, ...]
+    post_params: tuple[str, ...]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def stages_of(self, coord: int) -> list[StagePlan]:
+        return [s for s in self.stages if s.rank == coord]
+
+    @cached_property
+    def _stage_of_param(self) -> dict[str, int]:
+        out = {n: 0 for n in self.pre_params}
+        out.update((n, len(self.stages) - 1) for n in self.post_params)
+        return out
+
+    def stage_of_block(self, block: str) -> int:
+        return self._stage_of_block[block]
+
+    @cached_property
+    def _stage_of_block(self) -> dict[str, int]:
+        return {b: s.index for s in self.stages for b in s.blocks}
+
+    def stage_of(self, param: str) -> int:
+        """The virtual stage that holds ``param`` (qualified name)."""
+        hit = self._stage_of_param.get(param)
+        if hit is not None:
+            return hit
+        rest = param[len(self.stack) + 1:]
+        block = f"{self.stack}.{rest.split('.', 1)[0]}"
+        return self._stage_of_block[block]
+
+    def actions(self, coord: int) -> list[Action]:
+        """The compute actions of pipe rank ``coord``, in order."""
+        return self._actions[coord]
+
+    @cached_property
+    def _actions(self) -> dict[int, list[Action]]:
+        from .schedules import schedule_actions
+        return schedule_actions(self.schedule, self.size, self.microbatches, self.virtual)
+
+    def lowered(self, coord: int, *, unshard: bool = False) -> list[Action]:
+        """Rank ``coord``'s actions with the point-to-point sends and receives (and, with
+        ``unshard``, ZeRO-3's per-stage gather and free) added."""
+        key = bool(unshard)
+        if key not in self._lowered:
+            from .schedules import lower
+            self._lowered[key] = lower(self._actions, self.size, self.virtual, unshard=unshard)
+        return self._lowered[key][coord]
+
+    @cached_property
+    def _lowered(self) -> dict[bool, dict[int, list[Action]]]:
+        return {}
+
+
+# ---------------------------------------------------------------------------------------------
+
+def stack_modules(model: nn.Module, stack: str) -> tuple[list[str], list[str], list[str]]:
+    """``(blocks, pre modules, post modules)``: the stack's children, and the model's other direct
+    children registered before / after the stack attribute (by registration order)."""
+    modules = dict(model.named_modules())
+    lst = modules[stack]
+    blocks = [f"{stack}.{n}" for n, _ in lst.named_children()]
+    top = stack.split(".", 1)[0]
+    pre, post, seen = [], [], False
+    for name, _ in model.named_children():
+        if name == top:
+            seen = True
+        else:
+            (post if seen else pre).append(name)
+    if top != stack:       # a nested stack: the rest of its parent counts as pre/post by the same rule
+        return blocks, pre, post
+    return blocks, pre, post
+
+
+def balance(block_sizes: Sequence[int], stages: int, first: int = 0, last: int = 0) -> list[int]:
+    """Blocks per stage, contiguous, minimizing the largest stage's parameter count (the first
+    stage also holds ``first`` elements, the last ``last``); every stage gets at least one block.
+    Among the splits with that maximum, the one that fills earlier stages first is taken, so the
+    result is deterministic. O(stages · blocks²)."""
+    n = len(block_sizes)
+    prefix = [0]
+    for c in block_sizes:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[s][i]: the smallest possible maximum when the first i blocks form stages 0..s-1
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0
+    for s in range(1, stages + 1):
+        for i in range(s, n - (stages - s) + 1):
+            for j in range(s - 1, i):
+                load = prefix[i] - prefix[j] + (first if s == 1 else 0) + (last if s == stages else 0)
+                cand = max(best[s - 1][j], load)
+                if cand < best[s][i]:
+                    best[s][i], cut[s][i] = cand, j
+    counts, i = [], n
+    for s in range(stages, 0, -1):
+        j = cut[s][i]
+        counts.append(i - j)
+        i = j
+    return counts[::-1]
+
+
+def parse_layout(layout: str) -> tuple[list[int], list[str]]:
+    """``"E|t t|t t|t L"`` -> (blocks per stage, problems). ``E`` must open the first stage, ``L``
+    close the last; ``t`` is one block; spaces are ignored."""
+    problems: list[str] = []
+    parts = layout.split("|")
+    counts = []
+    for i, part in enumerate(parts):
+        toks = part.replace(" ", "")
+        bad = sorted(set(toks) - set("EtL"))
+        if bad:
+            problems.append(f"plan: stages layout {layout!r} has {bad} in stage {i} — expected only 'E' (what "
+                            "comes before the stack), 't' (one block), 'L' (what comes after) and '|' between "
+                            "stages, e.g. 'E|t t|t t|t L'.")
+        if "E" in toks and (i != 0 or not toks.startswith("E") or toks.count("E") > 1):
+            problems.append(f"plan: stages layout {layout!r} puts 'E' in stage {i} — expected it once, first in "
+                            "stage 0: what comes before the stack runs on the first stage.")
+        if "L" in toks and (i != len(parts) - 1 or not toks.endswith("L") or toks.count("L") > 1):
+            problems.append(f"plan: stages layout {layout!r} puts 'L' in stage {i} — expected it once, last in "
+                            f"stage {len(parts) - 1}: what comes after the stack runs on the last stage.")
+        counts.append(toks.count("t"))
+    return counts, problems
+
+
+# ---------------------------------------------------------------------------------------------
+
+def derive(model: nn.Module, mesh, *, rules, axis: str, microbatches: int | None, schedule: str | None,
+           virtual: int | None, stages, recompute: Sequence[str] = ()) -> tuple[PipelinePlan | None, list[str]]:
+    """The pipeline of ``model`` on ``mesh``'s ``axis`` (None when the axis is 1 or absent), and
+    every problem found."""
+    from .schedules import schedule_problems
+    from .specs import find_stack
+
+    p = mesh.axis_sizes.get(axis, 1)
+    stack, axes, problems = find_stack(model, rules)
+    if p <= 1:
+        return None, problems
+    if stack is None:
+        problems.append(
+            f"plan: the mesh splits {axis!r} over {p} ranks, but the model {type(model).__name__} declares no layer "
+            "stack — expected an nn.ModuleList named with the logical dim 'layers' in its sl.shard table, and "
+            f"the methods {PRE}(*batch) -> x and {POST}(x, *batch) -> loss. Declare it, e.g. "
+            "@sl.shard({'blocks': ('layers',)}) on the model's class (see shardlib/planner/pipeline.py), or "
+            f"plan with {axis}=1.")
+        return None, problems
+    if axes != (axis,):
+        problems.append(f"plan: the layer stack {stack!r} is split over {axes or 'nothing'} — expected exactly "
+                        f"({axis!r},) on a mesh with {axis}={p}. Add the rule {{'layers': {axis!r}}} "
+                        f"(rules={{'layers': {axis!r}, ...}}).")
+    for attr in (PRE, POST):
+        if not callable(getattr(model, attr, None)):
+            problems.append(f"plan: the model {type(model).__name__} has no method {attr} — expected "
+                            f"{PRE}(*batch) -> x (what runs before the stack) and {POST}(x, *batch) -> loss "
+                            "(what runs after it) for a pipeline. Add them (shardlib/planner/pipeline.py "
+                            "documents the protocol; shardlib.models.GPT is an example).")
+    v = virtual if virtual is not None else (2 if schedule == "interleaved_1f1b" else 1)
+    name = schedule if schedule is not None else ("interleaved_1f1b" if v > 1 else "1f1b")
+    m = microbatches if microbatches is not None else p
+    problems += schedule_problems(name, p, m, v)
+    if problems:
+        return None, problems
+
+    blocks, pre_mods, post_mods = stack_modules(model, stack)
+    modules = dict(model.named_modules())
+    n_stages = p * v
+
+    def params_of(names: Sequence[str]) -> list[tuple[str, object]]:
+        out = []
+        for mname in names:
+            out += [(f"{mname}.{n}", t) for n, t in modules[mname].named_parameters()]
+        return out
+
+    block_params = [params_of([b]) for b in blocks]
+    pre_params, post_params = params_of(pre_mods), params_of(post_mods)
+    if model._parameters:
+        problems.append(f"plan: the model holds parameters of its own ({sorted(model._parameters)}) — expected "
+                        f"every parameter in a submodule, so the pipeline knows its stage. Move them into a module "
+                        f"registered before the stack (used by {PRE}) or after it (used by {POST}).")
+    if len(blocks) < n_stages:
+        problems.append(f"plan: the layer stack {stack!r} has {len(blocks)} blocks, fewer than the {n_stages} stages "
+                        f"({axis}={p} x {v} virtual) — expected at least one block per stage. Use {axis} <= "
+                        f"{len(blocks) // v if v else len(blocks)} or fewer virtual stages, or a deeper model.")
+        return None, problems
+
+    def numel(ps) -> int:
+        seen, total = set(), 0
+        for _, t in ps:
+            if id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel()
+        return total
+
+    sizes = [numel(ps) for ps in block_params]
+    if stages is None:
+        counts = balance(sizes, n_stages, numel(pre_params), numel(post_params))
+        how = "balanced by parameter count (the default)"
+    else:
+        counts, how = _explicit(stages, n_stages, len(blocks), axis, p, v, problems)
+        if counts is None:
+            return None, problems
+    # what each stage holds, and tied parameters across stages
+    owner: dict[int, tuple[int, str]] = {}
+    ranges, start = [], 0
+    for c in counts:
+        ranges.append(range(start, start + c))
+        start += c
+    for s, r in enumerate(ranges):
+        held = [*(pre_params if s == 0 else ()), *(ps for i in r for ps in block_params[i]),
+                *(post_params if s == n_stages - 1 else ())]
+        for pname, t in held:
+            prev = owner.setdefault(id(t), (s, pname))
+            if prev[0] != s:
+                problems.append(f"plan: parameter {pname!r} is the same tensor as {prev[1]!r} (tied), on stages "
+                                f"{prev[0]} and {s} — expected each parameter on one stage. Untie them (e.g. "
+                                "tie_word_embeddings=False), or plan without the pipe axis.")
+    if name == "zb_h1":
+        rec = [u for u in recompute if u in set(blocks) | set(pre_mods) | set(post_mods)]
+        if rec:
+            problems.append(f"plan: schedule 'zb_h1' splits each backward into an input-gradient part (I) and a "
+                            f"weight-gradient part (W), but units {rec[:4]} recompute their forward inside backward, "
+                            "whose weight gradients cannot be split from it — expected no recompute with zb_h1. "
+                            "Drop recompute, or use schedule='1f1b'.")
+    if problems:
+        return None, problems
+    stage_plans = tuple(
+        StagePlan(s, s % p, tuple(blocks[i] for i in r), s == 0, s == n_stages - 1,
+                  sum(sizes[i] for i in r) + (numel(pre_params) if s == 0 else 0)
+                  + (numel(post_params) if s == n_stages - 1 else 0))
+        for s, r in enumerate(ranges))
+    return PipelinePlan(axis, p, v, m, name, stack, stage_plans, how,
+                        tuple(n for n, _ in pre_params), tuple(n for n, _ in post_params)), problems
+
+
+def _explicit(stages, n_stages: int, n_blocks: int, axis: str, p: int, v: int, problems: list[str]
+              ) -> tuple[list[int] | None, str]:
+    if isinstance(stages, str):
+        counts, found = parse_layout(stages)
+        problems += found
+        how = f"layout {stages!r}"
+    elif isinstance(stages, Sequence) and all(isinstance(c, int) and not isinstance(c, bool) for c in stages):
+        counts, how = list(stages), f"explicit {list(stages)}"
+    else:
+        problems.append(f"plan: stages must be a list of blocks per stage or a layout string — got "
+                        f"{type(stages).__name__} {stages!r}; expected e.g. [3, 3, 2] or 'E|t t t|t t|t L'.")
+        return None, ""
+    if len(counts) != n_stages:
+        problems.append(f"plan: stages {stages!r} gives {len(counts)} stages — expected {n_stages} ({axis}={p} x "
+                        f"{v} virtual stages per rank). Give one entry per stage.")
+    if sum(counts) != n_blocks:
+        problems.append(f"plan: stages {stages!r} adds up to {sum(counts)} blocks — expected the stack's "
+                        f"{n_blocks}. Make the counts add up to {n_blocks}.")
+    if any(c < 0 for c in counts) or any(c == 0 for c in counts[1:-1]) or (counts and len(counts) == 1 and counts[0] == 0):
+        problems.append(f"plan: stages {stages!r} leaves a stage with no blocks (or a negative count) — expected "
+                        "at least one block on every stage (the first and the last may have none: they run "
+                        "what comes before and after the stack).")
+    if problems:
+        return None, how
+    return counts, how

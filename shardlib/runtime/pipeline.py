@@ -1,0 +1,373 @@
+"""The pipe axis at run time: this rank's stages, and the executor of its lowered schedule.
+
+Each pipe rank holds only its stages' parameters (the rest of the model is left on the meta
+device, shapes only). ``engine.step`` hands the step's micro-batches to ``PipelineRuntime.run``,
+which walks the rank's lowered action list (``planner/schedules.py``) in order:
+
+* ``RECV_F`` / ``RECV_B`` post a receive (``comm.recv``, tagged by stage, micro-batch and
+  direction, from the pipe neighbour) into a buffer of the shape the plan knows: the stream
+  between stages (worked out once per batch shape on the meta device: no per-step handshake),
+  or this stage's own output for its gradient;
+* ``F`` runs the stage: ``model.pipeline_pre`` on the first stage, its blocks, and
+  ``model.pipeline_post`` (the loss) on the last; ``SEND_F`` sends the output;
+* ``B`` back-propagates the stage (the loss times ``scale / (data · m)`` on the last stage, the
+  received gradient elsewhere); ``SEND_B`` sends its input gradient;
+* ``I`` / ``W`` (``zb_h1``): the input-gradient half of ``B`` now, the weight-gradient half later
+  (torch's ``stage_backward_input`` / ``stage_backward_weight``);
+* ``UNSHARD`` / ``REDUCE_GRAD`` (ZeRO-3): gather the stage's units once per step and keep them
+  through all its micro-batches; reduce-scatter its accumulated gradients once after its last
+  backward, which frees them (``RESHARD``).
+
+Gradients accumulate in ``.grad`` over the micro-batches; the data axis reduces them after the
+schedule (DP / ZeRO-1/2 buckets, ``engine.step``). Every action is timed (``timeline``: records of
+``(rank, action, start, end)``, ``time.perf_counter`` seconds) for ``frontend/timeline.py``.
+
+A rank that fails mid-step writes why into the process group's store before raising; a peer whose
+receive then times out (the process group's timeout) raises a ``PipelineError`` naming that rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import namedtuple
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..comm import core as comm
+from ..errors import CollectiveError
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+Record = namedtuple("Record", "rank action start end")
+_FAILED = "shardlib/pipe/failed"
+
+
+class PipelineError(CollectiveError):
+    """A pipeline step failed on some rank; raised on every rank, naming the one that failed."""
+
+
+def strip_to_stage(model: nn.Module, keep: set[str]) -> None:
+    """Leave every parameter not named in ``keep`` (another stage's) on the meta device: shapes
+    only, no storage. Tied parameters stay tied."""
+    named = dict(model.named_parameters())
+    kept = {id(named[n]) for n in keep if n in named}
+    done: dict[int, nn.Parameter] = {}
+    for mod in model.modules():
+        for attr, p in list(mod._parameters.items()):
+            if p is None or id(p) in kept or p.is_meta:
+                continue
+            if id(p) not in done:
+                done[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+            mod._parameters[attr] = done[id(p)]
+
+
+class _Probe(nn.Module):
+    """``pipeline_pre`` then the first block: run on meta tensors, the stream's shape and dtype."""
+
+    def __init__(self, model: nn.Module, first: nn.Module):
+        super().__init__()
+        self.model = model
+        object.__setattr__(self, "first", first)     # reached through ``model``: not a second name
+
+    def forward(self, *batch):
+        return self.first(self.model.pipeline_pre(*batch))
+
+
+class PipelineRuntime:
+    """Installed by the engine when its plan cuts the model into pipeline stages."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        gplan = engine.global_plan
+        self.pp = pp = gplan.pipeline
+        mesh = engine.mesh
+        self.mesh, self.axis = mesh, pp.axis
+        self.coord = mesh.coord(mesh.rank, pp.axis)
+        self.p, self.n_stages, self.m = pp.size, pp.num_stages, pp.microbatches
+        self.stages = {s.index: s for s in pp.stages_of(self.coord)}
+        modules = dict(engine.model.named_modules())
+        self.modules = modules
+        self.blocks = {i: [modules[b] for b in s.blocks] for i, s in self.stages.items()}
+        self.first_block = modules[pp.stages[0].blocks[0]] if pp.stages[0].blocks else modules[
+            next(b for s in pp.stages for b in s.blocks)]
+        self.zero3 = engine.plan.states.params is not None
+        self.actions = pp.lowered(self.coord, unshard=self.zero3)
+        self.stage_params = {i: self._params_of(s) for i, s in self.stages.items()}
+        self.units_of: dict[int, list] = {i: [] for i in self.stages}
+        if self.zero3:
+            for u in engine.units.all:
+                names = [s.name for s in u.states]
+                if names:
+                    self.units_of[pp.stage_of(names[0])].append(u)
+        # the step's scalars: this rank's trainable parameters' places among all of the model's
+        trainable = [p.name for p in gplan.params if p.trainable]
+        where = {n: i for i, n in enumerate(trainable)}
+        self.n_trainable = len(trainable)
+        self.global_index = torch.tensor([where[s.name] for s in engine.states if s.trainable], dtype=torch.long)
+        self.timeline: list[Record] = []
+        self._shapes: dict[tuple, tuple[torch.Size, torch.dtype]] = {}
+
+    def _params_of(self, stage) -> list[nn.Parameter]:
+        named = dict(self.engine.model.named_parameters())
+        names = [n for n in named if self.pp.stage_of(n) == stage.index]
+        return [named[n] for n in names if named[n].requires_grad and not named[n].is_meta]
+
+    # ---- the step ------------------------------------------------------------------------------
+    def run(self, micro: list[Any], factor: float) -> torch.Tensor:
+        """Run this rank's actions over the step's micro-batches; return the sum of the
+        micro-batch losses this rank computed (zero off the last stage)."""
+        eng = self.engine
+        self.loss_sum = torch.zeros((), dtype=torch.float32, device=self.mesh.device)
+        self.micro, self.factor = micro, factor
+        self.stream = self._stream_shape(micro[0])
+        self.inputs: dict[tuple[int, int], torch.Tensor | None] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.pending: dict[tuple[str, int, int], comm.Pending] = {}
+        self.grad_in: dict[tuple[int, int], torch.Tensor | None] = {}
+        self.weight_work: dict[tuple[int, int], Any] = {}
+        self.sends: list[comm.Pending] = []
+        self.timeline = []
+        if eng.units is not None:
+            eng.units.begin_micro(first=True)
+        try:
+            for a in self.actions:
+                start = time.perf_counter()
+                self.current = a
+                self._do(a)
+                self.timeline.append(Record(self.mesh.rank, str(a), start, time.perf_counter()))
+            for w in self.sends:
+                self._wait(w, "a send")
+            self.sends = []
+        except PipelineError:
+            raise
+        except BaseException as e:
+            self._report(e)
+            raise
+        if eng.units is not None:
+            eng.units.end_micro()
+        for s in eng.states:      # gradients set by the weight-gradient half bypass the hooks
+            if s.trainable and s.param.grad is not None:
+                s.used = True
+        self.inputs = self.outputs = self.grad_in = {}
+        return self.loss_sum
+
+    def _do(self, a) -> None:
+        kind, s, i = a.kind, a.stage, a.mb
+        if kind == "F":
+            self._forward(s, i)
+        elif kind == "B":
+            self._backward(s, i)
+        elif kind == "I":
+            self._backward_input(s, i)
+        elif kind == "W":
+            self._backward_weight(s, i)
+        elif kind == "RECV_F":
+            shape, dtype = self.stream
+            buf = torch.empty(shape, dtype=dtype, device=self.mesh.device)
+            self.pending[("F", s, i)] = comm.recv(buf, self.mesh, self.axis, (s - 1) % self.p, tag=self._tag(0, s, i))
+        elif kind == "SEND_F":
+            self.sends.append(comm.send(self.outputs[(s, i)].detach(), self.mesh, self.axis, (s + 1) % self.p,
+                                        tag=self._tag(0, s + 1, i)))
+        elif kind == "RECV_B":
+            out = self.outputs[(s, i)]
+            buf = torch.empty(out.shape, dtype=out.dtype, device=self.mesh.device)
+            self.pending[("B", s, i)] = comm.recv(buf, self.mesh, self.axis, (s + 1) % self.p, tag=self._tag(1, s, i))
+        elif kind == "SEND_B":
+            g = self.grad_in.pop((s, i))
+            self.sends.append(comm.send(g, self.mesh, self.axis, (s - 1) % self.p, tag=self._tag(1, s - 1, i)))
+        elif kind == "UNSHARD":
+            units = self.engine.units
+            for u in self.units_of[s]:
+                units.gather(u)
+            for u in self.units_of[s]:
+                units.wait(u)
+        elif kind == "REDUCE_GRAD":
+            if self.zero3:
+                for u in reversed(self.units_of[s]):
+                    if not u.reduced:
+                        self.engine.units._reduce(u)
+        elif kind == "RESHARD":
+            pass          # REDUCE_GRAD freed the stage's parameters with its reduce-scatter
+        else:
+            raise PipelineError(f"pipeline: unknown action {a} on rank {self.mesh.rank}.")
+
+    def _tag(self, direction: int, stage: int, mb: int) -> int:
+        return (direction * self.n_stages + stage) * self.m + mb
+
+    def _received(self, key: tuple[str, int, int]) -> torch.Tensor:
+        direction, s, i = key
+        src = (s - 1) % self.p if direction == "F" else (s + 1) % self.p
+        what = f"stage {s}'s {'input' if direction == 'F' else 'output gradient'} of micro-batch {i}"
+        return self._wait(self.pending.pop(key), f"{what} from pipe rank {src}")
+
+    def _wait(self, pending: comm.Pending, what: str) -> torch.Tensor:
+        try:
+            return pending.wait()
+        except RuntimeError as e:
+            failed = self._failed()
+            if failed is not None:
+                raise PipelineError(f"pipeline: rank {self.mesh.rank} stopped waiting for {what}: rank {failed}")\
+                    from e
+            done = " ".join(r.action for r in self.timeline[-6:])
+            raise PipelineError(f"pipeline: rank {self.mesh.rank} timed out or lost its peer waiting for {what} "
+                                f"(action {self.current}, after ... {done}) — {e}") from e
+
+    # ---- compute -------------------------------------------------------------------------------
+    def _forward(self, s: int, i: int) -> None:
+        eng, st = self.engine, self.stages[s]
+        batch = self.micro[i]
+        batch = batch if isinstance(batch, (tuple, list)) else (batch,)
+        if st.pre:
+            x, inp = eng.model.pipeline_pre(*batch), None
+        else:
+            x = inp = self._received(("F", s, i)).requires_grad_(True)
+        for blk in self.blocks[s]:
+            x = blk(x)
+        if st.post:
+            logits = eng.tensor.logits if eng.tensor is not None else None
+            try:
+                with logits if logits is not None else contextlib.nullcontext():
+                    loss = eng.model.pipeline_post(x, *batch)
+            finally:
+                if logits is not None:
+                    logits.clear()
+            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                raise PipelineError(f"pipeline: {type(eng.model).__name__}.pipeline_post must return the scalar mean "
+                                    f"loss of the micro-batch — got {type(loss).__name__}"
+                                    f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}.")
+            self.loss_sum += loss.detach().float()
+            x = loss
+        self.outputs[(s, i)] = x
+        self.inputs[(s, i)] = inp
+        if eng.tensor is not None:
+            eng.tensor.clear()
+
+    def _target(self, s: int, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        out = self.outputs.pop((s, i))
+        if self.stages[s].post:
+            return out.float() * self.factor, None
+        return out, self._received(("B", s, i))
+
+    def _backward(self, s: int, i: int) -> None:
+        target, grad = self._target(s, i)
+        target.backward(grad)
+        self._keep_input_grad(s, i)
+
+    def _keep_input_grad(self, s: int, i: int) -> None:
+        inp = self.inputs.pop((s, i))
+        if self.engine.tensor is not None:
+            self.engine.tensor.clear()
+        if s > 0:
+            g = inp.grad if inp is not None else None
+            self.grad_in[(s, i)] = g if g is not None else torch.zeros(self.stream[0], dtype=self.stream[1])
+
+    def _backward_input(self, s: int, i: int) -> None:
+        from torch.distributed.pipelining._backward import stage_backward_input
+
+        target, grad = self._target(s, i)
+        inp = self.inputs.get((s, i))
+        if inp is None:                 # the first stage: no input gradient; W runs the whole backward
+            self.weight_work[(s, i)] = ("whole", target, grad)
+            self.inputs.pop((s, i))
+            return
+        _, groups = stage_backward_input([target], None if grad is None else [grad], [inp],
+                                         iter(self.stage_params[s]))
+        self.weight_work[(s, i)] = ("split", groups)
+        self._keep_input_grad(s, i)
+
+    def _backward_weight(self, s: int, i: int) -> None:
+        from torch.distributed.pipelining._backward import stage_backward_weight
+
+        work = self.weight_work.pop((s, i))
+        if work[0] == "whole":
+            work[1].backward(work[2])
+        else:
+            stage_backward_weight(iter(self.stage_params[s]), work[1])
+        if self.engine.tensor is not None:
+            self.engine.tensor.clear()
+
+    # ---- shapes, scalars, failures -------------------------------------------------------------
+    def _stream_shape(self, batch: Any) -> tuple[torch.Size, torch.dtype]:
+        """Shape and dtype of the stream between stages for micro-batches shaped like ``batch``:
+        ``pipeline_pre`` and the first block run on the meta device (nothing is computed or
+        communicated), once per batch shape."""
+        batch = batch if isinstance(batch, (tuple, list)) else (batch,)
+        key = tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t) for t in batch)
+        hit = self._shapes.get(key)
+        if hit is None:
+            model = self.engine.model
+            probe = _Probe(model, self.first_block)
+            params = {f"model.{n}": torch.empty_like(p, device="meta")
+                      for n, p in model.named_parameters(remove_duplicate=False)}
+            meta = tuple(t.to("meta") if isinstance(t, torch.Tensor) else t for t in batch)
+            with torch.no_grad():
+                out = torch.func.functional_call(probe, params, meta, strict=False, tie_weights=True)
+            if self.engine.tensor is not None:
+                self.engine.tensor.clear()
+            hit = self._shapes[key] = (out.shape, out.dtype)
+        return hit
+
+    def sum_of_squares(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """This rank's share of the squared global norm (no tensor axis): its stages' gradients,
+        counted on data coordinate 0 only when they are replicated over ``data``."""
+        eng = self.engine
+        if eng.plan.states.grads is None and eng.data_index != 0:
+            return torch.zeros((), device=self.mesh.device)
+        return sum(((g.double() ** 2).sum() for g in grads), torch.zeros((), dtype=torch.float64)).float()
+
+    def reduce_scalars(self, scalars: list[torch.Tensor]) -> torch.Tensor:
+        """All-reduce ``[scalars..., used flag of each trainable parameter]`` over the whole mesh.
+        The flags sit at each parameter's place among all the model's trainable parameters (each
+        stage fills its own), and on tensor coordinate 0 only, as the loss; returns the vector with
+        this rank's flags, in its states' order."""
+        eng = self.engine
+        local = eng._scalar_vector(scalars)
+        k = len(scalars)
+        vec = torch.zeros(k + self.n_trainable, dtype=local.dtype, device=local.device)
+        vec[:k] = local[:k]
+        vec[k + self.global_index] = local[k:]
+        if eng.tensor is not None and eng.tensor.coord != 0:
+            vec[0] = 0.0
+            vec[k:] = 0.0
+        out = comm.all_reduce(vec, self.mesh, self.mesh.canonical_axes(self.mesh.axis_names))
+        return torch.cat([out[:k], out[k + self.global_index]])
+
+    def _report(self, e: BaseException) -> None:
+        """Tell the other ranks (through the process group's store) that this one failed."""
+        store = _store()
+        if store is not None:
+            try:
+                store.set(_FAILED, f"{self.mesh.rank} ({type(e).__name__}: {e})"[:2000])
+            except Exception:       # the store is gone: the peers time out on their own
+                pass
+
+    def _failed(self) -> str | None:
+        store = _store()
+        if store is None:
+            return None
+        try:
+            if store.check([_FAILED]):
+                return store.get(_FAILED).decode()
+        except Exception:
+            return None
+        return None
+
+    def clear_failure(self) -> None:
+        store = _store()
+        if store is not None:
+            with contextlib.suppress(Exception):
+                store.delete_key(_FAILED)
+
+
+def _store():
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:
+        return None
