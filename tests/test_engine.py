@@ -29,6 +29,8 @@ BATCH = 8
 GPT_CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2)
 # the tensor-parallel tests' GPT: a vocabulary and an MLP width that 2 and 4 do not divide
 GPT_TP_CFG = GPTConfig(vocab_size=67, seq_len=8, d_model=32, n_heads=4, n_layers=2, mlp_width=90)
+# the pipeline tests' GPT: 8 blocks (pipe 4 x 2 virtual stages), uneven tensor widths as above
+GPT_PP_CFG = GPTConfig(vocab_size=67, seq_len=8, d_model=32, n_heads=4, n_layers=8, mlp_width=90)
 MLP_SIZES = (7, 13, 11, 5)        # odd sizes: every shard uneven at data = 2 and 4
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FP32_RTOL = 1e-5                  # the issue's bound on losses (max relative difference)
@@ -44,6 +46,8 @@ def make_model(name: str, seed: int = 0) -> torch.nn.Module:
         return GPT(GPT_CFG, seed=seed)
     if name == "gpt_tp":
         return GPT(GPT_TP_CFG, seed=seed)
+    if name == "gpt_pp":
+        return GPT(GPT_PP_CFG, seed=seed)
     if name == "gpt_tied":                       # head.weight is wte.weight
         m = GPT(GPT_CFG, seed=seed)
         m.head.weight = m.wte.weight
@@ -103,6 +107,8 @@ class BatchNormMLP(torch.nn.Module):
 def make_batches(model: str, steps: int = STEPS, batch: int = BATCH) -> list[tuple[torch.Tensor, torch.Tensor]]:
     if model == "gpt_tp":
         return [token_batch(GPT_TP_CFG, batch, seed=100 + s) for s in range(steps)]
+    if model == "gpt_pp":
+        return [token_batch(GPT_PP_CFG, batch, seed=100 + s) for s in range(steps)]
     if model.startswith("gpt"):
         return [token_batch(GPT_CFG, batch, seed=100 + s) for s in range(steps)]
     return [regression_batch(MLP_SIZES, batch, seed=100 + s) for s in range(steps)]

@@ -211,7 +211,33 @@ def plan(model: nn.Module, mesh: AbstractMesh, zero: int | None = None, *, state
     if tplan is not None and batch is not None:
         from .trace import trace_activations
         out = replace(out, activations=trace_activations(model, out, batch))
+    if pplan is not None:
+        pplan = replace(pplan, trainable=sum(1 for p in params if p.trainable))
+        if batch is not None:
+            pplan = _with_stream(model, pplan, out, batch)
+        out = replace(out, pipeline=pplan)
     return out
+
+
+def _with_stream(model: nn.Module, pplan, plan: Plan, batch) -> Any:
+    """The pipeline plan with the stream's per-micro-batch shape on each rank (``batch``: the
+    example global batch), after checking that ``data x microbatches`` divides it."""
+    from torch.utils._pytree import tree_leaves
+
+    from .pipeline import stream_shape
+    leaves = [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
+    b = leaves[0].shape[0] if leaves and leaves[0].dim() else None
+    need = plan.data_size * pplan.microbatches
+    if b is None or b % need:
+        raise ShardingError(f"plan: the batch of {b} rows does not split into data={plan.data_size} x "
+                            f"microbatches={pplan.microbatches} = {need} micro-batches — expected a multiple of {need}. "
+                            f"Use a batch of {max(need, (b or 0) // need * need)} or {((b or 0) // need + 1) * need}, "
+                            "or change microbatches.")
+    shape = list(stream_shape(model, pplan.stack, batch, b // need, plan.compute_dtype))
+    tp = plan.tensor
+    if tp is not None and tp.sequence_parallel and tp.size > 1:
+        shape[tp.seq_dim] //= tp.size           # the stream is sequence-split between the stack's blocks
+    return replace(pplan, stream=tuple(shape), stream_dtype=str(plan.compute_dtype).replace("torch.", ""))
 
 
 def _trim(spec: PartitionSpec) -> PartitionSpec:

@@ -70,6 +70,20 @@ class PipelinePlan:
     split: str                   # how the stack was cut (said in explain())
     pre_params: tuple[str, ...]
     post_params: tuple[str, ...]
+    trainable: int = 0           # trainable parameters of the whole model (the step's scalar flags)
+    # the stream sent between stages, per micro-batch, on each rank (with SP: its sequence chunk)
+    # and its dtype; known when the plan is given an example ``batch=``
+    stream: tuple[int, ...] | None = None
+    stream_dtype: str | None = None
+
+    @property
+    def stream_bytes(self) -> int | None:
+        if self.stream is None:
+            return None
+        import math
+
+        import torch
+        return math.prod(self.stream) * getattr(torch, self.stream_dtype).itemsize
 
     @property
     def num_stages(self) -> int:
@@ -329,3 +343,28 @@ def _explicit(stages, n_stages: int, n_blocks: int, axis: str, p: int, v: int, p
     if problems:
         return None, how
     return counts, how
+
+
+def stream_shape(model: nn.Module, stack: str, batch, rows: int, dtype) -> tuple[int, ...]:
+    """The shape of the stream between stages for a micro-batch of ``rows`` rows of ``batch``:
+    ``pipeline_pre`` and the first block on the meta device (nothing is computed)."""
+    import torch
+
+    first = dict(model.named_modules())[stack][0]
+
+    class Probe(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, *b):
+            return first(self.model.pipeline_pre(*b))
+
+    b = batch if isinstance(batch, (tuple, list)) else (batch,)
+    meta = tuple(torch.empty((rows, *t.shape[1:]), dtype=t.dtype, device="meta") if isinstance(t, torch.Tensor)
+                 else t for t in b)
+    params = {f"model.{n}": torch.empty(p.shape, dtype=dtype if p.is_floating_point() else p.dtype, device="meta")
+              for n, p in model.named_parameters(remove_duplicate=False)}
+    with torch.no_grad():
+        out = torch.func.functional_call(Probe(), params, meta, strict=False, tie_weights=True)
+    return tuple(out.shape)

@@ -76,6 +76,8 @@ class TrafficAccounting:
         parameter saying on how many ranks it got a gradient — a parameter that got none on any
         rank is left out of the update, as one process leaves a parameter whose ``grad`` is None
         (the role of DDP's ``find_unused_parameters`` bitmap)."""
+        if self.pipeline is not None and self.pipe_size > 1:    # every stage's flags, in one vector
+            return 1 + self.pipeline.trainable + int(self.precision == "fp16") + int(self.clip_grad_norm is not None)
         k = 1 + sum(1 for p in self.params if p.trainable)
         if self.states.grads is not None or self.tensor_size > 1:
             k += int(self.precision == "fp16") + int(self.clip_grad_norm is not None)
@@ -90,7 +92,7 @@ class TrafficAccounting:
         each rank would receive its own row's sum, added in another order, and ranks must agree on
         the loss to the bit."""
         return (self.states.params is None and self.states.grads is None and self.data_size > 1
-                and self.reduce_dtype == torch.float32 and self.tensor_size == 1)
+                and self.reduce_dtype == torch.float32 and self.tensor_size == 1 and self.pipe_size == 1)
 
     def comm_per_step(self) -> list[CommEntry]:
         """Every collective one ``step`` issues, with the bytes this rank sends (ring model)."""
@@ -102,13 +104,16 @@ class TrafficAccounting:
                 out += [CommEntry("forward", "buffers", "broadcast", axis, comm.broadcast_bytes(k, n, dt.itemsize), 1,
                                   str(dt).replace("torch.", "")) for dt, k in self.step_buffer_sizes()]
             m = self.grad_accum
+            piped = self.pipe_size > 1
+            if piped:      # a stage's units are gathered once per step and reduced once (runtime/pipeline.py)
+                m = 1
             groups = self.flat.groups                     # units (ZeRO-3) or buckets: flat.py
             if self.states.params is not None:           # ZeRO-3: per unit, every micro-step
                 for u, grp in zip(self.units, groups):
                     # one chunk of each segment per rank: ceil(T/N) trainable + frozen elements
                     gathered = comm.all_gather_bytes(grp.chunk(TRAIN) + grp.chunk(FROZEN), n, c)
                     out.append(CommEntry("forward", "params", "all_gather", axis, gathered, m, u.name or "<root>"))
-                    if u.reshard_after_forward:
+                    if u.reshard_after_forward and not piped:
                         out.append(CommEntry("backward", "params", "all_gather", axis, gathered, m,
                                              u.name or "<root>"))
                     tr = grp.chunk(TRAIN)
@@ -134,16 +139,43 @@ class TrafficAccounting:
                         shard = groups[i].chunk(TRAIN)
                         out.append(CommEntry("step", "params", "all_gather", axis,
                                              comm.all_gather_bytes(shard, n, c), 1, f"bucket {i}"))
-            if not self.scalars_ride_gradients and self.tensor_size == 1:
+            if not self.scalars_ride_gradients and self.tensor_size == 1 and self.pipe_size == 1:
                 out.append(CommEntry("step", "scalars", "all_reduce", axis,
                                      comm.all_reduce_bytes(self.scalars_per_step(), n, 4), 1))
-        if self.tensor_size > 1:
+        if self.pipe_size > 1:
+            out += self._pipe_entries()
+        elif self.tensor_size > 1:
             # the step's scalars over the whole (data, tensor) group: split gradients' norms add up
             # over tensor (runtime/engine.py counts each element once)
             both = self.mesh.canonical_axes((self.data_axis, self.tensor.axis))
             out.append(CommEntry("step", "scalars", "all_reduce", both,
                                  comm.all_reduce_bytes(self.scalars_per_step(), n * self.tensor_size, 4), 1))
             out += [replace(e, count=e.count * self.grad_accum) for e in self.activation_entries()]
+        return out
+
+    def _pipe_entries(self) -> list[CommEntry]:
+        """The pipe axis's traffic of a stage-local plan: the step's scalars over the whole mesh, the
+        tensor axis's activation collectives of its stages, and its point-to-point sends (the stream,
+        or its gradient, per micro-batch and stage boundary) and receives (counted, no bytes sent)."""
+        pp = self.pipeline
+        axes = self.mesh.canonical_axes(self.mesh.axis_names)
+        out = [CommEntry("step", "scalars", "all_reduce", axes,
+                         comm.all_reduce_bytes(self.scalars_per_step(), self.mesh.axis_size(axes), 4), 1)]
+        if self.tensor_size > 1:
+            out += [replace(e, count=e.count * self.grad_accum) for e in self.activation_entries()]
+        if self.pipe_coord is None:
+            return out
+        kinds = {"SEND_F": ("forward", "send"), "RECV_F": ("forward", "recv"),
+                 "SEND_B": ("backward", "send"), "RECV_B": ("backward", "recv")}
+        counts: dict[str, int] = {}
+        for a in pp.lowered(self.pipe_coord, unshard=self.states.params is not None):
+            if a.kind in kinds:
+                counts[a.kind] = counts.get(a.kind, 0) + 1
+        nbytes = pp.stream_bytes
+        for kind, k in counts.items():
+            phase, op = kinds[kind]
+            out.append(CommEntry(phase, "activations", op, (pp.axis,),
+                                 0 if op == "recv" or nbytes is None else nbytes, k, kind))
         return out
 
     def comm_bytes_per_step(self, what: str | None = None) -> int:
@@ -170,6 +202,8 @@ class TrafficAccounting:
         n = self.data_size
         c, g = self.compute_dtype.itemsize, self.reduce_dtype.itemsize
         if self.states.params is not None:
+            if self.pipe_size > 1:     # a stage's units: one gather and one reduce-scatter per step
+                return (c * sum(p.numel for p in self.params) + g * self.num_trainable) * (n - 1) // n
             per_unit = [(2 if u.reshard_after_forward else 1) * c * sum(p.numel for p in self.unit_params(u.name))
                         + g * sum(p.numel for p in self.unit_params(u.name) if p.trainable) for u in self.units]
             return self.grad_accum * sum(per_unit) * (n - 1) // n

@@ -1,0 +1,164 @@
+"""The pipe axis trains like one process: every schedule, micro-batch count and composition.
+
+The reference GPT (8 blocks, vocabulary 67, MLP width 90) with ``rules={"layers": "pipe"}`` is cut
+into ``pipe x virtual`` stages and trained 5 steps on gloo ranks; the losses must be those of plain
+PyTorch in one process on the same batches (``test_engine.reference_run``) within 1e-5 relative,
+and the final weights (``engine.full_state_dict()``, gathered across stages) equal — with SGD the
+weight change is the gradient, so equal weights mean equal gradients. Each run counts one step's
+collectives and point-to-point messages (``sl.count_collectives``) and compares them with
+``plan.comm_per_step(rank)``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import shardlib as sl
+from shardlib.testing import get_mesh
+from test_engine import check_parity, make_batches, make_model, make_optimizer, reference_run
+from test_tensor import train_counting
+
+PIPE = {"layers": "pipe"}
+TP = {"heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
+BATCH = 16             # divides into data 2 x 8 micro-batches
+_REFS: dict = {}
+
+
+def batches(steps: int = 5):
+    return make_batches("gpt_pp", steps, BATCH)
+
+
+def reference(cfg: dict) -> dict:
+    key = (cfg.get("optimizer", "sgd"), cfg.get("clip"))
+    if key not in _REFS:
+        _REFS[key] = reference_run("gpt_pp", optimizer=key[0], clip=key[1], batches=batches())
+    return _REFS[key]
+
+
+def pp_run(cfg: dict, shape: dict) -> dict:
+    mesh = get_mesh(shape)
+    model = make_model("gpt_pp")
+    data = batches()
+    kw = {k: cfg[k] for k in ("zero", "microbatches", "schedule", "virtual_stages", "stages", "recompute")
+          if k in cfg}
+    if "clip" in cfg:
+        kw["clip_grad_norm"] = cfg["clip"]
+    rules = {**PIPE, **(TP if shape.get("tensor", 1) > 1 else {})}
+    plan = sl.plan(model, mesh, rules=rules, sequence_parallel=cfg.get("sp", False), batch=data[0], **kw)
+    engine = sl.parallelize(model, plan, optimizer=make_optimizer(cfg.get("optimizer", "sgd")))
+    losses, counts = train_counting(engine, plan, data)
+    full = engine.full_state_dict()
+    params = {name: full[name] for name, _ in make_model("gpt_pp").named_parameters()}
+    return {"losses": losses, "params": params, **counts}
+
+
+def pp_runs(cfgs: list[dict], shape: dict) -> list[dict]:
+    return [pp_run(c, shape) for c in cfgs]
+
+
+def _check(world, cfgs: list[dict], shape: dict) -> None:
+    n = 1
+    for v in shape.values():
+        n *= v
+    per_rank = world(n, pp_runs, cfgs, shape)
+    for i, cfg in enumerate(cfgs):
+        results = [per_rank[r][i] for r in range(n)]
+        check_parity({**cfg, **shape}, results, reference(cfg))
+        for r, res in enumerate(results):
+            assert res["counted"] == res["planned"], f"{cfg} {shape}: rank {r} ran {res['counted']}, " \
+                                                     f"the plan says {res['planned']}"
+
+
+def _schedules(p: int, ms) -> list[dict]:
+    out = []
+    for m in ms:
+        for s in ("gpipe", "1f1b", "zb_h1"):
+            out.append({"schedule": s, "microbatches": m})
+        if m >= p:
+            out.append({"schedule": "interleaved_1f1b", "virtual_stages": 2, "microbatches": m})
+    return out
+
+
+def test_pipe2_every_schedule(world):
+    """pipe = 2: GPipe, 1F1B, ZB-H1 at m = 1, 2, 4, 8 and interleaved 1F1B (v = 2) at m >= 2."""
+    cfgs = _schedules(2, (1, 2, 4, 8))
+    cfgs[1]["clip"] = 0.05                                   # clipping by the norm over both stages
+    cfgs[1]["optimizer"] = "sgd"
+    cfgs[2]["optimizer"] = "adamw"
+    cfgs[3]["stages"] = "E t t t|t t t t t L"                # an uneven, explicit split
+    _check(world, cfgs, {"data": 1, "pipe": 2})
+
+
+def test_pipe4_every_schedule(world):
+    """pipe = 4: every schedule at m = 1, 4, 8 (interleaved: v = 2, eight stages of one block)."""
+    _check(world, _schedules(4, (1, 4, 8)), {"data": 1, "pipe": 4})
+
+
+def test_pipe_by_data(world):
+    """pipe 2 x data 2 with DP and ZeRO-1/2/3 (ZeRO-3: a stage gathered once per step)."""
+    cfgs = [{"zero": z, "microbatches": 4} for z in range(4)]
+    cfgs[1]["schedule"] = "gpipe"
+    cfgs[2]["schedule"] = "interleaved_1f1b"
+    cfgs[3]["clip"] = 0.05
+    _check(world, cfgs, {"data": 2, "pipe": 2})
+
+
+def test_pipe_by_tensor(world):
+    """pipe 2 x tensor 2: Megatron TP (vocab-parallel embedding and loss) inside the stages, with
+    and without sequence parallelism (the stream between stages is then sequence-split)."""
+    cfgs = [{"microbatches": 4}, {"microbatches": 4, "sp": True, "schedule": "zb_h1"}]
+    _check(world, cfgs, {"data": 1, "pipe": 2, "tensor": 2})
+
+
+def test_3d_mesh(world):
+    """data 2 x pipe 2 x tensor 2 = 8 processes, ZeRO-1 and ZeRO-3."""
+    cfgs = [{"zero": 1, "microbatches": 2}, {"zero": 3, "microbatches": 2, "sp": True, "clip": 0.05}]
+    _check(world, cfgs, {"data": 2, "pipe": 2, "tensor": 2})
+
+
+def test_loss_is_the_global_mean_whatever_the_pipeline():
+    """The number the engine returns does not depend on p, m or the schedule: the reference is
+    one number per step (checked above against every layout); here, the reference itself is the
+    mean over the global batch — a pipeline that summed micro-batch losses would be m times off."""
+    ref = reference({})
+    model = make_model("gpt_pp")
+    idx, tgt = batches(1)[0]
+    with torch.no_grad():
+        whole = model(idx, tgt).item()
+        halves = sum(model(idx[i:i + 8], tgt[i:i + 8]).item() for i in (0, 8)) / 2
+    assert abs(ref["losses"][0] - whole) <= 1e-6 * abs(whole)
+    assert abs(halves - whole) <= 1e-5 * abs(whole)
+
+
+def _failing(shape: dict, bad_rank: int):
+    """Train 2 steps; ``bad_rank``'s stage raises in the second step's forward. Returns what each
+    rank raised."""
+    mesh = get_mesh(shape)
+    model = make_model("gpt_pp")
+    data = batches(2)
+    plan = sl.plan(model, mesh, rules=PIPE, microbatches=2)
+    engine = sl.parallelize(model, plan, optimizer=make_optimizer("sgd"))
+    engine.step(data[0])
+    if mesh.rank == bad_rank:
+        block = engine.pipe.blocks[min(engine.pipe.blocks)][0]
+        block.register_forward_pre_hook(lambda *_: (_ for _ in ()).throw(ValueError("bad data on this rank")))
+    try:
+        engine.step(data[1])
+    except Exception as e:                       # every rank raises: report what
+        engine.pipe.clear_failure() if mesh.rank == 0 else None
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def test_failure_on_one_rank_raises_everywhere():
+    from shardlib.testing import WorldPool
+
+    pool = WorldPool(2, timeout=5)
+    pool.start()
+    try:
+        out = pool.run(_failing, {"data": 1, "pipe": 2}, 1)
+    finally:
+        pool.close()
+    assert out[1].startswith("ValueError: bad data on this rank"), out
+    assert out[0].startswith("PipelineError") and "rank 1" in out[0] and "bad data" in out[0], out
