@@ -249,6 +249,12 @@ class Engine(EngineSetup, EngineInspection, EngineAccess):
         return torch.cat([torch.stack([x.reshape(()).float() for x in scalars]), used])
 
     @property
+    def timeline(self) -> list:
+        """The last step's pipeline actions on this rank: ``Record(rank, action, start, end)`` with
+        ``time.perf_counter`` seconds (``frontend/timeline.py`` plots them); empty without a pipe axis."""
+        return list(self.pipe.timeline) if self.pipe is not None else []
+
+    @property
     def loss_scale(self) -> float | None:
         """The current fp16 loss scale (None without fp16)."""
         return self.scaler.scale if self.scaler else None

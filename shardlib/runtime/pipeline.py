@@ -287,7 +287,9 @@ class PipelineRuntime:
         if work[0] == "whole":
             work[1].backward(work[2])
         else:
-            stage_backward_weight(iter(self.stage_params[s]), work[1])
+            # retain_graph: parameter groups can share nodes (SP's one fused f per block); the graph
+            # goes with the last reference to the groups, here
+            stage_backward_weight(iter(self.stage_params[s]), work[1], retain_graph=True)
         if self.engine.tensor is not None:
             self.engine.tensor.clear()
 
