@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections import namedtuple
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -39,11 +38,11 @@ from torch import nn
 
 from ..comm import core as comm
 from ..errors import CollectiveError
+from ..planner.simulate import Record
 
 if TYPE_CHECKING:
     from .engine import Engine
 
-Record = namedtuple("Record", "rank action start end")
 _FAILED = "shardlib/pipe/failed"
 
 
