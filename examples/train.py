@@ -49,11 +49,15 @@ def batch(text: torch.Tensor, n: int, seq: int, gen: torch.Generator) -> tuple[t
 
 
 def _plan(model: torch.nn.Module, mesh: sl.AbstractMesh, cfg: dict) -> sl.Plan:
-    # the model names its dims; on a mesh with a tensor axis the rules make it Megatron TP
-    rules = dict(cfg["rules"]) if "tensor" in mesh.axis_names else None
+    # the model names its dims; the rules whose axis the mesh has make it Megatron TP (tensor) and a
+    # pipeline of its blocks (pipe, with grad_accum micro-batches run by `schedule`)
+    rules = {k: v for k, v in dict(cfg["rules"]).items() if mesh.axis_sizes.get(v, 1) > 1} or None
+    piped = mesh.axis_sizes.get("pipe", 1) > 1
+    extra = {"schedule": cfg.get("schedule", "1f1b"), "microbatches": cfg["grad_accum"]} if piped else {}
     return sl.plan(model, mesh, zero=cfg["zero"], precision=cfg["precision"], grad_accum=cfg["grad_accum"],
                    clip_grad_norm=cfg["clip_grad_norm"], recompute=cfg["recompute"], rules=rules,
-                   sequence_parallel=cfg["sequence_parallel"], batch=_example_batch(cfg) if rules else None)
+                   sequence_parallel=cfg["sequence_parallel"], batch=_example_batch(cfg) if rules else None,
+                   **extra)
 
 
 def _example_batch(cfg: dict) -> tuple[torch.Tensor, torch.Tensor]:

@@ -70,7 +70,9 @@ def _train_config(**changes) -> dict:
       "batch=15 does not split over data=2 ranks x grad_accum=2 micro-batches — expected a multiple of 4. "
       "Use batch=12 or 16"]),
     ({"model__d_model": 130}, ["model: GPTConfig: d_model 130 does not divide into 4 heads."]),
-    ({"mesh": {"data": 2, "pipe": 2}}, ["plan: axes {'pipe': 2} are larger than 1"]),
+    ({"mesh": {"data": 2, "expert": 2}}, ["plan: axes {'expert': 2} are larger than 1"]),
+    ({"mesh": {"data": 1, "pipe": 2}, "schedule": "interleaved_1f1b", "grad_accum": 1},
+     ["plan: schedule 'interleaved_1f1b'"]),
     ({"steps": 0}, ["steps must be a positive int — got 0."]),
 ])
 def test_training_config_is_checked_whole_without_processes(changes, expected):
