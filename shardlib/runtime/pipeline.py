@@ -303,7 +303,9 @@ class PipelineRuntime:
         if hit is None:
             model = self.engine.model
             probe = _Probe(model, self.first_block)
-            params = {f"model.{n}": torch.empty_like(p, device="meta")
+            cdt = self.engine.cdt       # other stages' parameters (meta) kept their build dtype
+            params = {f"model.{n}": torch.empty(p.shape, dtype=cdt if p.is_floating_point() else p.dtype,
+                                                device="meta")
                       for n, p in model.named_parameters(remove_duplicate=False)}
             meta = tuple(t.to("meta") if isinstance(t, torch.Tensor) else t for t in batch)
             with torch.no_grad():
