@@ -287,9 +287,10 @@ def test_every_problem_in_one_error():
     assert str(err).startswith(f"plan: {len(expected)} problems:")
 
 
-def test_pipe_axis_larger_than_one_is_refused():
+def test_pipe_axis_without_the_layers_rule_is_refused():
     err = plan_error(GPT(CFG), sl.AbstractMesh({"data": 1, "tensor": 2, "pipe": 2}), rules=RULES)
-    the_problem(err, "'pipe': 2", "expected the other axes of size 1", "Pipeline parallelism is not available")
+    the_problem(err, "the layer stack 'blocks' is split over", "expected exactly ('pipe',)",
+                "{'layers': 'pipe'}")
     sl.plan(GPT(CFG), sl.AbstractMesh({"data": 1, "tensor": 2, "pipe": 1}), rules=RULES)
 
 
