@@ -22,11 +22,13 @@ _DIGITS = re.compile(r"(?<![^.\s])\d+(?![^.\s])")    # a number between dots or 
 
 class Explain:
     def explain(self, max_params: int | None = None, *, full: bool = False) -> str:
-        """The plan in words: state layouts, units, a row per parameter, model states per rank
-        (with the ZeRO formula), ZeRO-3's gather schedule, the collectives of a step and their total
-        against the ring minimum. By default repeated parameters, units and collectives are
-        grouped (at most ``max_params`` rows of parameters, 40 unless given); ``full=True`` lists
-        each of them (every parameter unless ``max_params`` is given)."""
+        """The plan in words: state layouts, the tensor and pipe axes (stages, schedule, idle
+        fraction, point-to-point bytes, activations per stage: ``pipeline_report.py``), units, a row
+        per parameter, model states per rank (with the ZeRO formula), ZeRO-3's gather schedule, the
+        collectives of a step and their total against the ring minimum. By default repeated
+        parameters, units and collectives are grouped (at most ``max_params`` rows of parameters, 40
+        unless given); ``full=True`` lists each of them (every parameter unless ``max_params`` is
+        given)."""
         if max_params is None:
             max_params = len(self.params) if full else 40
         n = self.data_size
@@ -40,6 +42,9 @@ class Explain:
                  f"  batch: {self.batch.spec} (dim 0 over {self.data_axis!r})"]
         if self.tensor is not None:
             lines += self._tensor_lines(full)
+        if self.pipeline is not None:
+            from .pipeline_report import pipeline_lines
+            lines += pipeline_lines(self, full)
         lines += _wrap("units: " + ", ".join(self._unit_words(full))
                        + ("   (* = recomputed in backward)" if any(u.recompute for u in self.units) else ""),
                        "  ", "    ")

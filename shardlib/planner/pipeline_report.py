@@ -1,0 +1,293 @@
+"""The pipe axis in ``explain()``: stages, schedule, idle fraction, point-to-point bytes and
+activation memory per stage.
+
+**Activation memory.** What a pipeline stage holds between a micro-batch's forward and its
+backward is what autograd saves for backward. ``saved_bytes`` measures it for one call: the call
+runs on the meta device (nothing is allocated or computed) under
+``torch.autograd.graph.saved_tensors_hooks``; each saved tensor is counted once by its storage
+(a tensor saved by two ops, or ``q``, ``k``, ``v`` as views of one projection, hold one buffer),
+and a parameter's storage not at all (it is resident anyway: model states, not activations).
+``block_saved_bytes`` runs each block of the layer stack that way on the stream of one
+micro-batch (its per-rank shape ``PipelinePlan.stream``, known when the plan is given
+``batch=``), with the shapes of the parameters on tensor coordinate 0 and the tensor axis's
+boundaries installed, as a step runs them (``comm/boundaries.py``: sequence parallelism gathers
+the sequence inside a block). A recomputed block (``recompute=``) keeps only its input. Then
+
+    activations of a stage = Σ over its blocks of (saved bytes per micro-batch) × live micro-batches
+
+where *live* is the simulator's ``peak_live`` of the stage's rank: micro-batches whose forward
+has run and whose last backward part has not (1F1B: ``p - r`` on rank ``r`` when ``m >= p``;
+GPipe: ``m``). With ``v > 1`` a rank's peak is taken over its schedule with each virtual stage's
+live micro-batches weighted by that stage's bytes. What ``pipeline_pre`` / ``pipeline_post`` save
+(embeddings, logits) is not counted. The meta device runs attention as its math
+decomposition, so a fused kernel that saves less (flash attention's log-sum-exp instead of the
+probabilities) is overestimated.
+
+The plan is data without the model, so the measurement is made at plan time (``sl.plan(...,
+batch=)``) and carried as ``PipelinePlan.block_saved``: bytes per micro-batch of each block, in the
+stack's order; ``explain()`` reads it from there.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ..comm.core import format_bytes
+from ..errors import ShardingError
+
+if TYPE_CHECKING:
+    from .pipeline import PipelinePlan
+    from .plan import Plan
+
+WIDTH = 150                  # as explain.py wraps
+MAX_ACTIONS = 24             # compute actions printed per pipe rank unless explain(full=True)
+
+FORMULAS = {"gpipe": "(p-1)/(m+p-1)", "1f1b": "(p-1)/(m+p-1)", "interleaved_1f1b": "(p-1)/(v·m+p-1)",
+            "zb_h1": "(p-1)/(3m+p-1)"}
+
+
+# ---- measuring what autograd saves ---------------------------------------------------------------
+
+def saved_bytes(fn: Callable[..., Any], *args: Any, exclude: Sequence[torch.Tensor] = (), **kwargs: Any) -> int:
+    """Bytes autograd saves for backward while ``fn(*args, **kwargs)`` runs: each saved tensor's
+    storage counted once (storages of ``exclude``, e.g. the parameters, not at all). Meant for meta
+    tensors (nothing is allocated); the result of ``fn`` is dropped."""
+    saved: list[torch.Tensor] = []        # kept alive while counting, so no storage is reused
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(*args, **kwargs)
+    skip = {t.untyped_storage()._cdata for t in exclude}
+    sizes: dict[int, int] = {}
+    for t in saved:
+        s = t.untyped_storage()
+        key = s._cdata
+        if key not in skip:
+            sizes[key] = max(sizes.get(key, 0), s.nbytes())
+    del out
+    return sum(sizes.values())
+
+
+def block_saved_bytes(model: nn.Module, plan: Plan, *, rank: int = 0) -> tuple[int, ...]:
+    """Per block of the layer stack (in order), the bytes autograd saves for backward in that block
+    for one micro-batch on ``rank`` (see the module doc). Blocks of one class and parameter shapes
+    are measured once. Needs the stream's shape (``sl.plan(..., batch=)``)."""
+    from ..comm.boundaries import Boundaries, Ops
+
+    pp = plan.pipeline
+    if pp is None or pp.stream is None:
+        raise ShardingError("block_saved_bytes: the plan does not know the stream between stages — got "
+                            f"{'no pipeline' if pp is None else 'stream None'}; expected a pipeline plan made "
+                            "with an example batch. Plan with sl.plan(..., rules={'layers': 'pipe'}, batch=...).")
+    dtype = plan.compute_dtype
+    modules = dict(model.named_modules())
+    params = {p.name: p for p in plan.params}
+    recomputed = {u.name for u in plan.units if u.recompute}
+    tp = plan.tensor
+    sp = tp is not None and tp.sequence_parallel and tp.size > 1
+    body = [u.name for u in plan.units if u.name]
+    bounds = None
+    if tp is not None and tp.size > 1:
+        class MeasureOps(Ops):
+            """The step's boundary ops on meta tensors (reshapes only), keeping ``requires_grad``."""
+
+            def _meta_seq(self, x: torch.Tensor, mul: int, div: int) -> torch.Tensor:
+                return super()._meta_seq(x, mul, div).requires_grad_(x.requires_grad)
+
+            def coord(self) -> int:
+                return plan.mesh.coord(rank, tp.axis)
+        bounds = Boundaries(model, tp, MeasureOps(plan.mesh, tp.axis, tp.seq_dim), [u.name for u in plan.units])
+    memo: dict[tuple, int] = {}
+    out = []
+    try:
+        for s in pp.stages:
+            for name in s.blocks:
+                block = modules[name]
+                shape = list(pp.stream)
+                if sp and body and name == body[0]:     # the first unit's input is the whole sequence
+                    shape[tp.seq_dim] *= tp.size
+                values = {}
+                for n, _ in block.named_parameters():
+                    p = params[f"{name}.{n}"]
+                    local = tuple(p.compute.local_shape(p.shape, rank)) if p.shape else ()
+                    values[n] = torch.empty(local, dtype=dtype, device="meta", requires_grad=p.trainable)
+                for n, b in block.named_buffers():       # floating buffers in the compute dtype, as a step casts them
+                    values[n] = torch.empty(b.shape, dtype=dtype if b.is_floating_point() and plan.mixed else b.dtype,
+                                            device="meta")
+                key = (type(block), tuple((n, tuple(v.shape)) for n, v in values.items()), tuple(shape),
+                       name in recomputed, bool(sp and body and name == body[0]))
+                if key not in memo:
+                    x = torch.empty(shape, dtype=getattr(torch, pp.stream_dtype), device="meta", requires_grad=True)
+                    if name in recomputed:           # a checkpoint keeps its input; the rest is recomputed
+                        memo[key] = x.numel() * x.element_size()
+                    else:
+                        memo[key] = saved_bytes(torch.func.functional_call, block, values, (x,),
+                                                exclude=list(values.values()), strict=False)
+                out.append(memo[key])
+    finally:
+        if bounds is not None:
+            bounds.remove()
+    return tuple(out)
+
+
+# ---- activation memory per stage and rank ------------------------------------------------------
+
+def stage_saved(pp: PipelinePlan, per_block: Sequence[int]) -> list[int]:
+    """Bytes saved per micro-batch by each virtual stage: the sum over its blocks."""
+    out, i = [], 0
+    for s in pp.stages:
+        out.append(sum(per_block[i:i + len(s.blocks)]))
+        i += len(s.blocks)
+    return out
+
+
+def rank_peak(actions: Sequence[Any], weight: dict[int, int]) -> int:
+    """The most bytes a rank's schedule holds: walking its compute actions in order, a micro-batch's
+    ``weight[stage]`` is added at its ``F`` and released at its last backward part (``B`` or ``W``)."""
+    live = peak = 0
+    for a in actions:
+        if a.kind == "F":
+            live += weight.get(a.stage, 0)
+            peak = max(peak, live)
+        elif a.kind in ("B", "W"):
+            live -= weight.get(a.stage, 0)
+    return peak
+
+
+# ---- the explain() section ---------------------------------------------------------------------
+
+def pipeline_lines(plan: Plan, full: bool = False) -> list[str]:
+    """The pipe axis in words (see the module doc): stages, the split, the schedule and each pipe
+    rank's compute actions, the simulator's idle fraction beside the formula, point-to-point bytes
+    sent per step and rank, and activation memory per stage."""
+    from .simulate import bubble_formula, simulate
+
+    pp = plan.pipeline
+    p, m, v = pp.size, pp.microbatches, pp.virtual
+    blocks = sum(len(s.blocks) for s in pp.stages)
+    out = [(f"  pipeline: {pp.axis!r} (p={p}), {pp.num_stages} stages ({v} per rank), layer stack {pp.stack!r} "
+            f"of {blocks} blocks; split {pp.split}")]
+    if plan.pipe_coord is not None:
+        out.append(f"    this plan holds pipe rank {plan.pipe_coord}'s stages")
+    else:
+        out.append(f"    per-rank numbers below the pipeline section are pipe rank {plan.pipe_coord_of()}'s "
+                   "(plan.local(rank).explain() for another rank's)")
+    w = max(len(_blocks_word(s, pp.stack)) for s in pp.stages)
+    for s in pp.stages:
+        out.append(f"    stage {s.index} -> pipe rank {s.rank}: {_blocks_word(s, pp.stack):<{w}}  {s.numel:>12,} params")
+
+    actions = {r: pp.actions(r) for r in range(p)}
+    sim = simulate(actions, p, m, v)
+    out.append(f"    schedule {pp.schedule!r}: p={p}, m={m} micro-batches, v={v}; compute actions per pipe rank "
+               "(0F3 = stage 0 forward of micro-batch 3):")
+    for r in range(p):
+        out += _wrap(f"rank {r}{_actions_word(actions[r], full)}", "      ", "        ")
+    formula = bubble_formula(pp.schedule, p, m, v)
+    text = FORMULAS[pp.schedule] if not (pp.schedule == "zb_h1" and m < p) else "(2p-m-1)/(2p+2m-1) (m < p)"
+    idle = ", ".join(f"{x:.3f}" for x in sim.idle)
+    out.append(f"    idle fraction (simulator, F=1 B=2 I=W=1): {sim.idle_fraction:.3f} (per rank {idle}); "
+               f"formula {text} = {formula:.3f}")
+
+    out.append("    point-to-point per step (bytes sent per rank, stream between stages "
+               + (f"{list(pp.stream)} {pp.stream_dtype} per micro-batch):" if pp.stream is not None else "unknown):"))
+    for r in _coords(plan):
+        out.append(f"      pipe rank {r}: {_p2p_word(plan, r)}")
+
+    out += _activation_lines(plan, sim.peak_live, actions)
+    # lines longer than explain's width wrap, continued two spaces deeper
+    return [w for line in out for w in ([line] if len(line) <= WIDTH else
+                                        _wrap(line.lstrip(), _indent(line), _indent(line) + "  "))]
+
+
+def _indent(line: str) -> str:
+    return line[:len(line) - len(line.lstrip())]
+
+
+def _blocks_word(s, stack: str) -> str:
+    """``pre + blocks.0..3``: a stage's contiguous blocks as one range, with pre/post."""
+    if not s.blocks:
+        body = "no blocks"
+    elif len(s.blocks) == 1:
+        body = s.blocks[0]
+    else:
+        first, last = (b[len(stack) + 1:] for b in (s.blocks[0], s.blocks[-1]))
+        body = f"{stack}.{first}..{last}"
+    return " + ".join((["pre"] if s.pre else []) + [body] + (["post"] if s.post else []))
+
+
+def _actions_word(actions: Sequence[Any], full: bool) -> str:
+    """``": 0F0 0F1 0B0 ..."``; a long list as its first and last actions, with how many are left out."""
+    words = [str(a) for a in actions]
+    if full or len(words) <= MAX_ACTIONS:
+        return ": " + " ".join(words)
+    head, tail = words[:MAX_ACTIONS - 6], words[-6:]
+    return (f" ({len(words)} actions, {len(words) - len(head) - len(tail)} not shown; explain(full=True) lists all): "
+            f"{' '.join(head)} ... {' '.join(tail)}")
+
+
+def _coords(plan: Plan) -> list[int]:
+    """The pipe coordinates whose traffic this plan can tell: all of them, or a stage-local plan's own."""
+    return [plan.pipe_coord] if plan.pipe_coord is not None else list(range(plan.pipeline.size))
+
+
+def _p2p_word(plan: Plan, coord: int) -> str:
+    pp = plan.pipeline
+    if plan.pipe_coord is not None:
+        entries = plan.comm_per_step()
+    else:
+        coords = [0] * plan.mesh.ndim
+        coords[plan.mesh.axis_index(pp.axis)] = coord
+        entries = plan.comm_per_step(plan.mesh.rank_at(coords))
+    sends = [e for e in entries if e.op == "send"]
+    if not sends:
+        return "sends nothing"
+    if pp.stream is None:
+        return (", ".join(f"{e.where} x{e.count}" for e in sends)
+                + " sends; bytes unknown without batch= (sl.plan(..., batch=) gives the stream's shape)")
+    words = ", ".join(f"{e.where} x{e.count} {format_bytes(e.bytes)}" for e in sends)
+    return f"{words} = {format_bytes(sum(e.total for e in sends))}"
+
+
+def _activation_lines(plan: Plan, peak_live: Sequence[int], actions: dict[int, list[Any]]) -> list[str]:
+    pp = plan.pipeline
+    head = ("    activations per stage = Σ its blocks' bytes saved for backward per micro-batch (on meta) × live "
+            "micro-batches (simulator's peak on its rank):")
+    if pp.stream is None:
+        return [head, "      unknown without batch= (sl.plan(..., batch=) gives the stream's shape)"]
+    per_block = getattr(pp, "block_saved", None)
+    if per_block is None:
+        return [head, ("      not measured: the plan carries no block_saved (pipeline_report.block_saved_bytes "
+                       "measures it from the model)")]
+    saved = stage_saved(pp, per_block)
+    out = [head]
+    i = 0
+    for s, b in zip(pp.stages, saved):
+        mine = per_block[i:i + len(s.blocks)]
+        i += len(s.blocks)
+        n = f"{len(mine)} block{'s' if len(mine) != 1 else ''}"
+        each = (f"{n} x {format_bytes(mine[0])} = {format_bytes(b)}" if len(set(mine)) == 1
+                else f"{n}, {format_bytes(b)}")
+        line = f"      stage {s.index} (pipe rank {s.rank}): {each} per micro-batch"
+        if pp.virtual == 1:
+            live = peak_live[s.rank]
+            line += f" x {live} live = {format_bytes(b * live)}"
+        out.append(line)
+    if pp.virtual > 1:
+        weight = {s.index: b for s, b in zip(pp.stages, saved)}
+        for r in range(pp.size):
+            out.append(f"      pipe rank {r}: peak live {peak_live[r]} micro-batches over its {pp.virtual} stages "
+                       f"-> {format_bytes(rank_peak(actions[r], weight))} at the peak")
+    return out
+
+
+def _wrap(text: str, first: str, rest: str) -> list[str]:
+    return textwrap.wrap(text, WIDTH, initial_indent=first, subsequent_indent=rest, break_long_words=False,
+                         break_on_hyphens=False) or [first.rstrip()]
