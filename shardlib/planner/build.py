@@ -215,6 +215,8 @@ def plan(model: nn.Module, mesh: AbstractMesh, zero: int | None = None, *, state
         pplan = replace(pplan, trainable=sum(1 for p in params if p.trainable))
         if batch is not None:
             pplan = _with_stream(model, pplan, out, batch)
+            from .pipeline_report import block_saved_bytes
+            pplan = replace(pplan, block_saved=block_saved_bytes(model, replace(out, pipeline=pplan)))
         out = replace(out, pipeline=pplan)
     return out
 

@@ -75,6 +75,9 @@ class PipelinePlan:
     # and its dtype; known when the plan is given an example ``batch=``
     stream: tuple[int, ...] | None = None
     stream_dtype: str | None = None
+    # bytes autograd saves for backward per micro-batch, for each block in stack order (measured on
+    # the meta device when the plan is given ``batch=``; planner/pipeline_report.py)
+    block_saved: tuple[int, ...] | None = None
 
     @property
     def stream_bytes(self) -> int | None:
