@@ -1,7 +1,7 @@
 """shardlib's pipe axis vs ``torch.distributed.pipelining``, side by side in the same processes.
 
-    PYTHONPATH=. python3 benchmarks/bench_pipeline.py                 # every config, prints a Markdown table
-    PYTHONPATH=. python3 benchmarks/bench_pipeline.py --configs gpipe-p2 1f1b-p4 --steps 10 --json rows.json
+    PYTHONPATH=. python3 benchmarks/bench_pipeline.py                 # every config, prints two Markdown tables
+    PYTHONPATH=. python3 benchmarks/bench_pipeline.py --configs 1f1b-p4 zb1-p4 --steps 10 --png /tmp/tl --json rows.json
 
 Configs (``p`` pipe ranks = processes, ``m`` microbatches, ``v`` stages per rank; torch's class, shardlib's
 schedule name):
@@ -32,29 +32,45 @@ Each stage is a ``PipelineStage`` on the world group (gloo); the schedule gets `
 global batch's mean loss and the reported loss, the mean of the ``m`` microbatch losses, is the global-batch
 loss. The optimizer is SGD (lr ``LR``) on each rank's parameters, stepped after the schedule.
 
+**The shardlib side** is ``sl.plan(GPT(CFG, seed=0), sl.Mesh({"data": 1, "pipe": p}), rules={"layers": "pipe"},
+microbatches=m, schedule=name, virtual_stages=v, stages=[8 / (p·v)] * (p·v), batch=example)`` and
+``sl.parallelize(model, plan, optimizer=SGD)``; ``engine.step(global_batch)``. ``stages=`` gives it the torch
+side's split (the default balances by parameter count: the embedding and head would move blocks).
+
 **Timing.** For each config one ``sl.launch`` world (``p`` gloo ranks, 1 thread each) builds both sides from
 the same seed, warms them up, then steps them alternately (A B, B A, ...) on the same global batches, so a
 change in machine load hits both alike. A step is the schedule (forward + backward of all microbatches) plus
-the optimizer step; every rank notes its start (after a barrier) and end on the machine's monotonic clock,
-and the step's time is the latest end minus the earliest start over the ranks. Peak RSS per rank (``VmHWM``)
+the optimizer step; every rank notes its start (after a barrier) and end (``time.perf_counter``, one clock
+for all processes on Linux), and the step's time is the latest end minus the earliest start over the ranks. Peak RSS per rank (``VmHWM``)
 is measured apart, each side alone in a fresh world.
 
 **Idle fraction (the measured bubble).** The torch side's stage methods ``forward_one_chunk``,
 ``backward_one_chunk`` and ``backward_weight_one_chunk`` are wrapped to note their start and end as
 ``Record(rank, action, start, end)`` (actions spelled like torch's ``_Action``: ``0F3``, ``1B0``, ``1I2``,
-``1W2``; the last stage's loss is part of its F), two clock reads per action. Over one step::
+``1W2``; the last stage's loss is part of its F), two clock reads per action; torch waits for its receives
+before calling them. shardlib's records are ``engine.timeline`` (every action, send/recv posts included);
+its executor waits for a received activation or gradient *inside* the F/B/I that needs it, so the bench
+also times that wait (wrapping the runtime's ``_received``) and takes it out of the compute record (the
+record's start moves past it: ``net_records``). Over one step, on both sides::
 
-    span    = max(end) - min(start)        over all ranks' records
-    busy_r  = |union of rank r's compute intervals|
-    idle_r  = 1 - busy_r / span            (the same measure as shardlib.frontend.timeline.idle_fractions)
+    span    = max(end) - min(start)        over all ranks' compute records (F, B, I, W)
+    busy_r  = |union of rank r's compute intervals, less the receive waits|
+    idle_r  = 1 - busy_r / span            (shardlib.frontend.timeline.idle_fractions' measure)
 
-reported as the median over the timed steps of the mean over ranks, beside the formula: ``(p-1)/(m+p-1)``
-for GPipe and 1F1B, ``(p-1)/(v·m+p-1)`` interleaved, about ``(p-1)/(3m)`` for ZB-H1 when F = B = W. On the
-2-core reference machine 4 ranks share 2 cores, so at p = 4 a rank's compute is stretched by its neighbours'
-and the measured idle is not the schedule's bubble alone.
+reported as the median over the timed steps of the mean over ranks; for shardlib also [in brackets] with
+the waits counted busy, as ``engine.timeline`` alone gives it. Beside it: **simulated**, shardlib's
+simulator (``planner/simulate.py``) on the schedule's compute actions (shardlib's ``plan.pipeline.actions``;
+torch's own ``pipeline_order`` for its runtime schedules, the textbook order for GPipe and 1F1B) with this
+run's median duration of each (virtual stage, kind) and free p2p; and the **formula**
+(``bubble_formula``): ``(p-1)/(m+p-1)`` for GPipe and 1F1B, ``(p-1)/(v·m+p-1)`` interleaved, ``(p-1)/(3m+p-1)``
+for ZB-H1 (F = I = W; the paper's ``(p-1)/(3m)`` over the ideal time). On the 2-core reference machine 4
+ranks share 2 cores, so at p = 4 a rank's compute is stretched by its neighbours' and the measured idle is
+not the schedule's bubble alone. ``--png DIR`` draws each side's median step (``plot_timeline``, compute
+boxes less their waits) with the simulated and formula fractions in the title.
 
 **Correctness.** One process trains the whole model on the whole batch with the same optimizer and batches
-(``reference_losses``); the table gives the largest relative loss difference over every step.
+(``reference_losses``); the table gives the largest relative loss difference over every step, from each side
+to it and between the sides.
 
 **Hangs.** gloo point-to-point under torch's pipelining has hung before (pytorch/pytorch#132644: a batch of
 p2p ops returned several ``Work``s on gloo and only one was waited on; fixed upstream by waiting on all). Every
@@ -69,10 +85,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import time
-from collections import namedtuple
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -83,7 +99,10 @@ from bench_memory import proc_status  # benchmarks/ is on the path when run as a
 from torch import nn
 
 import shardlib as sl
+from shardlib.frontend.timeline import plot_timeline
 from shardlib.models import GPT, GPTConfig, token_batch
+from shardlib.planner.schedules import schedule_actions
+from shardlib.planner.simulate import Record, bubble_formula, simulate
 
 CFG = GPTConfig(vocab_size=512, seq_len=64, d_model=128, n_heads=4, n_layers=8)   # 1.73 M parameters
 BATCH = 16   # global batch (sequences): m = 8 microbatches of 2
@@ -103,7 +122,6 @@ CONFIGS = {
 }
 TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
                    "interleaved_1f1b": "ScheduleInterleaved1F1B", "zb_h1": "ScheduleInterleavedZeroBubble"}
-Record = namedtuple("Record", "rank action start end")   # seconds on the machine's monotonic clock
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -115,25 +133,48 @@ def make_optimizer(params) -> torch.optim.Optimizer:
 @dataclass
 class Built:
     """One side, built in a rank. ``step(global_batch)`` runs one training step and returns the
-    global-batch loss where this rank knows it (None elsewhere); ``records()`` the compute records of
-    the last step (empty where the side records none)."""
+    global-batch loss where this rank knows it (None elsewhere); after it, ``records()`` gives the step's
+    ``(rank, action, start, end)`` records, ``waits()`` the ``(rank, start, end)`` receive waits that lie
+    inside compute records (shardlib's), ``actions`` the compute actions of each pipe rank in order
+    (shardlib's schedule, for the simulator)."""
     step: Callable[[Batch], float | None]
     records: Callable[[], list] = field(default=list)
+    waits: Callable[[], list] = field(default=list)
+    actions: dict | None = None
 
 
 # ---------------------------------------------------------------------------------------------
-# The shardlib side (part 2: the engine is being written)
+# The shardlib side
 # ---------------------------------------------------------------------------------------------
 
 def run_shardlib(schedule: str, p: int, m: int, v: int, cfg: GPTConfig = CFG) -> Built:
-    """shardlib's pipeline engine for ``GPT(cfg, seed=0)`` in this rank of a world of ``p`` ranks.
+    """shardlib's pipeline engine for ``GPT(cfg, seed=0)`` in this rank of a world of ``p`` ranks, on the torch
+    side's split (``stages=``: ``n_layers / (p·v)`` blocks per stage, not the default balance by parameter
+    count). ``engine.timeline`` gives the records; the time spent waiting for a received activation or
+    gradient, which shardlib spends inside the F/B/I that needs it, is noted apart (``waits``)."""
+    n_stages = p * v
+    mesh = sl.Mesh({"data": 1, "pipe": p})
+    model = GPT(cfg, seed=0)
+    plan = sl.plan(model, mesh, rules={"layers": "pipe"}, microbatches=m, schedule=schedule, virtual_stages=v,
+                   stages=[cfg.n_layers // n_stages] * n_stages, batch=token_batch(cfg, BATCH, 0))
+    engine = sl.parallelize(model, plan, optimizer=make_optimizer)
+    runtime, rank, waits = engine.pipe, dist.get_rank(), []
+    received = runtime._received
 
-    To be: ``plan = sl.plan(model, sl.Mesh({"pipe": p}), rules={"layers": "pipe"}, microbatches=m,
-    schedule=schedule, virtual_stages=v)``; ``engine = sl.parallelize(model, plan,
-    optimizer=make_optimizer)``; ``step = lambda batch: float(engine.step(batch))`` with the global batch;
-    ``records = lambda: engine.timeline``.
-    """
-    raise NotImplementedError("run_shardlib: shardlib's pipeline engine is not benchmarked yet (part 2)")
+    def timed_received(key):
+        t0 = time.perf_counter()
+        y = received(key)
+        waits.append((rank, t0, time.perf_counter()))
+        return y
+
+    runtime._received = timed_received
+
+    def step(batch: Batch) -> float:
+        waits.clear()
+        return float(engine.step(batch))
+
+    return Built(step, lambda: [tuple(r) for r in engine.timeline], lambda: list(waits),
+                 {c: [str(a) for a in plan.pipeline.actions(c)] for c in range(p)})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,7 +281,12 @@ def run_torch(schedule: str, p: int, m: int, v: int, cfg: GPTConfig = CFG) -> Bu
         opt.zero_grad(set_to_none=True)
         return float(torch.stack(losses).detach().mean()) if has_last else None
 
-    return Built(step, lambda: list(records))
+    if isinstance(sched, pp.schedules.PipelineScheduleMulti):   # runs its own action lists: those
+        actions = {r: [str(a) for a in acts if a is not None and a.computation_type.value in COMPUTE]
+                   for r, acts in sched.pipeline_order.items()}
+    else:   # GPipe and 1F1B run the textbook orders, as shardlib writes them
+        actions = {r: [str(a) for a in acts] for r, acts in schedule_actions(schedule, p, m, v).items()}
+    return Built(step, lambda: [tuple(r) for r in records], actions=actions)
 
 
 SIDES = {"torch": run_torch, "shardlib": run_shardlib}
@@ -250,38 +296,15 @@ SIDES = {"torch": run_torch, "shardlib": run_shardlib}
 # Ranks
 # ---------------------------------------------------------------------------------------------
 
-def idle_fractions(records: list) -> dict[int, float]:
-    """``1 - busy_r / span`` per rank: ``busy_r`` the union of rank r's compute intervals, ``span`` the
-    earliest start to the latest end over all ranks (``frontend/timeline.py``'s definition)."""
-    span = max(r.end for r in records) - min(r.start for r in records)
-    out = {}
-    for rank in sorted({r.rank for r in records}):
-        busy, cur_s, cur_e = 0.0, None, None
-        for r in sorted((r for r in records if r.rank == rank), key=lambda r: r.start):
-            if cur_e is None or r.start > cur_e:
-                busy += 0.0 if cur_e is None else cur_e - cur_s
-                cur_s, cur_e = r.start, r.end
-            else:
-                cur_e = max(cur_e, r.end)
-        busy += cur_e - cur_s
-        out[rank] = 1.0 - busy / span
-    return out
-
-
 def rank_main(label: str, sides: list[str], warmup: int, steps: int) -> dict:
     """The sides alive in one world, warmed up, then stepped alternately; gathered to every rank."""
     torch.set_num_threads(1)
     schedule, p, m, vt, vs = CONFIGS[label]
     v = {"torch": vt, "shardlib": vs}
     batches = [token_batch(CFG, BATCH, s) for s in range(warmup + steps)]
-    built, errors = {}, {}
-    for side in sides:
-        try:
-            built[side] = SIDES[side](schedule, p, m, v[side])
-        except NotImplementedError as e:
-            errors[side] = str(e)
-    mine = {s: {"losses": [], "spans": [], "records": []} for s in built}
-    for i, batch in enumerate(batches[:warmup]):
+    built = {side: SIDES[side](schedule, p, m, v[side]) for side in sides}
+    mine = {s: {"losses": [], "spans": [], "records": [], "waits": []} for s in built}
+    for batch in batches[:warmup]:
         for side, b in built.items():
             mine[side]["losses"].append(b.step(batch))
     order = list(built)
@@ -293,20 +316,18 @@ def rank_main(label: str, sides: list[str], warmup: int, steps: int) -> dict:
             mine[side]["spans"].append((t0, time.perf_counter()))
             mine[side]["losses"].append(loss)
             mine[side]["records"].append(built[side].records())
+            mine[side]["waits"].append(built[side].waits())
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    res = {"errors": errors, "times": {}, "losses": {}, "idle": {}, "idle_per_rank": {}, "example": {}}
-    for side in built:
+    res = {}
+    for side, b in built.items():
         per = [e[side] for e in everyone]
-        res["times"][side] = [max(r["spans"][k][1] for r in per) - min(r["spans"][k][0] for r in per)
-                              for k in range(steps)]
-        res["losses"][side] = [next(x for x in xs if x is not None) for xs in zip(*(r["losses"] for r in per))]
-        recs = [[rec for r in per for rec in r["records"][k]] for k in range(steps)]
-        if all(recs):
-            fr = [idle_fractions(rs) for rs in recs]
-            res["idle"][side] = [sum(f.values()) / len(f) for f in fr]
-            res["idle_per_rank"][side] = {r: statistics.median(f[r] for f in fr) for r in fr[0]}
-            res["example"][side] = [tuple(x) for x in recs[len(recs) // 2]]
+        res[side] = {
+            "times": [max(r["spans"][k][1] for r in per) - min(r["spans"][k][0] for r in per) for k in range(steps)],
+            "losses": [next(x for x in xs if x is not None) for xs in zip(*(r["losses"] for r in per))],
+            "records": [[rec for r in per for rec in r["records"][k]] for k in range(steps)],
+            "waits": [[w for r in per for w in r["waits"][k]] for k in range(steps)],
+            "actions": b.actions}
     return res
 
 
@@ -336,13 +357,85 @@ def reference_losses(count: int) -> list[float]:
     return out
 
 
-def formula_idle(schedule: str, p: int, m: int, v: int) -> float | None:
-    """The bubble fraction with equal per-microbatch costs and free p2p (None: no formula stated)."""
-    if schedule in ("gpipe", "1f1b"):
-        return (p - 1) / (m + p - 1)
-    if schedule == "interleaved_1f1b":
-        return (p - 1) / (v * m + p - 1)
-    return (p - 1) / (3 * m) if v == 1 else None   # ZB-H1, F = B = W: about (p-1)/(3m)
+# ---------------------------------------------------------------------------------------------
+# Records: idle fraction, per-action costs, the simulator
+# ---------------------------------------------------------------------------------------------
+
+_ACTION = re.compile(r"(\d+)([A-Z_]+?)(\d*)")
+COMPUTE = ("F", "B", "I", "W")
+
+
+def _merge(iv) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for s, e in sorted(iv):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [tuple(x) for x in out]
+
+
+def _overlap(a: list, b: list) -> float:
+    """Length of the intersection of two merged interval lists."""
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def net_records(records: list, waits: list) -> list[Record]:
+    """The compute records less the receive waits inside them (shardlib waits at the start of the F/B/I
+    that needs the data: the start moves past the wait); other records as they are."""
+    by_rank: dict[int, list] = {}
+    for r, s, e in waits:
+        by_rank.setdefault(r, []).append((s, e))
+    merged = {r: _merge(iv) for r, iv in by_rank.items()}
+    out = []
+    for rec in map(Record._make, records):
+        w = merged.get(rec.rank)
+        if w and _ACTION.fullmatch(rec.action).group(2) in COMPUTE:
+            rec = rec._replace(start=min(rec.end, rec.start + _overlap([(rec.start, rec.end)], w)))
+        out.append(rec)
+    return out
+
+
+def idle_of(records: list) -> dict[int, float]:
+    """``1 - busy_r / span`` per rank over the compute records (``frontend/timeline.py``'s measure, with the
+    span taken over compute records only on both sides: torch's records hold nothing else)."""
+    comp = [r for r in map(Record._make, records) if _ACTION.fullmatch(r.action).group(2) in COMPUTE]
+    span = max(r.end for r in comp) - min(r.start for r in comp)
+    ranks = sorted({r.rank for r in comp})
+    busy = {k: sum(e - s for s, e in _merge((r.start, r.end) for r in comp if r.rank == k)) for k in ranks}
+    return {k: 1.0 - busy[k] / span for k in ranks}
+
+
+def durations(steps_records: list[list]) -> dict[tuple[int, str], float]:
+    """Median seconds of each (virtual stage, kind) over the steps and ranks (what the simulator is given)."""
+    got: dict[tuple[int, str], list[float]] = {}
+    for recs in steps_records:
+        for r in recs:
+            mt = _ACTION.fullmatch(r.action)
+            got.setdefault((int(mt.group(1)), mt.group(2)), []).append(r.end - r.start)
+    return {k: statistics.median(x) for k, x in got.items()}
+
+
+def simulated_idle(actions: dict | None, p: int, m: int, v: int, cost: dict) -> float | None:
+    """The simulator's idle fraction of ``actions`` with the measured per-(stage, kind) medians, free p2p."""
+    if actions is None:
+        return None
+    return simulate(actions, p, m, v, costs=lambda a: cost.get((a.stage, a.kind), 0.0)).idle_fraction
+
+
+def formula_idle(schedule: str, p: int, m: int, v: int | None) -> float | None:
+    """``bubble_formula``: equal costs, free p2p (None: torch's zero bubble at v = 2, no formula stated)."""
+    if v is None or (schedule == "zb_h1" and v != 1):
+        return None
+    return bubble_formula(schedule, p, m, v)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -364,79 +457,130 @@ def run_config(label: str, sides: list[str], warmup: int, steps: int, timeout: t
                rss: bool) -> dict:
     schedule, p, m, vt, vs = CONFIGS[label]
     row = {"config": label, "schedule": schedule, "torch_class": TORCH_SCHEDULES[schedule], "p": p, "m": m,
-           "v": {"torch": vt, "shardlib": vs}, "results": {}, "failed": {}, "pending": {}, "rss": {}}
+           "v": {"torch": vt, "shardlib": vs}, "results": {}, "failed": {}, "rss": {}, "load": [os.getloadavg()[0]]}
     sides = [s for s in sides if row["v"][s] is not None]
     if not sides:
         return row
     per_rank, err = _launch(rank_main, p, label, sides, warmup, steps, timeout=timeout)
-    results = {}
     if per_rank is not None:
-        results = per_rank[0]
+        row["results"] = per_rank[0]
     elif len(sides) > 1:   # one side's failure must not hide the other's numbers
         for side in sides:
             alone, e = _launch(rank_main, p, label, [side], warmup, steps, timeout=timeout)
             if alone is None:
                 row["failed"][side] = e
             else:
-                for k in ("times", "losses", "idle", "idle_per_rank", "example", "errors"):
-                    results.setdefault(k, {}).update(alone[0][k])
+                row["results"].update(alone[0])
     else:
         row["failed"][sides[0]] = err
-    row["pending"] = dict(results.get("errors", {}))
-    for side in results.get("times", {}):
-        row["results"][side] = {k: results[k].get(side) for k in ("times", "losses", "idle", "idle_per_rank",
-                                                                    "example")}
+    for side in row["results"]:
         if rss:
             out, e = _launch(rss_main, p, label, side, warmup + 2, timeout=timeout)
             if out is not None:
                 row["rss"][side] = out
+    row["load"].append(os.getloadavg()[0])
     return row
 
 
 def summarize(row: dict, ref: list[float]) -> dict:
-    """Medians, ratio, RSS and loss gaps of a ``run_config`` row."""
+    """Medians, ratio, idle (measured, simulated, formula), per-kind costs, RSS and loss gaps of a row."""
     schedule, p, m = row["schedule"], row["p"], row["m"]
     for side, r in row["results"].items():
         t, q = r["times"], statistics.quantiles(r["times"], n=4)
         r["ms"], r["p25"], r["p75"] = 1e3 * statistics.median(t), 1e3 * q[0], 1e3 * q[2]
         r["dloss"] = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref))
-        r["idle_median"] = statistics.median(r["idle"]) if r["idle"] else None
+        net = [net_records(recs, w) for recs, w in zip(r["records"], r["waits"])]
+        idle = [idle_of(x) for x in net]
+        r["idle_median"] = statistics.median(sum(f.values()) / len(f) for f in idle)
+        r["idle_per_rank"] = {k: statistics.median(f[k] for f in idle) for k in idle[0]}
+        r["idle_raw"] = statistics.median(sum(f.values()) / len(f) for f in map(idle_of, r["records"]))
+        cost = durations([[x for x in recs if _ACTION.fullmatch(x.action).group(2) in COMPUTE] for recs in net])
+        r["cost_ms"] = {f"{s}{k}": 1e3 * c for (s, k), c in sorted(cost.items())}
+        r["simulated"] = simulated_idle(r["actions"], p, m, row["v"][side], cost)
         r["formula"] = formula_idle(schedule, p, m, row["v"][side])
+        kinds: dict[str, list[float]] = {}      # per step: seconds in each kind, summed over the ranks
+        for recs, waits in zip(net, r["waits"]):
+            step: dict[str, float] = {"wait": sum(e - s for _, s, e in waits)}   # taken out of F/B/I
+            for x in recs:
+                k = _ACTION.fullmatch(x.action).group(2)
+                step[k] = step.get(k, 0.0) + x.end - x.start
+            for k, x in step.items():
+                kinds.setdefault(k, []).append(x)
+        r["per_step_ms"] = {k: 1e3 * statistics.median(x) / p for k, x in kinds.items() if any(x)}   # per rank
+        r["per_step_ms"]["outside"] = 1e3 * statistics.median(   # the step less its records' span
+            t[k] - max(x[3] for x in recs) + min(x[2] for x in recs) for k, recs in enumerate(r["records"]))
+        k = min(range(len(t)), key=lambda i: abs(t[i] - statistics.median(t)))
+        r["example"] = {"records": r["records"][k], "waits": r["waits"][k], "idle": sum(idle[k].values()) / p}
+        del r["records"], r["waits"]
         if side in row["rss"]:
             rs = row["rss"][side]
             r["peak_mb"] = [x["peak"] / 2**20 for x in rs]
             r["rise_mb"] = [(x["peak"] - x["before"]) / 2**20 for x in rs]
     if "torch" in row["results"] and "shardlib" in row["results"]:
-        row["ratio"] = row["results"]["shardlib"]["ms"] / row["results"]["torch"]["ms"]
+        ts, ss = row["results"]["torch"], row["results"]["shardlib"]
+        row["ratio"] = ss["ms"] / ts["ms"]
+        row["dloss_sl_torch"] = max(abs(a - b) / abs(b) for a, b in zip(ss["losses"], ts["losses"]))
     return row
 
 
+def plot(row: dict, side: str, path: str) -> None:
+    """PNG of the median step of ``side``: compute boxes after their receive waits (``net_records``)."""
+    r = row["results"][side]
+    recs = net_records(r["example"]["records"], r["example"]["waits"])
+    cmp = {k: r[k] for k in ("simulated", "formula") if r[k] is not None}
+    name = row["schedule"] if side == "shardlib" else row["torch_class"]
+    plot_timeline(recs, path, compare=cmp, title=f"{side} {name} p={row['p']} m={row['m']} "
+                  f"v={row['v'][side]}: a median step ({r['example']['idle']:.2f} idle), {r['ms']:.0f} ms median")
+
+
+def _f(x: float | None) -> str:
+    return "–" if x is None else f"{x:.2f}"
+
+
 def _cells(row: dict, side: str) -> list[str]:
-    """ms, RSS per rank, idle measured (formula), Δloss — or why there is no number."""
+    """ms, RSS per rank, idle measured / simulated, Δloss — or why there is no number."""
     if side in row["failed"]:
         return [f"FAILED ({row['failed'][side]})", "–", "–", "–"]
-    if row["v"][side] is None:
-        return ["no counterpart", "–", "–", "–"]
     if side not in row["results"]:
-        return ["pending" if side in row["pending"] else "–", "–", "–", "–"]
+        return ["no counterpart" if row["v"][side] is None else "–", "–", "–", "–"]
     r = row["results"][side]
     rss = "/".join(f"{x:.0f}" for x in r["peak_mb"]) + " (+" + "/".join(f"{x:.0f}" for x in r["rise_mb"]) + ")" \
         if "peak_mb" in r else "–"
-    formula = "–" if r["formula"] is None else f"{r['formula']:.2f}"
-    idle = f"{r['idle_median']:.2f} ({formula})" if r["idle_median"] is not None else f"– ({formula})"
+    raw = f" [{r['idle_raw']:.2f}]" if side == "shardlib" else ""
+    idle = f"{r['idle_median']:.2f}{raw} / {_f(r['simulated'])}"
     return [f"{r['ms']:.0f} ({r['p25']:.0f}-{r['p75']:.0f})", rss, idle, f"{r['dloss']:.1e}"]
 
 
 def table(rows: list[dict]) -> str:
     head = ("| config | p | m | v torch/shardlib | torch class | ms torch | ms shardlib | ratio "
-            "| peak RSS MB per rank (+ rise) torch | shardlib | idle measured (formula) torch | shardlib "
-            "| max rel Δloss torch | shardlib |\n|" + "---|" * 14)
+            "| peak RSS MB per rank (+ rise) torch | shardlib | idle measured / simulated torch | shardlib "
+            "| formula | max rel Δloss vs 1 process torch | shardlib | shardlib vs torch | load |\n|" + "---|" * 17)
     lines = [head]
     for r in rows:
         t, s = _cells(r, "torch"), _cells(r, "shardlib")
+        formula = _f(r["results"]["shardlib"]["formula"] if "shardlib" in r["results"] else
+                     formula_idle(r["schedule"], r["p"], r["m"], r["v"]["shardlib"]))
         ratio = f"**{r['ratio']:.2f}**" if "ratio" in r else "–"
+        vs = f"{r['dloss_sl_torch']:.1e}" if "dloss_sl_torch" in r else "–"
+        load = "–".join(f"{x:.1f}" for x in r["load"])
         lines.append("| " + " | ".join([r["config"], str(r["p"]), str(r["m"]), f"{r['v']['torch']}/{r['v']['shardlib'] or '–'}",
-                                        r["torch_class"], t[0], s[0], ratio, t[1], s[1], t[2], s[2], t[3], s[3]]) + " |")
+                                        r["torch_class"], t[0], s[0], ratio, t[1], s[1], t[2], s[2], formula,
+                                        t[3], s[3], vs, load]) + " |")
+    return "\n".join(lines)
+
+
+def kinds_table(rows: list[dict]) -> str:
+    """Where a step's time goes: per rank, ms in each action kind summed over a step (the median over the
+    timed steps of the mean over ranks); shardlib's receive waits apart (taken out of the F/B/I they sit in);
+    ``outside``: the step less the span of its records (before and after the schedule: the optimizer, and
+    shardlib's gradient buckets and whole-mesh scalar all-reduce)."""
+    kinds = ["F", "B", "I", "W", "wait", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "outside"]
+    lines = ["| config | side | step ms | " + " | ".join(kinds) + " |", "|" + "---|" * (3 + len(kinds))]
+    for row in rows:
+        for side, r in row["results"].items():
+            ks = r["per_step_ms"]
+            lines.append(f"| {row['config']} | {side} | {r['ms']:.0f} | " +
+                         " | ".join(f"{ks[k]:.1f}" if k in ks else "–" for k in kinds) + " |")
     return "\n".join(lines)
 
 
@@ -449,6 +593,7 @@ def main(argv=None) -> None:
     ap.add_argument("--timeout", type=float, default=120.0, help="collective (and p2p) timeout, seconds")
     ap.add_argument("--world-timeout", type=float, default=900.0, help="one world's whole run, seconds")
     ap.add_argument("--no-rss", action="store_true", help="skip the peak-RSS worlds")
+    ap.add_argument("--png", default=None, help="write each config's median-step timelines (PNG) into this folder")
     ap.add_argument("--json", default=None, help="also write the rows to this file")
     args = ap.parse_args(argv)
     ref = reference_losses(args.warmup + args.steps)
@@ -458,16 +603,27 @@ def main(argv=None) -> None:
         row = summarize(run_config(label, args.sides, args.warmup, args.steps, (args.timeout, args.world_timeout),
                                    not args.no_rss), ref)
         rows.append(row)
-        for side, err in {**row["pending"], **row["failed"]}.items():
+        for side, err in row["failed"].items():
             print(f"{label}: {side}: {err}", file=sys.stderr, flush=True)
-        print(f"{label}: done in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+        for side, r in row["results"].items():
+            print(f"{label} {side}: {r['ms']:.0f} ms, idle {r['idle_median']:.2f} (simulated {_f(r['simulated'])}); "
+                  f"median ms per action: {' '.join(f'{k} {c:.1f}' for k, c in r['cost_ms'].items())}",
+                  file=sys.stderr, flush=True)
+            if args.png:
+                os.makedirs(args.png, exist_ok=True)
+                plot(row, side, os.path.join(args.png, f"timeline_{label}_{side}.png"))
+        print(f"{label}: done in {time.time() - t0:.0f} s, load {row['load']}", file=sys.stderr, flush=True)
     n_params = sum(q.numel() for q in GPT(CFG, seed=0).parameters())
     print(f"\nGPT {CFG.n_layers} layers, d_model {CFG.d_model}, {CFG.n_heads} heads, vocab {CFG.vocab_size}, "
           f"seq {CFG.seq_len} ({n_params / 1e6:.2f} M parameters), global batch {BATCH}, fp32 SGD lr {LR}; "
           f"torch {torch.__version__}, gloo, 1 thread per rank, {os.cpu_count()} cores; median of {args.steps} "
           f"steps each (p25-p75), step = latest end - earliest start over the ranks. Idle: median over steps of "
-          f"the mean over ranks. Δloss: relative to one process on the whole batch, every step.\n")
+          f"the mean over ranks [shardlib: as engine.timeline has it, receive waits counted busy]; simulated: "
+          f"the schedule with the run's median F/B/I/W per stage. Δloss: relative, every step. Load: 1-min "
+          f"load average at the config's start-end.\n")
     print(table(rows))
+    print("\nPer rank, ms per step in each action kind:\n")
+    print(kinds_table(rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1, default=str)
