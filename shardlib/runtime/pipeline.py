@@ -127,6 +127,7 @@ class PipelineRuntime:
         self.inputs: dict[tuple[int, int], torch.Tensor | None] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.pending: dict[tuple[str, int, int], comm.Pending] = {}
+        self.ready: dict[tuple[str, int, int], torch.Tensor] = {}
         self.grad_in: dict[tuple[int, int], torch.Tensor | None] = {}
         self.weight_work: dict[tuple[int, int], Any] = {}
         self.sends: list[comm.Pending] = []
@@ -135,8 +136,16 @@ class PipelineRuntime:
             eng.units.begin_micro(first=True)
         try:
             for a in self.actions:
-                start = time.perf_counter()
                 self.current = a
+                # a compute action's receive is waited for first and timed as that RECV: the wait is
+                # the bubble, not the compute's time
+                key = ("F" if a.kind == "F" else "B", a.stage, a.mb) if a.kind in ("F", "B", "I") else None
+                if key is not None and key in self.pending:
+                    start = time.perf_counter()
+                    self.ready[key] = self._received(key)
+                    self.timeline.append(Record(self.mesh.rank, f"{a.stage}RECV_{key[0]}{a.mb}", start,
+                                                time.perf_counter()))
+                start = time.perf_counter()
                 self._do(a)
                 self.timeline.append(Record(self.mesh.rank, str(a), start, time.perf_counter()))
             for w in self.sends:
@@ -199,6 +208,8 @@ class PipelineRuntime:
         return (direction * self.n_stages + stage) * self.m + mb
 
     def _received(self, key: tuple[str, int, int]) -> torch.Tensor:
+        if key in self.ready:
+            return self.ready.pop(key)
         direction, s, i = key
         src = (s - 1) % self.p if direction == "F" else (s + 1) % self.p
         what = f"stage {s}'s {'input' if direction == 'F' else 'output gradient'} of micro-batch {i}"
