@@ -48,25 +48,21 @@ is measured apart, each side alone in a fresh world.
 ``backward_one_chunk`` and ``backward_weight_one_chunk`` are wrapped to note their start and end as
 ``Record(rank, action, start, end)`` (actions spelled like torch's ``_Action``: ``0F3``, ``1B0``, ``1I2``,
 ``1W2``; the last stage's loss is part of its F), two clock reads per action; torch waits for its receives
-before calling them. shardlib's records are ``engine.timeline`` (every action, send/recv posts included);
-its executor waits for a received activation or gradient *inside* the F/B/I that needs it, so the bench
-also times that wait (wrapping the runtime's ``_received``) and takes it out of the compute record (the
-record's start moves past it: ``net_records``). Over one step, on both sides::
+before calling them. shardlib's records are ``engine.timeline`` (every action; a compute action's receive
+is waited for before its timer starts and recorded as that RECV). Over one step, on both sides::
 
     span    = max(end) - min(start)        over all ranks' compute records (F, B, I, W)
-    busy_r  = |union of rank r's compute intervals, less the receive waits|
+    busy_r  = |union of rank r's compute intervals|
     idle_r  = 1 - busy_r / span            (shardlib.frontend.timeline.idle_fractions' measure)
 
-reported as the median over the timed steps of the mean over ranks; for shardlib also [in brackets] with
-the waits counted busy, as ``engine.timeline`` alone gives it. Beside it: **simulated**, shardlib's
+reported as the median over the timed steps of the mean over ranks. Beside it: **simulated**, shardlib's
 simulator (``planner/simulate.py``) on the schedule's compute actions (shardlib's ``plan.pipeline.actions``;
 torch's own ``pipeline_order`` for its runtime schedules, the textbook order for GPipe and 1F1B) with this
 run's median duration of each (virtual stage, kind) and free p2p; and the **formula**
 (``bubble_formula``): ``(p-1)/(m+p-1)`` for GPipe and 1F1B, ``(p-1)/(v·m+p-1)`` interleaved, ``(p-1)/(3m+p-1)``
 for ZB-H1 (F = I = W; the paper's ``(p-1)/(3m)`` over the ideal time). On the 2-core reference machine 4
 ranks share 2 cores, so at p = 4 a rank's compute is stretched by its neighbours' and the measured idle is
-not the schedule's bubble alone. ``--png DIR`` draws each side's median step (``plot_timeline``, compute
-boxes less their waits) with the simulated and formula fractions in the title.
+not the schedule's bubble alone. ``--png DIR`` draws each side's median step (``plot_timeline``) with the simulated and formula fractions in the title.
 
 **Correctness.** One process trains the whole model on the whole batch with the same optimizer and batches
 (``reference_losses``); the table gives the largest relative loss difference over every step, from each side
@@ -134,12 +130,10 @@ def make_optimizer(params) -> torch.optim.Optimizer:
 class Built:
     """One side, built in a rank. ``step(global_batch)`` runs one training step and returns the
     global-batch loss where this rank knows it (None elsewhere); after it, ``records()`` gives the step's
-    ``(rank, action, start, end)`` records, ``waits()`` the ``(rank, start, end)`` receive waits that lie
-    inside compute records (shardlib's), ``actions`` the compute actions of each pipe rank in order
+    ``(rank, action, start, end)`` records, ``actions`` the compute actions of each pipe rank in order
     (shardlib's schedule, for the simulator)."""
     step: Callable[[Batch], float | None]
     records: Callable[[], list] = field(default=list)
-    waits: Callable[[], list] = field(default=list)
     actions: dict | None = None
 
 
@@ -150,30 +144,18 @@ class Built:
 def run_shardlib(schedule: str, p: int, m: int, v: int, cfg: GPTConfig = CFG) -> Built:
     """shardlib's pipeline engine for ``GPT(cfg, seed=0)`` in this rank of a world of ``p`` ranks, on the torch
     side's split (``stages=``: ``n_layers / (p·v)`` blocks per stage, not the default balance by parameter
-    count). ``engine.timeline`` gives the records; the time spent waiting for a received activation or
-    gradient, which shardlib spends inside the F/B/I that needs it, is noted apart (``waits``)."""
+    count). ``engine.timeline`` gives the records."""
     n_stages = p * v
     mesh = sl.Mesh({"data": 1, "pipe": p})
     model = GPT(cfg, seed=0)
     plan = sl.plan(model, mesh, rules={"layers": "pipe"}, microbatches=m, schedule=schedule, virtual_stages=v,
                    stages=[cfg.n_layers // n_stages] * n_stages, batch=token_batch(cfg, BATCH, 0))
     engine = sl.parallelize(model, plan, optimizer=make_optimizer)
-    runtime, rank, waits = engine.pipe, dist.get_rank(), []
-    received = runtime._received
-
-    def timed_received(key):
-        t0 = time.perf_counter()
-        y = received(key)
-        waits.append((rank, t0, time.perf_counter()))
-        return y
-
-    runtime._received = timed_received
 
     def step(batch: Batch) -> float:
-        waits.clear()
         return float(engine.step(batch))
 
-    return Built(step, lambda: [tuple(r) for r in engine.timeline], lambda: list(waits),
+    return Built(step, lambda: [tuple(r) for r in engine.timeline],
                  {c: [str(a) for a in plan.pipeline.actions(c)] for c in range(p)})
 
 
@@ -303,7 +285,7 @@ def rank_main(label: str, sides: list[str], warmup: int, steps: int) -> dict:
     v = {"torch": vt, "shardlib": vs}
     batches = [token_batch(CFG, BATCH, s) for s in range(warmup + steps)]
     built = {side: SIDES[side](schedule, p, m, v[side]) for side in sides}
-    mine = {s: {"losses": [], "spans": [], "records": [], "waits": []} for s in built}
+    mine = {s: {"losses": [], "spans": [], "records": []} for s in built}
     for batch in batches[:warmup]:
         for side, b in built.items():
             mine[side]["losses"].append(b.step(batch))
@@ -316,7 +298,6 @@ def rank_main(label: str, sides: list[str], warmup: int, steps: int) -> dict:
             mine[side]["spans"].append((t0, time.perf_counter()))
             mine[side]["losses"].append(loss)
             mine[side]["records"].append(built[side].records())
-            mine[side]["waits"].append(built[side].waits())
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     res = {}
@@ -326,7 +307,6 @@ def rank_main(label: str, sides: list[str], warmup: int, steps: int) -> dict:
             "times": [max(r["spans"][k][1] for r in per) - min(r["spans"][k][0] for r in per) for k in range(steps)],
             "losses": [next(x for x in xs if x is not None) for xs in zip(*(r["losses"] for r in per))],
             "records": [[rec for r in per for rec in r["records"][k]] for k in range(steps)],
-            "waits": [[w for r in per for w in r["waits"][k]] for k in range(steps)],
             "actions": b.actions}
     return res
 
@@ -373,35 +353,6 @@ def _merge(iv) -> list[tuple[float, float]]:
         else:
             out.append([s, e])
     return [tuple(x) for x in out]
-
-
-def _overlap(a: list, b: list) -> float:
-    """Length of the intersection of two merged interval lists."""
-    i = j = 0
-    total = 0.0
-    while i < len(a) and j < len(b):
-        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return total
-
-
-def net_records(records: list, waits: list) -> list[Record]:
-    """The compute records less the receive waits inside them (shardlib waits at the start of the F/B/I
-    that needs the data: the start moves past the wait); other records as they are."""
-    by_rank: dict[int, list] = {}
-    for r, s, e in waits:
-        by_rank.setdefault(r, []).append((s, e))
-    merged = {r: _merge(iv) for r, iv in by_rank.items()}
-    out = []
-    for rec in map(Record._make, records):
-        w = merged.get(rec.rank)
-        if w and _ACTION.fullmatch(rec.action).group(2) in COMPUTE:
-            rec = rec._replace(start=min(rec.end, rec.start + _overlap([(rec.start, rec.end)], w)))
-        out.append(rec)
-    return out
 
 
 def idle_of(records: list) -> dict[int, float]:
@@ -489,18 +440,17 @@ def summarize(row: dict, ref: list[float]) -> dict:
         t, q = r["times"], statistics.quantiles(r["times"], n=4)
         r["ms"], r["p25"], r["p75"] = 1e3 * statistics.median(t), 1e3 * q[0], 1e3 * q[2]
         r["dloss"] = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref))
-        net = [net_records(recs, w) for recs, w in zip(r["records"], r["waits"])]
+        net = [[Record._make(x) for x in recs] for recs in r["records"]]
         idle = [idle_of(x) for x in net]
         r["idle_median"] = statistics.median(sum(f.values()) / len(f) for f in idle)
         r["idle_per_rank"] = {k: statistics.median(f[k] for f in idle) for k in idle[0]}
-        r["idle_raw"] = statistics.median(sum(f.values()) / len(f) for f in map(idle_of, r["records"]))
         cost = durations([[x for x in recs if _ACTION.fullmatch(x.action).group(2) in COMPUTE] for recs in net])
         r["cost_ms"] = {f"{s}{k}": 1e3 * c for (s, k), c in sorted(cost.items())}
         r["simulated"] = simulated_idle(r["actions"], p, m, row["v"][side], cost)
         r["formula"] = formula_idle(schedule, p, m, row["v"][side])
         kinds: dict[str, list[float]] = {}      # per step: seconds in each kind, summed over the ranks
-        for recs, waits in zip(net, r["waits"]):
-            step: dict[str, float] = {"wait": sum(e - s for _, s, e in waits)}   # taken out of F/B/I
+        for recs in net:
+            step: dict[str, float] = {}
             for x in recs:
                 k = _ACTION.fullmatch(x.action).group(2)
                 step[k] = step.get(k, 0.0) + x.end - x.start
@@ -510,8 +460,8 @@ def summarize(row: dict, ref: list[float]) -> dict:
         r["per_step_ms"]["outside"] = 1e3 * statistics.median(   # the step less its records' span
             t[k] - max(x[3] for x in recs) + min(x[2] for x in recs) for k, recs in enumerate(r["records"]))
         k = min(range(len(t)), key=lambda i: abs(t[i] - statistics.median(t)))
-        r["example"] = {"records": r["records"][k], "waits": r["waits"][k], "idle": sum(idle[k].values()) / p}
-        del r["records"], r["waits"]
+        r["example"] = {"records": r["records"][k], "idle": sum(idle[k].values()) / p}
+        del r["records"]
         if side in row["rss"]:
             rs = row["rss"][side]
             r["peak_mb"] = [x["peak"] / 2**20 for x in rs]
@@ -524,9 +474,9 @@ def summarize(row: dict, ref: list[float]) -> dict:
 
 
 def plot(row: dict, side: str, path: str) -> None:
-    """PNG of the median step of ``side``: compute boxes after their receive waits (``net_records``)."""
+    """PNG of the median step of ``side``."""
     r = row["results"][side]
-    recs = net_records(r["example"]["records"], r["example"]["waits"])
+    recs = [Record._make(x) for x in r["example"]["records"]]
     cmp = {k: r[k] for k in ("simulated", "formula") if r[k] is not None}
     name = row["schedule"] if side == "shardlib" else row["torch_class"]
     plot_timeline(recs, path, compare=cmp, title=f"{side} {name} p={row['p']} m={row['m']} "
@@ -546,8 +496,7 @@ def _cells(row: dict, side: str) -> list[str]:
     r = row["results"][side]
     rss = "/".join(f"{x:.0f}" for x in r["peak_mb"]) + " (+" + "/".join(f"{x:.0f}" for x in r["rise_mb"]) + ")" \
         if "peak_mb" in r else "–"
-    raw = f" [{r['idle_raw']:.2f}]" if side == "shardlib" else ""
-    idle = f"{r['idle_median']:.2f}{raw} / {_f(r['simulated'])}"
+    idle = f"{r['idle_median']:.2f} / {_f(r['simulated'])}"
     return [f"{r['ms']:.0f} ({r['p25']:.0f}-{r['p75']:.0f})", rss, idle, f"{r['dloss']:.1e}"]
 
 
@@ -571,10 +520,10 @@ def table(rows: list[dict]) -> str:
 
 def kinds_table(rows: list[dict]) -> str:
     """Where a step's time goes: per rank, ms in each action kind summed over a step (the median over the
-    timed steps of the mean over ranks); shardlib's receive waits apart (taken out of the F/B/I they sit in);
+    timed steps of the mean over ranks); shardlib's receive waits are its RECV_F / RECV_B;
     ``outside``: the step less the span of its records (before and after the schedule: the optimizer, and
     shardlib's gradient buckets and whole-mesh scalar all-reduce)."""
-    kinds = ["F", "B", "I", "W", "wait", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "outside"]
+    kinds = ["F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "outside"]
     lines = ["| config | side | step ms | " + " | ".join(kinds) + " |", "|" + "---|" * (3 + len(kinds))]
     for row in rows:
         for side, r in row["results"].items():
@@ -618,7 +567,7 @@ def main(argv=None) -> None:
           f"seq {CFG.seq_len} ({n_params / 1e6:.2f} M parameters), global batch {BATCH}, fp32 SGD lr {LR}; "
           f"torch {torch.__version__}, gloo, 1 thread per rank, {os.cpu_count()} cores; median of {args.steps} "
           f"steps each (p25-p75), step = latest end - earliest start over the ranks. Idle: median over steps of "
-          f"the mean over ranks [shardlib: as engine.timeline has it, receive waits counted busy]; simulated: "
+          f"the mean over ranks; simulated: "
           f"the schedule with the run's median F/B/I/W per stage. Δloss: relative, every step. Load: 1-min "
           f"load average at the config's start-end.\n")
     print(table(rows))

@@ -11,13 +11,12 @@ collectives and point-to-point messages (``sl.count_collectives``) and compares 
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 import shardlib as sl
 from shardlib.testing import get_mesh
-from test_engine import check_parity, make_batches, make_model, make_optimizer, reference_run
-from test_tensor import train_counting
+from test_engine import make_batches, make_model, make_optimizer, reference_run
+from test_tensor import check_world, train_counting
 
 PIPE = {"layers": "pipe"}
 TP = {"heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
@@ -72,16 +71,7 @@ def pp_runs(cfgs: list[dict], shape: dict) -> list[dict]:
 
 
 def _check(world, cfgs: list[dict], shape: dict, counts: bool = True, **tolerance) -> None:
-    n = 1
-    for v in shape.values():
-        n *= v
-    per_rank = world(n, pp_runs, cfgs, shape)
-    for i, cfg in enumerate(cfgs):
-        results = [per_rank[r][i] for r in range(n)]
-        check_parity({**cfg, **shape}, results, reference(cfg), **tolerance)
-        for r, res in enumerate(results if counts else []):
-            assert res["counted"] == res["planned"], f"{cfg} {shape}: rank {r} ran {res['counted']}, " \
-                                                     f"the plan says {res['planned']}"
+    check_world(world, pp_runs, cfgs, shape, reference, counts=counts, **tolerance)
 
 
 def _schedules(p: int, ms) -> list[dict]:
@@ -166,8 +156,9 @@ def _failing(shape: dict, bad_rank: int):
     engine = sl.parallelize(model, plan, optimizer=make_optimizer("sgd"))
     engine.step(data[0])
     if mesh.rank == bad_rank:
-        block = engine.pipe.blocks[min(engine.pipe.blocks)][0]
-        block.register_forward_pre_hook(lambda *_: (_ for _ in ()).throw(ValueError("bad data on this rank")))
+        def fail(*_):
+            raise ValueError("bad data on this rank")
+        engine.pipe.blocks[min(engine.pipe.blocks)][0].register_forward_pre_hook(fail)
     try:
         engine.step(data[1])
     except Exception as e:                       # every rank raises: report what

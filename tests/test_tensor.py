@@ -61,20 +61,30 @@ def tp_runs(cfgs: list[dict], shape: dict) -> list[dict]:
     return [tp_run(c, shape) for c in cfgs]
 
 
-def _check(world, cfgs: list[dict], shape: dict, **tolerance) -> None:
+def check_world(world, runs, cfgs: list[dict], shape: dict, reference, *, counts: bool = True,
+                **tolerance) -> None:
+    """Run ``runs(cfgs, shape)`` on every rank of a ``shape`` mesh; each configuration's results must
+    match ``reference(cfg)`` (``check_parity``) and, with ``counts``, each rank's counted collectives
+    one step's planned ones."""
     n = 1
     for v in shape.values():
         n *= v
-    per_rank = world(n, tp_runs, cfgs, shape)
+    per_rank = world(n, runs, cfgs, shape)
     for i, cfg in enumerate(cfgs):
         results = [per_rank[r][i] for r in range(n)]
-        ref = reference_for({"model": "gpt_tp", **{k: v for k, v in cfg.items()
-                                                    if k in ("optimizer", "grad_accum", "clip", "precision",
-                                                             "loss_scale")}})
-        check_parity(cfg, results, ref, **tolerance)
-        for r, res in enumerate(results):
+        check_parity({**cfg, **shape}, results, reference(cfg), **tolerance)
+        for r, res in enumerate(results if counts else []):
             assert res["counted"] == res["planned"], f"{cfg} {shape}: rank {r} ran {res['counted']}, " \
                                                      f"the plan says {res['planned']}"
+
+
+def _reference(cfg: dict) -> dict:
+    return reference_for({"model": "gpt_tp", **{k: v for k, v in cfg.items()
+                                                if k in ("optimizer", "grad_accum", "clip", "precision", "loss_scale")}})
+
+
+def _check(world, cfgs: list[dict], shape: dict, **tolerance) -> None:
+    check_world(world, tp_runs, cfgs, shape, _reference, **tolerance)
 
 
 @pytest.mark.parametrize("tensor", [1, 2, 4])

@@ -35,12 +35,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
-from typing import TYPE_CHECKING
+import math
 
+import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from .schedules import Action
+from .schedules import Action, lower, schedule_actions, schedule_problems
+from .specs import find_stack
 
 PRE, POST = "pipeline_pre", "pipeline_post"
 
@@ -83,9 +84,6 @@ class PipelinePlan:
     def stream_bytes(self) -> int | None:
         if self.stream is None:
             return None
-        import math
-
-        import torch
         return math.prod(self.stream) * getattr(torch, self.stream_dtype).itemsize
 
     @property
@@ -101,8 +99,9 @@ class PipelinePlan:
         out.update((n, len(self.stages) - 1) for n in self.post_params)
         return out
 
-    def stage_of_block(self, block: str) -> int:
-        return self._stage_of_block[block]
+    def stage_of_block(self, block: str) -> int | None:
+        """The virtual stage holding ``block`` (a qualified module name), or None for another module."""
+        return self._stage_of_block.get(block)
 
     @cached_property
     def _stage_of_block(self) -> dict[str, int]:
@@ -123,7 +122,6 @@ class PipelinePlan:
 
     @cached_property
     def _actions(self) -> dict[int, list[Action]]:
-        from .schedules import schedule_actions
         return schedule_actions(self.schedule, self.size, self.microbatches, self.virtual)
 
     def lowered(self, coord: int, *, unshard: bool = False) -> list[Action]:
@@ -131,7 +129,6 @@ class PipelinePlan:
         ``unshard``, ZeRO-3's per-stage gather and free) added."""
         key = bool(unshard)
         if key not in self._lowered:
-            from .schedules import lower
             self._lowered[key] = lower(self._actions, self.size, self.virtual, unshard=unshard)
         return self._lowered[key][coord]
 
@@ -155,8 +152,6 @@ def stack_modules(model: nn.Module, stack: str) -> tuple[list[str], list[str], l
             seen = True
         else:
             (post if seen else pre).append(name)
-    if top != stack:       # a nested stack: the rest of its parent counts as pre/post by the same rule
-        return blocks, pre, post
     return blocks, pre, post
 
 
@@ -218,9 +213,6 @@ def derive(model: nn.Module, mesh, *, rules, axis: str, microbatches: int | None
            virtual: int | None, stages, recompute: Sequence[str] = ()) -> tuple[PipelinePlan | None, list[str]]:
     """The pipeline of ``model`` on ``mesh``'s ``axis`` (None when the axis is 1 or absent), and
     every problem found."""
-    from .schedules import schedule_problems
-    from .specs import find_stack
-
     p = mesh.axis_sizes.get(axis, 1)
     stack, axes, problems = find_stack(model, rules)
     if p <= 1:
@@ -339,7 +331,7 @@ def _explicit(stages, n_stages: int, n_blocks: int, axis: str, p: int, v: int, p
     if sum(counts) != n_blocks:
         problems.append(f"plan: stages {stages!r} adds up to {sum(counts)} blocks — expected the stack's "
                         f"{n_blocks}. Make the counts add up to {n_blocks}.")
-    if any(c < 0 for c in counts) or any(c == 0 for c in counts[1:-1]) or (counts and len(counts) == 1 and counts[0] == 0):
+    if any(c < 0 for c in counts) or any(c == 0 for c in counts[1:-1]):
         problems.append(f"plan: stages {stages!r} leaves a stage with no blocks (or a negative count) — expected "
                         "at least one block on every stage (the first and the last may have none: they run "
                         "what comes before and after the stack).")
@@ -350,9 +342,8 @@ def _explicit(stages, n_stages: int, n_blocks: int, axis: str, p: int, v: int, p
 
 def stream_shape(model: nn.Module, stack: str, batch, rows: int, dtype) -> tuple[int, ...]:
     """The shape of the stream between stages for a micro-batch of ``rows`` rows of ``batch``:
-    ``pipeline_pre`` and the first block on the meta device (nothing is computed)."""
-    import torch
-
+    ``pipeline_pre`` and the first block on the meta device (nothing is computed); every parameter
+    as a meta tensor of ``dtype`` (the compute dtype), whatever the model holds now."""
     first = dict(model.named_modules())[stack][0]
 
     class Probe(nn.Module):

@@ -346,9 +346,9 @@ def _stage_activations(plan: Plan, mine: set[int]) -> tuple:
     for coord, entries in plan.activations:
         kept, seen_block = [], False
         for e in entries:
-            if e.where in pp._stage_of_block:
+            stage = pp.stage_of_block(e.where)
+            if stage is not None:
                 seen_block = True
-                stage = pp.stage_of_block(e.where)
             else:
                 stage = last if seen_block else 0
             if stage in mine:

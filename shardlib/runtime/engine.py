@@ -157,21 +157,9 @@ class Engine(EngineSetup, EngineInspection, EngineAccess):
         if self.pipe is not None:
             if self.buckets is not None:
                 self.buckets.begin_micro(sync=False)     # reduced after the schedule (finish)
-            loss_sum = self.pipe.run(micro, factor)
-            micro = []
-        for i, mb in enumerate(micro):
-            last = i == m - 1
-            if self.buckets is not None:
-                self.buckets.begin_micro(sync=last)
-            else:
-                self.units.begin_micro(first=i == 0)
-            loss = self._loss(mb) if self.tensor is None else self.tensor.loss(mb)
-            loss_sum += loss.detach().float()
-            (loss.float() * factor).backward()
-            if self.tensor is not None:
-                self.tensor.clear()
-            if self.units is not None:
-                self.units.end_micro()
+            loss_sum += self.pipe.run(micro, factor)
+        else:
+            self._accumulate(micro, factor, loss_sum)
         reduced = self.buckets.finish() if self.buckets is not None else None
         trainable = [s for s in self.states if s.trainable]
         grads = self._master_grads(reduced, scale)
@@ -242,6 +230,23 @@ class Engine(EngineSetup, EngineInspection, EngineAccess):
             self.scaler.update(skip)
         self._release_master_grads()
         return float(loss)
+
+    def _accumulate(self, micro: list[Any], factor: float, loss_sum: torch.Tensor) -> None:
+        """Forward and backward of each micro-batch in turn, gradients reduced on the last (overlapped
+        with its backward); the losses added into ``loss_sum``."""
+        m = len(micro)
+        for i, mb in enumerate(micro):
+            if self.buckets is not None:
+                self.buckets.begin_micro(sync=i == m - 1)
+            else:
+                self.units.begin_micro(first=i == 0)
+            loss = self._loss(mb) if self.tensor is None else self.tensor.loss(mb)
+            loss_sum += loss.detach().float()
+            (loss.float() * factor).backward()
+            if self.tensor is not None:
+                self.tensor.clear()
+            if self.units is not None:
+                self.units.end_micro()
 
     def _scalar_vector(self, scalars: list[torch.Tensor]) -> torch.Tensor:
         """``[scalars..., used flag of each trainable parameter]`` in fp32."""

@@ -38,6 +38,7 @@ from torch import nn
 
 from ..comm import core as comm
 from ..errors import CollectiveError
+from ..planner.pipeline import stream_shape
 from ..planner.simulate import Record
 
 if TYPE_CHECKING:
@@ -65,18 +66,6 @@ def strip_to_stage(model: nn.Module, keep: set[str]) -> None:
             mod._parameters[attr] = done[id(p)]
 
 
-class _Probe(nn.Module):
-    """``pipeline_pre`` then the first block: run on meta tensors, the stream's shape and dtype."""
-
-    def __init__(self, model: nn.Module, first: nn.Module):
-        super().__init__()
-        self.model = model
-        object.__setattr__(self, "first", first)     # reached through ``model``: not a second name
-
-    def forward(self, *batch):
-        return self.first(self.model.pipeline_pre(*batch))
-
-
 class PipelineRuntime:
     """Installed by the engine when its plan cuts the model into pipeline stages."""
 
@@ -92,8 +81,6 @@ class PipelineRuntime:
         modules = dict(engine.model.named_modules())
         self.modules = modules
         self.blocks = {i: [modules[b] for b in s.blocks] for i, s in self.stages.items()}
-        self.first_block = modules[pp.stages[0].blocks[0]] if pp.stages[0].blocks else modules[
-            next(b for s in pp.stages for b in s.blocks)]
         self.zero3 = engine.plan.states.params is not None
         self.actions = pp.lowered(self.coord, unshard=self.zero3)
         self.stage_params = {i: self._params_of(s) for i, s in self.stages.items()}
@@ -305,25 +292,18 @@ class PipelineRuntime:
 
     # ---- shapes, scalars, failures -------------------------------------------------------------
     def _stream_shape(self, batch: Any) -> tuple[torch.Size, torch.dtype]:
-        """Shape and dtype of the stream between stages for micro-batches shaped like ``batch``:
-        ``pipeline_pre`` and the first block run on the meta device (nothing is computed or
-        communicated), once per batch shape."""
+        """Shape and dtype of the stream between stages for micro-batches shaped like ``batch``
+        (``planner.pipeline.stream_shape``: ``pipeline_pre`` and the first block on the meta device,
+        nothing computed or communicated), once per batch shape."""
         batch = batch if isinstance(batch, (tuple, list)) else (batch,)
         key = tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t) for t in batch)
         hit = self._shapes.get(key)
-        if hit is None:
-            model = self.engine.model
-            probe = _Probe(model, self.first_block)
-            cdt = self.engine.cdt       # other stages' parameters (meta) kept their build dtype
-            params = {f"model.{n}": torch.empty(p.shape, dtype=cdt if p.is_floating_point() else p.dtype,
-                                                device="meta")
-                      for n, p in model.named_parameters(remove_duplicate=False)}
-            meta = tuple(t.to("meta") if isinstance(t, torch.Tensor) else t for t in batch)
-            with torch.no_grad():
-                out = torch.func.functional_call(probe, params, meta, strict=False, tie_weights=True)
+        if hit is None:         # with the tensor axis's boundaries installed: SP's slice is in the shape
+            rows = next(t.shape[0] for t in batch if isinstance(t, torch.Tensor))
+            shape = stream_shape(self.engine.model, self.pp.stack, batch, rows, self.engine.cdt)
             if self.engine.tensor is not None:
                 self.engine.tensor.clear()
-            hit = self._shapes[key] = (out.shape, out.dtype)
+            hit = self._shapes[key] = (torch.Size(shape), self.engine.cdt)
         return hit
 
     def sum_of_squares(self, grads: list[torch.Tensor]) -> torch.Tensor:
