@@ -411,6 +411,14 @@ def test_parity_fp32_models_and_setups(world, data):
             assert ref["lr"] != make_optimizer(cfg["optimizer"])([torch.zeros(1)]).param_groups[0]["lr"]
 
 
+def test_unused_parameters_at_one_rank(world):
+    """At data = 1 the gradient buckets install no hooks (nothing to overlap): whether a parameter
+    got a gradient is read after backward, and an unused one is still left out of the update."""
+    cfgs = [c for c in EXTRA if c["model"] == "mlp_unused"]
+    for cfg, results in zip(cfgs, run_configs(world, cfgs, 1)):
+        check_parity(cfg, results, reference_for(cfg))
+
+
 def test_unused_parameters_stay_as_they_were():
     """The reference leaves unused parameters alone; so the parity above checks the engine does."""
     ref = reference_for({"model": "mlp_unused", "optimizer": "sgd", "grad_accum": 2})

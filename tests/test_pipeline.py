@@ -146,6 +146,39 @@ def test_loss_is_the_global_mean_whatever_the_pipeline():
     assert abs(halves - whole) <= 1e-5 * abs(whole)
 
 
+def _receive_posts(schedule: str, m: int) -> dict:
+    """One step; from ``engine.timeline``, each receive's post and wait (a RECV record each, posted
+    first) as positions among the rank's records, and the window the plan allows."""
+    mesh = get_mesh({"data": 1, "pipe": 2})
+    model = make_model("gpt_pp")
+    data = batches(1)
+    plan = sl.plan(model, mesh, rules=PIPE, microbatches=m, schedule=schedule)
+    engine = sl.parallelize(model, plan, optimizer=make_optimizer("sgd"))
+    engine.step(data[0])
+    seen: dict[str, list[int]] = {}
+    for k, rec in enumerate(engine.timeline):
+        if "RECV" in rec.action:
+            seen.setdefault(rec.action, []).append(k)
+    return {"window": plan.pipeline.recv_window, "recvs": seen,
+            "computes": [k for k, r in enumerate(engine.timeline) if "RECV" not in r.action and "SEND" not in r.action]}
+
+
+def test_receives_are_posted_ahead_within_the_window(world):
+    """A receive is posted before the compute ahead of the one that waits for it (gloo moves data
+    only once both sides posted), but never more than the plan's window ahead."""
+    for schedule in ("gpipe", "1f1b"):
+        for rank, out in enumerate(world(2, _receive_posts, schedule, 8)):
+            assert out["recvs"] and all(len(ks) == 2 for ks in out["recvs"].values()), out
+            events = sorted([(ks[0], +1) for ks in out["recvs"].values()] + [(ks[1], -1) for ks in out["recvs"].values()])
+            live = peak = 0
+            for _, d in events:
+                live += d
+                peak = max(peak, live)
+            assert peak == out["window"], (schedule, rank, peak)
+            # some receive spans compute: posted before another action's compute, waited after it
+            assert any(any(post < c < wait for c in out["computes"]) for post, wait in out["recvs"].values())
+
+
 def _failing(shape: dict, bad_rank: int):
     """Train 2 steps; ``bad_rank``'s stage raises in the second step's forward. Returns what each
     rank raised."""

@@ -351,13 +351,14 @@ def test_explain_shows_stages_schedule_idle_p2p_and_activations():
     assert f"idle fraction (simulator, F=1 B=2 I=W=1): {bubble:.3f}" in text
     assert f"formula (p-1)/(m+p-1) = {bubble:.3f}" in text
     # the stream: rows x d fp32 per micro-batch, m of them forward (not from the last stage) and
-    # m of their gradients backward (not from the first)
-    each = rows * d * 4
+    # m of their gradients backward (not from the first), each with the micro-batch's fp32 loss
+    each, back = rows * d * 4, rows * d * 4 + 4
     assert f"stream between stages [{rows}, {d}] float32 per micro-batch" in text
     assert f"pipe rank 0: SEND_F x{m} {format_bytes(each)} = {format_bytes(m * each)}" in text
-    assert (f"pipe rank 1: SEND_F x{m} {format_bytes(each)}, SEND_B x{m} {format_bytes(each)} = "
-            f"{format_bytes(2 * m * each)}") in text
-    assert f"pipe rank 2: SEND_B x{m} {format_bytes(each)} = {format_bytes(m * each)}" in text
+    assert (f"pipe rank 1: SEND_F x{m} {format_bytes(each)}, SEND_B x{m} {format_bytes(back)} = "
+            f"{format_bytes(m * (each + back))}") in text
+    assert f"pipe rank 2: SEND_B x{m} {format_bytes(back)} = {format_bytes(m * back)}" in text
+    assert f"+ receive buffers: up to {pp.recv_window} posted ahead per rank x {format_bytes(back)}" in text
     # activations: rows·(d+h)·4 per block and micro-batch; 1F1B keeps p - r micro-batches on rank r
     assert "× live micro-batches (simulator's peak on its rank)" in text
     for s in pp.stages:
@@ -405,3 +406,27 @@ def test_explain_truncates_long_action_lists_unless_full():
 def test_explain_of_plans_without_a_pipe_has_no_pipeline_section():
     for m in (mesh(pipe=1), sl.AbstractMesh({"data": 2})):
         assert "pipeline:" not in sl.plan(gpt(2), m, rules=PIPE).explain()
+
+
+def test_step_scalars_take_a_collective_only_where_stages_must_agree():
+    """The loss rides the backward messages, so a pipeline's step needs a collective for its scalars
+    only over ``data`` (replicas' losses and used flags), riding DP's gradient all-reduce where it
+    can, and over the whole mesh only when one stage's gradients decide for all (fp16, clipping)."""
+    def scalars(plan, rank=0):
+        return [(e.op, e.axes) for e in plan.comm_per_step(rank) if e.what == "scalars"]
+
+    model = gpt(4)
+    lone = sl.plan(model, mesh(pipe=2), rules=PIPE, microbatches=2)
+    assert lone.pipe_scalar_axes() == () and scalars(lone) == [] and scalars(lone, 1) == []
+    dp = sl.plan(model, mesh(data=2, pipe=2), rules=PIPE, microbatches=2)
+    assert dp.pipe_scalar_axes() == ("data",) and dp.local(0).scalars_ride_gradients and scalars(dp) == []
+    local = dp.local(0)
+    assert local.scalars_per_step() == 1 + sum(p.trainable for p in local.params)   # the loss + this stage's flags
+    assert [e.where for e in dp.comm_per_step(0) if e.riders] == [f"bucket {len(local.buckets()) - 1}"]
+    z1 = sl.plan(model, mesh(data=2, pipe=2), rules=PIPE, microbatches=2, zero=1)
+    assert scalars(z1) == [("all_reduce", ("data",))]
+    everywhere = ("data", "pipe")
+    for kw in ({"clip_grad_norm": 1.0}, {"precision": "fp16"}):
+        plan = sl.plan(model, mesh(data=2, pipe=2), rules=PIPE, microbatches=2, **kw)
+        assert plan.pipe_scalar_axes() == everywhere and scalars(plan) == [("all_reduce", everywhere)], kw
+        assert plan.local(0).scalars_per_step() == 2 + plan.pipeline.trainable

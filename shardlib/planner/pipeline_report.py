@@ -285,6 +285,8 @@ def _activation_lines(plan: Plan, peak_live: Sequence[int], actions: dict[int, l
         for r in range(pp.size):
             out.append(f"      pipe rank {r}: peak live {peak_live[r]} micro-batches over its {pp.virtual} stages "
                        f"-> {format_bytes(rank_peak(actions[r], weight))} at the peak")
+    out.append(f"      + receive buffers: up to {pp.recv_window} posted ahead per rank x "
+               f"{format_bytes(pp.grad_message_bytes)} = {format_bytes(pp.recv_window * pp.grad_message_bytes)}")
     return out
 
 

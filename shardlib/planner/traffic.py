@@ -75,24 +75,42 @@ class TrafficAccounting:
         non-finite count under fp16 and a squared norm under clipping, and one flag per trainable
         parameter saying on how many ranks it got a gradient — a parameter that got none on any
         rank is left out of the update, as one process leaves a parameter whose ``grad`` is None
-        (the role of DDP's ``find_unused_parameters`` bitmap)."""
-        if self.pipeline is not None and self.pipe_size > 1:    # every stage's flags, in one vector
-            return 1 + self.pipeline.trainable + int(self.precision == "fp16") + int(self.clip_grad_norm is not None)
+        (the role of DDP's ``find_unused_parameters`` bitmap). Under a pipe axis see
+        ``pipe_scalar_axes``: over the whole mesh the vector holds every stage's flags, over
+        ``data`` only this stage's."""
+        if self.pipeline is not None and self.pipe_size > 1:
+            if self.pipe_scalar_axes() == self.mesh.canonical_axes(self.mesh.axis_names):
+                return (1 + self.pipeline.trainable + int(self.precision == "fp16")
+                        + int(self.clip_grad_norm is not None))
+            return 1 + sum(1 for p in self.params if p.trainable)
         k = 1 + sum(1 for p in self.params if p.trainable)
         if self.states.grads is not None or self.tensor_size > 1:
             k += int(self.precision == "fp16") + int(self.clip_grad_norm is not None)
         return k
+
+    def pipe_scalar_axes(self) -> tuple[str, ...]:
+        """Under a pipe axis, the mesh axes the step's scalars are summed over. The loss needs no
+        collective: each micro-batch's loss rides its output gradient back through the stages
+        (``runtime/pipeline.py``), so every rank holds its replica's losses when the schedule ends.
+        A stage's gradients decide for every stage only under fp16 (an overflow skips the step
+        everywhere) and clipping (the global norm): then the whole mesh. Otherwise ``data``, where
+        the replicas' used flags and losses add up; nothing at all when ``data`` is 1."""
+        if self.precision == "fp16" or self.clip_grad_norm is not None:
+            return self.mesh.canonical_axes(self.mesh.axis_names)
+        return (self.data_axis,) if self.data_size > 1 else ()
 
     @property
     def scalars_ride_gradients(self) -> bool:
         """Whether the step's scalars travel in the last gradient bucket's all-reduce instead of an
         all-reduce of their own (one synchronization fewer per step). They can when gradients are
         replicated (overflow and norm are then computed locally, so nothing waits for the reduced
-        gradients) and reduced in fp32 (the loss keeps its precision). Not in a reduce-scatter:
-        each rank would receive its own row's sum, added in another order, and ranks must agree on
-        the loss to the bit."""
+        gradients; under a pipe axis: when the scalars are summed over ``data`` alone) and reduced
+        in fp32 (the loss keeps its precision). Not in a reduce-scatter: each rank would receive
+        its own row's sum, added in another order, and ranks must agree on the loss to the bit."""
+        piped = self.pipeline is not None and self.pipe_size > 1
         return (self.states.params is None and self.states.grads is None and self.data_size > 1
-                and self.reduce_dtype == torch.float32 and self.tensor_size == 1 and self.pipe_size == 1)
+                and self.reduce_dtype == torch.float32 and self.tensor_size == 1
+                and (not piped or self.pipe_scalar_axes() == (self.data_axis,)))
 
     def comm_per_step(self) -> list[CommEntry]:
         """Every collective one ``step`` issues, with the bytes this rank sends (ring model)."""
@@ -154,13 +172,16 @@ class TrafficAccounting:
         return out
 
     def _pipe_entries(self) -> list[CommEntry]:
-        """The pipe axis's traffic of a stage-local plan: the step's scalars over the whole mesh, the
-        tensor axis's activation collectives of its stages, and its point-to-point sends (the stream,
-        or its gradient, per micro-batch and stage boundary) and receives (counted, no bytes sent)."""
+        """The pipe axis's traffic of a stage-local plan: the step's scalars (``pipe_scalar_axes``),
+        the tensor axis's activation collectives of its stages, and its point-to-point sends (the
+        stream, or its gradient with the micro-batch's loss, per micro-batch and stage boundary) and
+        receives (counted, no bytes sent)."""
         pp = self.pipeline
-        axes = self.mesh.canonical_axes(self.mesh.axis_names)
-        out = [CommEntry("step", "scalars", "all_reduce", axes,
-                         comm.all_reduce_bytes(self.scalars_per_step(), self.mesh.axis_size(axes), 4), 1)]
+        axes = self.pipe_scalar_axes()
+        out = []
+        if axes and not self.scalars_ride_gradients:
+            out.append(CommEntry("step", "scalars", "all_reduce", axes,
+                                 comm.all_reduce_bytes(self.scalars_per_step(), self.mesh.axis_size(axes), 4), 1))
         if self.tensor_size > 1:
             out += [replace(e, count=e.count * self.grad_accum) for e in self.activation_entries()]
         if self.pipe_coord is None:
@@ -171,9 +192,9 @@ class TrafficAccounting:
         for a in pp.lowered(self.pipe_coord, unshard=self.states.params is not None):
             if a.kind in kinds:
                 counts[a.kind] = counts.get(a.kind, 0) + 1
-        nbytes = pp.stream_bytes
         for kind, k in counts.items():
             phase, op = kinds[kind]
+            nbytes = pp.stream_bytes if kind == "SEND_F" else pp.grad_message_bytes
             out.append(CommEntry(phase, "activations", op, (pp.axis,),
                                  0 if op == "recv" or nbytes is None else nbytes, k, kind))
         return out

@@ -69,8 +69,12 @@ class GradBuckets:
         # DP: copy each fresh gradient into its view instead of accumulating into a zeroed buffer
         self.copy_in = self.views and not self.sharded
         self.view_of = {id(s): v for states, views in zip(buckets, self.grad_views) for s, v in zip(states, views)}
+        # a hook per parameter (~8 us a call, every micro-batch) launches buckets during backward and
+        # notes which parameters got a gradient; with one data rank there is nothing to overlap, and
+        # where gradients start each step as None whether one came is read after backward instead
+        self.hooked = plan.data_size > 1 or self.views and not self.copy_in
         self.handles = [s.param.register_post_accumulate_grad_hook(self._make_hook(s))
-                        for states in buckets for s in states]
+                        for states in buckets for s in states] if self.hooked else []
         self.sync = False
         self.counts = [0] * len(buckets)
         self.next = 0
@@ -165,6 +169,10 @@ class GradBuckets:
     def finish(self) -> list[list[torch.Tensor]]:
         """Launch what is left (unused parameters), wait for all; the reduced gradient of each
         parameter: full (DP) or this rank's piece (ZeRO-1/2), in bucket order."""
+        if not self.hooked:
+            for states in self.buckets:
+                for s in states:
+                    s.used = s.used or s.param.grad is not None
         while self.next < len(self.buckets):
             self._launch(self.next)
             self.next += 1

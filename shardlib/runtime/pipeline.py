@@ -11,7 +11,9 @@ which walks the rank's lowered action list (``planner/schedules.py``) in order:
 * ``F`` runs the stage: ``model.pipeline_pre`` on the first stage, its blocks, and
   ``model.pipeline_post`` (the loss) on the last; ``SEND_F`` sends the output;
 * ``B`` back-propagates the stage (the loss times ``scale / (data · m)`` on the last stage, the
-  received gradient elsewhere); ``SEND_B`` sends its input gradient;
+  received gradient elsewhere); ``SEND_B`` sends its input gradient with the micro-batch's loss
+  behind it (``planner.pipeline.loss_words``: its fp32 bits), so every stage knows every
+  micro-batch's loss when the schedule ends and the step needs no collective for it;
 * ``I`` / ``W`` (``zb_h1``): the input-gradient half of ``B`` now, the weight-gradient half later
   (torch's ``stage_backward_input`` / ``stage_backward_weight``);
 * ``UNSHARD`` / ``REDUCE_GRAD`` (ZeRO-3): gather the stage's units once per step and keep them
@@ -38,7 +40,7 @@ from torch import nn
 
 from ..comm import core as comm
 from ..errors import CollectiveError
-from ..planner.pipeline import stream_shape
+from ..planner.pipeline import loss_words, stream_shape
 from ..planner.simulate import Record
 
 if TYPE_CHECKING:
@@ -95,8 +97,13 @@ class PipelineRuntime:
         where = {n: i for i, n in enumerate(trainable)}
         self.n_trainable = len(trainable)
         self.global_index = torch.tensor([where[s.name] for s in engine.states if s.trainable], dtype=torch.long)
+        self.scalar_axes = engine.plan.pipe_scalar_axes()
+        # the whole-mesh sum counts each replica's loss once: on its pipe and tensor coordinate 0
+        self.counts_loss = self.coord == 0 and (engine.tensor is None or engine.tensor.coord == 0)
         self.timeline: list[Record] = []
         self._shapes: dict[tuple, tuple[torch.Size, torch.dtype]] = {}
+        self.recvs = [k for k, a in enumerate(self.actions) if a.kind in ("RECV_F", "RECV_B")]
+        self.window = pp.recv_window
 
     def _params_of(self, stage) -> list[nn.Parameter]:
         named = dict(self.engine.model.named_parameters())
@@ -106,9 +113,10 @@ class PipelineRuntime:
     # ---- the step ------------------------------------------------------------------------------
     def run(self, micro: list[Any], factor: float) -> torch.Tensor:
         """Run this rank's actions over the step's micro-batches; return the sum of the
-        micro-batch losses this rank computed (zero off the last stage)."""
+        micro-batch losses (of this data replica), the same on every stage: the last computes
+        them, the others receive them behind the output gradients."""
         eng = self.engine
-        self.loss_sum = torch.zeros((), dtype=torch.float32, device=self.mesh.device)
+        self.losses: dict[int, torch.Tensor] = {}
         self.micro, self.factor = micro, factor
         self.stream = self._stream_shape(micro[0])
         self.inputs: dict[tuple[int, int], torch.Tensor | None] = {}
@@ -121,9 +129,14 @@ class PipelineRuntime:
         self.timeline = []
         if eng.units is not None:
             eng.units.begin_micro(first=True)
+        posted = 0                      # receives posted so far, in list order (self.recvs)
         try:
-            for a in self.actions:
+            for k, a in enumerate(self.actions):
                 self.current = a
+                if a.kind in ("RECV_F", "RECV_B"):    # where the receive completes; posted earlier
+                    posted = self._post_receives(posted, through=k)
+                    continue
+                posted = self._post_receives(posted, through=-1)
                 # a compute action's receive is waited for first and timed as that RECV: the wait is
                 # the bubble, not the compute's time
                 key = ("F" if a.kind == "F" else "B", a.stage, a.mb) if a.kind in ("F", "B", "I") else None
@@ -149,7 +162,24 @@ class PipelineRuntime:
             if s.trainable and s.param.grad is not None:
                 s.used = True
         self.inputs = self.outputs = self.grad_in = {}
-        return self.loss_sum
+        assert len(self.losses) == len(micro), f"rank {self.mesh.rank} knows {sorted(self.losses)} of the losses"
+        total = torch.zeros((), dtype=torch.float32, device=self.mesh.device)
+        for i in range(len(micro)):           # in micro-batch order, as one process adds them
+            total += self.losses[i]
+        self.losses = {}
+        return total
+
+    def _post_receives(self, posted: int, through: int) -> int:
+        """Post the next receives of the list: every one up to position ``through``, and more while
+        fewer than the plan's ``recv_window`` are outstanding (a RECV in the list marks where the
+        receive is waited for, not where it is posted). Returns how many are posted now."""
+        while posted < len(self.recvs) and (self.recvs[posted] <= through or len(self.pending) < self.window):
+            a = self.actions[self.recvs[posted]]
+            start = time.perf_counter()
+            self._do(a)
+            self.timeline.append(Record(self.mesh.rank, str(a), start, time.perf_counter()))
+            posted += 1
+        return posted
 
     def _do(self, a) -> None:
         kind, s, i = a.kind, a.stage, a.mb
@@ -168,13 +198,14 @@ class PipelineRuntime:
         elif kind == "SEND_F":
             self.sends.append(comm.send(self.outputs[(s, i)].detach(), self.mesh, self.axis, (s + 1) % self.p,
                                         tag=self._tag(0, s + 1, i)))
-        elif kind == "RECV_B":
-            out = self.outputs[(s, i)]
-            buf = torch.empty(out.shape, dtype=out.dtype, device=self.mesh.device)
+        elif kind == "RECV_B":       # the output's gradient, the micro-batch's loss behind it
+            shape, dtype = self.stream      # a stage that sends its output sends the stream
+            buf = torch.empty(shape.numel() + loss_words(dtype), dtype=dtype, device=self.mesh.device)
             self.pending[("B", s, i)] = comm.recv(buf, self.mesh, self.axis, (s + 1) % self.p, tag=self._tag(1, s, i))
         elif kind == "SEND_B":
             g = self.grad_in.pop((s, i))
-            self.sends.append(comm.send(g, self.mesh, self.axis, (s - 1) % self.p, tag=self._tag(1, s - 1, i)))
+            msg = torch.cat([g.reshape(-1), _loss_to_words(self.losses[i], g.dtype)])
+            self.sends.append(comm.send(msg, self.mesh, self.axis, (s - 1) % self.p, tag=self._tag(1, s - 1, i)))
         elif kind == "UNSHARD":
             units = self.engine.units
             for u in self.units_of[s]:
@@ -200,7 +231,12 @@ class PipelineRuntime:
         direction, s, i = key
         src = (s - 1) % self.p if direction == "F" else (s + 1) % self.p
         what = f"stage {s}'s {'input' if direction == 'F' else 'output gradient'} of micro-batch {i}"
-        return self._wait(self.pending.pop(key), f"{what} from pipe rank {src}")
+        got = self._wait(self.pending.pop(key), f"{what} from pipe rank {src}")
+        if direction == "F":
+            return got
+        shape = self.stream[0]
+        self.losses[i] = _loss_from_words(got[shape.numel():])
+        return got[:shape.numel()].view(shape)
 
     def _wait(self, pending: comm.Pending, what: str) -> torch.Tensor:
         try:
@@ -237,7 +273,7 @@ class PipelineRuntime:
                 raise PipelineError(f"pipeline: {type(eng.model).__name__}.pipeline_post must return the scalar mean "
                                     f"loss of the micro-batch — got {type(loss).__name__}"
                                     f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}.")
-            self.loss_sum += loss.detach().float()
+            self.losses[i] = loss.detach().float()
             x = loss
         self.outputs[(s, i)] = x
         self.inputs[(s, i)] = inp
@@ -315,18 +351,23 @@ class PipelineRuntime:
         return sum(((g.double() ** 2).sum() for g in grads), torch.zeros((), dtype=torch.float64)).float()
 
     def reduce_scalars(self, scalars: list[torch.Tensor]) -> torch.Tensor:
-        """All-reduce ``[scalars..., used flag of each trainable parameter]`` over the whole mesh.
-        The flags sit at each parameter's place among all the model's trainable parameters (each
-        stage fills its own), and on tensor coordinate 0 only, as the loss; returns the vector with
-        this rank's flags, in its states' order."""
+        """Sum ``[scalars..., used flag of each trainable parameter]`` over the plan's
+        ``pipe_scalar_axes``: nothing to do at data = 1, this stage's vector over ``data``, or, for
+        fp16's overflow count and clipping's norm, every stage's over the whole mesh: the flags then
+        sit at each parameter's place among all the model's trainable parameters (each stage fills
+        its own), on tensor coordinate 0 only, and the loss on one rank per data replica. Returns
+        the vector with this rank's flags, in its states' order."""
         eng = self.engine
         local = eng._scalar_vector(scalars)
+        if self.scalar_axes != self.mesh.canonical_axes(self.mesh.axis_names):
+            return comm.all_reduce(local, self.mesh, self.scalar_axes) if self.scalar_axes else local
         k = len(scalars)
         vec = torch.zeros(k + self.n_trainable, dtype=local.dtype, device=local.device)
         vec[:k] = local[:k]
         vec[k + self.global_index] = local[k:]
-        if eng.tensor is not None and eng.tensor.coord != 0:
+        if not self.counts_loss:
             vec[0] = 0.0
+        if eng.tensor is not None and eng.tensor.coord != 0:
             vec[k:] = 0.0
         out = comm.all_reduce(vec, self.mesh, self.mesh.canonical_axes(self.mesh.axis_names))
         return torch.cat([out[:k], out[k + self.global_index]])
@@ -356,6 +397,19 @@ class PipelineRuntime:
         if store is not None:
             with contextlib.suppress(Exception):
                 store.delete_key(_FAILED)
+
+
+def _loss_to_words(loss: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An fp32 loss as ``loss_words(dtype)`` elements of ``dtype``, bit for bit."""
+    x = loss.detach().float().reshape(1)
+    return x.view(dtype) if dtype.itemsize <= 4 else x.to(dtype)
+
+
+def _loss_from_words(words: torch.Tensor) -> torch.Tensor:
+    """The fp32 loss ``_loss_to_words`` wrote."""
+    if words.dtype.itemsize > 4:
+        return words.float().reshape(())
+    return words.clone().view(torch.float32).reshape(())     # clone: a view needs an aligned offset
 
 
 def _store():
