@@ -41,7 +41,7 @@ def pp_run(cfg: dict, shape: dict) -> dict:
     model = make_model("gpt_pp")
     data = batches()
     kw = {k: cfg[k] for k in ("zero", "microbatches", "schedule", "virtual_stages", "stages", "recompute",
-                              "precision") if k in cfg}
+                              "precision", "pipe_gather") if k in cfg}
     if "clip" in cfg:
         kw["clip_grad_norm"] = cfg["clip"]
     rules = {**PIPE, **(TP if shape.get("tensor", 1) > 1 else {})}
@@ -106,6 +106,46 @@ def test_pipe_by_data(world):
     cfgs[2]["schedule"] = "interleaved_1f1b"
     cfgs[3]["clip"] = 0.05
     _check(world, cfgs, {"data": 2, "pipe": 2})
+
+
+def test_pipe_by_data_zero3_gathered_per_microbatch(world):
+    """ZeRO-3's other gather policy under a pipeline: each unit gathered for every micro-batch's
+    forward and backward and reduce-scattered after each backward (the root once per step)."""
+    mb = {"zero": 3, "microbatches": 4, "pipe_gather": "microbatch"}
+    cfgs = [{**mb, "schedule": "gpipe"}, {**mb, "schedule": "1f1b", "recompute": True},
+            {**mb, "schedule": "interleaved_1f1b", "virtual_stages": 2, "clip": 0.05}]
+    _check(world, cfgs, {"data": 2, "pipe": 2})
+
+
+def _gathers(cfgs: list[dict]) -> list[dict]:
+    """One step of each ZeRO-3 pipeline config: what the engine gathered and freed (its units'
+    events), the most bytes it held gathered, and what the stage-local plan says of both."""
+    mesh = get_mesh({"data": 2, "pipe": 2})
+    out = []
+    for cfg in cfgs:
+        model = make_model("gpt_pp")
+        plan = sl.plan(model, mesh, rules=PIPE, zero=3, **cfg)
+        engine = sl.parallelize(model, plan, optimizer=make_optimizer("sgd"))
+        engine.step(batches(1)[0])
+        local = plan.local(mesh.rank)
+        out.append({"events": list(engine.units.events), "schedule": list(local.gather_schedule()),
+                    "peak": engine.peak_gathered_bytes, "transient": local.transient_per_rank()["gathered"]})
+    return out
+
+
+def test_zero3_gather_schedule_and_peak_under_a_pipeline(world):
+    """Both policies gather, wait for and free units in the order of the stage-local plan's
+    ``gather_schedule()``, and hold at most ``transient_per_rank()`` gathered: under "step" a
+    rank's whole stage(s), under "microbatch" a unit and its prefetched neighbour (and the root)."""
+    cfgs = [{"microbatches": 4, "schedule": s, "pipe_gather": g, **({"virtual_stages": 2} if s[0] == "i" else {})}
+            for g in ("step", "microbatch") for s in ("1f1b", "interleaved_1f1b")]
+    per_rank = world(4, _gathers, cfgs)
+    for r, results in enumerate(per_rank):
+        for cfg, res in zip(cfgs, results):
+            assert res["events"] == res["schedule"], (r, cfg)
+            assert res["peak"] == res["transient"] > 0, (r, cfg)
+        for step, micro in zip(results[:2], results[2:]):
+            assert micro["peak"] < step["peak"], (r, step["peak"], micro["peak"])
 
 
 def test_pipe_fp16_loss_scaling(world):

@@ -430,3 +430,39 @@ def test_step_scalars_take_a_collective_only_where_stages_must_agree():
         plan = sl.plan(model, mesh(data=2, pipe=2), rules=PIPE, microbatches=2, **kw)
         assert plan.pipe_scalar_axes() == everywhere and scalars(plan) == [("all_reduce", everywhere)], kw
         assert plan.local(0).scalars_per_step() == 2 + plan.pipeline.trainable
+
+
+def test_zero3_gather_policy_is_checked_and_priced():
+    """``pipe_gather``: unknown names, and the microbatch policy with zb_h1 (weight gradients come after
+    the unit's backward) or with units kept gathered after forward, are refused at plan time; its
+    traffic is each block unit's m x (2 gathers + 1 reduce-scatter), the root's once, where the step
+    policy moves every unit once."""
+    model, m = gpt(4), 4
+    with pytest.raises(sl.ShardingError, match=r"pipe_gather='often' is unknown.*'step'.*'microbatch'"):
+        sl.plan(model, mesh(data=2, pipe=2), rules=PIPE, zero=3, pipe_gather="often")
+    with pytest.raises(sl.ShardingError, match=r"pipe_gather='microbatch'.*'zb_h1'.*expected pipe_gather='step'"):
+        sl.plan(model, mesh(data=2, pipe=2), rules=PIPE, zero=3, schedule="zb_h1", pipe_gather="microbatch")
+    with pytest.raises(sl.ShardingError, match=r"reshard_after_forward=False.*expected reshard_after_forward=True"):
+        sl.plan(model, mesh(data=2, pipe=2), rules=PIPE, zero=3, pipe_gather="microbatch", reshard_after_forward=False)
+    sl.plan(model, mesh(data=2, pipe=2), rules=PIPE, zero=1, schedule="zb_h1", pipe_gather="microbatch")  # no ZeRO-3
+
+    def counts(plan, rank):
+        out = {}
+        for e in plan.comm_per_step(rank):
+            if e.what in ("params", "grads"):
+                out[(e.where, e.phase, e.op)] = e.count
+        return out
+
+    for rank in (0, 2):                       # pipe rank 0 (embeddings) and 1 (head)
+        step = sl.plan(model, mesh(data=2, pipe=2), rules=PIPE, zero=3, microbatches=m)
+        micro = sl.plan(model, mesh(data=2, pipe=2), rules=PIPE, zero=3, microbatches=m, pipe_gather="microbatch")
+        assert set(counts(step, rank).values()) == {1}
+        blocks = [u.name for u in micro.local(rank).units if u.name]
+        assert len(blocks) == 2
+        assert counts(micro, rank) == {
+            **{("<root>", "forward", "all_gather"): 1, ("<root>", "backward", "reduce_scatter"): 1},
+            **{(b, ph, op): m for b in blocks for ph, op in (("forward", "all_gather"), ("backward", "all_gather"),
+                                                             ("backward", "reduce_scatter"))}}
+        assert micro.ring_minimum(rank) > step.ring_minimum(rank)
+        assert micro.transient_per_rank(rank)["gathered"] < step.transient_per_rank(rank)["gathered"]
+        assert "pipe_gather='microbatch'" in micro.explain() and "pipe_gather='step'" in step.explain()

@@ -80,8 +80,9 @@ class CollectiveCounter:
 
     @property
     def bytes(self) -> int:
-        """Network bytes sent by this rank (copies between memory kinds excluded)."""
-        return sum(r.bytes for r in self.records if r.op in NETWORK_OPS)
+        """Network bytes sent by this rank: collectives and point-to-point sends (copies between
+        memory kinds excluded)."""
+        return sum(r.bytes for r in self.records if r.op in NETWORK_OPS or r.op == "send")
 
     def total_bytes(self, op: str | None = None) -> int:
         return sum(r.bytes for r in self.records if op is None or r.op == op)

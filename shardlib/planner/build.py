@@ -99,7 +99,7 @@ def plan(model: nn.Module, mesh: AbstractMesh, zero: int | None = None, *, state
          reshard_after_forward: bool = True, data_axis: str = "data", broadcast_buffers: bool = True,
          rules: Any = None, sequence_parallel: bool = False, batch: Any = None, tensor_axis: str = "tensor",
          microbatches: int | None = None, schedule: str | None = None, virtual_stages: int | None = None,
-         stages: Any = None, pipe_axis: str = "pipe") -> Plan:
+         stages: Any = None, pipe_axis: str = "pipe", pipe_gather: str = "step") -> Plan:
     """Plan training of ``model`` on ``mesh``: data parallel / ZeRO on ``data``, tensor parallel on ``tensor``.
 
     Each parameter's spec comes from the ``sl.shard`` tables on the model's modules, with logical
@@ -115,7 +115,11 @@ def plan(model: nn.Module, mesh: AbstractMesh, zero: int | None = None, *, state
     layout such as ``"E|t t|t t|t L"``; default balanced by parameter count), run by ``schedule``
     (``"gpipe"``, ``"1f1b"`` (default), ``"interleaved_1f1b"``, ``"zb_h1"``) over ``microbatches``
     micro-batches per step and data rank (default: the pipe size). ``microbatches`` is the same
-    thing as ``grad_accum`` (give one of them).
+    thing as ``grad_accum`` (give one of them). Under ZeRO-3, ``pipe_gather`` says when a stage's
+    parameters are gathered (``planner/pipeline.py`` ``GATHER_POLICIES``): ``"step"`` (default) once
+    per step, kept through its micro-batches and reduce-scattered once; ``"microbatch"`` each unit
+    for every micro-batch's forward and backward, as ZeRO-3 without a pipeline (less memory, ``m``
+    times the traffic).
 
     ``zero`` (0-3) names the usual stages; ``states`` gives the per-state layouts directly.
     ``precision`` is the compute dtype (``fp32``, ``bf16``, ``fp16``); master weights stay fp32.
@@ -141,7 +145,8 @@ def plan(model: nn.Module, mesh: AbstractMesh, zero: int | None = None, *, state
         bucket_mb=bucket_mb, optimizer=optimizer, reshard_after_forward=reshard_after_forward,
         data_axis=data_axis, broadcast_buffers=broadcast_buffers, rules=rules,
         sequence_parallel=sequence_parallel, tensor_axis=tensor_axis, microbatches=microbatches,
-        schedule=schedule, virtual_stages=virtual_stages, stages=stages, pipe_axis=pipe_axis)
+        schedule=schedule, virtual_stages=virtual_stages, stages=stages, pipe_axis=pipe_axis,
+        pipe_gather=pipe_gather)
     if pplan is not None:
         grad_accum = pplan.microbatches
     elif microbatches is not None:
@@ -262,7 +267,7 @@ def with_data(spec: PartitionSpec, axis: str | None) -> PartitionSpec:
 def _check(model: nn.Module, mesh: AbstractMesh, *, zero, states, precision, reduce_dtype, grad_accum,
            clip_grad_norm, recompute, units, bucket_mb, optimizer, reshard_after_forward, data_axis,
            broadcast_buffers, rules, sequence_parallel, tensor_axis, microbatches, schedule, virtual_stages,
-           stages, pipe_axis) -> tuple[StateLayouts, torch.dtype, list[str], set[str], int, dict[str, PartitionSpec],
+           stages, pipe_axis, pipe_gather="step") -> tuple[StateLayouts, torch.dtype, list[str], set[str], int, dict[str, PartitionSpec],
                                        TensorPlan | None, PipelinePlan | None]:
     """Check every argument of ``plan`` and raise all problems at once; return what they resolve
     to: the state layouts, the reduction dtype, the unit names, the recomputed units and the
@@ -363,9 +368,11 @@ def _check(model: nn.Module, mesh: AbstractMesh, *, zero, states, precision, red
     specs: dict[str, PartitionSpec] = {}
     tplan = pplan = None
     if not problems:
+        zero3 = states.params is not None if isinstance(states, StateLayouts) else zero == 3
         pplan, pproblems = derive_pipeline(model, mesh, rules=rules, axis=pipe_axis, microbatches=microbatches,
                                            schedule=schedule, virtual=virtual_stages, stages=stages,
-                                           recompute=sorted(rec))
+                                           recompute=sorted(rec), gather=pipe_gather, zero3=zero3,
+                                           reshard=reshard_after_forward)
         for m in pproblems:
             add(m)
         spec_problems: list[str] = []

@@ -88,6 +88,8 @@ class MemoryAccounting:
         """
         if self.states.params is None:
             return ()
+        if self.pipe_size > 1 and self.pipe_coord is not None:
+            return self._pipe_gather_schedule()
         root = next((u for u in self.units if u.name == ""), None)
         units = [u for u in self.units if u.name != ""]
         status = {u.name: "free" for u in self.units}
@@ -126,6 +128,74 @@ class MemoryAccounting:
             wait(u)
             free(u)
             gather(units[i - 1] if i > 0 else None)
+        if root is not None:
+            free(root)
+        return tuple(events)
+
+    def _pipe_gather_schedule(self) -> tuple[str, ...]:
+        """``gather_schedule`` of a stage-local plan under a pipe axis, over the whole step, as
+        ``runtime/pipeline.py`` runs its lowered actions. ``"step"`` policy: ``UNSHARD`` starts
+        gathering every unit of the stage, then waits for each; ``REDUCE_GRAD`` frees them (reduced
+        last unit first). ``"microbatch"``: the root when its stage first computes; each forward gathers the stage's units in order (each waited for, the next
+        prefetched, then freed), each backward in reverse (waited for, freed once reduced, the one
+        before it prefetched) — ZeRO-3's micro-step, per stage; the root is reduced and freed after
+        its stage's last backward (``REDUCE_GRAD``)."""
+        pp = self.pipeline
+        by_stage: dict[int, list] = {}
+        root = None
+        for u in self.units:
+            if u.name == "":
+                root = u
+            else:
+                by_stage.setdefault(pp.stage_of_block(u.name), []).append(u)
+        status = {u.name: "free" for u in self.units}
+        events: list[str] = []
+
+        def ev(op: str, u) -> None:
+            events.append(f"{op}({u.name or '<root>'})")
+
+        def gather(u) -> None:
+            if u is not None and status[u.name] == "free":
+                ev("G", u)
+                status[u.name] = "gathering"
+
+        def wait(u) -> None:
+            if status[u.name] != "gathered":
+                gather(u)
+                ev("W", u)
+                status[u.name] = "gathered"
+
+        def free(u) -> None:
+            if status[u.name] == "gathered":
+                ev("F", u)
+                status[u.name] = "free"
+
+        root_stage = {s.index for s in pp.stages if s.pre or s.post}
+        for a in pp.lowered(self.pipe_coord, unshard=self.pipe_unshard):
+            units = by_stage.get(a.stage, [])
+            if a.kind == "UNSHARD":
+                mine = ([root] if root is not None and a.stage in root_stage else []) + units
+                for u in mine:
+                    gather(u)
+                for u in mine:
+                    wait(u)
+            elif a.kind == "REDUCE_GRAD":          # the stage's last backward is done: reduce and free
+                for u in reversed(units):
+                    free(u)
+                if root is not None and a.stage in root_stage:
+                    free(root)
+            elif a.kind in ("F", "B") and not self.pipe_unshard:
+                if root is not None and a.stage in root_stage:
+                    wait(root)
+                order = units if a.kind == "F" else units[::-1]
+                for i, u in enumerate(order):
+                    wait(u)
+                    if a.kind == "F":
+                        gather(order[i + 1] if i + 1 < len(order) else None)
+                        free(u)
+                    else:
+                        free(u)
+                        gather(order[i + 1] if i + 1 < len(order) else None)
         if root is not None:
             free(root)
         return tuple(events)

@@ -86,6 +86,8 @@ class PipelinePlan:
     # bytes autograd saves for backward per micro-batch, for each block in stack order (measured on
     # the meta device when the plan is given ``batch=``; planner/pipeline_report.py)
     block_saved: tuple[int, ...] | None = None
+    # ZeRO-3's gather policy (GATHER_POLICIES); the plan's ``pipe_unshard`` says whether it applies
+    gather: str = "step"
 
     @property
     def stream_bytes(self) -> int | None:
@@ -157,6 +159,16 @@ class PipelinePlan:
     @cached_property
     def _lowered(self) -> dict[bool, dict[int, list[Action]]]:
         return {}
+
+
+# ZeRO-3 under a pipeline: when a stage's parameters are gathered (``sl.plan(..., pipe_gather=)``)
+GATHER_POLICIES = {
+    "step": "a stage gathered once per step, kept through all its micro-batches, its gradients accumulated "
+            "whole and reduce-scattered once after its last backward (torch's UNSHARD/RESHARD lowering)",
+    "microbatch": "each unit gathered for every micro-batch's forward and again for its backward, freed after "
+                  "each, its gradients reduce-scattered after each backward (ZeRO-3 as without a pipeline); the "
+                  "root (embeddings, head) gathered once per step",
+}
 
 
 def loss_words(dtype: torch.dtype) -> int:
@@ -238,11 +250,16 @@ def parse_layout(layout: str) -> tuple[list[int], list[str]]:
 # ---------------------------------------------------------------------------------------------
 
 def derive(model: nn.Module, mesh, *, rules, axis: str, microbatches: int | None, schedule: str | None,
-           virtual: int | None, stages, recompute: Sequence[str] = ()) -> tuple[PipelinePlan | None, list[str]]:
+           virtual: int | None, stages, recompute: Sequence[str] = (), gather: str = "step", zero3: bool = False,
+           reshard: bool = True) -> tuple[PipelinePlan | None, list[str]]:
     """The pipeline of ``model`` on ``mesh``'s ``axis`` (None when the axis is 1 or absent), and
-    every problem found."""
+    every problem found. ``gather``: ZeRO-3's policy (``GATHER_POLICIES``), checked against the
+    schedule when ``zero3``; ``reshard``: the plan's ``reshard_after_forward``."""
     p = mesh.axis_sizes.get(axis, 1)
     stack, axes, problems = find_stack(model, rules)
+    if not (isinstance(gather, str) and gather in GATHER_POLICIES):
+        problems.append(f"plan: pipe_gather={gather!r} is unknown — expected one of {tuple(GATHER_POLICIES)}: "
+                        + "; ".join(f"{k!r}: {v}" for k, v in GATHER_POLICIES.items()) + ".")
     if p <= 1:
         return None, problems
     if stack is None:
@@ -323,6 +340,17 @@ def derive(model: nn.Module, mesh, *, rules, axis: str, microbatches: int | None
                 problems.append(f"plan: parameter {pname!r} is the same tensor as {prev[1]!r} (tied), on stages "
                                 f"{prev[0]} and {s} — expected each parameter on one stage. Untie them (e.g. "
                                 "tie_word_embeddings=False), or plan without the pipe axis.")
+    if zero3 and gather == "microbatch":
+        if name == "zb_h1":
+            problems.append("plan: pipe_gather='microbatch' reduce-scatters a unit's gradients when its backward "
+                            "reaches the unit's inputs, but schedule 'zb_h1' computes weight gradients later (W) — "
+                            "expected pipe_gather='step' with zb_h1 (its gradients are reduced once per step), "
+                            "or another schedule.")
+        if not reshard:
+            problems.append("plan: pipe_gather='microbatch' frees each unit after its forward, but "
+                            "reshard_after_forward=False keeps units gathered until their backward — expected "
+                            "reshard_after_forward=True, or pipe_gather='step' to keep a stage gathered "
+                            "through the step.")
     if name == "zb_h1":
         rec = [u for u in recompute if u in set(blocks) | set(pre_mods) | set(post_mods)]
         if rec:
@@ -338,7 +366,7 @@ def derive(model: nn.Module, mesh, *, rules, axis: str, microbatches: int | None
                   + (numel(post_params) if s == n_stages - 1 else 0))
         for s, r in enumerate(ranges))
     return PipelinePlan(axis, p, v, m, name, stack, stage_plans, how,
-                        tuple(n for n, _ in pre_params), tuple(n for n, _ in post_params)), problems
+                        tuple(n for n, _ in pre_params), tuple(n for n, _ in post_params), gather=gather), problems
 
 
 def _explicit(stages, n_stages: int, n_blocks: int, axis: str, p: int, v: int, problems: list[str]

@@ -202,6 +202,11 @@ def pipeline_lines(plan: Plan, full: bool = False) -> list[str]:
         out.append(f"      pipe rank {r}: {_p2p_word(plan, r)}")
 
     out += _activation_lines(plan, sim.peak_live, actions)
+    if plan.states.params is not None:
+        from .pipeline import GATHER_POLICIES
+        out.append(f"    ZeRO-3 gather policy pipe_gather={pp.gather!r}: {GATHER_POLICIES[pp.gather]}; gathered at "
+                   f"most {format_bytes(plan.transient_per_rank(plan.mesh.rank_at(_rank_coords(plan)))['gathered'])} "
+                   "(parameters and gather buffers)")
     # lines longer than explain's width wrap, continued two spaces deeper
     return [w for line in out for w in ([line] if len(line) <= WIDTH else
                                         _wrap(line.lstrip(), _indent(line), _indent(line) + "  "))]
@@ -231,6 +236,13 @@ def _actions_word(actions: Sequence[Any], full: bool) -> str:
     head, tail = words[:MAX_ACTIONS - 6], words[-6:]
     return (f" ({len(words)} actions, {len(words) - len(head) - len(tail)} not shown; explain(full=True) lists all): "
             f"{' '.join(head)} ... {' '.join(tail)}")
+
+
+def _rank_coords(plan: Plan) -> list[int]:
+    """Mesh coordinates of the first rank of this plan's pipe coordinate (pipe rank 0 for a whole-mesh plan)."""
+    coords = [0] * plan.mesh.ndim
+    coords[plan.mesh.axis_index(plan.pipeline.axis)] = plan.pipe_coord or 0
+    return coords
 
 
 def _coords(plan: Plan) -> list[int]:

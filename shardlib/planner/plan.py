@@ -260,6 +260,11 @@ class Plan(MemoryAccounting, TrafficAccounting, Explain):
             return self.local(rank).transient_per_rank(rank)
         return super().transient_per_rank(rank)
 
+    def gather_schedule(self, rank: int | None = None) -> tuple[str, ...]:
+        if self.split:
+            return self.local(rank).gather_schedule()
+        return super().gather_schedule()
+
     def peak_per_rank(self, rank: int | None = None, **kwargs) -> dict[str, int]:
         if self.split:
             return self.local(rank).peak_per_rank(rank, **kwargs)

@@ -112,6 +112,13 @@ class TrafficAccounting:
                 and self.reduce_dtype == torch.float32 and self.tensor_size == 1
                 and (not piped or self.pipe_scalar_axes() == (self.data_axis,)))
 
+    @property
+    def pipe_unshard(self) -> bool:
+        """ZeRO-3 under a pipe axis with the ``"step"`` gather policy: each stage gathered once per
+        step (the lowered schedule's ``UNSHARD``) and reduce-scattered once (``REDUCE_GRAD``). Under
+        ``"microbatch"`` the units are gathered around every micro-batch, as without a pipeline."""
+        return self.states.params is not None and self.pipe_size > 1 and self.pipeline.gather == "step"
+
     def comm_per_step(self) -> list[CommEntry]:
         """Every collective one ``step`` issues, with the bytes this rank sends (ring model)."""
         n, axis = self.data_size, (self.data_axis,)
@@ -123,21 +130,23 @@ class TrafficAccounting:
                                   str(dt).replace("torch.", "")) for dt, k in self.step_buffer_sizes()]
             m = self.grad_accum
             piped = self.pipe_size > 1
-            if piped:      # a stage's units are gathered once per step and reduced once (runtime/pipeline.py)
-                m = 1
             groups = self.flat.groups                     # units (ZeRO-3) or buckets: flat.py
             if self.states.params is not None:           # ZeRO-3: per unit, every micro-step
                 for u, grp in zip(self.units, groups):
+                    # under a pipe axis a stage's units (pipe_unshard), or with the microbatch policy the
+                    # root, are gathered once per step and reduced once (runtime/pipeline.py)
+                    once = piped and (self.pipe_unshard or u.name == "")
+                    k = 1 if once else m
                     # one chunk of each segment per rank: ceil(T/N) trainable + frozen elements
                     gathered = comm.all_gather_bytes(grp.chunk(TRAIN) + grp.chunk(FROZEN), n, c)
-                    out.append(CommEntry("forward", "params", "all_gather", axis, gathered, m, u.name or "<root>"))
-                    if u.reshard_after_forward and not piped:
-                        out.append(CommEntry("backward", "params", "all_gather", axis, gathered, m,
+                    out.append(CommEntry("forward", "params", "all_gather", axis, gathered, k, u.name or "<root>"))
+                    if u.reshard_after_forward and not once:
+                        out.append(CommEntry("backward", "params", "all_gather", axis, gathered, k,
                                              u.name or "<root>"))
                     tr = grp.chunk(TRAIN)
                     if tr:
                         out.append(CommEntry("backward", "grads", "reduce_scatter", axis,
-                                             comm.reduce_scatter_bytes(tr, n, g), m, u.name or "<root>"))
+                                             comm.reduce_scatter_bytes(tr, n, g), k, u.name or "<root>"))
             else:
                 buckets = self.buckets()
                 k = self.scalars_per_step() if self.scalars_ride_gradients else 0
@@ -189,7 +198,7 @@ class TrafficAccounting:
         kinds = {"SEND_F": ("forward", "send"), "RECV_F": ("forward", "recv"),
                  "SEND_B": ("backward", "send"), "RECV_B": ("backward", "recv")}
         counts: dict[str, int] = {}
-        for a in pp.lowered(self.pipe_coord, unshard=self.states.params is not None):
+        for a in pp.lowered(self.pipe_coord, unshard=self.pipe_unshard):
             if a.kind in kinds:
                 counts[a.kind] = counts.get(a.kind, 0) + 1
         for kind, k in counts.items():
@@ -223,11 +232,13 @@ class TrafficAccounting:
         n = self.data_size
         c, g = self.compute_dtype.itemsize, self.reduce_dtype.itemsize
         if self.states.params is not None:
-            if self.pipe_size > 1:     # a stage's units: one gather and one reduce-scatter per step
+            if self.pipe_unshard:     # a stage's units: one gather and one reduce-scatter per step
                 return (c * sum(p.numel for p in self.params) + g * self.num_trainable) * (n - 1) // n
-            per_unit = [(2 if u.reshard_after_forward else 1) * c * sum(p.numel for p in self.unit_params(u.name))
-                        + g * sum(p.numel for p in self.unit_params(u.name) if p.trainable) for u in self.units]
-            return self.grad_accum * sum(per_unit) * (n - 1) // n
+            once = self.pipe_size > 1            # the microbatch policy: the root once per step
+            per_unit = [(1 if once and u.name == "" else self.grad_accum)
+                        * ((2 if u.reshard_after_forward else 1) * c * sum(p.numel for p in self.unit_params(u.name))
+                           + g * sum(p.numel for p in self.unit_params(u.name) if p.trainable)) for u in self.units]
+            return sum(per_unit) * (n - 1) // n
         # replicated gradients: all-reduce (2 transfers); sharded: reduce-scatter (1); a sharded
         # optimizer with replicated parameters: + all-gather of the updated parameters (1)
         per = (2 * g if self.states.grads is None else g) + (c if self.states.optim is not None else 0)

@@ -123,7 +123,7 @@ class Engine(EngineSetup, EngineInspection, EngineAccess):
             self.buckets, self.units = GradBuckets(self, by_bucket, riders), None
         else:
             self.buckets, self.units = None, self._build_units()
-        if piped and self.units is not None:
+        if piped and self.units is not None and plan.pipe_unshard:
             self.units.remove()       # the pipeline gathers and reduces a stage's units once per step
         # after the units: its unit hooks run after ZeRO-3's gathers
         self.tensor = TensorRuntime(self) if plan.tensor_size > 1 else None

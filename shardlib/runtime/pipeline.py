@@ -16,9 +16,12 @@ which walks the rank's lowered action list (``planner/schedules.py``) in order:
   micro-batch's loss when the schedule ends and the step needs no collective for it;
 * ``I`` / ``W`` (``zb_h1``): the input-gradient half of ``B`` now, the weight-gradient half later
   (torch's ``stage_backward_input`` / ``stage_backward_weight``);
-* ``UNSHARD`` / ``REDUCE_GRAD`` (ZeRO-3): gather the stage's units once per step and keep them
-  through all its micro-batches; reduce-scatter its accumulated gradients once after its last
-  backward, which frees them (``RESHARD``).
+* ``UNSHARD`` / ``REDUCE_GRAD`` (ZeRO-3, ``pipe_gather="step"``): gather the stage's units once per
+  step and keep them through all its micro-batches; reduce-scatter its accumulated gradients once
+  after its last backward, which frees them (``RESHARD``). With ``pipe_gather="microbatch"`` the
+  ZeRO-3 unit hooks stay on (``runtime/units.py``): each unit is gathered for every forward and
+  backward and freed after, its gradients reduce-scattered (and added into the shards) after each
+  backward; the root (embeddings, head) is gathered once per step and reduced at its end.
 
 Gradients accumulate in ``.grad`` over the micro-batches; the data axis reduces them after the
 schedule (DP / ZeRO-1/2 buckets, ``engine.step``). Every action is timed (``timeline``: records of
@@ -84,7 +87,8 @@ class PipelineRuntime:
         self.modules = modules
         self.blocks = {i: [modules[b] for b in s.blocks] for i, s in self.stages.items()}
         self.zero3 = engine.plan.states.params is not None
-        self.actions = pp.lowered(self.coord, unshard=self.zero3)
+        self.per_step = engine.plan.pipe_unshard          # ZeRO-3's "step" gather policy
+        self.actions = pp.lowered(self.coord, unshard=self.per_step)
         self.stage_params = {i: self._params_of(s) for i, s in self.stages.items()}
         self.units_of: dict[int, list] = {i: [] for i in self.stages}
         if self.zero3:
@@ -92,6 +96,10 @@ class PipelineRuntime:
                 names = [s.name for s in u.states]
                 if names:
                     self.units_of[pp.stage_of(names[0])].append(u)
+                    u.group = pp.stage_of(names[0])       # prefetch within a stage only
+        # the root (pre/post parameters) of the microbatch policy: gathered at its stage's first action
+        root = engine.units.root if self.zero3 else None
+        self.root_stage = next((i for i, us in self.units_of.items() if root is not None and root in us), None)
         # the step's scalars: this rank's trainable parameters' places among all of the model's
         trainable = [p.name for p in gplan.params if p.trainable]
         where = {n: i for i, n in enumerate(trainable)}
@@ -183,10 +191,16 @@ class PipelineRuntime:
 
     def _do(self, a) -> None:
         kind, s, i = a.kind, a.stage, a.mb
+        if kind in ("F", "B") and self.zero3 and not self.per_step:
+            self._microbatch_gather(s, kind)
         if kind == "F":
             self._forward(s, i)
         elif kind == "B":
             self._backward(s, i)
+            if self.zero3 and not self.per_step:      # units whose inputs took no gradient
+                for u in self.units_of[s]:
+                    if u is not self.engine.units.root and not u.reduced:
+                        self.engine.units._reduce(u)
         elif kind == "I":
             self._backward_input(s, i)
         elif kind == "W":
@@ -221,6 +235,18 @@ class PipelineRuntime:
             pass          # REDUCE_GRAD freed the stage's parameters with its reduce-scatter
         else:
             raise PipelineError(f"pipeline: unknown action {a} on rank {self.mesh.rank}.")
+
+    def _microbatch_gather(self, s: int, kind: str) -> None:
+        """ZeRO-3's microbatch policy around stage ``s``'s next compute: the root gathered if the
+        stage holds it (kept to the end of the step); before a backward, the stage's units are
+        marked unreduced (their hooks gather, reduce and free them as the backward passes)."""
+        units = self.engine.units
+        if s == self.root_stage:
+            units.wait(units.root)
+        if kind == "B":
+            for u in self.units_of[s]:
+                if u is not units.root:
+                    u.reduced = False
 
     def _tag(self, direction: int, stage: int, mb: int) -> int:
         return (direction * self.n_stages + stage) * self.m + mb

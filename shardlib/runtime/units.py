@@ -70,6 +70,8 @@ class Unit:
         self.filled: set[int] = set()                # ids of the states copied into grad_buf
         self.grad_bytes = 0           # bytes of its gradient buffers (input, and output in flight)
         self.reduced = False          # this micro-step's gradients are reduced
+        self.fresh = True             # no reduced gradient added into the shards yet this step
+        self.group = 0                # prefetches stay within a group (a pipeline stage)
 
     @property
     def gathered_bytes(self) -> int:
@@ -90,7 +92,6 @@ class UnitRunner:
         self.total_peak = 0                     # most of both at once
         self.in_flight: list[Unit] = []         # units whose reduce-scatter is in flight, oldest first
         self.events: list[str] = []             # this micro-step's G/W/F actions
-        self.micro_first = True
         self.handles = []
         model = engine.model
         self.handles.append(model.register_forward_pre_hook(self._root_pre))
@@ -160,6 +161,8 @@ class UnitRunner:
 
     def _make_pre(self, u: Unit):
         def pre(module, args, kwargs):
+            if _on_meta(args):                # a shape probe (the pipeline's stream): nothing to gather
+                return None
             self.wait(u)                      # then prefetch: never two gather buffers and a unit at once
             nxt = self._neighbor(u, +1)
             if nxt is not None:
@@ -177,6 +180,8 @@ class UnitRunner:
 
     def _make_post(self, u: Unit):
         def post(module, args, output):
+            if _on_meta(args):
+                return None
             if u.reshard:
                 self.free(u)
             if torch.is_grad_enabled():
@@ -187,8 +192,11 @@ class UnitRunner:
         return post
 
     def _neighbor(self, u: Unit, step: int) -> Unit | None:
+        """The unit before or after ``u`` in forward order, within ``u``'s group (a pipeline stage:
+        the next unit on this rank may be another stage's, not needed now)."""
         i = self.units.index(u) + step
-        return self.units[i] if 0 <= i < len(self.units) else None
+        nxt = self.units[i] if 0 <= i < len(self.units) else None
+        return nxt if nxt is not None and nxt.group == u.group else None
 
     def pre_backward(self, u: Unit) -> None:
         if u.reduced:
@@ -255,20 +263,21 @@ class UnitRunner:
         pieces = u.flat.reduced(u.reducing.wait())
         u.reducing = None
         for s, r in zip(u.flat.train, pieces):
-            if self.micro_first:
+            if u.fresh:
                 s.grad_shard.copy_(r)
             else:
                 s.grad_shard.add_(r)
+        u.fresh = False
         del pieces
         self._track_grads(-u.grad_bytes)
         u.grad_bytes = 0
 
     # ---- per micro-step ------------------------------------------------------------------------
     def begin_micro(self, first: bool) -> None:
-        self.micro_first = first
         self.events = []
         for u in self.all:
             u.reduced = False
+            u.fresh = u.fresh or first
 
     def end_micro(self) -> None:
         """After backward: reduce the units whose inputs needed no gradient (and the root), wait
@@ -290,6 +299,10 @@ class UnitRunner:
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
+
+
+def _on_meta(args) -> bool:
+    return any(t.is_meta for t in _tensors(args))
 
 
 def _tensors(output) -> list[torch.Tensor]:
