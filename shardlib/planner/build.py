@@ -99,7 +99,8 @@ def plan(model: nn.Module, mesh: AbstractMesh, zero: int | None = None, *, state
          reshard_after_forward: bool = True, data_axis: str = "data", broadcast_buffers: bool = True,
          rules: Any = None, sequence_parallel: bool = False, batch: Any = None, tensor_axis: str = "tensor",
          microbatches: int | None = None, schedule: str | None = None, virtual_stages: int | None = None,
-         stages: Any = None, pipe_axis: str = "pipe", pipe_gather: str = "step") -> Plan:
+         stages: Any = None, pipe_axis: str = "pipe", pipe_gather: str = "step",
+         replica_axis: str | None = None) -> Plan:
     """Plan training of ``model`` on ``mesh``: data parallel / ZeRO on ``data``, tensor parallel on ``tensor``.
 
     Each parameter's spec comes from the ``sl.shard`` tables on the model's modules, with logical
@@ -122,6 +123,10 @@ def plan(model: nn.Module, mesh: AbstractMesh, zero: int | None = None, *, state
     times the traffic).
 
     ``zero`` (0-3) names the usual stages; ``states`` gives the per-state layouts directly.
+    **HSDP**: on a mesh with a second data axis (``replica_axis``; by default an axis named
+    ``"replica"`` when the mesh has one) the batch splits over ``replica x data``, ZeRO shards the
+    training states over ``data`` only and they are replicated over the replica axis, whose ranks
+    sum their gradient shards with one all-reduce (FSDP2's HSDP, ZeRO++'s hpZ).
     ``precision`` is the compute dtype (``fp32``, ``bf16``, ``fp16``); master weights stay fp32.
     ``optimizer`` names the optimizer family (or gives its state bytes per parameter) so memory
     can be planned; ``recompute`` checkpoints units (True: every unit but the root).
@@ -146,7 +151,8 @@ def plan(model: nn.Module, mesh: AbstractMesh, zero: int | None = None, *, state
         data_axis=data_axis, broadcast_buffers=broadcast_buffers, rules=rules,
         sequence_parallel=sequence_parallel, tensor_axis=tensor_axis, microbatches=microbatches,
         schedule=schedule, virtual_stages=virtual_stages, stages=stages, pipe_axis=pipe_axis,
-        pipe_gather=pipe_gather)
+        pipe_gather=pipe_gather, replica_axis=replica_axis)
+    replica_axis = _replica(mesh, replica_axis)
     if pplan is not None:
         grad_accum = pplan.microbatches
     elif microbatches is not None:
@@ -160,7 +166,7 @@ def plan(model: nn.Module, mesh: AbstractMesh, zero: int | None = None, *, state
         units_of = {_unit_of(f"{m}.{a}" if m else a, unit_set) for m, a in owners[id(p)]}
         unit_of[name] = units_of.pop() if len(units_of) == 1 else ""   # shared across units: root
 
-    def layout(axis: str | None) -> Layout:
+    def layout(axis) -> Layout:
         return Layout(mesh, PartitionSpec(axis) if axis else PartitionSpec())
 
     layouts: dict[PartitionSpec, tuple[Layout, ...]] = {}
@@ -208,11 +214,12 @@ def plan(model: nn.Module, mesh: AbstractMesh, zero: int | None = None, *, state
     # so set-up sends rank 0's generator state over the whole mesh instead of the model
     meta = bool(tensors) and all(t.is_meta for t in tensors)
     setup = ((torch.uint8, torch.get_rng_state().numel()),) if meta else fused_sizes(tensors)
+    dp = (replica_axis, data_axis) if replica_axis is not None else data_axis
     out = Plan(mesh=mesh, data_axis=data_axis, states=states, precision=precision, reduce_dtype=rdt,
                grad_accum=grad_accum, clip_grad_norm=clip_grad_norm, optimizer_state_bytes=state_bytes,
-               bucket_bytes=bucket_bytes, params=tuple(params), units=tuple(unit_list), batch=layout(data_axis),
+               bucket_bytes=bucket_bytes, params=tuple(params), units=tuple(unit_list), batch=layout(dp),
                broadcast_buffers=broadcast_buffers, buffer_sizes=fused_sizes(buffers),
-               setup_sizes=setup, meta_build=meta, tensor=tplan, pipeline=pplan)
+               setup_sizes=setup, meta_build=meta, tensor=tplan, pipeline=pplan, replica_axis=replica_axis)
     if tplan is not None and batch is not None:
         from .trace import trace_activations
         out = replace(out, activations=trace_activations(model, out, batch))
@@ -234,9 +241,9 @@ def _with_stream(model: nn.Module, pplan, plan: Plan, batch) -> Any:
     from .pipeline import stream_shape
     leaves = [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
     b = leaves[0].shape[0] if leaves and leaves[0].dim() else None
-    need = plan.data_size * pplan.microbatches
+    need = plan.dp_size * pplan.microbatches
     if b is None or b % need:
-        raise ShardingError(f"plan: the batch of {b} rows does not split into data={plan.data_size} x "
+        raise ShardingError(f"plan: the batch of {b} rows does not split into data={plan.dp_size} x "
                             f"microbatches={pplan.microbatches} = {need} micro-batches — expected a multiple of {need}. "
                             f"Use a batch of {max(need, (b or 0) // need * need)} or {((b or 0) // need + 1) * need}, "
                             "or change microbatches.")
@@ -245,6 +252,12 @@ def _with_stream(model: nn.Module, pplan, plan: Plan, batch) -> Any:
     if tp is not None and tp.sequence_parallel and tp.size > 1:
         shape[tp.seq_dim] //= tp.size           # the stream is sequence-split between the stack's blocks
     return replace(pplan, stream=tuple(shape), stream_dtype=str(plan.compute_dtype).replace("torch.", ""))
+
+
+def _replica(mesh: AbstractMesh, replica_axis: str | None) -> str | None:
+    """HSDP's replica axis: the one given, else an axis named ``"replica"``; None where it is absent."""
+    name = replica_axis if replica_axis is not None else "replica"
+    return name if name in mesh.axis_names else None
 
 
 def _trim(spec: PartitionSpec) -> PartitionSpec:
@@ -267,7 +280,7 @@ def with_data(spec: PartitionSpec, axis: str | None) -> PartitionSpec:
 def _check(model: nn.Module, mesh: AbstractMesh, *, zero, states, precision, reduce_dtype, grad_accum,
            clip_grad_norm, recompute, units, bucket_mb, optimizer, reshard_after_forward, data_axis,
            broadcast_buffers, rules, sequence_parallel, tensor_axis, microbatches, schedule, virtual_stages,
-           stages, pipe_axis, pipe_gather="step") -> tuple[StateLayouts, torch.dtype, list[str], set[str], int, dict[str, PartitionSpec],
+           stages, pipe_axis, pipe_gather="step", replica_axis=None) -> tuple[StateLayouts, torch.dtype, list[str], set[str], int, dict[str, PartitionSpec],
                                        TensorPlan | None, PipelinePlan | None]:
     """Check every argument of ``plan`` and raise all problems at once; return what they resolve
     to: the state layouts, the reduction dtype, the unit names, the recomputed units and the
@@ -292,11 +305,22 @@ def _check(model: nn.Module, mesh: AbstractMesh, *, zero, states, precision, red
     elif data_axis not in mesh.axis_names:
         add(f"plan: the mesh {mesh.axis_sizes} has no {data_axis!r} axis — expected the data-parallel "
             f"axis. Add it (size 1 if unused) or pass data_axis=.")
-    others = {a: s for a, s in mesh.axis_sizes.items() if a not in (data_axis, tensor_axis, pipe_axis) and s > 1}
+    if replica_axis is not None and not isinstance(replica_axis, str):
+        add(f"plan: replica_axis must be a mesh axis name or None — got {type(replica_axis).__name__} "
+            f"{replica_axis!r}.", True)
+    elif replica_axis is not None and replica_axis not in mesh.axis_names:
+        add(f"plan: replica_axis={replica_axis!r} is not an axis of the mesh {mesh.axis_sizes} — expected the "
+            "axis over which HSDP replicates the sharded training states. Add it to the mesh, or drop replica_axis.")
+    elif replica_axis is not None and replica_axis in (data_axis, tensor_axis, pipe_axis):
+        add(f"plan: replica_axis={replica_axis!r} is also the data, tensor or pipe axis — expected an axis of its own.")
+    rep = _replica(mesh, replica_axis if isinstance(replica_axis, str) else None)
+    used = (data_axis, tensor_axis, pipe_axis, rep)
+    others = {a: s for a, s in mesh.axis_sizes.items() if a not in used and s > 1}
     if others and data_axis in mesh.axis_names:
         add(f"plan: axes {others} are larger than 1, but this plan uses only {data_axis!r}, {pipe_axis!r} and "
             f"{tensor_axis!r} — expected the other axes of size 1. Use them as one of those (data_axis=, "
-            "pipe_axis=, tensor_axis=) or give them size 1.")
+            "pipe_axis=, tensor_axis=, or replica_axis= for HSDP: states sharded over data, replicated over it) "
+            "or give them size 1.")
     if microbatches is not None:
         if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
             add(f"plan: microbatches must be a positive int — got {microbatches!r}.")

@@ -33,13 +33,15 @@ class Explain:
             max_params = len(self.params) if full else 40
         n = self.data_size
         stage = f"ZeRO-{self.zero}" if self.zero else ("data parallel" if self.zero == 0 else "custom")
-        lines = [f"Plan: {stage} over {self.data_axis!r} (N={n}) on mesh {self.mesh.axis_sizes}; "
+        hsdp = (f", replicated over {self.replica_axis!r} (R={self.replica_size}, HSDP)"
+                if self.replica_axis is not None else "")
+        lines = [f"Plan: {stage} over {self.data_axis!r} (N={n}){hsdp} on mesh {self.mesh.axis_sizes}; "
                  f"{self.precision} compute, {str(self.reduce_dtype).replace('torch.', '')} reduction, "
                  f"grad_accum={self.grad_accum}, clip={self.clip_grad_norm}",
                  f"  states: params at rest {_spec(self.states.params)}, grads {_spec(self.states.grads)}, "
                  f"optimizer {_spec(self.states.optim)}, local grads "
                  f"{'kept' if self.states.keep_local_grads else 'freed after reduction'}",
-                 f"  batch: {self.batch.spec} (dim 0 over {self.data_axis!r})"]
+                 f"  batch: {self.batch.spec} (dim 0 over {' x '.join(repr(a) for a in self.dp_axes)})"]
         if self.tensor is not None:
             lines += self._tensor_lines(full)
         if self.pipeline is not None:

@@ -157,6 +157,8 @@ class Plan(MemoryAccounting, TrafficAccounting, Explain):
     pipeline: PipelinePlan | None = None
     # set in a stage-local plan (``local``): the pipe coordinate whose stages it holds
     pipe_coord: int | None = None
+    # HSDP: a second data axis over which the training states are replicated (``data`` shards them)
+    replica_axis: str | None = None
 
     # ---- basics --------------------------------------------------------------------------------
     @property
@@ -173,7 +175,24 @@ class Plan(MemoryAccounting, TrafficAccounting, Explain):
 
     @property
     def data_size(self) -> int:
+        """Ranks ZeRO shards the training states over (the ``data`` axis)."""
         return self.mesh.axis_size(self.data_axis)
+
+    @property
+    def replica_size(self) -> int:
+        """HSDP: replicas of the sharded training states (1 without a replica axis)."""
+        return self.mesh.axis_size(self.replica_axis) if self.replica_axis is not None else 1
+
+    @property
+    def dp_axes(self) -> tuple[str, ...]:
+        """The axes the batch splits over and gradients are summed over: ``data``, and under HSDP
+        the replica axis before it (replica major)."""
+        return (self.replica_axis, self.data_axis) if self.replica_axis is not None else (self.data_axis,)
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks: the batch's chunks (``replica x data``)."""
+        return self.data_size * self.replica_size
 
     @property
     def num_params(self) -> int:

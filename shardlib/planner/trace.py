@@ -95,10 +95,10 @@ class RecordingOps:
 
 def _micro_batch(plan: Plan, batch: Any, device: str) -> Any:
     def cut(t: torch.Tensor) -> torch.Tensor:
-        n = plan.data_size * plan.grad_accum
+        n = plan.dp_size * plan.grad_accum
         if t.dim() == 0 or t.shape[0] % n:
             raise ShardingError(f"plan: batch= has a tensor of shape {tuple(t.shape)} whose dim 0 does not split "
-                                f"over data={plan.data_size} x grad_accum={plan.grad_accum} — expected a multiple of {n}.")
+                                f"over data={plan.dp_size} x grad_accum={plan.grad_accum} — expected a multiple of {n}.")
         t = t.to(device)[: t.shape[0] // n]
         return t.to(plan.compute_dtype) if t.is_floating_point() and plan.mixed else t
     return tree_map_only(torch.Tensor, cut, batch)

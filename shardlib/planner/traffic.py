@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from fractions import Fraction
 
 import torch
 
@@ -53,7 +54,7 @@ class TrafficAccounting:
         replays rank 0's initialization from it (``runtime/materialize.py``)."""
         # split over tensor: every rank takes rank 0's full model, then keeps its shards
         whole = self.meta_build or self.tensor_size > 1
-        axes = self.mesh.canonical_axes(self.mesh.axis_names if whole else self.data_axis)
+        axes = self.mesh.canonical_axes(self.mesh.axis_names if whole else self.dp_axes)
         n = self.mesh.axis_size(axes) if axes else 1
         if n == 1:
             return []
@@ -97,7 +98,7 @@ class TrafficAccounting:
         the replicas' used flags and losses add up; nothing at all when ``data`` is 1."""
         if self.precision == "fp16" or self.clip_grad_norm is not None:
             return self.mesh.canonical_axes(self.mesh.axis_names)
-        return (self.data_axis,) if self.data_size > 1 else ()
+        return self.mesh.canonical_axes(self.dp_axes)
 
     @property
     def scalars_ride_gradients(self) -> bool:
@@ -108,9 +109,9 @@ class TrafficAccounting:
         in fp32 (the loss keeps its precision). Not in a reduce-scatter: each rank would receive
         its own row's sum, added in another order, and ranks must agree on the loss to the bit."""
         piped = self.pipeline is not None and self.pipe_size > 1
-        return (self.states.params is None and self.states.grads is None and self.data_size > 1
+        return (self.states.params is None and self.states.grads is None and self.dp_size > 1
                 and self.reduce_dtype == torch.float32 and self.tensor_size == 1
-                and (not piped or self.pipe_scalar_axes() == (self.data_axis,)))
+                and (not piped or self.pipe_scalar_axes() == self.mesh.canonical_axes(self.dp_axes)))
 
     @property
     def pipe_unshard(self) -> bool:
@@ -120,13 +121,18 @@ class TrafficAccounting:
         return self.states.params is not None and self.pipe_size > 1 and self.pipeline.gather == "step"
 
     def comm_per_step(self) -> list[CommEntry]:
-        """Every collective one ``step`` issues, with the bytes this rank sends (ring model)."""
+        """Every collective one ``step`` issues, with the bytes this rank sends (ring model). Under
+        HSDP the training states are sharded over ``data`` and each rank's gradient shard is then
+        summed over the replica axis (one all-reduce per bucket or unit); replicated gradients (DP)
+        are all-reduced over both at once."""
         n, axis = self.data_size, (self.data_axis,)
+        r, rep = self.replica_size, (self.replica_axis,)
+        dpn, dp = self.dp_size, self.mesh.canonical_axes(self.dp_axes)
         c, g = self.compute_dtype.itemsize, self.reduce_dtype.itemsize
         out: list[CommEntry] = []
-        if n > 1:
+        if dpn > 1:
             if self.broadcast_buffers:     # rank 0's buffers before the step's forward (DDP's broadcast_buffers)
-                out += [CommEntry("forward", "buffers", "broadcast", axis, comm.broadcast_bytes(k, n, dt.itemsize), 1,
+                out += [CommEntry("forward", "buffers", "broadcast", dp, comm.broadcast_bytes(k, dpn, dt.itemsize), 1,
                                   str(dt).replace("torch.", "")) for dt, k in self.step_buffer_sizes()]
             m = self.grad_accum
             piped = self.pipe_size > 1
@@ -137,46 +143,53 @@ class TrafficAccounting:
                     # root, are gathered once per step and reduced once (runtime/pipeline.py)
                     once = piped and (self.pipe_unshard or u.name == "")
                     k = 1 if once else m
-                    # one chunk of each segment per rank: ceil(T/N) trainable + frozen elements
-                    gathered = comm.all_gather_bytes(grp.chunk(TRAIN) + grp.chunk(FROZEN), n, c)
-                    out.append(CommEntry("forward", "params", "all_gather", axis, gathered, k, u.name or "<root>"))
-                    if u.reshard_after_forward and not once:
-                        out.append(CommEntry("backward", "params", "all_gather", axis, gathered, k,
-                                             u.name or "<root>"))
+                    name = u.name or "<root>"
                     tr = grp.chunk(TRAIN)
-                    if tr:
-                        out.append(CommEntry("backward", "grads", "reduce_scatter", axis,
-                                             comm.reduce_scatter_bytes(tr, n, g), k, u.name or "<root>"))
+                    if n > 1:
+                        # one chunk of each segment per rank: ceil(T/N) trainable + frozen elements
+                        gathered = comm.all_gather_bytes(tr + grp.chunk(FROZEN), n, c)
+                        out.append(CommEntry("forward", "params", "all_gather", axis, gathered, k, name))
+                        if u.reshard_after_forward and not once:
+                            out.append(CommEntry("backward", "params", "all_gather", axis, gathered, k, name))
+                        if tr:
+                            out.append(CommEntry("backward", "grads", "reduce_scatter", axis,
+                                                 comm.reduce_scatter_bytes(tr, n, g), k, name))
+                    if r > 1 and tr:
+                        out.append(CommEntry("backward", "grads", "all_reduce", rep, comm.all_reduce_bytes(tr, r, g),
+                                             k, name))
             else:
                 buckets = self.buckets()
                 k = self.scalars_per_step() if self.scalars_ride_gradients else 0
                 for i, bucket in enumerate(buckets):
                     extra = k if i == len(buckets) - 1 else 0
+                    shard = groups[i].chunk(TRAIN)
                     if self.states.grads is None:
                         numel = sum(p.numel for p in bucket)
-                        out.append(CommEntry("backward", "grads", "all_reduce", axis,
-                                             comm.all_reduce_bytes(numel + extra, n, g), 1, f"bucket {i}",
-                                             comm.all_reduce_bytes(numel + extra, n, g)
-                                             - comm.all_reduce_bytes(numel, n, g)))
+                        out.append(CommEntry("backward", "grads", "all_reduce", dp,
+                                             comm.all_reduce_bytes(numel + extra, dpn, g), 1, f"bucket {i}",
+                                             comm.all_reduce_bytes(numel + extra, dpn, g)
+                                             - comm.all_reduce_bytes(numel, dpn, g)))
                     else:
-                        shard = groups[i].chunk(TRAIN)
-                        out.append(CommEntry("backward", "grads", "reduce_scatter", axis,
-                                             comm.reduce_scatter_bytes(shard, n, g), 1, f"bucket {i}"))
-                    if self.states.optim is not None:
-                        shard = groups[i].chunk(TRAIN)
+                        if n > 1:
+                            out.append(CommEntry("backward", "grads", "reduce_scatter", axis,
+                                                 comm.reduce_scatter_bytes(shard, n, g), 1, f"bucket {i}"))
+                        if r > 1:
+                            out.append(CommEntry("backward", "grads", "all_reduce", rep,
+                                                 comm.all_reduce_bytes(shard, r, g), 1, f"bucket {i}"))
+                    if self.states.optim is not None and n > 1:
                         out.append(CommEntry("step", "params", "all_gather", axis,
                                              comm.all_gather_bytes(shard, n, c), 1, f"bucket {i}"))
             if not self.scalars_ride_gradients and self.tensor_size == 1 and self.pipe_size == 1:
-                out.append(CommEntry("step", "scalars", "all_reduce", axis,
-                                     comm.all_reduce_bytes(self.scalars_per_step(), n, 4), 1))
+                out.append(CommEntry("step", "scalars", "all_reduce", dp,
+                                     comm.all_reduce_bytes(self.scalars_per_step(), dpn, 4), 1))
         if self.pipe_size > 1:
             out += self._pipe_entries()
         elif self.tensor_size > 1:
             # the step's scalars over the whole (data, tensor) group: split gradients' norms add up
             # over tensor (runtime/engine.py counts each element once)
-            both = self.mesh.canonical_axes((self.data_axis, self.tensor.axis))
+            both = self.mesh.canonical_axes((*self.dp_axes, self.tensor.axis))
             out.append(CommEntry("step", "scalars", "all_reduce", both,
-                                 comm.all_reduce_bytes(self.scalars_per_step(), n * self.tensor_size, 4), 1))
+                                 comm.all_reduce_bytes(self.scalars_per_step(), dpn * self.tensor_size, 4), 1))
             out += [replace(e, count=e.count * self.grad_accum) for e in self.activation_entries()]
         return out
 
@@ -226,20 +239,33 @@ class TrafficAccounting:
         ``2Ψ(N-1)/N`` elements for DP and ZeRO-1/2; ``3Ψ(N-1)/N`` for ZeRO-3 (per micro-step), where
         a unit kept gathered from its forward through its backward (the root) needs 2, not 3.
         Gradients (and ZeRO-1/2's gather of updated parameters) only move for trainable
-        parameters; ZeRO-3 gathers frozen ones too. Padding is not counted: a collective over a
-        flat segment of ``T`` elements moves ``ceil(T/N)`` per rank, so what runs exceeds this by
-        less than one element per rank and collective."""
-        n = self.data_size
+        parameters; ZeRO-3 gathers frozen ones too. Under HSDP (``R`` replicas of ``N``-way shards)
+        each gradient shard is also all-reduced over the replicas: ``+2(Ψ/N)(R-1)/R``; DP
+        all-reduces over all ``RN`` ranks. Padding is not counted: a collective over a flat segment
+        of ``T`` elements moves ``ceil(T/N)`` per rank, so what runs exceeds this by less than one
+        element per rank and collective."""
+        n, r = self.data_size, self.replica_size
         c, g = self.compute_dtype.itemsize, self.reduce_dtype.itemsize
+        f = Fraction(n - 1, n)                        # exact: a bound compared with counted bytes
+        replica = Fraction(2 * g * (r - 1), r * n)    # per trainable element and reduction, over the replicas
         if self.states.params is not None:
             if self.pipe_unshard:     # a stage's units: one gather and one reduce-scatter per step
-                return (c * sum(p.numel for p in self.params) + g * self.num_trainable) * (n - 1) // n
+                return int((c * sum(p.numel for p in self.params) + g * self.num_trainable) * f
+                           + replica * self.num_trainable)
             once = self.pipe_size > 1            # the microbatch policy: the root once per step
-            per_unit = [(1 if once and u.name == "" else self.grad_accum)
-                        * ((2 if u.reshard_after_forward else 1) * c * sum(p.numel for p in self.unit_params(u.name))
-                           + g * sum(p.numel for p in self.unit_params(u.name) if p.trainable)) for u in self.units]
-            return sum(per_unit) * (n - 1) // n
-        # replicated gradients: all-reduce (2 transfers); sharded: reduce-scatter (1); a sharded
-        # optimizer with replicated parameters: + all-gather of the updated parameters (1)
-        per = (2 * g if self.states.grads is None else g) + (c if self.states.optim is not None else 0)
-        return per * self.num_trainable * (n - 1) // n
+            total = Fraction(0)
+            for u in self.units:
+                k = 1 if once and u.name == "" else self.grad_accum
+                ps = self.unit_params(u.name)
+                trainable = sum(p.numel for p in ps if p.trainable)
+                total += k * (((2 if u.reshard_after_forward else 1) * c * sum(p.numel for p in ps) + g * trainable)
+                              * f + replica * trainable)
+            return int(total)
+        if self.states.grads is None:            # all-reduce over every data-parallel rank
+            dpn = n * r
+            return int((Fraction(2 * g * (dpn - 1), dpn) + (c * f if self.states.optim is not None else 0))
+                       * self.num_trainable)
+        # sharded gradients: reduce-scatter (1), the replicas' all-reduce of the shard, and with a
+        # sharded optimizer the all-gather of the updated parameters (1)
+        per = g * f + replica + (c * f if self.states.optim is not None else 0)
+        return int(per * self.num_trainable)

@@ -281,7 +281,7 @@ class EngineAccess:
                 buffers.append(out[k])
             else:
                 out[k] = v
-        broadcast_coalesced(buffers, self.mesh, self.plan.data_axis)
+        broadcast_coalesced(buffers, self.mesh, self.plan.dp_axes)
         if self.global_plan.pipe_size > 1:
             self._gather_stages(out)
         return out

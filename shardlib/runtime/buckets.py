@@ -41,6 +41,10 @@ class GradBuckets:
         self.engine = engine
         plan = engine.plan
         self.mesh, self.axis = engine.mesh, plan.data_axis
+        # HSDP: replicated gradients are all-reduced over replica x data at once; a sharded bucket's
+        # reduce-scattered chunk is then summed over the replicas
+        self.dp = plan.dp_axes
+        self.replica = plan.replica_axis if plan.replica_size > 1 else None
         self.buckets = buckets
         self.sharded = plan.states.grads is not None
         self.rdt = plan.reduce_dtype
@@ -72,7 +76,7 @@ class GradBuckets:
         # a hook per parameter (~8 us a call, every micro-batch) launches buckets during backward and
         # notes which parameters got a gradient; with one data rank there is nothing to overlap, and
         # where gradients start each step as None whether one came is read after backward instead
-        self.hooked = plan.data_size > 1 or self.views and not self.copy_in
+        self.hooked = plan.dp_size > 1 or self.views and not self.copy_in
         self.handles = [s.param.register_post_accumulate_grad_hook(self._make_hook(s))
                         for states in buckets for s in states] if self.hooked else []
         self.sync = False
@@ -154,7 +158,7 @@ class GradBuckets:
                 parts = [(s.param.grad if s.param.grad is not None else torch.zeros_like(s.param))
                          .reshape(-1).to(self.rdt) for s in states]
                 buf = torch.cat(parts + ([tail.to(self.rdt)] if tail is not None else []))
-            self.pending[b] = comm.all_reduce(buf, self.mesh, self.axis, async_op=True, inplace=True)
+            self.pending[b] = comm.all_reduce(buf, self.mesh, self.dp, async_op=True, inplace=True)
         else:
             flat = self.flats[b].pack_grads([s.param.grad for s in self.flats[b].train], self.rdt,
                                             self.engine.mesh.device)
@@ -189,6 +193,8 @@ class GradBuckets:
             return
         reduced = self.pending[b].wait()
         self.pending[b] = None
+        if self.sharded and self.replica is not None:
+            reduced = comm.all_reduce(reduced, self.mesh, self.replica, inplace=True)
         if self.riders and b == len(self.buckets) - 1:
             self.rider_sums = reduced[-self.riders:].float()
         if not self.sharded:

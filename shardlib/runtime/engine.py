@@ -88,8 +88,12 @@ class Engine(EngineSetup, EngineInspection, EngineAccess):
         plan = plan.local(mesh.rank)
         self.model, self.plan, self.mesh = model, plan, mesh
         self.loss_fn = loss_fn
-        self.data_size = plan.data_size
-        self.data_index = mesh.group_index(mesh.rank, (plan.data_axis,))
+        # the batch's chunks: data ranks (times replicas under HSDP), and this rank's chunk
+        self.data_size = plan.dp_size
+        self.data_index = mesh.group_index(mesh.rank, plan.dp_axes)
+        # HSDP: gradients are replicated over the replica axis; only its first replica counts them
+        # in the clipping norm (the overflow count only needs to be > 0 somewhere)
+        self.replica_coord = mesh.coord(mesh.rank, plan.replica_axis) if plan.replica_axis else 0
         self.cdt, self.rdt = plan.compute_dtype, plan.reduce_dtype
         # the reduced gradient can be the fp32 master's gradient itself (no copy for the update)
         self.grad_is_master = not plan.mixed and plan.reduce_dtype == torch.float32
@@ -109,7 +113,7 @@ class Engine(EngineSetup, EngineInspection, EngineAccess):
             rng = self._materialize()
         else:   # every replica starts from rank 0's model, as DDP (split over tensor: the whole mesh does)
             axes = (tuple(a for a in mesh.axis_names if not piped or a != self.global_plan.pipeline.axis)
-                    if plan.tensor_size > 1 else plan.data_axis)
+                    if plan.tensor_size > 1 else plan.dp_axes)
             broadcast_module(model, mesh, axes)
         self.states = self._build_states(rng)
         if plan.mixed:
@@ -146,7 +150,7 @@ class Engine(EngineSetup, EngineInspection, EngineAccess):
         m = plan.grad_accum
         self._begin_step()
         if plan.broadcast_buffers:                   # rank 0's buffers before the forward, as DDP
-            broadcast_buffers(self.model, self.mesh, plan.data_axis)
+            broadcast_buffers(self.model, self.mesh, plan.dp_axes)
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.mesh.device)
         scale = self.scaler.scale if self.scaler else 1.0
         factor = scale / (self.data_size * m)
@@ -176,6 +180,8 @@ class Engine(EngineSetup, EngineInspection, EngineAccess):
             sumsq = (self.tensor.sum_of_squares(grads) if split else
                      self.pipe.sum_of_squares(grads) if self.pipe is not None else
                      sum((g.double() ** 2).sum() for g in grads).float() if grads else torch.zeros(()))
+            if sharded and self.replica_coord != 0:
+                sumsq = torch.zeros_like(sumsq)           # HSDP: the first replica counts the shards
             if sharded:
                 scalars.append(sumsq)
         # the step's scalars, then on how many ranks each parameter got a gradient: summed by one
@@ -187,7 +193,7 @@ class Engine(EngineSetup, EngineInspection, EngineAccess):
         elif split:      # over (data, tensor), each value counted once (TensorRuntime.scalars)
             vec = self.tensor.reduce_scalars(self._scalar_vector(scalars))
         else:
-            vec = comm.all_reduce(self._scalar_vector(scalars), self.mesh, plan.data_axis)
+            vec = comm.all_reduce(self._scalar_vector(scalars), self.mesh, plan.dp_axes)
         loss = vec[0] / (self.data_size * m)
         if sharded:
             k = 1

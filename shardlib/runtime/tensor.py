@@ -82,4 +82,4 @@ class TensorRuntime:
             first_flag = len(vec) - len(self.split)
             vec[first_flag:] = 0.0
         plan = self.engine.plan
-        return comm.all_reduce(vec, self.mesh, self.mesh.canonical_axes((plan.data_axis, self.axis)))
+        return comm.all_reduce(vec, self.mesh, self.mesh.canonical_axes((*plan.dp_axes, self.axis)))

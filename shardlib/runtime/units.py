@@ -82,6 +82,7 @@ class UnitRunner:
     def __init__(self, engine, units: list[Unit], root: Unit | None):
         self.engine = engine
         self.mesh, self.axis = engine.mesh, engine.plan.data_axis
+        self.replica = engine.plan.replica_axis if engine.plan.replica_size > 1 else None
         self.cdt, self.rdt = engine.plan.compute_dtype, engine.plan.reduce_dtype
         self.units = units                      # non-root, in forward order
         self.root = root
@@ -120,7 +121,7 @@ class UnitRunner:
         with torch.no_grad():
             flat = u.flat.pack(lambda s: s.shard, self.cdt, self.engine.mesh.device)
         u.pending = comm.all_gather(flat, self.mesh, self.axis, async_op=True)
-        u.buffer_bytes = flat.numel() * flat.element_size() * self.engine.data_size
+        u.buffer_bytes = flat.numel() * flat.element_size() * self.engine.plan.data_size
         self._track(u.buffer_bytes)
         u.status = "gathering"
         self.events.append(f"G({u.name or '<root>'})")
@@ -260,8 +261,12 @@ class UnitRunner:
 
     def _finish_reduce(self, u: Unit) -> None:
         """Wait for ``u``'s reduce-scatter and add its chunk into the persistent gradient shards."""
-        pieces = u.flat.reduced(u.reducing.wait())
+        chunk = u.reducing.wait()
         u.reducing = None
+        if self.replica is not None:             # HSDP: the replicas sum their chunks
+            chunk = comm.all_reduce(chunk, self.mesh, self.replica, inplace=True)
+        pieces = u.flat.reduced(chunk)
+        del chunk
         for s, r in zip(u.flat.train, pieces):
             if u.fresh:
                 s.grad_shard.copy_(r)
