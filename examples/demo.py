@@ -4,7 +4,7 @@ Every rank holds its shard of the same global tensor (``arange``, so shards are 
 each step plans the redistribution (pure data, printed), runs it on the process groups,
 checks the result against the global tensor, and reports the collectives each rank ran.
 
-    python examples/demo.py                # mesh=2x2: 4 processes
+    python examples/demo.py                # mesh=dp2_tp2: 4 processes
     python examples/demo.py mesh=2x2x2     # 8 processes on a 3-axis mesh
 
 The configuration is checked before any process starts (``check_config``: every step planned on
@@ -85,7 +85,7 @@ def show_shard(rows: list) -> str:
 
 @hydra.main(version_base=None, config_path="../conf", config_name="demo")
 def main(cfg: DictConfig) -> None:
-    mesh_shape = OmegaConf.to_container(cfg.mesh)
+    mesh_shape = OmegaConf.to_container(cfg.mesh.axes)   # meshes/*.yaml: the axes of the mesh preset
     shape = OmegaConf.to_container(cfg.shape) if OmegaConf.is_list(cfg.shape) else cfg.shape
     steps = OmegaConf.to_container(cfg.steps)
     problems = check_config(mesh_shape, shape, steps)

@@ -1,6 +1,7 @@
 """End-to-end runs of the examples (slow: each starts its own process world)."""
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -28,67 +29,66 @@ def test_redistribution_demo_checks_every_shard():
 
 
 @pytest.mark.slow
-def test_training_run_learns_and_ranks_agree():
-    out = _run("examples/train.py", "steps=12", "log_every=6", "zero=3", "mesh=dp2", "model.n_layers=2",
-               "model.d_model=64", "batch=8").stdout
-    assert "the same on all 2 ranks" in out
-    assert "model states held per rank" in out
-    first, last = out.split("loss ")[-1].split(" over")[0].split(" -> ")
-    assert float(last) < float(first)
+def test_main_job_trains_3d_and_writes_its_metrics_and_pictures(tmp_path):
+    """The README's first command, shortened: a 2x2x2 mesh (8 processes) trains with falling loss;
+    the run directory holds one metrics object per step, the plan and the three pictures."""
+    proc = _run("examples/train_gpt.py", "train.steps=8", "train.log_every=4", f"hydra.run.dir={tmp_path}")
+    out = proc.stdout
+    assert "pipeline: 'pipe' (p=2)" in out and "the same loss on all 8 ranks: yes" in out, out[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    for r in rows:
+        assert set(r) == {"step", "loss", "lr", "grad_norm", "step_ms", "tokens_per_s", "bytes_per_axis", "peak_rss"}
+        assert len(r["peak_rss"]) == 8 and r["grad_norm"] > 0
+        assert {"data", "pipe", "tensor"} <= set(r["bytes_per_axis"])
+    for name in ("loss.png", "memory.png", "timeline.png", "plan.txt", "summary.json"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["ranks_agree"] and summary["last_loss"] == rows[-1]["loss"]
+    # model states: what each rank holds is what the plan says
+    for planned, held in zip(summary["memory"]["planned"], summary["memory"]["measured"]):
+        assert [planned[k] for k in ("params", "grads", "optimizer")] == [held[k] for k in ("params", "grads", "optimizer")]
 
 
 # ---- a bad configuration: one message, exit code 2, before any process starts --------------------------
 
-def _example(name: str):
-    """Import an example script as a module (its ``main`` is guarded: nothing runs)."""
-    spec = importlib.util.spec_from_file_location(f"example_{name}", ROOT / "examples" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _train_config(**changes) -> dict:
-    from omegaconf import OmegaConf
-
-    conf = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "train.yaml"), resolve=True)
-    conf.pop("defaults"), conf.pop("hydra")
-    conf["mesh"] = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "mesh" / "dp2.yaml"))
-    for key, value in changes.items():
-        *path, last = key.split("__")
-        node = conf
-        for part in path:
-            node = node[part]
-        node[last] = value
-    return conf
-
-
-@pytest.mark.parametrize("changes, expected", [
-    ({}, []),
-    ({"zero": 5}, ["plan: zero=5 is out of range"]),
-    ({"precision": "fp8", "batch": 15, "grad_accum": 2},
-     ["plan: precision 'fp8' is unknown",
-      "batch=15 does not split over data=2 ranks x grad_accum=2 micro-batches — expected a multiple of 4. "
-      "Use batch=12 or 16"]),
-    ({"model__d_model": 130}, ["model: GPTConfig: d_model 130 does not divide into 4 heads."]),
-    ({"mesh": {"data": 2, "expert": 2}}, ["plan: axes {'expert': 2} are larger than 1"]),
-    ({"mesh": {"data": 1, "pipe": 2}, "schedule": "interleaved_1f1b", "grad_accum": 1},
-     ["plan: schedule 'interleaved_1f1b'"]),
-    ({"steps": 0}, ["steps must be a positive int — got 0."]),
+@pytest.mark.parametrize("args, expected", [
+    (["mesh=nope"], ["mesh=nope: no such mesh preset — expected one of"]),
+    (["train.stpes=5"], ["train.stpes: no such config key", "Did you mean train.steps?"]),
+    (["mesh=dp4", "parallel=tp"], ["parallel.rules: parallel=tp maps heads, mlp, vocab to the axis 'tensor', but "
+                                   "mesh=dp4 has axes ('data',)"]),
+    (["mesh=dp4", "parallel=hsdp"], ["parallel.replica_axis: parallel=hsdp replicates over 'replica'"]),
+    (["mesh=tp4", "parallel=tp", "model.n_heads=2", "model.d_model=64"],
+     ["model.n_heads with the mesh's tensor axis: plan (mesh=tp4, parallel=tp, model=tiny): Attention",
+      "has 2 attention heads, which tensor=4 ranks cannot split whole", "(the same in 4 blocks: 0..3)"]),
+    (["mesh=pp4", "parallel=pp_1f1b", "model.n_layers=3"],
+     ["model.n_layers with the mesh's pipe axis: plan (mesh=pp4, parallel=pp_1f1b, model=tiny):",
+      "3 blocks, fewer than the 4 stages"]),
+    (["data=file", "data.path=/nonexistent/text.txt"], ["data.path: /nonexistent/text.txt does not exist"]),
+    (["train.precision=fp8", "train.batch=15"], ["train.precision: got 'fp8'", "train.batch: 15 sequences"]),
 ])
-def test_training_config_is_checked_whole_without_processes(changes, expected):
-    problems = _example("train").check_config(_train_config(**changes))
-    assert len(problems) == len(expected), problems
-    for got, want in zip(problems, expected):
-        assert got.startswith(want), problems
+def test_main_job_config_errors_name_the_key_before_any_rank_starts(args, expected):
+    proc = _run("examples/train_gpt.py", *args, code=2)
+    assert proc.stdout == "" and "Traceback" not in proc.stderr, proc.stderr
+    err = proc.stderr
+    assert err.startswith("train_gpt.py: ")
+    for want in expected:
+        assert want in err, err
 
 
-def test_training_config_error_is_one_message_before_any_rank_starts():
-    proc = _run("examples/train.py", "precision=fp8", "batch=15", "grad_accum=2", code=2)
-    assert proc.stdout == ""                        # no plan printed, no rank started
-    assert "Traceback" not in proc.stderr and "HYDRA_FULL_ERROR" not in proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert lines[0] == "train.py: 2 problems in the configuration:"
-    assert lines[1].startswith("  - plan: precision 'fp8' is unknown") and lines[2].startswith("  - batch=15")
+def test_a_corrupt_dataset_is_named(tmp_path):
+    bad = tmp_path / "corrupt.txt"
+    bad.write_bytes(b"some text\n" * 50 + bytes(range(128, 256)) * 4)
+    proc = _run("examples/train_gpt.py", "data=file", f"data.path={bad}", code=2)
+    assert f"data.path: {bad} is not UTF-8 text" in proc.stderr and "corrupt" in proc.stderr
+
+
+def test_a_mesh_that_is_not_the_torchrun_world_is_refused():
+    env_world = {"WORLD_SIZE": "4"}
+    proc = subprocess.run([sys.executable, "examples/train_gpt.py"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, **env_world})
+    assert proc.returncode == 2 and "mesh=2x2x2 has 8 ranks" in proc.stderr and "torchrun started 4" in proc.stderr
 
 
 def test_demo_config_errors_are_caught_before_any_rank_starts():

@@ -162,6 +162,18 @@ def rank_peak(actions: Sequence[Any], weight: dict[int, int]) -> int:
     return peak
 
 
+def rank_activation_bytes(plan: Plan, rank: int) -> int | None:
+    """The plan's activation memory on ``rank``: its blocks' saved bytes per micro-batch times its
+    schedule's peak live micro-batches (``rank_peak``); None where the plan has not measured the
+    blocks (no ``batch=``) or has no pipeline. The embeddings' and the head's are not counted."""
+    pp = plan.pipeline
+    per_block = getattr(pp, "block_saved", None) if pp is not None else None
+    if per_block is None:
+        return None
+    weight = {s.index: b for s, b in zip(pp.stages, stage_saved(pp, per_block))}
+    return rank_peak(pp.actions(plan.mesh.coord(rank, pp.axis)), weight)
+
+
 # ---- the explain() section ---------------------------------------------------------------------
 
 def pipeline_lines(plan: Plan, full: bool = False) -> list[str]:

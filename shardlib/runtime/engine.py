@@ -98,6 +98,7 @@ class Engine(EngineSetup, EngineInspection, EngineAccess):
         # the reduced gradient can be the fp32 master's gradient itself (no copy for the update)
         self.grad_is_master = not plan.mixed and plan.reduce_dtype == torch.float32
         self.step_count = 0
+        self.grad_norm: float | None = None
         self.scaler = _scaler(loss_scale, plan)
         warn_slow_precision(plan.precision, mesh.device)
         rng = None
@@ -203,6 +204,8 @@ class Engine(EngineSetup, EngineInspection, EngineAccess):
                 sumsq = vec[k]
         used = vec[len(scalars):]
         self.step_count += 1
+        # the global norm of the (unscaled) gradients, where the step computes it (clipping); else None
+        self.grad_norm = float(sumsq.double().sqrt()) if sumsq is not None else None
         skip = bool(found_inf > 0) if self.scaler else False
         if not self.scaler and not torch.isfinite(loss):
             self._release_master_grads()

@@ -1,0 +1,166 @@
+"""The main job: the reference GPT trained on real text over a 3D mesh of CPU processes.
+
+    python examples/train_gpt.py                                    # data x pipe x tensor = 2x2x2: 8 processes
+    python examples/train_gpt.py mesh=dp2_tp2 parallel=zero3 train.precision=bf16
+    python examples/train_gpt.py mesh=hsdp2x2 parallel=hsdp data.path=my.txt train.steps=500
+    torchrun --nnodes 2 --nproc-per-node 4 --rdzv-endpoint HOST:PORT examples/train_gpt.py   # the same run over nodes
+
+Hydra composes ``conf/config.yaml`` (groups ``mesh`` = ``meshes/*.yaml``, ``parallel``, ``model``,
+``train``, ``data``); the configuration becomes the library's ``RunConfig`` at this edge and is checked
+whole before any process starts — an unknown preset or key, a preset naming an axis the mesh lacks, a
+model the layout cannot split, a missing or corrupt dataset, a mesh that is not the torchrun world:
+each is a short message naming the config key, exit code 2. Started plainly, the program spawns the
+mesh's processes itself; under ``torchrun`` it uses that world unchanged.
+
+Rank 0 prints the plan (compact), shows a progress bar (loss, tokens/s, step time, ETA; on stderr)
+and a log line every ``train.log_every`` steps, and writes into the Hydra run directory
+(``outputs/<date>/<time>/``): ``metrics.jsonl`` (one object per step: step, loss, lr, grad_norm,
+tokens_per_s, step_ms, peak_rss per rank, bytes_per_axis rank 0 sent), ``plan.txt``, ``loss.png``,
+``memory.png`` (per rank, planned vs measured parameters, gradients, optimizer state, activations),
+``timeline.png`` (the last step of a pipeline) and ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pathlib
+import sys
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+import shardlib as sl
+from shardlib.cli.compose import check_overrides
+from shardlib.frontend.config import ConfigError, RunConfig, run_config
+from shardlib.frontend.report import plot_loss, plot_memory, summary_lines
+from shardlib.frontend.run import SavedActivations, Trainer, check
+from shardlib.planner.pipeline_report import rank_activation_bytes
+
+NAME = "train_gpt.py"
+
+
+def world_problems(run: RunConfig) -> list[str]:
+    """Under torchrun the world is given: the mesh must be exactly that size."""
+    world = os.environ.get("WORLD_SIZE")
+    if world is not None and int(world) != run.mesh.size:
+        return [f"mesh: mesh={run.mesh.name} has {run.mesh.size} ranks {run.mesh.shape}, but torchrun started "
+                f"{world} (WORLD_SIZE) — expected --nnodes x --nproc-per-node = {run.mesh.size}, or a mesh preset of "
+                f"{world} ranks."]
+    return []
+
+
+def rank_main(run: RunConfig, out: str) -> dict:
+    torch.set_num_threads(1)
+    mesh = sl.Mesh(run.mesh.shape)
+    trainer = Trainer(run, mesh)
+    plan, engine, t = trainer.plan, trainer.engine, run.train
+    lead = mesh.rank == 0
+    out_dir = pathlib.Path(out)
+    if lead:
+        text = plan.explain(max_params=8)
+        (out_dir / "plan.txt").write_text(plan.explain(full=True) + "\n")
+        print(text + f"\n\ndata: {len(trainer.text) / 2**20:.1f} MiB of "
+              f"{run.data.path or 'the stdlib source'}; {t.steps} steps of {t.batch} x {run.seq} tokens; "
+              f"writing to {out_dir}\n", flush=True)
+    import threading
+
+    from tqdm import tqdm
+    tqdm.set_lock(threading.RLock())          # not tqdm's multiprocessing lock: ranks leave with os._exit
+    bar = tqdm(total=t.steps, disable=not lead, file=sys.stderr, mininterval=1.0, unit="step", dynamic_ncols=True)
+    metrics, saved, timeline = [], 0, []
+    sink = open(out_dir / "metrics.jsonl", "w") if lead else contextlib.nullcontext()
+    with sink as f:
+        for i in range(t.steps):
+            probe = SavedActivations(trainer.model) if i == min(1, t.steps - 1) else contextlib.nullcontext()
+            with probe:
+                m = trainer.step(i)
+            if isinstance(probe, SavedActivations):
+                saved = probe.peak
+            if i == t.steps - 1 and engine.pipe is not None:
+                timeline = list(engine.timeline)
+            metrics.append(m)
+            if lead:
+                f.write(json.dumps(m) + "\n")
+                f.flush()
+                bar.set_postfix(loss=f"{m['loss']:.4f}", tok_s=f"{m['tokens_per_s']:,.0f}", ms=f"{m['step_ms']:.0f}")
+                bar.update()
+                if (i + 1) % t.log_every == 0 or i == 0:
+                    print(f"step {i + 1:5d}  loss {m['loss']:.4f}  lr {m['lr']:.2e}  {m['step_ms']:6.0f} ms  "
+                          f"{m['tokens_per_s']:8,.0f} tok/s", flush=True)
+    bar.close()
+    # whole-run claims are checked across ranks, under torchrun too: every rank's losses and memory
+    held = {k: v for k, v in engine.memory_held().items() if k != "buffers"}
+    mine = {"losses": [m["loss"] for m in metrics], "held": {**held, "activations": saved}, "timeline": timeline}
+    everyone = [None] * mesh.size
+    if mesh.size > 1:
+        import torch.distributed as dist
+        dist.all_gather_object(everyone, mine)
+    else:
+        everyone = [mine]
+    agree = all(e["losses"] == everyone[0]["losses"] for e in everyone)
+    if lead:
+        _report(run, plan, metrics, everyone, agree, out_dir)
+    return {"losses": mine["losses"], "agree": agree, "out": str(out_dir)}
+
+
+def _report(run: RunConfig, plan, metrics: list[dict], everyone: list[dict], agree: bool, out_dir: pathlib.Path) -> None:
+    title = f"mesh={run.mesh.name} parallel={run.parallel.name} model={run.model.name}"
+    plot_loss(metrics, out_dir / "loss.png", title=title)
+    planned = []
+    for r in range(len(everyone)):
+        p = plan.memory_per_rank(r)
+        planned.append({"params": p["params"], "grads": p["grads"], "optimizer": p["optimizer"],
+                        "activations": rank_activation_bytes(plan, r)})
+    plot_memory(planned, [e["held"] for e in everyone], out_dir / "memory.png",
+                title=f"{title}\nmodel states: plan.memory_per_rank vs held; activations: the blocks' saved bytes "
+                      "x live micro-batches (planned) vs the peak saved (measured)")
+    if everyone[0]["timeline"]:
+        from shardlib.frontend.timeline import plot_timeline
+        from shardlib.planner.simulate import bubble_formula
+        pp = plan.pipeline
+        records = [r for e in everyone for r in e["timeline"]]
+        plot_timeline(records, out_dir / "timeline.png", title=f"{title}: the last step",
+                      compare={"formula": bubble_formula(pp.schedule, pp.size, pp.microbatches, pp.virtual)})
+    lines = summary_lines(metrics)
+    lines.append(f"the same loss on all {len(everyone)} ranks: {'yes' if agree else 'NO'}")
+    summary = {"config": {"mesh": run.mesh.name, "parallel": run.parallel.name, "model": run.model.name},
+               "summary": lines, "first_loss": metrics[0]["loss"], "last_loss": metrics[-1]["loss"],
+               "ranks_agree": agree, "steps": len(metrics),
+               "memory": {"planned": planned, "measured": [e["held"] for e in everyone]}}
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print("\n" + "\n".join(lines) + f"\nwrote {', '.join(sorted(p.name for p in out_dir.iterdir()))} to {out_dir}",
+          flush=True)
+
+
+@hydra.main(version_base=None, config_path="../conf", config_name="config")
+def hydra_main(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+    run = run_config(OmegaConf.to_container(cfg, resolve=True))
+    out = HydraConfig.get().runtime.output_dir
+    results = sl.launch(rank_main, run.mesh.size, run, out)
+    res = results[0]
+    if not res["agree"]:
+        raise SystemExit(f"{NAME}: the ranks disagree on the loss")
+    if os.environ.get("RANK", "0") == "0" and not res["losses"][-1] < res["losses"][0]:
+        raise SystemExit(f"{NAME}: the loss did not go down ({res['losses'][0]:.4f} -> {res['losses'][-1]:.4f})")
+
+
+def main() -> None:
+    """Check the whole configuration here, in one process, then hand over to Hydra (run directory)."""
+    try:
+        run = run_config(check_overrides(sys.argv[1:]))
+        problems = check(run) + world_problems(run)
+    except ConfigError as e:
+        problems = e.problems
+    if problems:
+        print(f"{NAME}: " + (problems[0] if len(problems) == 1 else f"{len(problems)} problems in the configuration:\n"
+                             + "\n".join(f"  - {p}" for p in problems)), file=sys.stderr)
+        raise SystemExit(2)
+    hydra_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,399 @@
+"""Run configurations as the library's own frozen dataclasses.
+
+This is the edge where a front end's configuration (Hydra's composed ``conf/`` groups, a dict
+written by hand, JSON) becomes typed values: ``run_config(d)`` takes a plain nested mapping —
+``{"mesh": ..., "parallel": ..., "model": ..., "train": ..., "data": ...}``, what
+``OmegaConf.to_container`` gives — checks every field and reports every bad one at once, each by
+its config key (``train.precision: 'fp8' is unknown — expected one of ...``), as a ``ConfigError``.
+The library never imports Hydra.
+
+The groups (``conf/config.yaml`` composes one file of each):
+
+* ``mesh`` (``meshes/*.yaml``, the one source of truth): axis names and sizes, device, backend, and
+  for planning the device's sustained TFLOP/s, memory, and each axis's link (GB/s, µs);
+* ``parallel``: layout rules and policies (ZeRO stage, sequence parallel, schedule, micro-batches);
+* ``model``: the reference GPT's sizes, ``tiny`` to 1T-class;
+* ``train``: steps, global batch, sequence, learning-rate schedule, precision, clipping,
+  accumulation, recompute, seed;
+* ``data``: the text to train on (the stdlib's source, or a file of yours).
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from ..errors import ShardingError
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
+LR_SCHEDULES = ("cosine", "linear", "constant")
+SOURCES = ("stdlib", "file")
+
+
+class ConfigError(ShardingError):
+    """A configuration value is wrong; ``problems`` holds one message per bad key."""
+
+
+@dataclass(frozen=True)
+class Link:
+    """One mesh axis's interconnect, for planning estimates: bytes/s a rank sends, seconds per message."""
+
+    bandwidth: float
+    latency: float
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    name: str
+    axes: tuple[tuple[str, int], ...]
+    device: str = "cpu"
+    backend: str | None = None
+    device_tflops: float | None = None      # sustained, per device (step-time estimates)
+    memory_gib: float | None = None         # per device (does the plan fit?)
+    links: tuple[tuple[str, Link], ...] = ()
+
+    @property
+    def shape(self) -> dict[str, int]:
+        return dict(self.axes)
+
+    @property
+    def size(self) -> int:
+        return math.prod(s for _, s in self.axes)
+
+    def link(self, axis: str) -> Link | None:
+        return dict(self.links).get(axis, dict(self.links).get("default"))
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    name: str
+    zero: int = 0
+    rules: tuple[tuple[str, Any], ...] = ()
+    sequence_parallel: bool = False
+    schedule: str | None = None
+    microbatches: int | None = None
+    virtual_stages: int | None = None
+    pipe_gather: str = "step"
+    replica_axis: str | None = None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    vocab_size: int
+    seq_len: int
+    d_model: int
+    n_heads: int
+    n_layers: int
+    mlp_ratio: int = 4
+
+    def gpt(self):
+        from ..models.gpt import GPTConfig
+        return GPTConfig(vocab_size=self.vocab_size, seq_len=self.seq_len, d_model=self.d_model,
+                         n_heads=self.n_heads, n_layers=self.n_layers, mlp_ratio=self.mlp_ratio)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 100
+    batch: int = 16                 # global batch, sequences
+    seq: int | None = None          # tokens per sequence (default: the model's seq_len)
+    lr: float = 3e-3
+    lr_schedule: str = "cosine"
+    warmup_steps: int = 0
+    min_lr: float = 0.1             # the schedule's floor, a fraction of lr
+    weight_decay: float = 0.0
+    precision: str = "fp32"
+    clip_grad_norm: float | None = 1.0
+    grad_accum: int = 1
+    recompute: bool = False
+    seed: int = 0
+    log_every: int = 10
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str = "stdlib"
+    path: str | None = None
+    megabytes: float = 2.0          # how much text to read
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    mesh: MeshConfig
+    parallel: ParallelConfig
+    model: ModelConfig
+    train: TrainConfig
+    data: DataConfig = field(default_factory=DataConfig)
+
+    @property
+    def seq(self) -> int:
+        return self.train.seq if self.train.seq is not None else self.model.seq_len
+
+    def rules(self) -> dict[str, Any]:
+        return dict(self.parallel.rules)
+
+    def plan_kwargs(self) -> dict[str, Any]:
+        """``sl.plan``'s keywords for this run (with ``batch=`` left to the caller)."""
+        p, t = self.parallel, self.train
+        kw: dict[str, Any] = dict(zero=p.zero, precision=t.precision, grad_accum=t.grad_accum,
+                                  clip_grad_norm=t.clip_grad_norm, recompute=t.recompute,
+                                  rules=self.rules() or None, sequence_parallel=p.sequence_parallel,
+                                  optimizer="adamw")
+        if self.mesh.shape.get("pipe", 1) > 1:
+            kw.update(schedule=p.schedule, microbatches=p.microbatches, virtual_stages=p.virtual_stages,
+                      pipe_gather=p.pipe_gather)
+            if p.microbatches is not None and t.grad_accum == 1:
+                kw.pop("grad_accum")
+        if p.replica_axis is not None:
+            kw["replica_axis"] = p.replica_axis
+        return kw
+
+    @property
+    def microbatches(self) -> int:
+        """Micro-batches per step and data rank (the pipeline's, else ``grad_accum``)."""
+        if self.mesh.shape.get("pipe", 1) > 1 and self.parallel.microbatches is not None:
+            return self.parallel.microbatches
+        return self.train.grad_accum
+
+
+# ---- checking ---------------------------------------------------------------------------------
+
+class _Checker:
+    """Reads one group's mapping field by field, noting every problem by its config key."""
+
+    def __init__(self, group: str, raw: Any, problems: list[str], known: tuple[str, ...]):
+        self.group, self.problems = group, problems
+        if not isinstance(raw, Mapping):
+            problems.append(f"{group}: expected a mapping of keys to values — got {type(raw).__name__} {raw!r}.")
+            raw = {}
+        self.raw = dict(raw)
+        for key in self.raw:
+            if key not in known:
+                near = difflib.get_close_matches(str(key), known, n=1)
+                hint = f" Did you mean {group}.{near[0]}?" if near else ""
+                problems.append(f"{group}.{key}: unknown key — expected one of {', '.join(known)}.{hint}")
+
+    def bad(self, key: str, got: Any, rule: str) -> None:
+        self.problems.append(f"{self.group}.{key}: got {got!r}; expected {rule}.")
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.raw.get(key, default)
+
+    def int(self, key: str, default: Any = None, *, low: int = 1, optional: bool = False) -> Any:
+        v = self.raw.get(key, default)
+        if v is None and optional:
+            return None
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            self.bad(key, v, f"an int >= {low}" + (" or null" if optional else ""))
+            return default if isinstance(default, int) else low
+        return v
+
+    def number(self, key: str, default: Any = None, *, low: float = 0.0, strict: bool = False,
+               optional: bool = False) -> Any:
+        v = self.raw.get(key, default)
+        if v is None and optional:
+            return None
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (v <= low if strict else v < low):
+            self.bad(key, v, f"a number {'>' if strict else '>='} {low:g}" + (" or null" if optional else ""))
+            return default
+        return float(v)
+
+    def choice(self, key: str, default: Any, options: tuple, *, optional: bool = False) -> Any:
+        v = self.raw.get(key, default)
+        if v is None and optional:
+            return None
+        if v not in options:
+            self.bad(key, v, "one of " + ", ".join(map(str, options)) + (" or null" if optional else ""))
+            return default
+        return v
+
+    def bool(self, key: str, default: bool) -> bool:
+        v = self.raw.get(key, default)
+        if not isinstance(v, bool):
+            self.bad(key, v, "true or false")
+            return default
+        return v
+
+    def str(self, key: str, default: Any = None, *, optional: bool = False) -> Any:
+        v = self.raw.get(key, default)
+        if v is None and optional:
+            return None
+        if not isinstance(v, str) or not v:
+            self.bad(key, v, "a non-empty string" + (" or null" if optional else ""))
+            return default
+        return v
+
+
+def _keys(cls) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls))
+
+
+def _mesh(raw: Any, problems: list[str]) -> MeshConfig:
+    c = _Checker("mesh", raw, problems, _keys(MeshConfig))
+    axes_raw = c.get("axes")
+    axes: list[tuple[str, int]] = []
+    if not isinstance(axes_raw, Mapping) or not axes_raw:
+        c.bad("axes", axes_raw, "a mapping of axis name to size, e.g. {data: 2, tensor: 2}")
+    else:
+        for name, size in axes_raw.items():
+            if not isinstance(name, str) or not name.isidentifier():
+                problems.append(f"mesh.axes: axis name {name!r} is not a valid name — expected an identifier.")
+            elif isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                problems.append(f"mesh.axes.{name}: got {size!r}; expected a positive int.")
+            else:
+                axes.append((name, size))
+    links: list[tuple[str, Link]] = []
+    links_raw = c.get("links") or {}
+    if not isinstance(links_raw, Mapping):
+        c.bad("links", links_raw, "a mapping of axis name (or 'default') to {gbps, latency_us}")
+        links_raw = {}
+    for axis, spec in links_raw.items():
+        key = f"mesh.links.{axis}"
+        if axis != "default" and axis not in dict(axes):
+            problems.append(f"{key}: the mesh has no axis {axis!r} — expected one of {[a for a, _ in axes]} or "
+                            "'default'.")
+            continue
+        if not isinstance(spec, Mapping) or set(spec) - {"gbps", "latency_us"}:
+            problems.append(f"{key}: got {spec!r}; expected {{gbps: <GB/s>, latency_us: <µs>}}.")
+            continue
+        gbps, lat = spec.get("gbps"), spec.get("latency_us", 0)
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (gbps, lat)) or gbps <= 0 \
+                or lat < 0:
+            problems.append(f"{key}: got {dict(spec)!r}; expected gbps > 0 and latency_us >= 0.")
+            continue
+        links.append((axis, Link(gbps * 1e9, lat * 1e-6)))
+    return MeshConfig(name=c.str("name", "mesh"), axes=tuple(axes),
+                      device=c.choice("device", "cpu", ("cpu", "cuda")),
+                      backend=c.choice("backend", None, ("gloo", "nccl"), optional=True),
+                      device_tflops=c.number("device_tflops", None, strict=True, optional=True),
+                      memory_gib=c.number("memory_gib", None, strict=True, optional=True), links=tuple(links))
+
+
+def _rules(raw: Any, problems: list[str]) -> tuple[tuple[str, Any], ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, Mapping):
+        problems.append(f"parallel.rules: got {raw!r}; expected a mapping of logical dim to mesh axis, e.g. "
+                        "{heads: tensor, mlp: tensor}.")
+        return ()
+    out = []
+    for dim, axis in raw.items():
+        if isinstance(axis, (list, tuple)):
+            axis = tuple(axis)
+        if not (axis is None or isinstance(axis, str) or (isinstance(axis, tuple) and all(isinstance(a, str)
+                                                                                           for a in axis))):
+            problems.append(f"parallel.rules.{dim}: got {axis!r}; expected a mesh axis name, a list of them, or null.")
+            continue
+        out.append((str(dim), axis))
+    return tuple(out)
+
+
+def _parallel(raw: Any, problems: list[str]) -> ParallelConfig:
+    c = _Checker("parallel", raw, problems, _keys(ParallelConfig))
+    zero = c.get("zero", 0)
+    if isinstance(zero, bool) or zero not in (0, 1, 2, 3):
+        c.bad("zero", zero, "0, 1, 2 or 3")
+        zero = 0
+    return ParallelConfig(name=c.str("name", "parallel"), zero=zero, rules=_rules(c.get("rules"), problems),
+                          sequence_parallel=c.bool("sequence_parallel", False),
+                          schedule=c.choice("schedule", None, SCHEDULES, optional=True),
+                          microbatches=c.int("microbatches", None, optional=True),
+                          virtual_stages=c.int("virtual_stages", None, optional=True),
+                          pipe_gather=c.choice("pipe_gather", "step", ("step", "microbatch")),
+                          replica_axis=c.str("replica_axis", None, optional=True))
+
+
+def _model(raw: Any, problems: list[str]) -> ModelConfig:
+    c = _Checker("model", raw, problems, _keys(ModelConfig))
+    out = ModelConfig(name=c.str("name", "model"), vocab_size=c.int("vocab_size", 256), seq_len=c.int("seq_len", 64),
+                      d_model=c.int("d_model", 128), n_heads=c.int("n_heads", 4), n_layers=c.int("n_layers", 2),
+                      mlp_ratio=c.int("mlp_ratio", 4))
+    if out.d_model % out.n_heads:
+        problems.append(f"model.n_heads: {out.n_heads} heads do not divide model.d_model={out.d_model} — expected a "
+                        "divisor of d_model.")
+    return out
+
+
+def _train(raw: Any, problems: list[str]) -> TrainConfig:
+    c = _Checker("train", raw, problems, _keys(TrainConfig))
+    d = TrainConfig()
+    return TrainConfig(
+        steps=c.int("steps", d.steps), batch=c.int("batch", d.batch), seq=c.int("seq", None, optional=True),
+        lr=c.number("lr", d.lr, strict=True), lr_schedule=c.choice("lr_schedule", d.lr_schedule, LR_SCHEDULES),
+        warmup_steps=c.int("warmup_steps", d.warmup_steps, low=0), min_lr=c.number("min_lr", d.min_lr),
+        weight_decay=c.number("weight_decay", d.weight_decay), precision=c.choice("precision", d.precision, PRECISIONS),
+        clip_grad_norm=c.number("clip_grad_norm", d.clip_grad_norm, strict=True, optional=True),
+        grad_accum=c.int("grad_accum", d.grad_accum), recompute=c.bool("recompute", d.recompute),
+        seed=c.int("seed", d.seed, low=0), log_every=c.int("log_every", d.log_every))
+
+
+def _data(raw: Any, problems: list[str]) -> DataConfig:
+    c = _Checker("data", raw if raw is not None else {}, problems, _keys(DataConfig))
+    out = DataConfig(source=c.choice("source", "stdlib", SOURCES), path=c.str("path", None, optional=True),
+                     megabytes=c.number("megabytes", 2.0, strict=True))
+    if out.source == "file" and out.path is None:
+        problems.append("data.path: missing — data=file reads a text file of yours: give data.path=<file>.")
+    return out
+
+
+def run_config(d: Mapping[str, Any]) -> RunConfig:
+    """The ``RunConfig`` of a plain nested mapping, or a ``ConfigError`` listing every bad key (and
+    the cross-group problems: a rule naming an axis the mesh lacks, a sequence longer than the
+    model's positions, a batch that the data ranks and micro-batches do not divide)."""
+    problems: list[str] = []
+    if not isinstance(d, Mapping):
+        raise ConfigError(f"config: expected a mapping with mesh, parallel, model, train, data — got {type(d).__name__}.")
+    for key in d:
+        if key not in ("mesh", "parallel", "model", "train", "data", "checkpoint", "out"):
+            problems.append(f"{key}: unknown config group — expected mesh, parallel, model, train, data.")
+    for key in ("mesh", "parallel", "model", "train"):
+        if key not in d:
+            problems.append(f"{key}: missing — pick one (e.g. {key}=<preset>) or give its fields.")
+    run = RunConfig(mesh=_mesh(d.get("mesh", {}), problems), parallel=_parallel(d.get("parallel", {}), problems),
+                    model=_model(d.get("model", {}), problems), train=_train(d.get("train", {}), problems),
+                    data=_data(d.get("data"), problems))
+    problems += _cross(run)
+    if problems:
+        raise ConfigError(problems, api="config")
+    return run
+
+
+def _cross(run: RunConfig) -> list[str]:
+    out = []
+    shape = run.mesh.shape
+    missing: dict[str, list[str]] = {}
+    for dim, axis in run.parallel.rules:
+        for a in (axis if isinstance(axis, tuple) else (axis,)):
+            if a is not None and a not in shape:
+                missing.setdefault(a, []).append(dim)
+    for a, dims in missing.items():
+        out.append(f"parallel.rules: parallel={run.parallel.name} maps {', '.join(dims)} to the axis {a!r}, but "
+                   f"mesh={run.mesh.name} has axes {tuple(shape)} — expected a mesh with a {a!r} axis, or another "
+                   "parallel preset.")
+    ra = run.parallel.replica_axis
+    if ra is not None and ra not in shape:
+        out.append(f"parallel.replica_axis: parallel={run.parallel.name} replicates over {ra!r}, but "
+                   f"mesh={run.mesh.name} has axes {tuple(shape)} — expected a mesh with a {ra!r} axis (e.g. "
+                   "mesh=hsdp2x2).")
+    for axis, size in shape.items():
+        used = {a for _, x in run.parallel.rules for a in (x if isinstance(x, tuple) else (x,))}
+        if size > 1 and axis in ("tensor", "pipe") and axis not in used:
+            out.append(f"parallel: mesh={run.mesh.name} has {axis}={size}, but parallel={run.parallel.name} maps no "
+                       f"logical dim to {axis!r} — expected a preset that uses it (e.g. parallel=3d), or a mesh "
+                       f"without it.")
+    if run.train.seq is not None and run.train.seq > run.model.seq_len:
+        out.append(f"train.seq: {run.train.seq} tokens is longer than model.seq_len={run.model.seq_len} positions — "
+                   "expected train.seq <= model.seq_len.")
+    dp = shape.get("data", 1) * (shape.get(ra, 1) if ra else shape.get("replica", 1))
+    need = dp * run.microbatches
+    if run.train.batch % need:
+        lo, hi = run.train.batch // need * need, (run.train.batch // need + 1) * need
+        out.append(f"train.batch: {run.train.batch} sequences do not split over {dp} data-parallel ranks x "
+                   f"{run.microbatches} micro-batches = {need} — expected a multiple of {need}. Use "
+                   f"train.batch={f'{lo} or {hi}' if lo else hi}.")
+    return out

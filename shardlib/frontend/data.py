@@ -1,0 +1,79 @@
+"""Text to train on, read as bytes, and the step-indexed batches of a run.
+
+``load_text`` reads the Python standard library's own source (real text that ships with every
+Python: no download) or a file of yours (``data.path``), checking it first: a path that is missing,
+a folder, unreadable, too short for one sequence, or not UTF-8 text (a corrupt or binary file) is a
+``DataError`` naming ``data.path`` and the fix. ``batch_at(text, step, ...)`` draws step ``step``'s
+global batch from a generator seeded by ``(seed, step)``: every rank draws the same batch, and a run
+resumed at step ``k`` draws exactly what it would have drawn (the data position is the step).
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sysconfig
+
+import torch
+
+from .config import ConfigError, DataConfig
+
+VOCAB = 256          # byte-level
+
+
+class DataError(ConfigError):
+    """The dataset cannot be read: missing, unreadable, too short, or not text."""
+
+
+def _stdlib(limit: int) -> bytes:
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    out, size = [], 0
+    for path in sorted(root.rglob("*.py")):
+        if "site-packages" in path.parts:
+            continue
+        data = path.read_bytes()
+        out.append(data)
+        size += len(data)
+        if size >= limit:
+            break
+    return b"".join(out)
+
+
+def _file(path: str, limit: int) -> bytes:
+    p = pathlib.Path(path).expanduser()
+    if not p.exists():
+        raise DataError(f"data.path: {path} does not exist — expected a text file. Check the path (relative paths "
+                        f"are taken from {pathlib.Path.cwd()}).")
+    if not p.is_file():
+        raise DataError(f"data.path: {path} is not a file — expected a text file, not a {'folder' if p.is_dir() else 'special file'}.")
+    try:
+        with open(p, "rb") as f:
+            data = f.read(limit)
+    except OSError as e:
+        raise DataError(f"data.path: {path} cannot be read ({e.strerror}) — expected a readable text file.") from None
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if e.start < len(data) - 3:           # not just a character cut at the read limit
+            raise DataError(f"data.path: {path} is not UTF-8 text (byte {e.start} is 0x{data[e.start]:02x}) — "
+                            "expected a text file; it may be corrupt or binary.") from None
+    return data
+
+
+def load_text(data: DataConfig, seq: int) -> torch.Tensor:
+    """The training text as a 1-D int64 tensor of byte values (at most ``data.megabytes``)."""
+    limit = int(data.megabytes * 2**20)
+    raw = _file(data.path, limit) if data.path is not None else _stdlib(limit)
+    if len(raw) < seq + 2:
+        where = f"data.path: {data.path}" if data.path is not None else "data: the stdlib's source"
+        raise DataError(f"{where} holds {len(raw)} bytes — expected at least one sequence of train.seq={seq} tokens "
+                        f"and its target ({seq + 2} bytes). Use a longer text or a shorter train.seq.")
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()
+
+
+def batch_at(text: torch.Tensor, step: int, batch: int, seq: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``step``'s global batch: ``batch`` windows of ``seq + 1`` bytes at random offsets
+    (inputs, and targets shifted by one), the same on every rank and on every resume."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    starts = torch.randint(0, len(text) - seq - 1, (batch,), generator=gen)
+    windows = torch.stack([text[s:s + seq + 1] for s in starts.tolist()])
+    return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()

@@ -1,0 +1,89 @@
+"""What a run writes next to its metrics: the loss curve and per-rank memory bars (PNG), and the
+summary. The pipeline timeline of a real step is ``frontend/timeline.plot_timeline``.
+
+matplotlib is imported inside the plotting functions only, on an Agg canvas (no pyplot state).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ..comm.core import format_bytes
+
+KINDS = ("params", "grads", "optimizer", "activations")
+_COLORS = {"params": "#4c78a8", "grads": "#e45756", "optimizer": "#54a24b", "activations": "#f58518"}
+
+
+def _figure(w: float, h: float):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(w, h), dpi=110)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def plot_loss(metrics: Sequence[Mapping[str, Any]], path: str | os.PathLike, *, title: str = "") -> None:
+    """Loss per step (and the learning rate on a second axis)."""
+    fig = _figure(7, 3.6)
+    ax = fig.add_subplot(1, 1, 1)
+    steps = [m["step"] for m in metrics]
+    ax.plot(steps, [m["loss"] for m in metrics], color="#4c78a8", linewidth=1.2, label="loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (mean cross-entropy, nats)")
+    ax.grid(alpha=0.3)
+    lr = ax.twinx()
+    lr.plot(steps, [m["lr"] for m in metrics], color="#bbbbbb", linewidth=1, linestyle="--", label="lr")
+    lr.set_ylabel("learning rate", color="#888888")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(os.fspath(path), format="png")
+
+
+def plot_memory(planned: Sequence[Mapping[str, int | None]], measured: Sequence[Mapping[str, int | None]],
+                path: str | os.PathLike, *, title: str = "") -> None:
+    """Per rank, two stacked bars — planned (``plan.memory_per_rank`` + the plan's activations) and
+    measured (the storage the engine holds by kind + the peak of bytes saved for backward) — of
+    parameters, gradients, optimizer state and activations. A kind the plan cannot tell is left out
+    of its bar (None)."""
+    fig = _figure(max(6.0, 1.1 * len(planned) + 2), 3.8)
+    ax = fig.add_subplot(1, 1, 1)
+    width, mib = 0.38, 2**20
+    for r, (p, m) in enumerate(zip(planned, measured)):
+        for dx, row, hatch in ((-width / 2, p, ""), (width / 2, m, "//")):
+            bottom = 0.0
+            for k in KINDS:
+                v = row.get(k)
+                if v is None:
+                    continue
+                ax.bar(r + dx, v / mib, width * 0.95, bottom=bottom, color=_COLORS[k], hatch=hatch,
+                       edgecolor="white", linewidth=0.5)
+                bottom += v / mib
+    from matplotlib.patches import Patch
+    handles = [Patch(color=_COLORS[k], label=k) for k in KINDS]
+    handles += [Patch(facecolor="white", edgecolor="black", label="left: planned"),
+                Patch(facecolor="white", edgecolor="black", hatch="//", label="right: measured")]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    ax.set_xticks(range(len(planned)))
+    ax.set_xticklabels([f"rank {r}" for r in range(len(planned))], fontsize=8)
+    ax.set_ylabel("MiB")
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(os.fspath(path), format="png")
+
+
+def summary_lines(metrics: Sequence[Mapping[str, Any]], *, warmup: int = 2) -> list[str]:
+    """The run in a few lines: loss first -> last, median step time and throughput (after ``warmup``
+    steps), peak memory per rank, bytes per step and axis."""
+    timed = metrics[warmup:] or metrics
+    last = metrics[-1]
+    peaks = last.get("peak_rss") or []
+    axes = last.get("bytes_per_axis", {})
+    return [f"loss {metrics[0]['loss']:.4f} -> {last['loss']:.4f} over {len(metrics)} steps",
+            f"step {statistics.median(m['step_ms'] for m in timed):.0f} ms median, "
+            f"{statistics.median(m['tokens_per_s'] for m in timed):,.0f} tokens/s",
+            "peak resident memory per rank: " + " ".join(format_bytes(b) for b in peaks),
+            "bytes rank 0 sent per step: " + (", ".join(f"{a} {format_bytes(b)}" for a, b in axes.items()) or "none")]

@@ -1,0 +1,218 @@
+"""A training run from a ``RunConfig``: the body shared by the main job (``examples/train_gpt.py``)
+and the parity matrix (``python -m shardlib.verify``).
+
+* ``check(run)`` — every problem the ranks would hit, found in one process before any rank starts:
+  the model built on the meta device and planned on an ``AbstractMesh`` with the run's options (a
+  model the layout cannot split, a batch that does not divide, a bad schedule), and the data read;
+* ``Trainer(run, mesh)`` — the model, plan and engine on a running mesh, the text, the learning-rate
+  schedule; ``trainer.step(i)`` trains step ``i`` on ``batch_at(text, i)`` and returns its metrics:
+  loss, learning rate, gradient norm, step time, tokens/s, the bytes this rank sent per mesh axis
+  (counted), and every rank's peak resident memory (one small all-gather).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from typing import Any
+
+import torch
+
+from ..algebra.mesh import AbstractMesh, Mesh
+from ..comm import core as comm
+from ..errors import ShardingError, ShardingTypeError
+from .config import LR_SCHEDULES, RunConfig, TrainConfig
+from .data import VOCAB, batch_at, load_text
+
+
+def lr_factor(train: TrainConfig, step: int) -> float:
+    """The learning rate of step ``step`` (0-based) as a fraction of ``train.lr``: linear warm-up over
+    ``warmup_steps``, then cosine / linear decay to ``min_lr`` over the rest, or constant."""
+    assert train.lr_schedule in LR_SCHEDULES
+    if step < train.warmup_steps:
+        return (step + 1) / train.warmup_steps
+    if train.lr_schedule == "constant":
+        return 1.0
+    span = max(1, train.steps - train.warmup_steps)
+    t = min(1.0, (step - train.warmup_steps) / span)
+    decay = 0.5 * (1 + math.cos(math.pi * t)) if train.lr_schedule == "cosine" else 1 - t
+    return train.min_lr + (1 - train.min_lr) * decay
+
+
+def example_batch(run: RunConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shapes of a global batch (meta tensors): the planner traces activations and the stream from them."""
+    ids = torch.zeros(run.train.batch, run.seq, dtype=torch.long, device="meta")
+    return ids, ids
+
+
+def make_plan(model: torch.nn.Module, mesh: AbstractMesh, run: RunConfig):
+    from ..planner.build import plan
+    return plan(model, mesh, batch=example_batch(run), **run.plan_kwargs())
+
+
+def check(run: RunConfig) -> list[str]:
+    """Every problem of ``run`` that the ranks would hit, found here (no process): the model on the
+    meta device, planned on an ``AbstractMesh``; the data read and its bytes in the vocabulary."""
+    from ..models.gpt import GPT
+
+    problems: list[str] = []
+    where = f"plan (mesh={run.mesh.name}, parallel={run.parallel.name}, model={run.model.name})"
+    try:
+        with torch.device("meta"):
+            model = GPT(run.model.gpt(), seed=None)
+        make_plan(model, AbstractMesh(run.mesh.shape), run)
+    except (ShardingError, ShardingTypeError) as e:
+        found = getattr(e, "problems", None) or [str(e)]
+        problems += [f"{_keys_of(p)}{where}: {p.removeprefix('plan: ')}" for p in collapse(found)]
+    except ValueError as e:
+        problems.append(f"model: {e}")
+    if run.model.vocab_size < VOCAB:
+        problems.append(f"model.vocab_size: {run.model.vocab_size} is smaller than the data's {VOCAB} byte values — "
+                        f"expected model.vocab_size >= {VOCAB}.")
+    try:
+        load_text(run.data, run.seq)
+    except ShardingError as e:
+        problems += e.problems
+    return problems
+
+
+# what a planner problem is about, in config keys (the message itself names the sizes and the fix)
+_KEYS = ((r"attention heads|KV heads", "model.n_heads with the mesh's tensor axis"),
+         (r"blocks, fewer than the|layer stack", "model.n_layers with the mesh's pipe axis"),
+         (r"schedule|micro-batches|microbatches", "parallel.schedule / parallel.microbatches"),
+         (r"batch", "train.batch"),
+         (r"sequence", "train.seq with the mesh's tensor axis"),
+         (r"precision|dtype", "train.precision"))
+
+
+def _keys_of(problem: str) -> str:
+    for pattern, keys in _KEYS:
+        if re.search(pattern, problem):
+            return f"{keys}: "
+    return ""
+
+
+def collapse(problems: list[str]) -> list[str]:
+    """Problems that differ only in a block's index (``blocks.0``, ``blocks.1``, ...) as one, naming
+    how many blocks it holds for: a rule that fails on every layer is one problem, not forty."""
+    groups: dict[str, list[str]] = {}
+    for p in problems:
+        groups.setdefault(re.sub(r"\.\d+\.", ".*.", p), []).append(p)
+    out = []
+    for key, same in groups.items():
+        indices = sorted({int(i) for p in same for i in re.findall(r"\.(\d+)\.", p)})
+        out.append(same[0] if len(same) == 1 else
+                   f"{same[0]} (the same in {len(same)} blocks: {indices[0]}..{indices[-1]})")
+    return out
+
+
+class Trainer:
+    """The run on ``mesh`` (a ``Mesh`` over the running world): model, plan, engine, text."""
+
+    def __init__(self, run: RunConfig, mesh: Mesh, *, text: torch.Tensor | None = None):
+        from ..models.gpt import GPT
+        from ..runtime.engine import parallelize
+
+        self.run, self.mesh = run, mesh
+        t = run.train
+        self.model = GPT(run.model.gpt(), seed=t.seed)
+        self.plan = make_plan(self.model, mesh, run)
+        self.engine = parallelize(
+            self.model, self.plan,
+            optimizer=lambda ps: torch.optim.AdamW(ps, lr=t.lr, weight_decay=t.weight_decay),
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda i: lr_factor(t, i)))
+        self.text = text if text is not None else load_text(run.data, run.seq)
+        self.tokens_per_step = t.batch * run.seq
+
+    def step(self, i: int, *, record: bool = True) -> dict[str, Any]:
+        """Train step ``i`` (0-based); its metrics on this rank (``peak_rss`` of every rank)."""
+        t = self.run.train
+        batch = batch_at(self.text, i, t.batch, self.run.seq, t.seed)
+        lr = self.engine.optimizer.param_groups[0]["lr"]
+        t0 = time.perf_counter()
+        with comm.count_collectives() as counter:
+            loss = self.engine.step(batch)
+        dt = time.perf_counter() - t0
+        out = {"step": i + 1, "loss": loss, "lr": lr, "grad_norm": self.engine.grad_norm, "step_ms": 1e3 * dt,
+               "tokens_per_s": self.tokens_per_step / dt,
+               "bytes_per_axis": {"+".join(k) or "local": v for k, v in sorted(counter.by_axes().items())}}
+        if record:
+            out["peak_rss"] = self.peak_rss()
+        return out
+
+    def peak_rss(self) -> list[int]:
+        """Every rank's peak resident memory so far (``VmHWM``), bytes."""
+        mine = torch.tensor([_vm_hwm()], dtype=torch.float64)
+        if self.mesh.size == 1:
+            return [int(mine.item())]
+        got = comm.all_gather(mine, self.mesh, self.mesh.axis_names)
+        return [int(x) for x in got.tolist()]
+
+
+def _vm_hwm() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class SavedActivations:
+    """The most bytes autograd held saved for backward at once while active, parameters and buffers
+    excluded, each storage once (``torch.autograd.graph.saved_tensors_hooks``): a step's measured
+    activation memory, beside the plan's."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]
+                    if not t.is_meta and t.untyped_storage().nbytes()}
+        self.live: dict[int, list] = {}          # storage pointer -> [bytes, references]
+        self.bytes = self.peak = 0
+
+    def _pack(self, t: torch.Tensor):
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+        if t.is_meta or ptr in self.own or isinstance(t, torch.nn.Parameter):
+            return t
+        entry = self.live.setdefault(ptr, [st.nbytes(), 0])
+        if entry[1] == 0:
+            self.bytes += entry[0]
+            self.peak = max(self.peak, self.bytes)
+        entry[1] += 1
+        return _Held(self, ptr, t)
+
+    def _unpack(self, h):
+        return h.t if isinstance(h, _Held) else h
+
+    def release(self, ptr: int) -> None:
+        entry = self.live.get(ptr)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.bytes -= entry[0]
+            del self.live[ptr]
+
+    def __enter__(self) -> SavedActivations:
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._ctx.__exit__(*exc)
+
+
+class _Held:
+    """A saved tensor; when autograd drops it, its bytes leave the count."""
+
+    __slots__ = ("owner", "ptr", "t")
+
+    def __init__(self, owner: SavedActivations, ptr: int, t: torch.Tensor):
+        self.owner, self.ptr, self.t = owner, ptr, t
+
+    def __del__(self):
+        self.owner.release(self.ptr)
