@@ -31,7 +31,7 @@ def conf_dir() -> Path:
 def presets(group: str, root: Path | None = None) -> list[str]:
     """The preset names of a group (its YAML files)."""
     folder = (root or conf_dir()) / group
-    return sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
+    return sorted(p.stem for p in folder.glob("*.yaml") if not p.stem.startswith("_")) if folder.is_dir() else []
 
 
 def _split(overrides: list[str]) -> tuple[list[str], list[str]]:

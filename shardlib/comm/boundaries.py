@@ -136,7 +136,10 @@ class Boundaries:
     """Installs the boundary redistributions of a ``TensorPlan`` on ``model``'s modules; ``remove()``
     takes them off. ``on_logits(tensor, site)`` is called with each vocab-split logits output."""
 
-    def __init__(self, model: nn.Module, tplan: Any, ops: Ops, units: list[str], *, on_logits=None):
+    def __init__(self, model: nn.Module, tplan: Any, ops: Ops, units: list[str], *, on_logits=None,
+                 partial: bool = False):
+        """``partial``: the model holds only some of the plan's modules (the planner's trace of a
+        shortened layer stack): sites, units and SP modules it does not hold are skipped."""
         self.model, self.tplan, self.ops = model, tplan, ops
         self.on_logits = on_logits
         self._memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -146,7 +149,11 @@ class Boundaries:
         sp = tplan.sequence_parallel and tplan.size > 1
         sp_modules = set(tplan.sp_modules)
         regions: list[str] = []
+        if partial:
+            units = [u for u in units if not u or u in modules]
         for site in tplan.sites:
+            if partial and site.module not in modules:
+                continue
             mod = modules[site.module]
             in_sp = sp and bool(site.unit)
             region = site.module.rpartition(".")[0]
@@ -174,6 +181,8 @@ class Boundaries:
         self._sp_params: dict[str, list[tuple[nn.Module, str]]] = {}
         self._sp_values: dict[tuple[int, str], torch.Tensor] = {}
         for name in tplan.sp_modules:
+            if partial and name not in modules:
+                continue
             mod = modules[name]
             unit = _unit_of(name, set(units))
             for a, p in mod._parameters.items():

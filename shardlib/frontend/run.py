@@ -125,10 +125,14 @@ class Trainer:
         self.text = text if text is not None else load_text(run.data, run.seq)
         self.tokens_per_step = t.batch * run.seq
 
+    def batch(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step ``i``'s global batch (the data position is the step)."""
+        t = self.run.train
+        return batch_at(self.text, i, t.batch, self.run.seq, t.seed)
+
     def step(self, i: int, *, record: bool = True) -> dict[str, Any]:
         """Train step ``i`` (0-based); its metrics on this rank (``peak_rss`` of every rank)."""
-        t = self.run.train
-        batch = batch_at(self.text, i, t.batch, self.run.seq, t.seed)
+        batch = self.batch(i)
         lr = self.engine.optimizer.param_groups[0]["lr"]
         t0 = time.perf_counter()
         with comm.count_collectives() as counter:

@@ -1,0 +1,92 @@
+"""A step's time from the plan and the machine's figures: what ``python -m shardlib.explain`` prints.
+
+Compute. A transformer's training FLOPs (Narayanan et al. 2021, eq. 3, for any MLP width): per token
+and layer the forward multiplies ``(4 + 2r)·d²`` weights (attention's q, k, v, output; an MLP of width
+``r·d``) at 2 FLOPs each, and the attention scores and their weighting cost ``2·2·s·d``; the LM head
+``2·d·V``. Backward is twice the forward; recompute adds one more forward of the blocks::
+
+    F = tokens · (3 + rc) · L · (2(4+2r)d² + 4sd) + 3 · tokens · 2dV           (rc = 1 with recompute)
+
+Every rank computes ``F / ranks`` (the data axis splits the tokens, tensor and pipe the layers'
+work), at the mesh's sustained ``device_tflops``; a pipeline stretches it by its bubble,
+``compute / (1 - idle)`` with the schedule's formula ``(p-1)/(m+p-1)`` (``planner/simulate.py``).
+
+Communication. Each collective of ``plan.comm_per_step(rank)`` takes ``bytes / bandwidth + hops ·
+latency`` on the slowest link of its axes (ring hops: all-reduce ``2(k-1)``, all-gather and
+reduce-scatter ``k-1``, broadcast ``k-1``, a point-to-point send 1).
+
+The estimate adds the two (no overlap: an upper bound) and gives ``max`` of them beside it (perfect
+overlap: a lower bound).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from .plan import Plan
+
+HOPS = {"all_reduce": lambda k: 2 * (k - 1), "all_gather": lambda k: k - 1, "reduce_scatter": lambda k: k - 1,
+        "broadcast": lambda k: k - 1, "all_to_all": lambda k: k - 1, "send": lambda k: 1, "recv": lambda k: 0,
+        "send_recv": lambda k: 1}
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    flops: float                  # one step, the whole model (fwd + bwd (+ recompute))
+    flops_per_rank: float
+    compute_s: float              # flops_per_rank at the device's sustained rate
+    idle: float                   # the pipeline's bubble (0 without one)
+    comm_s: dict[str, float]      # seconds of the step's collectives by axes ("data", "tensor", "data+tensor", ...)
+    tokens: int
+
+    @property
+    def compute_with_bubble_s(self) -> float:
+        return self.compute_s / (1.0 - self.idle)
+
+    @property
+    def total_s(self) -> float:
+        """No overlap of communication with compute: an upper bound."""
+        return self.compute_with_bubble_s + sum(self.comm_s.values())
+
+    @property
+    def overlapped_s(self) -> float:
+        """Perfect overlap: a lower bound."""
+        return max(self.compute_with_bubble_s, sum(self.comm_s.values()))
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.total_s
+
+
+def transformer_flops(*, layers: int, d_model: int, seq: int, vocab: int, tokens: int, mlp_ratio: int = 4,
+                      recompute: bool = False) -> float:
+    """Training FLOPs of one step over ``tokens`` tokens (the module doc's formula)."""
+    per_layer = 2 * (4 + 2 * mlp_ratio) * d_model ** 2 + 4 * seq * d_model
+    return tokens * ((3 + int(recompute)) * layers * per_layer + 3 * 2 * d_model * vocab)
+
+
+def estimate_step(plan: Plan, *, flops: float, tokens: int, device_flops: float,
+                  links: Mapping[str, tuple[float, float]], rank: int = 0) -> StepEstimate:
+    """``flops`` of a step over ``tokens`` tokens; ``device_flops`` per second; ``links[axis] =
+    (bytes/s, seconds per hop)`` (an axis missing from ``links`` takes ``links["default"]``)."""
+    from .simulate import bubble_formula
+
+    ranks = plan.mesh.size
+    per_rank = flops / ranks
+    pp = plan.pipeline
+    idle = bubble_formula(pp.schedule, pp.size, pp.microbatches, pp.virtual) if pp is not None else 0.0
+    comm: dict[str, float] = {}
+    for e in plan.comm_per_step(rank):
+        if not e.axes:
+            continue
+        k = math.prod(plan.mesh.axis_size(a) for a in e.axes)
+        figs = [links.get(a, links.get("default")) for a in e.axes]
+        if any(f is None for f in figs):
+            raise KeyError(f"estimate_step: no link figures for axes {e.axes} — got {sorted(links)}; "
+                           "expected each axis or 'default'.")
+        bandwidth, latency = min(f[0] for f in figs), max(f[1] for f in figs)
+        key = "+".join(e.axes)
+        comm[key] = comm.get(key, 0.0) + e.count * (e.bytes / bandwidth + HOPS[e.op](k) * latency)
+    return StepEstimate(flops, per_rank, per_rank / device_flops, idle, comm, tokens)
