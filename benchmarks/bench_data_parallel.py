@@ -11,6 +11,8 @@ peak resident memory is measured separately, each approach alone in a fresh worl
 * shardlib DP (``zero=0``)      vs ``DistributedDataParallel``
 * shardlib ZeRO-2 (``zero=2``)  vs FSDP2 ``fully_shard(reshard_after_forward=False)``
 * shardlib ZeRO-3 (``zero=3``)  vs FSDP2 ``fully_shard`` (per block, then the root)
+* at N = 4, shardlib HSDP (``zero=3`` on a ``replica 2 x data 2`` mesh) vs FSDP2's HSDP (``fully_shard``
+  on a 2-D ``(replicate, shard)`` device mesh)
 
 Reported: median step time (rank 0; with the 25th-75th percentiles), the ratio
 shardlib/torch, peak resident memory per rank (the most any rank reached; ~263 MB of it is
@@ -38,6 +40,11 @@ from shardlib.models import GPT, GPTConfig, token_batch
 
 CFG = GPTConfig(vocab_size=512, seq_len=64, d_model=256, n_heads=4, n_layers=4)   # PLATFORM.md's model
 PAIRS = [("DP", 0, "DDP"), ("ZeRO-2", 2, "FSDP2 reshard_after_forward=False"), ("ZeRO-3", 3, "FSDP2 fully_shard")]
+HSDP = ("HSDP 2x2", "hsdp", "FSDP2 HSDP (replicate 2 x shard 2)")
+
+
+def pairs(n: int) -> list[tuple]:
+    return PAIRS + ([HSDP] if n == 4 else [])
 
 
 def rss_bytes() -> int:
@@ -53,8 +60,10 @@ def release_memory() -> None:
         pass
 
 
-def make_shardlib(mesh, zero: int):
+def make_shardlib(mesh, zero):
     model = GPT(CFG, seed=0)
+    if zero == "hsdp":            # the same world as a replica x data mesh: states sharded over data
+        mesh, zero = sl.Mesh({"replica": 2, "data": mesh.size // 2}), 3
     plan = sl.plan(model, mesh, zero=zero)
     engine = sl.parallelize(model, plan, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
 
@@ -64,13 +73,19 @@ def make_shardlib(mesh, zero: int):
     return step, plan
 
 
-def make_torch(kind: int):
+def make_torch(kind):
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
     model = GPT(CFG, seed=0)
     if kind == 0:
         model = DistributedDataParallel(model)
+    elif kind == "hsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh2d = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("replicate", "shard"))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh2d)
+        fully_shard(model, mesh=mesh2d)
     else:
         reshard = kind == 3
         for block in model.blocks:
@@ -139,7 +154,7 @@ def rank_main(n: int, warmup: int, steps: int) -> list[dict]:
     mesh = sl.Mesh({"data": n})
     batches = local_batches(mesh.rank, n, warmup + steps)
     out = []
-    for label, zero, torch_name in PAIRS:
+    for label, zero, torch_name in pairs(n):
         res = timed_pair(lambda zero=zero: make_shardlib(mesh, zero), lambda zero=zero: (make_torch(zero),),
                          batches, warmup, steps)
         # torch's losses are per rank; average them to the global batch loss shardlib returns
@@ -167,8 +182,8 @@ def summarize(n: int, per_rank: list[list[dict]], rss: dict[tuple[int, str], int
             "sl_iqr": [1e3 * x for x in (q(sl_t)[0], q(sl_t)[2])],
             "torch_iqr": [1e3 * x for x in (q(th_t)[0], q(th_t)[2])],
             "ratio": statistics.median(sl_t) / statistics.median(th_t),
-            "sl_rss_mb": rss[(PAIRS[i][1], "shardlib")] / 2**20,
-            "torch_rss_mb": rss[(PAIRS[i][1], "torch")] / 2**20,
+            "sl_rss_mb": rss[(pairs(n)[i][1], "shardlib")] / 2**20,
+            "torch_rss_mb": rss[(pairs(n)[i][1], "torch")] / 2**20,
             "bytes": r0["bytes"], "planned": r0["planned"], "ring_min": r0["ring_min"],
             "dloss": max(r[i]["dloss"] for r in per_rank)})
     return rows
@@ -199,10 +214,10 @@ def main(argv=None) -> None:
     rows = []
     for n in args.nprocs:
         t0 = time.time()
-        print(f"N={n}: running {len(PAIRS)} pairs ...", file=sys.stderr, flush=True)
+        print(f"N={n}: running {len(pairs(n))} pairs ...", file=sys.stderr, flush=True)
         timed = sl.launch(rank_main, n, n, args.warmup, args.steps, threads=1)
         rss = {(zero, which): max(sl.launch(rss_main, n, n, zero, which, args.warmup + 2, threads=1))
-               for _, zero, _ in PAIRS for which in ("shardlib", "torch")}
+               for _, zero, _ in pairs(n) for which in ("shardlib", "torch")}
         rows += summarize(n, timed, rss)
         print(f"N={n}: done in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
     print(f"\nGPT {CFG.n_layers} layers, d_model {CFG.d_model}, vocab {CFG.vocab_size}, seq {CFG.seq_len}, "

@@ -55,6 +55,17 @@ class MeshConfig:
     device_tflops: float | None = None      # sustained, per device (step-time estimates)
     memory_gib: float | None = None         # per device (does the plan fit?)
     links: tuple[tuple[str, Link], ...] = ()
+    shared_cores: int | None = None         # CPU meshes: every rank on one host of this many cores
+
+    @property
+    def rank_tflops(self) -> float | None:
+        """A rank's sustained TFLOP/s: ``device_tflops``, shared out where more ranks than cores run on
+        one host (``shared_cores``)."""
+        if self.device_tflops is None:
+            return None
+        if self.shared_cores is None:
+            return self.device_tflops
+        return self.device_tflops * min(1.0, self.shared_cores / self.size)
 
     @property
     def shape(self) -> dict[str, int]:
@@ -271,7 +282,8 @@ def _mesh(raw: Any, problems: list[str]) -> MeshConfig:
                       device=c.choice("device", "cpu", ("cpu", "cuda")),
                       backend=c.choice("backend", None, ("gloo", "nccl"), optional=True),
                       device_tflops=c.number("device_tflops", None, strict=True, optional=True),
-                      memory_gib=c.number("memory_gib", None, strict=True, optional=True), links=tuple(links))
+                      memory_gib=c.number("memory_gib", None, strict=True, optional=True), links=tuple(links),
+                      shared_cores=c.int("shared_cores", None, optional=True))
 
 
 def _rules(raw: Any, problems: list[str]) -> tuple[tuple[str, Any], ...]:

@@ -115,7 +115,7 @@ def dry_run(run: RunConfig) -> DryRun:
         flops = transformer_flops(layers=m.n_layers, d_model=m.d_model, seq=run.seq, vocab=m.vocab_size,
                                   tokens=tokens, mlp_ratio=m.mlp_ratio, recompute=t.recompute)
         links = {a: (lk.bandwidth, lk.latency) for a, lk in run.mesh.links}
-        est = estimate_step(plan, flops=flops, tokens=tokens, device_flops=run.mesh.device_tflops * 1e12, links=links)
+        est = estimate_step(plan, flops=flops, tokens=tokens, device_flops=run.mesh.rank_tflops * 1e12, links=links)
     else:
         notes.append("step time: not estimated — the mesh preset gives no device_tflops or links")
     n = sum(p.numel for p in plan.params)
@@ -144,7 +144,7 @@ def report(d: DryRun) -> str:
     if e is not None:
         comm = ", ".join(f"{a} {s * 1e3:.1f} ms" for a, s in sorted(e.comm_s.items(), key=lambda x: -x[1]))
         lines += ["", f"estimated step: compute {e.compute_s * 1e3:.1f} ms ({e.flops / 1e15:.3g} PFLOP per step, "
-                      f"{mesh.device_tflops:g} TFLOP/s sustained per device)"
+                      f"{mesh.rank_tflops:g} TFLOP/s sustained per rank)"
                       + (f" / (1 - bubble {e.idle:.3f}) = {e.compute_with_bubble_s * 1e3:.1f} ms" if e.idle else ""),
                   f"  + communication {sum(e.comm_s.values()) * 1e3:.1f} ms ({comm or 'none'})",
                   f"  = {e.total_s * 1e3:.1f} ms without overlap, {e.overlapped_s * 1e3:.1f} ms with full overlap; "
