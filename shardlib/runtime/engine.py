@@ -98,6 +98,7 @@ class Engine(EngineSetup, EngineInspection, EngineAccess):
         # the reduced gradient can be the fp32 master's gradient itself (no copy for the update)
         self.grad_is_master = not plan.mixed and plan.reduce_dtype == torch.float32
         self.step_count = 0
+        self.samples_seen = 0           # rows of the global batches stepped on (a data position)
         self.grad_norm: float | None = None
         self.scaler = _scaler(loss_scale, plan)
         warn_slow_precision(plan.precision, mesh.device)
@@ -144,7 +145,28 @@ class Engine(EngineSetup, EngineInspection, EngineAccess):
         returns the mean loss of the whole batch."""
         micro = self._split(batch, local)            # validates before any collective
         with self._stepping():
-            return self._step(micro)
+            loss = self._step(micro)
+        self.samples_seen += self._rows
+        return loss
+
+    # ---- checkpoints (runtime/checkpoint.py) -------------------------------------------------------
+    def save(self, path, *, extra: dict | None = None):
+        """Write the whole training state (parameters, optimizer state, step, scheduler, loss scale,
+        RNG, samples seen, ``extra``) to the folder ``path``: every rank its own pieces, in parallel
+        (DCP), moved into place once complete. Loadable on any mesh. A collective."""
+        from .checkpoint import save
+        return save(self, path, extra=extra)
+
+    def load(self, path) -> dict:
+        """Restore the state ``save`` wrote — on any mesh, plan and world size; returns its ``extra``.
+        A collective."""
+        from .checkpoint import load
+        return load(self, path)
+
+    def export(self, path):
+        """The full model (``full_state_dict()``) as one safetensors file, for a plain model."""
+        from .checkpoint import export
+        return export(self, path)
 
     def _step(self, micro: list[Any]) -> float:
         plan = self.plan
@@ -294,6 +316,7 @@ class Engine(EngineSetup, EngineInspection, EngineAccess):
             raise ShardingError(f"step: a {'local ' if local else ''}batch of {b} does not split evenly over {what} "
                                 f"— expected a multiple of {need}. Use a batch of {use}, or change {fix}.")
         rows = b if local else b // n
+        self._rows = b * n if local else b
         start = 0 if local else self.data_index * rows
         per = rows // m
         return [_map(batch, lambda t, i=i: self._prepare(t[start + i * per:start + (i + 1) * per])) for i in range(m)]

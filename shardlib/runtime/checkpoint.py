@@ -1,0 +1,547 @@
+"""``engine.save(path)`` / ``engine.load(path)``: the whole training state, saved on one mesh, loaded on any.
+
+**What is saved.** On ``torch.distributed.checkpoint`` (DCP), every rank writing only its own pieces,
+in parallel: each parameter's fp32 value (the masters; frozen parameters' values), each optimizer
+state tensor shaped like its parameter (Adam's moments, momentum), per-parameter scalars (step
+counts), the buffers, and every rank's RNG states (torch CPU, CUDA where there is one). Beside them a
+``manifest.json`` (JSON: nothing is unpickled to read it) with the format version, the shardlib and
+torch versions, the mesh and a plan summary, the model's parameters and shapes, where every saved
+piece lies in its global tensor, the optimizer's class and hyper-parameters, the LR scheduler's
+state, the fp16 loss scale, the step, the samples consumed, the caller's ``extra`` (e.g. a data
+loader's position) and a SHA-256 of every file.
+
+**Any mesh.** A rank's piece of a tensor is a flat range of its tensor-parallel block, and the block
+a box of the global tensor; ``algebra/boxes.py`` turns it into a few boxes in global coordinates. The
+checkpoint holds boxes, not layouts: an engine on another mesh, ZeRO stage, tensor or pipe split
+reads the saved boxes that overlap its own and copies the overlaps — ZeRO-3 on 2x2x2 to ZeRO-1 on
+data 4 to one process. Replicated pieces are written once (DCP de-duplicates equal keys).
+
+**Nothing lost.** A save writes into a temporary folder beside ``path`` and moves it into place only
+after every rank has written and the manifest is complete; a process killed at any point leaves the
+previous checkpoint at ``path`` (``save_step``/``latest`` keep a series, the pointer replaced
+atomically). ``load`` checks the manifest and the files' SHA-256 before DCP reads anything (DCP
+unpickles its own ``.metadata``: only a file whose hash the manifest vouches for is read), and
+refuses a checkpoint of another model naming every missing or mis-shaped parameter.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from ..algebra.boxes import Box, overlap, range_boxes, shift, slices_in
+from ..algebra.layout import Layout
+from ..errors import ShardingError
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+FORMAT, VERSION = "shardlib-checkpoint", 1
+MANIFEST, LATEST = "manifest.json", "latest"
+
+
+class CheckpointError(ShardingError):
+    """A checkpoint cannot be written or read: not a checkpoint, half-written, corrupt, of another
+    model, or the disk refused."""
+
+
+# ---- what a rank holds ------------------------------------------------------------------------
+
+class _Piece:
+    """This rank's part of one global tensor: a flat range of its block, as boxes (global
+    coordinates) and the 1-D tensor holding it."""
+
+    def __init__(self, key: str, shape: tuple[int, ...], block: tuple[int, ...], local: tuple[int, ...],
+                 lo: int, hi: int, flat: torch.Tensor):
+        self.key, self.shape, self.flat = key, shape, flat
+        self.boxes: list[tuple[Box, int]] = []       # (global box, offset in flat)
+        off = 0
+        for b in range_boxes(local, lo, hi):
+            self.boxes.append((shift(b, block), off))
+            off += math.prod(b[1])
+        assert off == flat.numel(), (key, off, flat.numel())
+
+    def box_tensor(self, box: Box, off: int) -> torch.Tensor:
+        return self.flat[off:off + math.prod(box[1])].view(box[1])
+
+
+def _block(engine: Engine, s) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(global shape, the start of this rank's tensor-parallel block) of parameter state ``s``."""
+    pp = s.plan
+    if pp.full_shape is None:
+        return tuple(pp.shape), (0,) * len(pp.shape)
+    sl = Layout(engine.mesh, pp.spec).local_slices(pp.full_shape, engine.mesh.rank)
+    return tuple(pp.full_shape), tuple(x.start or 0 for x in sl)
+
+
+def _pieces(engine: Engine) -> tuple[list[_Piece], dict[str, torch.Tensor]]:
+    """Every sharded tensor this rank holds (values, optimizer states) and its replicated ones
+    (per-parameter optimizer scalars, buffers)."""
+    pieces, whole = [], {}
+    opt_state = engine.optimizer.state
+    for s in engine.states:
+        shape, block = _block(engine, s)
+        local = tuple(s.plan.shape)
+
+        def add(key: str, t: torch.Tensor) -> None:
+            pieces.append(_Piece(key, shape, block, local, s.lo, s.hi, t.reshape(-1)))
+
+        if s.trainable:
+            add(f"param/{s.name}", s.master.detach())
+            for k, v in opt_state.get(s.master, {}).items():
+                if not isinstance(v, torch.Tensor):
+                    continue
+                if v.numel() == s.master.numel() and v.dim() > 0:
+                    add(f"optim/{k}/{s.name}", v)
+                else:
+                    whole[f"optim/{k}/{s.name}"] = v
+        else:
+            src = s.shard if s.shard is not None else s.local_piece(s.param.detach())
+            add(f"param/{s.name}", src.detach().float())
+    for name, b in engine.model.named_buffers():
+        if not b.is_meta:
+            whole[f"buffer/{name}"] = b
+    return pieces, whole
+
+
+def _box_key(key: str, box: Box) -> str:
+    return f"{key}@{'_'.join(map(str, box[0]))}"
+
+
+# ---- collective helpers -------------------------------------------------------------------------
+
+def _world(engine: Engine) -> int:
+    return engine.mesh.size
+
+
+def _gather(engine: Engine, obj: Any) -> list[Any]:
+    if _world(engine) == 1:
+        return [obj]
+    out: list[Any] = [None] * _world(engine)
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _one(engine: Engine, obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank."""
+    if _world(engine) == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def rank_zero(engine: Engine) -> bool:
+    return engine.mesh.rank == 0
+
+
+def _dcp_error() -> type:
+    """DCP's ``CheckpointException`` (a ``BaseException``: it carries every rank's failure)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    return CheckpointException
+
+
+def _why(e: BaseException) -> str:
+    """The first underlying failure of a DCP error (``rank r: OSError: ...``), or ``e`` itself."""
+    failures = getattr(e, "failures", None)
+    if failures:
+        r, inner = sorted(failures.items(), key=lambda x: x[0])[0]
+        inner = inner[0] if isinstance(inner, tuple) and inner else inner     # (exception, its frames)
+        return f"rank {r}: {type(inner).__name__}: {str(inner).splitlines()[0][:300] if str(inner) else ''}"
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+
+
+def _sha(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _json_safe(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {str(k): _json_safe(v) for k, v in x.items() if _json_safe(v) is not _DROP}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    if isinstance(x, torch.Tensor) and x.numel() == 1:
+        return x.item()
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    return _DROP
+
+
+_DROP = object()
+
+
+# ---- save ---------------------------------------------------------------------------------------
+
+def save(engine: Engine, path: str | os.PathLike, *, extra: dict | None = None) -> Path:
+    """Write the engine's whole training state to the folder ``path`` (see the module doc). A
+    collective: every rank calls it with the same ``path``. Returns ``path``."""
+    import torch.distributed.checkpoint as dcp
+
+    path = Path(path).absolute()
+    try:
+        json.dumps(extra or {})
+    except TypeError as e:
+        raise CheckpointError(f"save: extra must be JSON data (ints, floats, strings, lists, dicts) — {e}.") from None
+    token = _one(engine, uuid.uuid4().hex[:12])
+    tmp = path.parent / f".{path.name}.tmp-{token}"
+    problem = None
+    if engine.mesh.rank == 0:
+        problem = _writable(path.parent)
+    problem = _one(engine, problem)
+    if problem:
+        raise CheckpointError(problem)
+    if rank_zero(engine):           # a save killed earlier left its temporary folder: clear it
+        for stale in path.parent.glob(f".{path.name}.tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+    pieces, whole = _pieces(engine)
+    state = {}
+    index = {}
+    for p in pieces:
+        index.setdefault(p.key, {"shape": list(p.shape), "boxes": []})
+        for box, off in p.boxes:
+            state[_box_key(p.key, box)] = p.box_tensor(box, off).detach().contiguous()
+            index[p.key]["boxes"].append([list(box[0]), list(box[1])])
+    for k, v in whole.items():
+        state[k] = v.detach().contiguous()
+        index.setdefault(k, {"shape": list(v.shape), "boxes": None})
+    rank = engine.mesh.rank
+    state[f"rng/cpu/{rank}"] = torch.get_rng_state()
+    if torch.cuda.is_available():
+        state[f"rng/cuda/{rank}"] = torch.cuda.get_rng_state()
+    failed = None
+    try:
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)), no_dist=_world(engine) == 1)
+    except (Exception, _dcp_error()) as e:      # DCP raises on every rank when any rank's write failed
+        failed = _why(e)
+    failed = [f for f in _gather(engine, failed) if f]
+    if failed:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"save: writing {path} failed — {failed[0]}. The previous checkpoint (if any) "
+                              "is untouched. Free disk space or fix the permissions, then save again.")
+    mine = sorted(f.name for f in tmp.glob(f"__{rank}_*"))
+    hashes = _gather(engine, ({f: _sha(tmp / f) for f in mine}, index))
+    if rank == 0:
+        files, merged = {}, {}
+        for h, idx in hashes:
+            files.update(h)
+            for k, v in idx.items():
+                entry = merged.setdefault(k, {"shape": v["shape"], "boxes": [] if v["boxes"] is not None else None})
+                if v["boxes"] is not None:
+                    for b in v["boxes"]:
+                        if b not in entry["boxes"]:
+                            entry["boxes"].append(b)
+        for f in tmp.iterdir():
+            if f.name not in files:
+                files[f.name] = _sha(f)
+        manifest = _manifest(engine, merged, files, extra)
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        _fsync_dir(tmp)
+        _install(tmp, path)
+    if _world(engine) > 1:
+        dist.barrier()
+    return path
+
+
+def _writable(folder: Path) -> str | None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return f"save: cannot create {folder} ({e.strerror}) — expected a folder this process may write to."
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"save: no permission to write in {folder} — expected a writable folder. Fix its permissions or save elsewhere."
+    return None
+
+
+def _fsync_dir(folder: Path) -> None:
+    for f in folder.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _install(tmp: Path, path: Path) -> None:
+    """Move the finished ``tmp`` to ``path``; an older checkpoint there is moved aside first and
+    removed after (a crash between the two renames leaves it as ``.<name>.old-*``, whole)."""
+    old = None
+    if path.exists():
+        old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
+        os.rename(path, old)
+    os.rename(tmp, path)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _manifest(engine: Engine, index: dict, files: dict, extra: dict | None) -> dict:
+    gplan, opt = engine.global_plan, engine.optimizer
+    groups = [{k: _json_safe(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    sched = engine.lr_scheduler
+    scaler = engine.scaler
+    return {
+        "format": FORMAT, "version": VERSION, "shardlib": _version(), "torch": torch.__version__,
+        "mesh": gplan.mesh.axis_sizes, "world": engine.mesh.size,
+        "plan": {"zero": gplan.zero, "precision": gplan.precision, "pipe": gplan.pipe_size,
+                 "tensor": gplan.tensor_size, "replica": gplan.replica_size},
+        "params": {p.name: {"shape": list(p.shape), "trainable": p.trainable} for p in gplan.params},
+        "tensors": index, "files": files,
+        "optimizer": {"class": type(opt).__name__, "param_groups": groups},
+        "scheduler": None if sched is None else {"class": type(sched).__name__,
+                                                 "state": _json_safe(sched.state_dict())},
+        "scaler": None if not scaler else {k: getattr(scaler, k) for k in ("scale", "good_steps", "skipped_steps")},
+        "step": engine.step_count, "samples": engine.samples_seen, "extra": extra or {},
+    }
+
+
+def _version() -> str:
+    from .. import __version__
+    return __version__
+
+
+# ---- series: step folders and a `latest` pointer ---------------------------------------------
+
+def save_step(engine: Engine, folder: str | os.PathLike, step: int, *, extra: dict | None = None, keep: int = 2) -> Path:
+    """``folder/step-000123``, then ``folder/latest`` pointing at it (replaced atomically), then all
+    but the newest ``keep`` step folders removed."""
+    folder = Path(folder)
+    path = save(engine, folder / f"step-{step:06d}", extra=extra)
+    if engine.mesh.rank == 0:
+        tmp = folder / f".{LATEST}.tmp-{uuid.uuid4().hex[:8]}"
+        tmp.write_text(path.name + "\n")
+        os.replace(tmp, folder / LATEST)
+        steps = sorted(p for p in folder.glob("step-*") if p.is_dir())
+        for old in steps[:-keep] if keep > 0 else []:
+            if old != path:
+                shutil.rmtree(old, ignore_errors=True)
+    if _world(engine) > 1:
+        dist.barrier()
+    return path
+
+
+def resolve(path: str | os.PathLike) -> Path:
+    """A checkpoint folder: ``path`` itself, or the one its ``latest`` pointer names."""
+    path = Path(path)
+    if (path / LATEST).is_file():
+        name = (path / LATEST).read_text().strip()
+        return path / name
+    return path
+
+
+def latest(folder: str | os.PathLike) -> Path | None:
+    """The checkpoint ``folder/latest`` names, if there is a complete one."""
+    p = resolve(folder)
+    return p if (p / MANIFEST).is_file() else None
+
+
+# ---- load ---------------------------------------------------------------------------------------
+
+def read_manifest(path: Path) -> dict:
+    if not path.exists():
+        raise CheckpointError(f"load: {path} does not exist — expected a checkpoint folder written by engine.save "
+                              "(or a folder with a 'latest' pointer).")
+    if not (path / MANIFEST).is_file():
+        tmp = sorted(path.parent.glob(f".{path.name}.tmp-*"))
+        half = f" ({tmp[0].name} beside it is a save that never finished)" if tmp else ""
+        raise CheckpointError(f"load: {path} is not a checkpoint — no {MANIFEST}{half}; expected a folder written "
+                              "by engine.save. A half-written save has no manifest: load the previous checkpoint.")
+    try:
+        m = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"load: {path / MANIFEST} cannot be read ({e}) — the checkpoint is corrupt.") from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise CheckpointError(f"load: {path} is not a shardlib checkpoint (manifest format {m.get('format')!r}).")
+    if m.get("version") != VERSION:
+        raise CheckpointError(f"load: {path} has checkpoint format version {m.get('version')} — this shardlib "
+                              f"reads version {VERSION}.")
+    return m
+
+
+def check_files(engine: Engine, path: Path, manifest: dict) -> None:
+    """Every file the manifest names is there, whole (SHA-256), checked over the ranks (rank r hashes
+    files r, r + world, ...); and no data file it does not name."""
+    names = sorted(manifest["files"])
+    bad = []
+    for i, name in enumerate(names):
+        if i % _world(engine) != engine.mesh.rank:
+            continue
+        f = path / name
+        if not f.is_file():
+            bad.append(f"{name} is missing")
+        elif _sha(f) != manifest["files"][name]:
+            bad.append(f"{name} is corrupt (its SHA-256 differs from the manifest's)")
+    if engine.mesh.rank == 0:
+        extra = sorted(f.name for f in path.glob("*.distcp") if f.name not in manifest["files"])
+        bad += [f"{n} is not part of the checkpoint" for n in extra[:5]]
+    bad = sorted({b for got in _gather(engine, bad) for b in got})
+    if bad:
+        raise CheckpointError([f"load: {path}: {b} — the checkpoint is truncated or corrupt; load an earlier one."
+                               for b in bad[:10]], api="load")
+
+
+def check_model(engine: Engine, manifest: dict, path: Path) -> None:
+    saved = manifest["params"]
+    problems = []
+    for p in engine.global_plan.params:
+        got = saved.get(p.name)
+        if got is None:
+            problems.append(f"load: {path} has no parameter {p.name!r} {tuple(p.shape)} — the checkpoint is of another model.")
+        elif tuple(got["shape"]) != tuple(p.shape):
+            problems.append(f"load: parameter {p.name!r} is {tuple(got['shape'])} in {path} but {tuple(p.shape)} in "
+                            "this model — expected the model the checkpoint was saved from.")
+    mine = {p.name for p in engine.global_plan.params}
+    problems += [f"load: {path} holds parameter {n!r}, which this model does not have." for n in saved if n not in mine]
+    opt = manifest["optimizer"]["class"]
+    if opt != type(engine.optimizer).__name__:
+        problems.append(f"load: {path} was saved with optimizer {opt}, this engine uses "
+                        f"{type(engine.optimizer).__name__} — expected the same optimizer class.")
+    if problems:
+        raise CheckpointError(problems[:20], api="load")
+
+
+@torch.no_grad()
+def load(engine: Engine, path: str | os.PathLike) -> dict:
+    """Restore the engine's whole training state from ``path`` (or the checkpoint its ``latest``
+    names), saved on any mesh; returns the ``extra`` given to ``save``. A collective."""
+    import torch.distributed.checkpoint as dcp
+
+    path = resolve(Path(path).absolute())
+    manifest = _one(engine, _try(read_manifest, path))
+    if isinstance(manifest, CheckpointError):
+        raise manifest
+    check_model(engine, manifest, path)
+    check_files(engine, path, manifest)
+    saved = manifest["tensors"]
+    pieces, whole = _pieces(engine)
+    by_key = {p.key: p for p in pieces}
+    opt = engine.optimizer
+    # optimizer state this engine has not created yet (no step taken): allocate it like the masters
+    fresh: dict[str, dict[str, torch.Tensor]] = {}
+    for s in engine.states:
+        if not s.trainable:
+            continue
+        for key in saved:
+            kind, _, name = key.partition("/")
+            if kind != "optim":
+                continue
+            k, _, pname = name.partition("/")
+            if pname != s.name or key in by_key or key in whole:
+                continue
+            if saved[key]["boxes"] is not None:
+                t = torch.zeros_like(s.master, dtype=torch.float32)
+                fresh.setdefault(s.name, {})[k] = t
+                shape, block = _block(engine, s)
+                p = _Piece(key, shape, block, tuple(s.plan.shape), s.lo, s.hi, t.reshape(-1))
+                pieces.append(p)
+                by_key[key] = p
+            else:
+                t = torch.zeros(saved[key]["shape"], dtype=torch.float32)
+                fresh.setdefault(s.name, {})[k] = t
+                whole[key] = t
+    request: dict[str, torch.Tensor] = {}
+    plans: list[tuple[_Piece, Box, int, str, list]] = []
+    for p in pieces:
+        entry = saved.get(p.key)
+        if entry is None:
+            if p.key.startswith("param/"):
+                raise CheckpointError(f"load: {path} holds no values for {p.key[6:]!r}.")
+            continue           # optimizer state the checkpoint did not have (e.g. saved before any step)
+        for box, off in p.boxes:
+            for starts, sizes in entry["boxes"]:
+                sbox = (tuple(starts), tuple(sizes))
+                if overlap(box, sbox) is not None:
+                    k = _box_key(p.key, sbox)
+                    if k not in request:
+                        request[k] = torch.empty(sizes, dtype=torch.float32)
+                    plans.append((p, box, off, k, sbox))
+    for k, t in whole.items():
+        if k in saved:
+            request[k] = torch.empty(saved[k]["shape"], dtype=t.dtype if t.is_floating_point() else t.dtype)
+    world_saved = manifest["world"]
+    rng_key = f"rng/cpu/{engine.mesh.rank % world_saved}"
+    request[rng_key] = torch.empty_like(torch.get_rng_state())
+    try:
+        dcp.load(request, storage_reader=dcp.FileSystemReader(str(path)), no_dist=_world(engine) == 1)
+    except (Exception, _dcp_error()) as e:
+        raise CheckpointError(f"load: reading {path} failed — {_why(e)}.") from None
+    covered: dict[int, int] = {}
+    for p, box, off, k, sbox in plans:
+        inter = overlap(box, sbox)
+        p.box_tensor(box, off)[slices_in(inter, box)].copy_(request[k][slices_in(inter, sbox)])
+        covered[id(p)] = covered.get(id(p), 0) + math.prod(inter[1])
+    short = [p.key for p in pieces if p.key in saved and covered.get(id(p), 0) != p.flat.numel()]
+    if short:
+        raise CheckpointError(f"load: {path} does not cover every element of {short[:3]} — the checkpoint is incomplete.")
+    for k, t in whole.items():
+        if k in request:
+            t.copy_(request[k])
+    _restore_optimizer(engine, manifest, fresh)
+    for s in engine.states:          # frozen values go back into what the engine computes with
+        if not s.trainable:
+            src = s.shard if s.shard is not None else s.local_piece(s.param.data)
+            src.copy_(by_key[f"param/{s.name}"].flat.view_as(src))
+    torch.set_rng_state(request[rng_key])
+    sched = engine.lr_scheduler
+    if sched is not None and manifest["scheduler"] is not None:
+        sched.load_state_dict({**sched.state_dict(), **manifest["scheduler"]["state"]})
+    if engine.scaler and manifest["scaler"]:
+        for k, v in manifest["scaler"].items():
+            setattr(engine.scaler, k, v)
+    engine.step_count, engine.samples_seen = manifest["step"], manifest["samples"]
+    engine._publish()                  # the compute copies (and ZeRO-1/2's full parameters) from the masters
+    return manifest["extra"]
+
+
+def _restore_optimizer(engine: Engine, manifest: dict, fresh: dict[str, dict[str, torch.Tensor]]) -> None:
+    opt = engine.optimizer
+    for g, saved in zip(opt.param_groups, manifest["optimizer"]["param_groups"]):
+        for k, v in saved.items():
+            if k in g and not isinstance(g[k], torch.Tensor):
+                g[k] = tuple(v) if isinstance(g[k], tuple) else v
+    masters = {s.name: s.master for s in engine.states if s.trainable}
+    for name, state in fresh.items():
+        st = opt.state[masters[name]]
+        for k, t in state.items():
+            st[k] = t.view_as(masters[name]) if t.numel() == masters[name].numel() and t.dim() > 0 else t
+
+
+def _try(fn, *args):
+    try:
+        return fn(*args)
+    except CheckpointError as e:
+        return e
+
+
+# ---- export ---------------------------------------------------------------------------------------
+
+def export(engine: Engine, path: str | os.PathLike) -> Path | None:
+    """``engine.full_state_dict()`` written by rank 0 as one ``safetensors`` file (tensors only, tied
+    parameters stored once per name), loadable into a plain single-process model. A collective."""
+    from safetensors.torch import save_file
+
+    full = engine.full_state_dict()
+    path = Path(path)
+    if engine.mesh.rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+        save_file({k: v.detach().contiguous().clone() for k, v in full.items() if isinstance(v, torch.Tensor)},
+                  str(tmp), metadata={"format": "pt", "producer": f"shardlib {_version()}"})
+        os.replace(tmp, path)
+    if _world(engine) > 1:
+        dist.barrier()
+    return path

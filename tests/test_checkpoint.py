@@ -1,0 +1,285 @@
+"""Checkpoints that change mesh: save the whole training state on one layout, resume on any other.
+
+The matrix: 5 save layouts x 5 load layouts (2x2x2 ZeRO-3 + SP, data 4 ZeRO-1, tensor 2, interleaved
+pipe 2 x data 2, one process) of a GPT whose vocabulary (67) and MLP width (90) give uneven shards.
+Each save run trains 3 steps, saves, and trains 3 more (the uninterrupted trajectory); each load run
+starts from a fresh model (another seed), loads, and trains the same 3 steps. Same layout: the
+losses continue bit for bit (fp32). Another layout: within 1e-5 relative (fp32 round-off). AdamW with
+a step LR schedule, so optimizer moments, step counts and the scheduler must all come back.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+import shardlib as sl
+from shardlib.algebra.boxes import overlap, range_boxes
+from shardlib.models import GPT, GPTConfig, token_batch
+from shardlib.runtime.checkpoint import CheckpointError, latest, save_step
+from shardlib.testing import get_mesh
+
+CFG = GPTConfig(vocab_size=67, seq_len=16, d_model=32, n_heads=4, n_layers=4, mlp_width=90)
+TP = {"heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
+LAYOUTS = {
+    "3d_zero3": ({"data": 2, "pipe": 2, "tensor": 2}, {"zero": 3, "microbatches": 2, "sequence_parallel": True}),
+    "dp4_zero1": ({"data": 4}, {"zero": 1}),
+    "tp2": ({"data": 1, "tensor": 2}, {}),
+    "pp2_dp2_interleaved": ({"data": 2, "pipe": 2}, {"microbatches": 2, "schedule": "interleaved_1f1b",
+                                                     "virtual_stages": 2, "zero": 2}),
+    "single": ({"data": 1}, {}),
+}
+SAVE_AT, MORE = 3, 3
+
+
+def size(shape: dict) -> int:
+    return math.prod(shape.values())
+
+
+def build(shape: dict, kw: dict, *, seed: int = 0, precision: str = "fp32", lr: float = 1e-2):
+    mesh = get_mesh(shape)
+    model = GPT(CFG, seed=seed)
+    rules = {**(TP if shape.get("tensor", 1) > 1 else {}), **({"layers": "pipe"} if shape.get("pipe", 1) > 1 else {})}
+    plan = sl.plan(model, mesh, rules=rules or None, batch=token_batch(CFG, 8, 0), precision=precision, **kw)
+    return sl.parallelize(model, plan, optimizer=lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=0.1),
+                          lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 2, 0.5))
+
+
+def batch(i: int):
+    return token_batch(CFG, 8, 100 + i)
+
+
+def save_run(name: str, folder: str, precision: str = "fp32") -> list[float]:
+    shape, kw = LAYOUTS[name]
+    engine = build(shape, kw, precision=precision)
+    losses = [engine.step(batch(i)) for i in range(SAVE_AT)]
+    engine.save(folder, extra={"data_position": SAVE_AT})
+    return losses + [engine.step(batch(i)) for i in range(SAVE_AT, SAVE_AT + MORE)]
+
+
+def load_run(name: str, folder: str, precision: str = "fp32") -> list[float]:
+    shape, kw = LAYOUTS[name]
+    engine = build(shape, kw, seed=7, precision=precision)
+    extra = engine.load(folder)
+    start = extra["data_position"]
+    assert start == SAVE_AT and engine.step_count == SAVE_AT and engine.samples_seen == 8 * SAVE_AT
+    return [engine.step(batch(i)) for i in range(start, start + MORE)]
+
+
+@pytest.fixture(scope="module")
+def saved(world, tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    out = {}
+    for name, (shape, _) in LAYOUTS.items():
+        folder = str(root / name)
+        per_rank = world(size(shape), save_run, name, folder) if size(shape) > 1 else [save_run(name, folder)]
+        assert all(r == per_rank[0] for r in per_rank)
+        out[name] = (folder, per_rank[0])
+    return out
+
+
+@pytest.mark.parametrize("source", list(LAYOUTS))
+def test_resume_on_every_layout(world, saved, source):
+    folder, losses = saved[source]
+    for target, (shape, _) in LAYOUTS.items():
+        per_rank = world(size(shape), load_run, target, folder) if size(shape) > 1 else [load_run(target, folder)]
+        assert all(r == per_rank[0] for r in per_rank), (source, target)
+        got, want = per_rank[0], losses[SAVE_AT:]
+        if target == source:
+            assert got == want, (source, target, got, want)          # bit for bit
+        else:
+            rel = max(abs(a - b) / abs(b) for a, b in zip(got, want))
+            assert rel <= 1e-5, (source, target, rel)
+
+
+def test_mixed_precision_checkpoints_cross_precisions(world, tmp_path):
+    """bf16 compute with fp32 masters: the masters are what is saved; resumed in bf16 on another
+    layout it continues within bf16 round-off, and an fp32 engine can take the same masters."""
+    folder = str(tmp_path / "bf16")
+    losses = world(4, save_run, "dp4_zero1", folder, "bf16")[0]
+    again = world(8, load_run, "3d_zero3", folder, "bf16")[0]
+    eps = torch.finfo(torch.bfloat16).eps
+    assert max(abs(a - b) / abs(b) for a, b in zip(again, losses[SAVE_AT:])) <= 4 * eps
+    assert load_run("single", folder)[0] == pytest.approx(losses[SAVE_AT], rel=4 * eps)
+
+
+# ---- bad input: clear errors, the previous checkpoint intact ---------------------------------------
+
+def _errors(folder: str, other: str) -> dict:
+    """Load attempts that must fail, with what each raised."""
+    out = {}
+    engine = build({"data": 2}, {"zero": 2})
+    for label, path in (("missing", other + "/nope"), ("not a checkpoint", other), ("good", folder)):
+        try:
+            engine.load(path)
+            out[label] = "ok"
+        except CheckpointError as e:
+            out[label] = str(e)
+    return out
+
+
+def test_bad_checkpoints_are_named(world, tmp_path):
+    good = str(tmp_path / "good")
+    save_run("single", good)
+    (tmp_path / "plain").mkdir()
+    out = world(2, _errors, good, str(tmp_path / "plain"))[0]
+    assert out["good"] == "ok"
+    assert "does not exist" in out["missing"]
+    assert "is not a checkpoint — no manifest.json" in out["not a checkpoint"]
+    # a truncated data file, then a corrupted one: named, before DCP reads anything
+    data = sorted(Path(good).glob("*.distcp"))[0]
+    raw = data.read_bytes()
+    data.write_bytes(raw[: len(raw) // 2])
+    out = world(2, _errors, good, str(tmp_path / "plain"))[0]
+    assert f"{data.name} is corrupt" in out["good"] and "truncated or corrupt" in out["good"]
+    data.write_bytes(raw[:-1] + bytes([raw[-1] ^ 0xFF]))
+    assert f"{data.name} is corrupt" in world(2, _errors, good, str(tmp_path / "plain"))[0]["good"]
+    data.write_bytes(raw)
+    (Path(good) / "manifest.json").unlink()
+    assert "no manifest.json" in world(2, _errors, good, str(tmp_path / "plain"))[0]["good"]
+
+
+def _other_model(folder: str) -> str:
+    model = GPT(GPTConfig(vocab_size=67, seq_len=16, d_model=32, n_heads=4, n_layers=3, mlp_width=90), seed=0)
+    plan = sl.plan(model, get_mesh({"data": 2}), zero=1)
+    engine = sl.parallelize(model, plan, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    try:
+        engine.load(folder)
+    except CheckpointError as e:
+        return str(e)
+    return "ok"
+
+
+def test_a_checkpoint_of_another_model_is_refused(world, tmp_path):
+    folder = str(tmp_path / "four_layers")
+    save_run("single", folder)
+    msg = world(2, _other_model, folder)[0]
+    assert "holds parameter 'blocks.3.ln1.weight', which this model does not have" in msg
+
+
+def _failing_save(folder: str, kind: str) -> str:
+    """Save once, then fail the second save as ``kind`` (the disk full, no permission) on rank 1."""
+    import torch.distributed.checkpoint.filesystem as fs
+
+    engine = build({"data": 2}, {"zero": 1})
+    engine.step(batch(0))
+    engine.save(folder, extra={"n": 1})
+    engine.step(batch(1))
+    original = fs.FileSystemWriter.write_data
+    if engine.mesh.rank == 1:
+        err = OSError(28, "No space left on device") if kind == "full" else PermissionError(13, "Permission denied")
+
+        def write_data(self, plan, planner):
+            raise err
+        fs.FileSystemWriter.write_data = write_data
+    try:
+        engine.save(folder, extra={"n": 2})
+        return "ok"
+    except CheckpointError as e:
+        return str(e)
+    finally:
+        fs.FileSystemWriter.write_data = original
+
+
+@pytest.mark.parametrize("kind, words", [("full", "No space left on device"), ("permission", "Permission denied")])
+def test_a_failed_save_keeps_the_previous_checkpoint(world, tmp_path, kind, words):
+    folder = tmp_path / "ckpt"
+    msgs = world(2, _failing_save, str(folder), kind)
+    assert all("writing" in m and words in m and "previous checkpoint (if any) is untouched" in m for m in msgs), msgs
+    assert json.loads((folder / "manifest.json").read_text())["extra"] == {"n": 1}
+    assert not list(tmp_path.glob(".ckpt.tmp-*"))
+
+
+def _killed_mid_save(folder: str, when: str) -> None:
+    """A second save killed with SIGKILL: rank 1 while DCP writes, or rank 0 before it installs."""
+    import torch.distributed.checkpoint.filesystem as fs
+
+    from shardlib.runtime import checkpoint as ck
+    engine = build({"data": 2}, {"zero": 3})
+    engine.step(batch(0))
+    save_step(engine, folder, 1, extra={"step": 1})
+    engine.step(batch(1))
+    if when == "writing" and engine.mesh.rank == 1:
+        def write_data(self, plan, planner):
+            os.kill(os.getpid(), signal.SIGKILL)
+        fs.FileSystemWriter.write_data = write_data
+    if when == "installing" and engine.mesh.rank == 0:
+        ck._install = lambda tmp, path: os.kill(os.getpid(), signal.SIGKILL)
+    save_step(engine, folder, 2, extra={"step": 2})
+
+
+def _resume(folder: str) -> dict:
+    engine = build({"data": 2}, {"zero": 3})
+    return engine.load(folder)
+
+
+@pytest.mark.parametrize("when", ["writing", "installing"])
+def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path, when):
+    from shardlib.testing import WorldPool
+
+    folder = str(tmp_path / "run")
+    pool = WorldPool(2, timeout=10)
+    pool.start()
+    try:
+        with pytest.raises(Exception):
+            pool.run(_killed_mid_save, folder, when)
+    finally:
+        pool.close()
+    assert latest(folder).name == "step-000001"
+    pool = WorldPool(2, timeout=30)
+    pool.start()
+    try:
+        assert pool.run(_resume, folder) == [{"step": 1}, {"step": 1}]
+    finally:
+        pool.close()
+
+
+# ---- export -------------------------------------------------------------------------------------
+
+def _export(path: str) -> dict:
+    engine = build(*LAYOUTS["3d_zero3"])
+    engine.step(batch(0))
+    engine.export(path)
+    return engine.full_state_dict()
+
+
+def test_export_loads_into_a_plain_model(world, tmp_path):
+    from safetensors.torch import load_file
+
+    path = str(tmp_path / "model.safetensors")
+    full = world(8, _export, path)[0]
+    plain = GPT(CFG, seed=3)
+    plain.load_state_dict(load_file(path), strict=True)
+    for k, v in plain.state_dict().items():
+        torch.testing.assert_close(v, full[k], rtol=0, atol=0)
+
+
+# ---- the box algebra --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [(7,), (3, 5), (2, 3, 4), (4, 1, 3)])
+def test_range_boxes_tile_any_flat_range(shape):
+    n = math.prod(shape)
+    for lo in range(n + 1):
+        for hi in range(lo, n + 1):
+            mark = torch.zeros(shape, dtype=torch.long)
+            flat = torch.arange(n).view(shape)
+            seen = []
+            for starts, sizes in range_boxes(shape, lo, hi):
+                idx = tuple(slice(s, s + k) for s, k in zip(starts, sizes))
+                mark[idx] += 1
+                seen += flat[idx].reshape(-1).tolist()
+            assert seen == list(range(lo, hi))          # in order, each element once
+            assert int(mark.sum()) == hi - lo and int(mark.max()) <= 1
+            assert len(range_boxes(shape, lo, hi)) <= 2 * len(shape) - 1
+
+
+def test_overlap():
+    assert overlap(((0, 0), (2, 4)), ((1, 2), (5, 5))) == ((1, 2), (1, 2))
+    assert overlap(((0,), (3,)), ((3,), (2,))) is None
