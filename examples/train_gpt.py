@@ -4,6 +4,7 @@
     python examples/train_gpt.py mesh=dp2_tp2 parallel=zero3 train.precision=bf16
     python examples/train_gpt.py mesh=hsdp2x2 parallel=hsdp data.path=my.txt train.steps=500
     torchrun --nnodes 2 --nproc-per-node 4 --rdzv-endpoint HOST:PORT examples/train_gpt.py   # the same run over nodes
+    python examples/train_gpt.py checkpoint.every=50 checkpoint.resume=auto    # stop any time; run again to continue
 
 Hydra composes ``conf/config.yaml`` (groups ``mesh`` = ``meshes/*.yaml``, ``parallel``, ``model``,
 ``train``, ``data``); the configuration becomes the library's ``RunConfig`` at this edge and is checked
@@ -18,6 +19,12 @@ and a log line every ``train.log_every`` steps, and writes into the Hydra run di
 tokens_per_s, step_ms, peak_rss per rank, bytes_per_axis rank 0 sent), ``plan.txt``, ``loss.png``,
 ``memory.png`` (per rank, planned vs measured parameters, gradients, optimizer state, activations),
 ``timeline.png`` (the last step of a pipeline) and ``summary.json``.
+
+Checkpoints: ``checkpoint.every=N`` saves the whole training state every N steps (and after the last)
+into ``checkpoint.dir`` (``step-000123`` folders, a ``latest`` pointer replaced atomically: a run killed
+mid-save keeps the previous one); ``checkpoint.resume=auto`` continues from the latest there — on any
+mesh and layout — with the same batches (a batch is a function of its step), learning rate and
+optimizer state, so a run stopped with Ctrl-C and started again follows the same loss curve.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from shardlib.frontend.config import ConfigError, RunConfig, run_config
 from shardlib.frontend.report import plot_loss, plot_memory, summary_lines
 from shardlib.frontend.run import SavedActivations, Trainer, check
 from shardlib.planner.pipeline_report import rank_activation_bytes
+from shardlib.runtime.checkpoint import clean_partial, latest, save_step
 
 NAME = "train_gpt.py"
 
@@ -59,6 +67,8 @@ def rank_main(run: RunConfig, out: str) -> dict:
     plan, engine, t = trainer.plan, trainer.engine, run.train
     lead = mesh.rank == 0
     out_dir = pathlib.Path(out)
+    ck = run.checkpoint
+    start = _resume(engine, ck, lead)
     if lead:
         text = plan.explain(max_params=8)
         (out_dir / "plan.txt").write_text(plan.explain(full=True) + "\n")
@@ -69,12 +79,13 @@ def rank_main(run: RunConfig, out: str) -> dict:
 
     from tqdm import tqdm
     tqdm.set_lock(threading.RLock())          # not tqdm's multiprocessing lock: ranks leave with os._exit
-    bar = tqdm(total=t.steps, disable=not lead, file=sys.stderr, mininterval=1.0, unit="step", dynamic_ncols=True)
+    bar = tqdm(total=t.steps, initial=start, disable=not lead, file=sys.stderr, mininterval=1.0, unit="step",
+               dynamic_ncols=True)
     metrics, saved, timeline = [], 0, []
     sink = open(out_dir / "metrics.jsonl", "w") if lead else contextlib.nullcontext()
     with sink as f:
-        for i in range(t.steps):
-            probe = SavedActivations(trainer.model) if i == min(1, t.steps - 1) else contextlib.nullcontext()
+        for i in range(start, t.steps):
+            probe = SavedActivations(trainer.model) if i == min(start + 1, t.steps - 1) else contextlib.nullcontext()
             with probe:
                 m = trainer.step(i)
             if isinstance(probe, SavedActivations):
@@ -87,10 +98,17 @@ def rank_main(run: RunConfig, out: str) -> dict:
                 f.flush()
                 bar.set_postfix(loss=f"{m['loss']:.4f}", tok_s=f"{m['tokens_per_s']:,.0f}", ms=f"{m['step_ms']:.0f}")
                 bar.update()
-                if (i + 1) % t.log_every == 0 or i == 0:
+                if (i + 1) % t.log_every == 0 or i == start:
                     print(f"step {i + 1:5d}  loss {m['loss']:.4f}  lr {m['lr']:.2e}  {m['step_ms']:6.0f} ms  "
                           f"{m['tokens_per_s']:8,.0f} tok/s", flush=True)
+            if ck.every and ((i + 1) % ck.every == 0 or i + 1 == t.steps):
+                where = save_step(engine, ck.dir, i + 1, keep=ck.keep,
+                                  extra={"mesh": run.mesh.name, "parallel": run.parallel.name})
+                if lead:
+                    print(f"saved {where}", flush=True)
     bar.close()
+    if not metrics:
+        return {"losses": [], "agree": True, "out": str(out_dir)}
     # whole-run claims are checked across ranks, under torchrun too: every rank's losses and memory
     held = {k: v for k, v in engine.memory_held().items() if k != "buffers"}
     mine = {"losses": [m["loss"] for m in metrics], "held": {**held, "activations": saved}, "timeline": timeline}
@@ -104,6 +122,23 @@ def rank_main(run: RunConfig, out: str) -> dict:
     if lead:
         _report(run, plan, metrics, everyone, agree, out_dir)
     return {"losses": mine["losses"], "agree": agree, "out": str(out_dir)}
+
+
+def _resume(engine, ck, lead: bool) -> int:
+    """``checkpoint.resume``: load ``auto`` (the dir's latest, if any) or a given checkpoint; the step
+    to continue from."""
+    if not ck.resume:
+        return 0
+    path = latest(ck.dir) if ck.resume == "auto" else pathlib.Path(ck.resume)
+    if path is None:
+        if lead:
+            print(f"checkpoint.resume=auto: no checkpoint in {ck.dir} yet — starting at step 0", flush=True)
+        return 0
+    extra = engine.load(path)
+    if lead:
+        print(f"resumed from {path} (saved on mesh={extra.get('mesh')} parallel={extra.get('parallel')}) at "
+              f"step {engine.step_count}", flush=True)
+    return engine.step_count
 
 
 def _report(run: RunConfig, plan, metrics: list[dict], everyone: list[dict], agree: bool, out_dir: pathlib.Path) -> None:
@@ -140,11 +175,22 @@ def hydra_main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
     run = run_config(OmegaConf.to_container(cfg, resolve=True))
     out = HydraConfig.get().runtime.output_dir
-    results = sl.launch(rank_main, run.mesh.size, run, out)
+    try:
+        results = sl.launch(rank_main, run.mesh.size, run, out)
+    except KeyboardInterrupt:          # Ctrl-C: the ranks are gone; a save they left half-done goes too
+        if run.checkpoint.every:
+            clean_partial(run.checkpoint.dir)
+        print(f"\n{NAME}: interrupted" + (f"; checkpoint.resume=auto continues from {latest(run.checkpoint.dir)}"
+                                          if run.checkpoint.every and latest(run.checkpoint.dir) else ""),
+              file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
     res = results[0]
+    if not res["losses"]:
+        print(f"{NAME}: nothing to do — the checkpoint is at step {run.train.steps} already", flush=True)
+        return
     if not res["agree"]:
         raise SystemExit(f"{NAME}: the ranks disagree on the loss")
-    if os.environ.get("RANK", "0") == "0" and not res["losses"][-1] < res["losses"][0]:
+    if os.environ.get("RANK", "0") == "0" and len(res["losses"]) > 1 and not res["losses"][-1] < res["losses"][0]:
         raise SystemExit(f"{NAME}: the loss did not go down ({res['losses'][0]:.4f} -> {res['losses'][-1]:.4f})")
 
 

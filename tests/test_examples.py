@@ -98,3 +98,66 @@ def test_demo_config_errors_are_caught_before_any_rank_starts():
     assert lines[0] == "demo.py: 2 problems in the configuration:"
     assert lines[1].startswith("  - steps[0]: Layout: dim 0 of P('bogus', None): unknown mesh axis 'bogus'")
     assert lines[2].startswith("  - steps[1]: P: axis 'data' is used twice")
+
+
+# ---- Ctrl-C, then resume: the same loss curve ------------------------------------------------------
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] not in ("Z", "X"):
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def _metrics(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_ctrl_c_then_resume_follows_the_same_loss_curve(tmp_path):
+    import signal
+    import time
+
+    common = ["mesh=dp2", "parallel=zero2", "train=quick", "train.steps=10", "train.lr=1e-3", "train.log_every=1"]
+    whole = _run("examples/train_gpt.py", *common, f"hydra.run.dir={tmp_path / 'whole'}")
+    assert whole.returncode == 0
+    ck, tmp = tmp_path / "ck", tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp)}
+    first = subprocess.Popen([sys.executable, "examples/train_gpt.py", *common, "checkpoint.every=2",
+                              f"checkpoint.dir={ck}", f"hydra.run.dir={tmp_path / 'first'}"], cwd=ROOT, env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not ((ck / "latest").exists() and (ck / "latest").read_text().strip() >= "step-000004"):
+        assert first.poll() is None and time.monotonic() < deadline, "no checkpoint at step 4 before the run ended"
+        time.sleep(0.05)
+    ranks = _children(first.pid)
+    first.send_signal(signal.SIGINT)                   # Ctrl-C
+    first.wait(timeout=120)
+    def leftovers():       # the launcher's and the save's temporary files (torch's own caches may stay)
+        return list(tmp.glob("shardlib-launch-*")) + list(ck.glob(".*.tmp-*"))
+    deadline = time.monotonic() + 30
+    while (any(_alive(p) for p in ranks) or leftovers()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ranks and not any(_alive(p) for p in ranks) and leftovers() == []   # no orphans, no temp files
+    saved = int((ck / "latest").read_text().strip().split("-")[1])
+    assert saved < 10
+    again = _run("examples/train_gpt.py", *common, "checkpoint.every=2", f"checkpoint.dir={ck}",
+                 "checkpoint.resume=auto", f"hydra.run.dir={tmp_path / 'again'}")
+    assert f"resumed from {ck / f'step-{saved:06d}'}" in again.stdout
+    resumed, reference = _metrics(tmp_path / "again"), _metrics(tmp_path / "whole")
+    assert [m["step"] for m in resumed] == list(range(saved + 1, 11))
+    assert [m["loss"] for m in resumed] == [m["loss"] for m in reference[saved:]]     # bit for bit
+    assert [m["lr"] for m in resumed] == [m["lr"] for m in reference[saved:]]

@@ -134,12 +134,21 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 0                  # save every this many steps (0: never)
+    dir: str = "checkpoints"        # step-000123 folders and a `latest` pointer
+    resume: str | None = None       # "auto": from dir's latest if there is one; or a checkpoint path
+    keep: int = 2                   # step folders kept
+
+
+@dataclass(frozen=True)
 class RunConfig:
     mesh: MeshConfig
     parallel: ParallelConfig
     model: ModelConfig
     train: TrainConfig
     data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     @property
     def seq(self) -> int:
@@ -353,6 +362,12 @@ def _data(raw: Any, problems: list[str]) -> DataConfig:
     return out
 
 
+def _checkpoint(raw: Any, problems: list[str]) -> CheckpointConfig:
+    c = _Checker("checkpoint", raw if raw is not None else {}, problems, _keys(CheckpointConfig))
+    return CheckpointConfig(every=c.int("every", 0, low=0), dir=c.str("dir", "checkpoints"),
+                            resume=c.str("resume", None, optional=True), keep=c.int("keep", 2))
+
+
 def run_config(d: Mapping[str, Any]) -> RunConfig:
     """The ``RunConfig`` of a plain nested mapping, or a ``ConfigError`` listing every bad key (and
     the cross-group problems: a rule naming an axis the mesh lacks, a sequence longer than the
@@ -361,14 +376,14 @@ def run_config(d: Mapping[str, Any]) -> RunConfig:
     if not isinstance(d, Mapping):
         raise ConfigError(f"config: expected a mapping with mesh, parallel, model, train, data — got {type(d).__name__}.")
     for key in d:
-        if key not in ("mesh", "parallel", "model", "train", "data", "checkpoint", "out"):
-            problems.append(f"{key}: unknown config group — expected mesh, parallel, model, train, data.")
+        if key not in ("mesh", "parallel", "model", "train", "data", "checkpoint"):
+            problems.append(f"{key}: unknown config group — expected mesh, parallel, model, train, data, checkpoint.")
     for key in ("mesh", "parallel", "model", "train"):
         if key not in d:
             problems.append(f"{key}: missing — pick one (e.g. {key}=<preset>) or give its fields.")
     run = RunConfig(mesh=_mesh(d.get("mesh", {}), problems), parallel=_parallel(d.get("parallel", {}), problems),
                     model=_model(d.get("model", {}), problems), train=_train(d.get("train", {}), problems),
-                    data=_data(d.get("data"), problems))
+                    data=_data(d.get("data"), problems), checkpoint=_checkpoint(d.get("checkpoint"), problems))
     problems += _cross(run)
     if problems:
         raise ConfigError(problems, api="config")

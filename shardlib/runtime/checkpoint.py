@@ -334,6 +334,16 @@ def save_step(engine: Engine, folder: str | os.PathLike, step: int, *, extra: di
     return path
 
 
+def clean_partial(folder: str | os.PathLike) -> list[Path]:
+    """Remove what interrupted saves left in ``folder`` (their temporary folders); the complete
+    checkpoints stay. Call it where no save is running (e.g. after Ctrl-C stopped the ranks)."""
+    gone = []
+    for p in Path(folder).glob(".*.tmp-*"):
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+        gone.append(p)
+    return gone
+
+
 def resolve(path: str | os.PathLike) -> Path:
     """A checkpoint folder: ``path`` itself, or the one its ``latest`` pointer names."""
     path = Path(path)
