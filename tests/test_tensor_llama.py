@@ -85,3 +85,38 @@ def test_llama_tensor_parallel(world, shape):
                                            msg=lambda m, n=name: f"{cfg} {shape} rank {r}, {n}: {m}")
             assert res["counted"] == res["planned"], f"{cfg} {shape} rank {r}: ran {res['counted']}, " \
                                                      f"planned {res['planned']}"
+
+
+def _export_llama(path: str) -> None:
+    """Train the Llama on data 2 x tensor 2 (ZeRO-3, vocab-parallel head) and export it."""
+    mesh = get_mesh({"data": 2, "tensor": 2})
+    model = tiny_llama()
+    sl.shard({**LLAMA_TP, **LLAMA_VOCAB_TP})(model)
+    batches = _batches()
+    plan = sl.plan(model, mesh, zero=3, batch=batches[0])
+    engine = sl.parallelize(model, plan, optimizer=_optimizer, loss_fn=_loss)
+    for b in batches[:2]:
+        engine.step(b)
+    engine.export(path)
+
+
+def test_a_tensor_parallel_llama_exports_to_a_plain_transformers_model(world, tmp_path):
+    """The safetensors file of a model trained with TP (and ZeRO-3) loads with strict=True into a
+    fresh transformers LlamaForCausalLM, and gives the loss one process reaches after the same steps."""
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    path = str(tmp_path / "llama.safetensors")
+    world(4, _export_llama, path)
+    fresh = LlamaForCausalLM(tiny_config())
+    fresh.load_state_dict(load_file(path), strict=True)
+    ref = tiny_llama()
+    opt = _optimizer(list(ref.parameters()))
+    batches = _batches()
+    for b in batches[:2]:
+        opt.zero_grad(set_to_none=True)
+        _loss(ref, b).backward()
+        opt.step()
+    with torch.no_grad():
+        want, got = float(_loss(ref, batches[2])), float(_loss(fresh.train(), batches[2]))
+    assert abs(got - want) <= 1e-5 * abs(want), (got, want)
