@@ -194,13 +194,18 @@ def hydra_main(cfg: DictConfig) -> None:
         raise SystemExit(f"{NAME}: the loss did not go down ({res['losses'][0]:.4f} -> {res['losses'][-1]:.4f})")
 
 
+def problems_of(argv: list[str]) -> list[str]:
+    """Every problem of the command line ``argv``, found in this process before any rank starts."""
+    try:
+        run = run_config(check_overrides(argv))
+        return check(run) + world_problems(run)
+    except ConfigError as e:
+        return e.problems
+
+
 def main() -> None:
     """Check the whole configuration here, in one process, then hand over to Hydra (run directory)."""
-    try:
-        run = run_config(check_overrides(sys.argv[1:]))
-        problems = check(run) + world_problems(run)
-    except ConfigError as e:
-        problems = e.problems
+    problems = problems_of(sys.argv[1:])
     if problems:
         print(f"{NAME}: " + (problems[0] if len(problems) == 1 else f"{len(problems)} problems in the configuration:\n"
                              + "\n".join(f"  - {p}" for p in problems)), file=sys.stderr)

@@ -28,27 +28,77 @@ def test_redistribution_demo_checks_every_shard():
     assert "WRONG" not in out
 
 
+def _example(name: str):
+    """Import an example script as a module (its ``main`` is guarded: nothing runs)."""
+    spec = importlib.util.spec_from_file_location(f"example_{name}", ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+MAIN = ["train=quick", "train.steps=6"]
+
+
+@pytest.fixture(scope="module")
+def main_run(tmp_path_factory):
+    """The README's first command, shortened: a 2x2x2 mesh (8 processes), 6 steps."""
+    out = tmp_path_factory.mktemp("main")
+    proc = _run("examples/train_gpt.py", *MAIN, f"hydra.run.dir={out}")
+    return proc, out
+
+
+def _metrics(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
 @pytest.mark.slow
-def test_main_job_trains_3d_and_writes_its_metrics_and_pictures(tmp_path):
-    """The README's first command, shortened: a 2x2x2 mesh (8 processes) trains with falling loss;
-    the run directory holds one metrics object per step, the plan and the three pictures."""
-    proc = _run("examples/train_gpt.py", "train.steps=8", "train.log_every=4", f"hydra.run.dir={tmp_path}")
+def test_main_job_trains_3d_and_writes_its_metrics_and_pictures(main_run):
+    """The loss falls; the run directory holds one metrics object per step, the plan and the three pictures."""
+    proc, out_dir = main_run
     out = proc.stdout
     assert "pipeline: 'pipe' (p=2)" in out and "the same loss on all 8 ranks: yes" in out, out[-2000:]
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, 9))
+    rows = _metrics(out_dir)
+    assert [r["step"] for r in rows] == list(range(1, 7))
     assert rows[-1]["loss"] < rows[0]["loss"]
     for r in rows:
         assert set(r) == {"step", "loss", "lr", "grad_norm", "step_ms", "tokens_per_s", "bytes_per_axis", "peak_rss"}
         assert len(r["peak_rss"]) == 8 and r["grad_norm"] > 0
         assert {"data", "pipe", "tensor"} <= set(r["bytes_per_axis"])
     for name in ("loss.png", "memory.png", "timeline.png", "plan.txt", "summary.json"):
-        assert (tmp_path / name).stat().st_size > 0, name
-    summary = json.loads((tmp_path / "summary.json").read_text())
+        assert (out_dir / name).stat().st_size > 0, name
+    summary = json.loads((out_dir / "summary.json").read_text())
     assert summary["ranks_agree"] and summary["last_loss"] == rows[-1]["loss"]
     # model states: what each rank holds is what the plan says
     for planned, held in zip(summary["memory"]["planned"], summary["memory"]["measured"]):
         assert [planned[k] for k in ("params", "grads", "optimizer")] == [held[k] for k in ("params", "grads", "optimizer")]
+
+
+@pytest.mark.slow
+def test_two_torchrun_nodes_train_like_one_machine(main_run, tmp_path):
+    """Two ``torchrun --nnodes 2 --nproc-per-node 4`` launches on loopback (static rendezvous) run the
+    same program on one 2x2x2 world, unchanged: the single-machine run's losses, bit for bit, and the
+    whole-run claim (every rank the same losses) checked across the 8 ranks of both nodes."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "4",
+                "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    nodes = [subprocess.Popen([*torchrun, "--node-rank", str(n), "examples/train_gpt.py", *MAIN,
+                               f"hydra.run.dir={tmp_path / f'node{n}'}"], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for n in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=600)[0] for p in nodes]
+    finally:
+        for p in nodes:
+            p.kill()
+    assert [p.returncode for p in nodes] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    summary = json.loads((tmp_path / "node0" / "summary.json").read_text())
+    assert summary["ranks_agree"] is True and "the same loss on all 8 ranks: yes" in outs[0]
+    assert [m["loss"] for m in _metrics(tmp_path / "node0")] == [m["loss"] for m in _metrics(main_run[1])]
+    assert not (tmp_path / "node1" / "metrics.jsonl").exists()      # global rank 0 writes, on node 0
 
 
 # ---- a bad configuration: one message, exit code 2, before any process starts --------------------------
@@ -68,27 +118,31 @@ def test_main_job_trains_3d_and_writes_its_metrics_and_pictures(tmp_path):
     (["data=file", "data.path=/nonexistent/text.txt"], ["data.path: /nonexistent/text.txt does not exist"]),
     (["train.precision=fp8", "train.batch=15"], ["train.precision: got 'fp8'", "train.batch: 15 sequences"]),
 ])
-def test_main_job_config_errors_name_the_key_before_any_rank_starts(args, expected):
-    proc = _run("examples/train_gpt.py", *args, code=2)
-    assert proc.stdout == "" and "Traceback" not in proc.stderr, proc.stderr
-    err = proc.stderr
-    assert err.startswith("train_gpt.py: ")
+def test_main_job_config_errors_name_the_key(args, expected):
+    got = "\n".join(_example("train_gpt").problems_of(args))
     for want in expected:
-        assert want in err, err
+        assert want in got, got
+
+
+def test_main_job_config_errors_stop_it_before_any_rank_starts():
+    proc = _run("examples/train_gpt.py", "mesh=dp4", "parallel=tp", "train.precision=fp8", code=2)
+    assert proc.stdout == "" and "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert lines[0] == "train_gpt.py: 2 problems in the configuration:"
+    assert lines[1].startswith("  - train.precision: got 'fp8'") and lines[2].startswith("  - parallel.rules: parallel=tp")
 
 
 def test_a_corrupt_dataset_is_named(tmp_path):
     bad = tmp_path / "corrupt.txt"
     bad.write_bytes(b"some text\n" * 50 + bytes(range(128, 256)) * 4)
-    proc = _run("examples/train_gpt.py", "data=file", f"data.path={bad}", code=2)
-    assert f"data.path: {bad} is not UTF-8 text" in proc.stderr and "corrupt" in proc.stderr
+    got = _example("train_gpt").problems_of(["data=file", f"data.path={bad}"])
+    assert len(got) == 1 and f"data.path: {bad} is not UTF-8 text" in got[0] and "corrupt" in got[0]
 
 
-def test_a_mesh_that_is_not_the_torchrun_world_is_refused():
-    env_world = {"WORLD_SIZE": "4"}
-    proc = subprocess.run([sys.executable, "examples/train_gpt.py"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, **env_world})
-    assert proc.returncode == 2 and "mesh=2x2x2 has 8 ranks" in proc.stderr and "torchrun started 4" in proc.stderr
+def test_a_mesh_that_is_not_the_torchrun_world_is_refused(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    got = _example("train_gpt").problems_of([])
+    assert len(got) == 1 and "mesh=2x2x2 has 8 ranks" in got[0] and "torchrun started 4" in got[0]
 
 
 def test_demo_config_errors_are_caught_before_any_rank_starts():
@@ -119,10 +173,6 @@ def _alive(pid: int) -> bool:
         return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
     except OSError:
         return False
-
-
-def _metrics(folder: Path) -> list[dict]:
-    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.slow

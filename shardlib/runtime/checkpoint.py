@@ -219,8 +219,10 @@ def save(engine: Engine, path: str | os.PathLike, *, extra: dict | None = None) 
         index.setdefault(k, {"shape": list(v.shape), "boxes": None})
     rank = engine.mesh.rank
     state[f"rng/cpu/{rank}"] = torch.get_rng_state()
+    index[f"rng/cpu/{rank}"] = {"shape": [state[f"rng/cpu/{rank}"].numel()], "boxes": None}
     if torch.cuda.is_available():
         state[f"rng/cuda/{rank}"] = torch.cuda.get_rng_state()
+        index[f"rng/cuda/{rank}"] = {"shape": [state[f"rng/cuda/{rank}"].numel()], "boxes": None}
     failed = None
     try:
         dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)), no_dist=_world(engine) == 1)
@@ -485,6 +487,9 @@ def load(engine: Engine, path: str | os.PathLike) -> dict:
     world_saved = manifest["world"]
     rng_key = f"rng/cpu/{engine.mesh.rank % world_saved}"
     request[rng_key] = torch.empty_like(torch.get_rng_state())
+    cuda_key = f"rng/cuda/{engine.mesh.rank % world_saved}"
+    if torch.cuda.is_available() and cuda_key in manifest["tensors"]:
+        request[cuda_key] = torch.empty_like(torch.cuda.get_rng_state())
     try:
         dcp.load(request, storage_reader=dcp.FileSystemReader(str(path)), no_dist=_world(engine) == 1)
     except (Exception, _dcp_error()) as e:
@@ -506,6 +511,8 @@ def load(engine: Engine, path: str | os.PathLike) -> dict:
             src = s.shard if s.shard is not None else s.local_piece(s.param.data)
             src.copy_(by_key[f"param/{s.name}"].flat.view_as(src))
     torch.set_rng_state(request[rng_key])
+    if cuda_key in request:
+        torch.cuda.set_rng_state(request[cuda_key])
     sched = engine.lr_scheduler
     if sched is not None and manifest["scheduler"] is not None:
         sched.load_state_dict({**sched.state_dict(), **manifest["scheduler"]["state"]})
