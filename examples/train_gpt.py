@@ -3,7 +3,8 @@
     python examples/train_gpt.py                                    # data x pipe x tensor = 2x2x2: 8 processes
     python examples/train_gpt.py mesh=dp2_tp2 parallel=zero3 train.precision=bf16
     python examples/train_gpt.py mesh=hsdp2x2 parallel=hsdp data.path=my.txt train.steps=500
-    torchrun --nnodes 2 --nproc-per-node 4 --rdzv-endpoint HOST:PORT examples/train_gpt.py   # the same run over nodes
+    torchrun --nnodes 2 --nproc-per-node 4 --node-rank R --master-addr HOST --master-port 29500 examples/train_gpt.py
+                                                                    # the same run over two nodes (R = 0, 1)
     python examples/train_gpt.py checkpoint.every=50 checkpoint.resume=auto    # stop any time; run again to continue
 
 Hydra composes ``conf/config.yaml`` (groups ``mesh`` = ``meshes/*.yaml``, ``parallel``, ``model``,

@@ -42,13 +42,14 @@ from .planner.plan import Plan as Plan
 from .planner.states import StateLayouts as StateLayouts
 from .planner.traffic import CommEntry as CommEntry
 from .runtime.engine import Engine as Engine
+from .runtime.checkpoint_files import CheckpointError as CheckpointError
 from .runtime.engine import NonFiniteLossError as NonFiniteLossError
 from .runtime.engine import parallelize as parallelize
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AbstractMesh", "AxisRules", "CollectiveCounter", "CommEntry", "Engine", "NonFiniteLossError", "Plan", "StateLayouts",
+    "AbstractMesh", "AxisRules", "CheckpointError", "CollectiveCounter", "CommEntry", "Engine", "NonFiniteLossError", "Plan", "StateLayouts",
     "parallelize", "plan", "CollectiveError", "CollectiveRecord", "Layout", "Mesh", "MeshError",
     "P", "PartitionSpec", "RedistributePlan", "ShardingError", "ShardingTypeError", "SpecError", "Step",
     "WorkerError", "all_gather", "all_to_all", "axis_index", "count_collectives", "current_mesh",

@@ -146,10 +146,19 @@ def test_bad_checkpoints_are_named(world, tmp_path):
     assert "no manifest.json" in world(2, _errors, good, str(tmp_path / "plain"))[0]["good"]
 
 
-def _other_model(folder: str) -> str:
-    model = GPT(GPTConfig(vocab_size=67, seq_len=16, d_model=32, n_heads=4, n_layers=3, mlp_width=90), seed=0)
+OTHERS = {  # what differs from the saved model -> the words its refusal must hold
+    "fewer layers": (dict(n_layers=3), "adamw", "holds parameter 'blocks.3.ln1.weight', which this model does not have"),
+    "more layers": (dict(n_layers=5), "adamw", "has no parameter 'blocks.4.ln1.weight' (32,) — the checkpoint is of another model"),
+    "wider MLP": (dict(mlp_width=96), "adamw", "parameter 'blocks.0.mlp.fc.weight' is (90, 32) in"),
+    "another optimizer": ({}, "sgd", "was saved with optimizer AdamW, this engine uses SGD"),
+}
+
+
+def _other_model(folder: str, change: dict, opt: str) -> str:
+    model = GPT(GPTConfig(**{**CFG.__dict__, **change}), seed=0)
     plan = sl.plan(model, get_mesh({"data": 2}), zero=1)
-    engine = sl.parallelize(model, plan, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    make = (lambda ps: torch.optim.AdamW(ps, lr=1e-2)) if opt == "adamw" else (lambda ps: torch.optim.SGD(ps, lr=1e-2))
+    engine = sl.parallelize(model, plan, optimizer=make)
     try:
         engine.load(folder)
     except CheckpointError as e:
@@ -160,8 +169,58 @@ def _other_model(folder: str) -> str:
 def test_a_checkpoint_of_another_model_is_refused(world, tmp_path):
     folder = str(tmp_path / "four_layers")
     save_run("single", folder)
-    msg = world(2, _other_model, folder)[0]
-    assert "holds parameter 'blocks.3.ln1.weight', which this model does not have" in msg
+    for what, (change, opt, words) in OTHERS.items():
+        msg = world(2, _other_model, folder, change, opt)[0]
+        assert words in msg, (what, msg)
+
+
+def _scale_and_rng(folder: str) -> dict:
+    """fp16: the loss scale and its counters come back; each rank's RNG comes back as its own."""
+    rank = torch.distributed.get_rank()
+    engine = build({"data": 2}, {"zero": 1}, precision="fp16")
+    for i in range(2):
+        engine.step(batch(i))
+    engine.scaler.scale, engine.scaler.good_steps, engine.scaler.skipped_steps = 1536.0, 7, 3
+    torch.manual_seed(1000 + rank)
+    engine.save(folder)
+    rng = torch.get_rng_state()
+    fresh = build({"data": 2}, {"zero": 1}, precision="fp16", seed=7)
+    torch.manual_seed(5)
+    fresh.load(folder)
+    return {"scaler": (fresh.scaler.scale, fresh.scaler.good_steps, fresh.scaler.skipped_steps),
+            "rng": torch.equal(torch.get_rng_state(), rng), "draw": torch.rand(1).item()}
+
+
+def test_loss_scale_and_rng_come_back(world, tmp_path):
+    got = world(2, _scale_and_rng, str(tmp_path / "fp16"))
+    assert all(g["scaler"] == (1536.0, 7, 3) for g in got)
+    assert all(g["rng"] for g in got)
+    assert got[0]["draw"] != got[1]["draw"]          # each rank its own stream, not rank 0's
+
+
+def test_metadata_that_asks_for_code_is_never_unpickled(tmp_path):
+    """DCP pickles ``.metadata``; a tampered one (its SHA-256 put in the manifest too) that would run
+    code when unpickled is refused by name, and the code does not run."""
+    import hashlib
+    import pickle
+
+    folder = tmp_path / "ck"
+    save_run("single", str(folder))
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    meta = folder / ".metadata"
+    meta.write_bytes(pickle.dumps(Evil()))
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["files"][".metadata"] = hashlib.sha256(meta.read_bytes()).hexdigest()
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    engine = build({"data": 1}, {})
+    with pytest.raises(CheckpointError, match="refusing to unpickle"):
+        engine.load(str(folder))
+    assert not marker.exists()
 
 
 def _failing_save(folder: str, kind: str) -> str:

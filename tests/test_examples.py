@@ -8,6 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+import shardlib as sl
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -143,6 +146,27 @@ def test_a_mesh_that_is_not_the_torchrun_world_is_refused(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     got = _example("train_gpt").problems_of([])
     assert len(got) == 1 and "mesh=2x2x2 has 8 ranks" in got[0] and "torchrun started 4" in got[0]
+
+
+def test_checkpoint_settings_are_checked_before_any_rank_starts(tmp_path):
+    """A resume path that is no checkpoint, a checkpoint of another model, a folder that cannot be
+    written: each named by its key, in this process."""
+    from shardlib.models import GPT, GPTConfig
+
+    problems_of = _example("train_gpt").problems_of
+    got = problems_of([f"checkpoint.resume={tmp_path / 'nope'}"])
+    assert len(got) == 1 and got[0].startswith(f"checkpoint.resume: {tmp_path / 'nope'} does not exist"), got
+    model = GPT(GPTConfig(vocab_size=256, seq_len=64, d_model=128, n_heads=4, n_layers=2), seed=0)   # tiny has 4
+    engine = sl.parallelize(model, sl.plan(model, sl.Mesh({"data": 1})),
+                            optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    engine.save(tmp_path / "two_layers")
+    got = problems_of([f"checkpoint.resume={tmp_path / 'two_layers'}"])
+    assert got and all(g.startswith("checkpoint.resume: ") for g in got), got
+    assert any("has no parameter 'blocks.3.ln1.weight'" in g for g in got), got
+    got = problems_of(["checkpoint.every=5", f"checkpoint.dir={tmp_path / 'two_layers' / 'manifest.json' / 'ck'}"])
+    assert len(got) == 1 and got[0].startswith("checkpoint.dir: ") and "cannot be written" in got[0], got
+    assert problems_of(["checkpoint.every=5", f"checkpoint.dir={tmp_path / 'new' / 'ck'}",
+                        "checkpoint.resume=auto"]) == []      # nothing saved yet: starts at step 0
 
 
 def test_demo_config_errors_are_caught_before_any_rank_starts():

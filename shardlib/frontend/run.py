@@ -56,11 +56,16 @@ def check(run: RunConfig) -> list[str]:
     meta device, planned on an ``AbstractMesh``; the data read and its bytes in the vocabulary."""
     from ..models.gpt import GPT
 
+    from ..runtime.checkpoint_files import resume_problems
+
     problems: list[str] = []
     where = f"plan (mesh={run.mesh.name}, parallel={run.parallel.name}, model={run.model.name})"
     try:
         with torch.device("meta"):
             model = GPT(run.model.gpt(), seed=None)
+        if run.checkpoint.every or run.checkpoint.resume:
+            problems += resume_problems(run.checkpoint.resume, run.checkpoint.dir,
+                                        {n: tuple(p.shape) for n, p in model.named_parameters()})
         make_plan(model, AbstractMesh(run.mesh.shape), run)
     except (ShardingError, ShardingTypeError) as e:
         found = getattr(e, "problems", None) or [str(e)]

@@ -26,7 +26,6 @@ refuses a checkpoint of another model naming every missing or mis-shaped paramet
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -40,18 +39,13 @@ import torch.distributed as dist
 
 from ..algebra.boxes import Box, overlap, range_boxes, shift, slices_in
 from ..algebra.layout import Layout
-from ..errors import ShardingError
+from .checkpoint_files import (FORMAT, LATEST, MANIFEST, VERSION, CheckpointError, _dcp_error, _fsync_dir, _install,
+                               _sha, _why, _writable, params_problems,
+                               read_manifest, resolve, safe_reader)
+from .checkpoint_files import clean_partial as clean_partial, latest as latest   # the series' users import them here
 
 if TYPE_CHECKING:
     from .engine import Engine
-
-FORMAT, VERSION = "shardlib-checkpoint", 1
-MANIFEST, LATEST = "manifest.json", "latest"
-
-
-class CheckpointError(ShardingError):
-    """A checkpoint cannot be written or read: not a checkpoint, half-written, corrupt, of another
-    model, or the disk refused."""
 
 
 # ---- what a rank holds ------------------------------------------------------------------------
@@ -144,30 +138,6 @@ def rank_zero(engine: Engine) -> bool:
     return engine.mesh.rank == 0
 
 
-def _dcp_error() -> type:
-    """DCP's ``CheckpointException`` (a ``BaseException``: it carries every rank's failure)."""
-    from torch.distributed.checkpoint.api import CheckpointException
-    return CheckpointException
-
-
-def _why(e: BaseException) -> str:
-    """The first underlying failure of a DCP error (``rank r: OSError: ...``), or ``e`` itself."""
-    failures = getattr(e, "failures", None)
-    if failures:
-        r, inner = sorted(failures.items(), key=lambda x: x[0])[0]
-        inner = inner[0] if isinstance(inner, tuple) and inner else inner     # (exception, its frames)
-        return f"rank {r}: {type(inner).__name__}: {str(inner).splitlines()[0][:300] if str(inner) else ''}"
-    return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-
-
-def _sha(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _json_safe(x: Any) -> Any:
     if isinstance(x, dict):
         return {str(k): _json_safe(v) for k, v in x.items() if _json_safe(v) is not _DROP}
@@ -258,39 +228,6 @@ def save(engine: Engine, path: str | os.PathLike, *, extra: dict | None = None) 
     return path
 
 
-def _writable(folder: Path) -> str | None:
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        return f"save: cannot create {folder} ({e.strerror}) — expected a folder this process may write to."
-    if not os.access(folder, os.W_OK | os.X_OK):
-        return f"save: no permission to write in {folder} — expected a writable folder. Fix its permissions or save elsewhere."
-    return None
-
-
-def _fsync_dir(folder: Path) -> None:
-    for f in folder.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _install(tmp: Path, path: Path) -> None:
-    """Move the finished ``tmp`` to ``path``; an older checkpoint there is moved aside first and
-    removed after (a crash between the two renames leaves it as ``.<name>.old-*``, whole)."""
-    old = None
-    if path.exists():
-        old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
-        os.rename(path, old)
-    os.rename(tmp, path)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def _manifest(engine: Engine, index: dict, files: dict, extra: dict | None) -> dict:
     gplan, opt = engine.global_plan, engine.optimizer
     groups = [{k: _json_safe(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
@@ -336,53 +273,7 @@ def save_step(engine: Engine, folder: str | os.PathLike, step: int, *, extra: di
     return path
 
 
-def clean_partial(folder: str | os.PathLike) -> list[Path]:
-    """Remove what interrupted saves left in ``folder`` (their temporary folders); the complete
-    checkpoints stay. Call it where no save is running (e.g. after Ctrl-C stopped the ranks)."""
-    gone = []
-    for p in Path(folder).glob(".*.tmp-*"):
-        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
-        gone.append(p)
-    return gone
-
-
-def resolve(path: str | os.PathLike) -> Path:
-    """A checkpoint folder: ``path`` itself, or the one its ``latest`` pointer names."""
-    path = Path(path)
-    if (path / LATEST).is_file():
-        name = (path / LATEST).read_text().strip()
-        return path / name
-    return path
-
-
-def latest(folder: str | os.PathLike) -> Path | None:
-    """The checkpoint ``folder/latest`` names, if there is a complete one."""
-    p = resolve(folder)
-    return p if (p / MANIFEST).is_file() else None
-
-
 # ---- load ---------------------------------------------------------------------------------------
-
-def read_manifest(path: Path) -> dict:
-    if not path.exists():
-        raise CheckpointError(f"load: {path} does not exist — expected a checkpoint folder written by engine.save "
-                              "(or a folder with a 'latest' pointer).")
-    if not (path / MANIFEST).is_file():
-        tmp = sorted(path.parent.glob(f".{path.name}.tmp-*"))
-        half = f" ({tmp[0].name} beside it is a save that never finished)" if tmp else ""
-        raise CheckpointError(f"load: {path} is not a checkpoint — no {MANIFEST}{half}; expected a folder written "
-                              "by engine.save. A half-written save has no manifest: load the previous checkpoint.")
-    try:
-        m = json.loads((path / MANIFEST).read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"load: {path / MANIFEST} cannot be read ({e}) — the checkpoint is corrupt.") from None
-    if not isinstance(m, dict) or m.get("format") != FORMAT:
-        raise CheckpointError(f"load: {path} is not a shardlib checkpoint (manifest format {m.get('format')!r}).")
-    if m.get("version") != VERSION:
-        raise CheckpointError(f"load: {path} has checkpoint format version {m.get('version')} — this shardlib "
-                              f"reads version {VERSION}.")
-    return m
-
 
 def check_files(engine: Engine, path: Path, manifest: dict) -> None:
     """Every file the manifest names is there, whole (SHA-256), checked over the ranks (rank r hashes
@@ -407,17 +298,7 @@ def check_files(engine: Engine, path: Path, manifest: dict) -> None:
 
 
 def check_model(engine: Engine, manifest: dict, path: Path) -> None:
-    saved = manifest["params"]
-    problems = []
-    for p in engine.global_plan.params:
-        got = saved.get(p.name)
-        if got is None:
-            problems.append(f"load: {path} has no parameter {p.name!r} {tuple(p.shape)} — the checkpoint is of another model.")
-        elif tuple(got["shape"]) != tuple(p.shape):
-            problems.append(f"load: parameter {p.name!r} is {tuple(got['shape'])} in {path} but {tuple(p.shape)} in "
-                            "this model — expected the model the checkpoint was saved from.")
-    mine = {p.name for p in engine.global_plan.params}
-    problems += [f"load: {path} holds parameter {n!r}, which this model does not have." for n in saved if n not in mine]
+    problems = params_problems(manifest, {p.name: tuple(p.shape) for p in engine.global_plan.params}, path)
     opt = manifest["optimizer"]["class"]
     if opt != type(engine.optimizer).__name__:
         problems.append(f"load: {path} was saved with optimizer {opt}, this engine uses "
@@ -491,7 +372,7 @@ def load(engine: Engine, path: str | os.PathLike) -> dict:
     if torch.cuda.is_available() and cuda_key in manifest["tensors"]:
         request[cuda_key] = torch.empty_like(torch.cuda.get_rng_state())
     try:
-        dcp.load(request, storage_reader=dcp.FileSystemReader(str(path)), no_dist=_world(engine) == 1)
+        dcp.load(request, storage_reader=safe_reader(path), no_dist=_world(engine) == 1)
     except (Exception, _dcp_error()) as e:
         raise CheckpointError(f"load: reading {path} failed — {_why(e)}.") from None
     covered: dict[int, int] = {}
