@@ -84,7 +84,6 @@ not hide the other's numbers.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -98,6 +97,7 @@ import torch.distributed as dist
 from bench_memory import proc_status                                # benchmarks/ is on the path when run
 from bench_pipeline import GPTStage, lm_loss                        # as a script
 from bench_tensor_parallel import CountCollectives, torch_tp_plan
+from harness import alternate, common_options, reference_losses, run_sides, write_rows
 
 import shardlib as sl
 from shardlib.comm.core import NETWORK_OPS
@@ -105,6 +105,7 @@ from shardlib.models import GPT, GPTConfig, token_batch
 
 CFG = GPTConfig(vocab_size=512, seq_len=64, d_model=128, n_heads=4, n_layers=8)   # 1.73 M parameters
 MESH = {"data": 2, "pipe": 2, "tensor": 2}
+N = MESH["data"] * MESH["pipe"] * MESH["tensor"]
 BATCH, M = 16, 4          # global batch (sequences); 4 micro-batches of 2 per data rank
 LR = 1e-3
 RULES = {"layers": "pipe", "heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
@@ -263,22 +264,7 @@ def rank_main(label: str, sides: list[str], warmup: int, steps: int) -> list[dic
     sp = CONFIGS[label][0]
     batches = [token_batch(CFG, BATCH, s) for s in range(warmup + steps)]
     built = {side: SIDES[side](sp) for side in sides}
-    mine = {s: {"losses": [], "spans": [], "bytes": None} for s in built}
-    for i, batch in enumerate(batches[:warmup]):
-        for side, b in built.items():
-            if i == warmup - 1:   # the counter's cost is never timed
-                loss, mine[side]["bytes"] = counted_step(side, b, batch)
-            else:
-                loss = b.step(batch)
-            mine[side]["losses"].append(loss)
-    order = list(built)
-    for i, batch in enumerate(batches[warmup:]):
-        for side in (order if i % 2 == 0 else order[::-1]):
-            dist.barrier()
-            t0 = time.perf_counter()
-            loss = built[side].step(batch)
-            mine[side]["spans"].append((t0, time.perf_counter()))
-            mine[side]["losses"].append(loss)
+    mine = alternate(built, batches, warmup, count=counted_step)
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     return everyone
@@ -294,36 +280,9 @@ def rss_main(label: str, side: str, steps: int) -> dict:
     return {"before": before, "peak": proc_status("VmHWM")}
 
 
-def reference_losses(count: int) -> list[float]:
-    """One process, the plain GPT, the whole global batch, the same optimizer and batches."""
-    torch.set_num_threads(1)
-    model = GPT(CFG, seed=0)
-    opt = make_optimizer(model.parameters())
-    out = []
-    for s in range(count):
-        loss = model(*token_batch(CFG, BATCH, s))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        out.append(loss.item())
-    return out
-
-
 # ---------------------------------------------------------------------------------------------
 # Driver and table
 # ---------------------------------------------------------------------------------------------
-
-def _launch(fn, *args, timeout: tuple[float, float]) -> tuple[list | None, str | None]:
-    """``sl.launch`` of 8 ranks under ``timeout = (collective, whole world)`` seconds; ``(results, None)`` or
-    ``(None, first line of the error)``."""
-    n = MESH["data"] * MESH["pipe"] * MESH["tensor"]
-    try:
-        return sl.launch(fn, n, *args, threads=1, timeout=timeout[0], run_timeout=timeout[1]), None
-    except sl.WorkerError as e:   # a rank raised, died or hung: reported, not hidden
-        tb = getattr(e, "remote_traceback", "")
-        print(f"{fn.__name__}{args}: FAILED: {e}\n{tb}", file=sys.stderr, flush=True)
-        return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:400]
-
 
 def collect(per: list[dict], side: str, steps: int) -> dict:
     """One side's times, global-batch losses and bytes from every rank's record."""
@@ -350,26 +309,8 @@ def run_config(label: str, sides: list[str], warmup: int, steps: int, timeout: t
     sp, torch_name = CONFIGS[label]
     row = {"config": label, "form": f"{label} (data 2 x pipe 2 x tensor 2, ZeRO-3, 1F1B m={M})", "sp": sp,
            "baseline": torch_name, "ranks": 8, "results": {}, "failed": {}, "rss": {}, "load": [os.getloadavg()[0]]}
-    per, err = _launch(rank_main, label, sides, warmup, steps, timeout=timeout)
-    if per is not None:
-        for side in sides:
-            row["results"][side] = collect(per[0], side, steps)
-    elif len(sides) > 1:   # one side's failure must not hide the other's numbers
-        for side in sides:
-            alone, e = _launch(rank_main, label, [side], warmup, steps, timeout=timeout)
-            if alone is None:
-                row["failed"][side] = e
-            else:
-                row["results"][side] = collect(alone[0], side, steps)
-    else:
-        row["failed"][sides[0]] = err
-    if rss:
-        for side in row["results"]:
-            out, e = _launch(rss_main, label, side, warmup + 2, timeout=timeout)
-            if out is not None:
-                row["rss"][side] = out
-    row["load"].append(os.getloadavg()[0])
-    return row
+    return run_sides(row, N, rank_main, rss_main, label, sides, warmup, steps, timeout, rss,
+                     lambda per, side: collect(per[0], side, steps))
 
 
 def _rel(a: list[float], b: list[float]) -> float:
@@ -435,15 +376,10 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
     ap.add_argument("--sides", nargs="*", default=["shardlib", "torch"], choices=["shardlib", "torch"])
-    ap.add_argument("--steps", type=int, default=16, help="timed steps per side")
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--timeout", type=float, default=120.0, help="collective (and p2p) timeout, seconds")
-    ap.add_argument("--world-timeout", type=float, default=900.0, help="one world's whole run, seconds")
-    ap.add_argument("--no-rss", action="store_true", help="skip the peak-RSS worlds")
-    ap.add_argument("--json", default=None, help="also write the rows to this file")
+    common_options(ap, steps=16)
     args = ap.parse_args(argv)
     t_start = time.time()
-    ref = reference_losses(args.warmup + args.steps)
+    ref = reference_losses(CFG, BATCH, args.warmup + args.steps, make_optimizer)
     rows = []
     for label in args.configs:
         t0 = time.time()
@@ -468,9 +404,7 @@ def main(argv=None) -> None:
     print(table(rows))
     print("\nCollectives counted in one step (rank 0):\n")
     print(ops_lines(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1, default=str)
+    write_rows(rows, args.json)
 
 
 if __name__ == "__main__":

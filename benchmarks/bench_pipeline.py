@@ -79,7 +79,6 @@ does not hide the other's numbers.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import statistics
@@ -92,6 +91,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from bench_memory import proc_status  # benchmarks/ is on the path when run as a script
+from harness import alternate, common_options, reference_losses, run_sides, write_rows
 from torch import nn
 
 import shardlib as sl
@@ -285,19 +285,7 @@ def rank_main(label: str, sides: list[str], warmup: int, steps: int) -> dict:
     v = {"torch": vt, "shardlib": vs}
     batches = [token_batch(CFG, BATCH, s) for s in range(warmup + steps)]
     built = {side: SIDES[side](schedule, p, m, v[side]) for side in sides}
-    mine = {s: {"losses": [], "spans": [], "records": []} for s in built}
-    for batch in batches[:warmup]:
-        for side, b in built.items():
-            mine[side]["losses"].append(b.step(batch))
-    order = list(built)
-    for i, batch in enumerate(batches[warmup:]):
-        for side in (order if i % 2 == 0 else order[::-1]):
-            dist.barrier()
-            t0 = time.perf_counter()
-            loss = built[side].step(batch)
-            mine[side]["spans"].append((t0, time.perf_counter()))
-            mine[side]["losses"].append(loss)
-            mine[side]["records"].append(built[side].records())
+    mine = alternate(built, batches, warmup, record=lambda b: b.records())
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     res = {}
@@ -320,21 +308,6 @@ def rss_main(label: str, side: str, steps: int) -> dict:
     for s in range(steps):
         b.step(token_batch(CFG, BATCH, s))
     return {"before": before, "peak": proc_status("VmHWM")}
-
-
-def reference_losses(count: int) -> list[float]:
-    """One process, the whole model and batch, the same optimizer and batches."""
-    torch.set_num_threads(1)
-    model = GPT(CFG, seed=0)
-    opt = make_optimizer(model.parameters())
-    out = []
-    for s in range(count):
-        loss = model(*token_batch(CFG, BATCH, s))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        out.append(loss.item())
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -393,17 +366,6 @@ def formula_idle(schedule: str, p: int, m: int, v: int | None) -> float | None:
 # Driver and table
 # ---------------------------------------------------------------------------------------------
 
-def _launch(fn, p: int, *args, timeout: tuple[float, float]) -> tuple[list | None, str | None]:
-    """``sl.launch`` under ``timeout = (collective, whole world)`` seconds; ``(results, None)`` or
-    ``(None, first line of the error)``."""
-    try:
-        return sl.launch(fn, p, *args, threads=1, timeout=timeout[0], run_timeout=timeout[1]), None
-    except sl.WorkerError as e:   # a rank raised, died or hung: reported, not hidden
-        tb = getattr(e, "remote_traceback", "")
-        print(f"{fn.__name__}{args}: FAILED: {e}\n{tb}", file=sys.stderr, flush=True)
-        return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
-
-
 def run_config(label: str, sides: list[str], warmup: int, steps: int, timeout: tuple[float, float],
                rss: bool) -> dict:
     schedule, p, m, vt, vs = CONFIGS[label]
@@ -412,25 +374,8 @@ def run_config(label: str, sides: list[str], warmup: int, steps: int, timeout: t
     sides = [s for s in sides if row["v"][s] is not None]
     if not sides:
         return row
-    per_rank, err = _launch(rank_main, p, label, sides, warmup, steps, timeout=timeout)
-    if per_rank is not None:
-        row["results"] = per_rank[0]
-    elif len(sides) > 1:   # one side's failure must not hide the other's numbers
-        for side in sides:
-            alone, e = _launch(rank_main, p, label, [side], warmup, steps, timeout=timeout)
-            if alone is None:
-                row["failed"][side] = e
-            else:
-                row["results"].update(alone[0])
-    else:
-        row["failed"][sides[0]] = err
-    for side in row["results"]:
-        if rss:
-            out, e = _launch(rss_main, p, label, side, warmup + 2, timeout=timeout)
-            if out is not None:
-                row["rss"][side] = out
-    row["load"].append(os.getloadavg()[0])
-    return row
+    return run_sides(row, p, rank_main, rss_main, label, sides, warmup, steps, timeout, rss,
+                     lambda per, side: per[0][side])
 
 
 def summarize(row: dict, ref: list[float]) -> dict:
@@ -537,15 +482,10 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
     ap.add_argument("--sides", nargs="*", default=["shardlib", "torch"], choices=["shardlib", "torch"])
-    ap.add_argument("--steps", type=int, default=15, help="timed steps per side")
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--timeout", type=float, default=120.0, help="collective (and p2p) timeout, seconds")
-    ap.add_argument("--world-timeout", type=float, default=900.0, help="one world's whole run, seconds")
-    ap.add_argument("--no-rss", action="store_true", help="skip the peak-RSS worlds")
+    common_options(ap, steps=15)
     ap.add_argument("--png", default=None, help="write each config's median-step timelines (PNG) into this folder")
-    ap.add_argument("--json", default=None, help="also write the rows to this file")
     args = ap.parse_args(argv)
-    ref = reference_losses(args.warmup + args.steps)
+    ref = reference_losses(CFG, BATCH, args.warmup + args.steps, make_optimizer)
     rows = []
     for label in args.configs:
         t0 = time.time()
@@ -573,9 +513,7 @@ def main(argv=None) -> None:
     print(table(rows))
     print("\nPer rank, ms per step in each action kind:\n")
     print(kinds_table(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1, default=str)
+    write_rows(rows, args.json)
 
 
 if __name__ == "__main__":

@@ -45,7 +45,6 @@ gradients, ``3·(d-1)/d·Ψ/t`` elements.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -61,6 +60,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardlib as sl
 from bench_memory import proc_status   # benchmarks/ is on the path when run as a script
+from harness import alternate, reference_losses, write_rows
 from shardlib.comm.core import all_gather_bytes, all_reduce_bytes, broadcast_bytes, reduce_scatter_bytes
 from shardlib.models import GPT, GPTConfig, token_batch
 
@@ -322,26 +322,14 @@ def rank_main(label: str, warmup: int, steps: int) -> dict:
             built[side] = SIDES[side](CFG, mesh_shape, sp, zero)
         except NotImplementedError as e:
             errors[side] = str(e)
-    res = {"errors": errors, "times": {s: [] for s in built}, "losses": {s: [] for s in built},
-           "bytes": {}, "planned": {}}
+    res = {"errors": errors, "bytes": {}, "planned": {}}
     for side, b in built.items():
         if b.plan is not None:
             res["planned"][side] = b.plan.comm_bytes_per_step()
-    for i, batch in enumerate(batches[:warmup]):
-        for side, b in built.items():
-            if i == warmup - 1:   # the last warm-up step is counted (the counter's cost is never timed)
-                loss, res["bytes"][side] = _count(side, b, batch)
-            else:
-                loss = b.step(batch)
-            res["losses"][side].append(loss)
-    order = list(built)
-    for i, batch in enumerate(batches[warmup:]):
-        for side in (order if i % 2 == 0 else order[::-1]):
-            dist.barrier()
-            t0 = time.perf_counter()
-            loss = built[side].step(batch)
-            res["times"][side].append(time.perf_counter() - t0)
-            res["losses"][side].append(loss)
+    mine = alternate(built, batches, warmup, count=_count)
+    res["times"] = {side: [t1 - t0 for t0, t1 in m["spans"]] for side, m in mine.items()}
+    res["losses"] = {side: m["losses"] for side, m in mine.items()}
+    res["bytes"] = {side: m["bytes"] for side, m in mine.items()}
     # the global batch's loss: the mean over data coordinates (tensor ranks hold equal values)
     for side, ls in res["losses"].items():
         x = torch.tensor(ls, dtype=torch.float64)
@@ -360,21 +348,6 @@ def rss_main(label: str, side: str, steps: int) -> dict:
     for b in batches:
         step(b)
     return {"before": before, "peak": proc_status("VmHWM")}
-
-
-def reference_losses(count: int) -> list[float]:
-    """One process, the whole batch, the same model, optimizer and batches."""
-    torch.set_num_threads(1)
-    model = GPT(CFG, seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    out = []
-    for s in range(count):
-        loss = model(*token_batch(CFG, BATCH, s))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        out.append(loss.item())
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -446,7 +419,7 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--json", default=None, help="also write the rows to this file")
     args = ap.parse_args(argv)
-    ref = reference_losses(args.warmup + args.steps)
+    ref = reference_losses(CFG, BATCH, args.warmup + args.steps, lambda ps: torch.optim.AdamW(ps, lr=1e-3))
     rows = []
     for label in args.configs:
         t0 = time.time()
@@ -466,9 +439,7 @@ def main(argv=None) -> None:
     print(table(rows))
     print("\nCollectives counted in one step (rank 0):\n")
     print(ops_table(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1, default=str)
+    write_rows(rows, args.json)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Every form's side-by-side comparison against its torch-native baseline, in one command.
 
-    PYTHONPATH=. python3 benchmarks/run_all.py --out results            # ~25 min on the 2-core reference machine
+    PYTHONPATH=. python3 benchmarks/run_all.py --out results            # ~11 min on the 2-core reference machine
     PYTHONPATH=. python3 benchmarks/run_all.py --quick --out /tmp/r      # fewer steps and configs (~8 min)
 
 Runs, one after the other (each in its own process worlds, both sides of a pair in the same world and

@@ -300,6 +300,19 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path, when):
         pool.close()
 
 
+def test_a_save_stopped_between_its_two_renames_points_at_the_previous_checkpoint(tmp_path):
+    """Replacing a checkpoint moves the old one aside, then the new one in: stopped between the two,
+    only ``.<name>.old-*`` is there, whole — the error for the missing name says so."""
+    ck = tmp_path / "ck"
+    save_run("single", str(ck))
+    os.rename(ck, tmp_path / ".ck.old-1a2b3c4d")
+    engine = build({"data": 1}, {})
+    with pytest.raises(CheckpointError, match=r"\.ck\.old-1a2b3c4d beside it is the previous checkpoint.*rename it to ck"):
+        engine.load(str(ck))
+    os.rename(tmp_path / ".ck.old-1a2b3c4d", ck)
+    assert engine.load(str(ck))["data_position"] == SAVE_AT
+
+
 # ---- export -------------------------------------------------------------------------------------
 
 def _export(path: str) -> dict:

@@ -235,3 +235,11 @@ def test_ctrl_c_then_resume_follows_the_same_loss_curve(tmp_path):
     assert [m["step"] for m in resumed] == list(range(saved + 1, 11))
     assert [m["loss"] for m in resumed] == [m["loss"] for m in reference[saved:]]     # bit for bit
     assert [m["lr"] for m in resumed] == [m["lr"] for m in reference[saved:]]
+    # the same checkpoint on another mesh and layout (data 2 x tensor 2, TP): within fp32 round-off
+    other = _run("examples/train_gpt.py", *[c for c in common if not c.startswith(("mesh=", "parallel="))],
+                 "mesh=dp2_tp2", "parallel=tp", f"checkpoint.resume={ck / f'step-{saved:06d}'}",
+                 f"hydra.run.dir={tmp_path / 'other'}")
+    moved = _metrics(tmp_path / "other")
+    assert [m["step"] for m in moved] == list(range(saved + 1, 11))
+    rel = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(moved, reference[saved:]))
+    assert rel <= 1e-5, rel

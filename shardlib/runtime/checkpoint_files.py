@@ -116,8 +116,11 @@ def latest(folder: str | os.PathLike) -> Path | None:
 
 def read_manifest(path: Path) -> dict:
     if not path.exists():
+        old = sorted(path.parent.glob(f".{path.name}.old-*")) if path.parent.exists() else []
+        hint = (f" {old[0]} beside it is the previous checkpoint of that name, whole (a save was stopped while "
+                f"replacing it): rename it to {path.name} to load it.") if old else ""
         raise CheckpointError(f"load: {path} does not exist — expected a checkpoint folder written by engine.save "
-                              "(or a folder with a 'latest' pointer).")
+                              "(or a folder with a 'latest' pointer)." + hint)
     if not (path / MANIFEST).is_file():
         tmp = sorted(path.parent.glob(f".{path.name}.tmp-*"))
         half = f" ({tmp[0].name} beside it is a save that never finished)" if tmp else ""
