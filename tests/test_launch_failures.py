@@ -154,6 +154,7 @@ def test_launch_names_the_rank_that_never_reached_the_collective():
 
 
 _TORCHRUN_HANG = '''
+import threading
 import time
 import torch
 import shardlib as sl
@@ -165,6 +166,7 @@ def main():
     core.all_reduce(x, mesh, "data")
     if mesh.rank == 1:
         time.sleep(600)
+    threading.Thread(target=time.sleep, args=(600,)).start()   # a thread that would hold rank 0's exit
     core.all_reduce(x, mesh, "data")
 
 if __name__ == "__main__":
@@ -176,11 +178,13 @@ def test_torchrun_rank_that_times_out_names_the_peer_that_never_arrived(tmp_path
     script = tmp_path / "prog.py"
     script.write_text(_TORCHRUN_HANG)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(script)], cwd=tmp_path, env=_env(SHARDLIB_TIMEOUT="120"), capture_output=True,
-                          text=True, timeout=240)
+                           str(script)], cwd=tmp_path, env=_env(SHARDLIB_TIMEOUT="120", SHARDLIB_EXIT_GRACE="5"),
+                          capture_output=True, text=True, timeout=240)
     assert proc.returncode != 0
     err = proc.stderr
     assert "rank 0 was in collective #2 all_reduce(data) when it failed; rank 1 of 2 never reached it" in err, err
+    # rank 0's exit, held by its thread, is cut at SHARDLIB_EXIT_GRACE: torchrun sees it fail and stops rank 1
+    assert "has not exited in 5 s (SHARDLIB_EXIT_GRACE)" in err and "Thread 0x" in err, err
     assert "rank 1: last collective #1 all_reduce(data)" in err
     assert "SHARDLIB_TIMEOUT=120 s" in err
 

@@ -220,6 +220,8 @@ def launch(fn: Callable, nprocs: int, *args: Any, backend: str | None = None,
             result = fn(*args, **kwargs)
         except BaseException as e:
             watch.annotate(e)
+            if created:
+                bound_exit()
             raise
         finally:
             watch.stop()
@@ -248,6 +250,39 @@ def launch(fn: Callable, nprocs: int, *args: Any, backend: str | None = None,
     finally:
         shutil.rmtree(result_dir, ignore_errors=True)
         reaper.close()
+
+
+def bound_exit() -> None:
+    """After a failure in a world ``launch`` joined under ``torchrun``: once the interpreter starts to
+    exit, give it ``SHARDLIB_EXIT_GRACE`` seconds (default 30), then dump every thread's stack and
+    ``_exit(1)``. A process group torn down while a peer still waits (or a thread that never ends) can
+    otherwise hold the rank — and ``torchrun``, which waits for it — forever. Armed when the exit
+    begins (before Python joins the threads), so a program that catches the error and goes on is
+    not cut short."""
+    global _EXIT_BOUND
+    if _EXIT_BOUND:
+        return
+    _EXIT_BOUND = True
+    grace = float(os.environ.get("SHARDLIB_EXIT_GRACE", "30"))
+
+    def arm() -> None:
+        print(f"shardlib: this rank failed; if it has not exited in {grace:g} s (SHARDLIB_EXIT_GRACE) its threads' "
+              "stacks are dumped and it exits with status 1", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback_later(grace, exit=True)
+
+    import threading
+
+    register = getattr(threading, "_register_atexit", None)   # runs before the interpreter joins threads
+    try:
+        register(arm) if register else None
+    except RuntimeError:    # already shutting down
+        register = None
+    if register is None:
+        import atexit
+        atexit.register(arm)
+
+
+_EXIT_BOUND = False
 
 
 def _check_not_bootstrapping() -> None:
