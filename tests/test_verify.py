@@ -22,17 +22,32 @@ def _verify(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
                           timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
+def _pool_losses(run, steps):
+    from shardlib.cli.verify import rank_losses
+    from shardlib.testing import get_mesh
+
+    return rank_losses(run, steps, get_mesh(run.mesh.shape))
+
+
 @pytest.mark.slow
-def test_the_default_matrix_trains_like_one_process():
-    proc = _verify()
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and not line.startswith("| case")]
+def test_the_default_matrix_trains_like_one_process(world, capsys):
+    """The command's own code (``verify.main``) over the default matrix, each case on the suite's warm
+    worker pools instead of a fresh world (the command itself runs as a process in the tests below)."""
+    from shardlib.cli import verify
+
+    def run_case(run, steps):
+        return world(run.mesh.size, _pool_losses, run, steps) if run.mesh.size > 1 else [_pool_losses(run, steps)]
+
+    code = verify.main([], run_case=run_case)
+    out = capsys.readouterr()
+    assert code == 0, out.out[-3000:] + out.err[-3000:]
+    rows = [line for line in out.out.splitlines() if line.startswith("| ") and not line.startswith("| case")]
     assert [r.split("|")[1].strip() for r in rows] == ["single", "dp4", "zero3", "hsdp", "tp2_dp2", "pp2_dp2", "3d_zero3"]
     for r in rows:
         cells = [c.strip() for c in r.split("|")]
         assert cells[7:9] == ["True", "ok"], r
         assert float(cells[6]) <= 1e-5, r
-    assert "all 7 layouts train like one process" in proc.stdout
+    assert "all 7 layouts train like one process" in out.out
 
 
 def test_a_drifting_case_fails_loudly():

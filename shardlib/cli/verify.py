@@ -19,6 +19,7 @@ import argparse
 import math
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -64,13 +65,14 @@ def reference_losses(run: RunConfig, steps: int) -> list[float]:
     return out
 
 
-def rank_losses(run: RunConfig, steps: int) -> list[float]:
-    """One case on this rank: the engine's losses, step by step."""
+def rank_losses(run: RunConfig, steps: int, mesh=None) -> list[float]:
+    """One case on this rank (on ``mesh``, default a new ``Mesh`` of the case's shape over the world):
+    the engine's losses, step by step."""
     from ..algebra.mesh import Mesh
     from ..frontend.run import Trainer
 
     torch.set_num_threads(1)
-    trainer = Trainer(run, Mesh(run.mesh.shape))
+    trainer = Trainer(run, mesh if mesh is not None else Mesh(run.mesh.shape))
     return [trainer.step(i, record=False)["loss"] for i in range(steps)]
 
 
@@ -81,8 +83,14 @@ def _case_overrides(spec: str) -> tuple[str, list[str]]:
     return name, [o for o in rest.split(",") if o]
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, run_case: Callable[[RunConfig, int], list] | None = None) -> int:
+    """The command. ``run_case(run, steps)`` returns every rank's losses for one case; by default
+    each case is a fresh process world (``sl.launch``) — a test passes its warm worker pools."""
     from ..frontend.launcher import WorkerError, launch
+
+    if run_case is None:
+        def run_case(run: RunConfig, steps: int) -> list:
+            return launch(rank_losses, run.mesh.size, run, steps, threads=1)
 
     ap = argparse.ArgumentParser(prog="python -m shardlib.verify", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -124,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, run in runs.items():
         t0 = time.perf_counter()
         try:
-            per_rank = launch(rank_losses, run.mesh.size, run, steps, threads=1)
+            per_rank = run_case(run, steps)
             err = None
         except WorkerError as e:
             per_rank, err = None, str(e).splitlines()[0]
