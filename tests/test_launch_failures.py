@@ -179,7 +179,7 @@ def test_torchrun_rank_that_times_out_names_the_peer_that_never_arrived(tmp_path
     script.write_text(_TORCHRUN_HANG)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            str(script)], cwd=tmp_path, env=_env(SHARDLIB_TIMEOUT="120", SHARDLIB_EXIT_GRACE="5"),
-                          capture_output=True, text=True, timeout=240)
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0
     err = proc.stderr
     assert "rank 0 was in collective #2 all_reduce(data) when it failed; rank 1 of 2 never reached it" in err, err
