@@ -62,10 +62,10 @@ def tp_runs(cfgs: list[dict], shape: dict) -> list[dict]:
 
 
 def check_world(world, runs, cfgs: list[dict], shape: dict, reference, *, counts: bool = True,
-                **tolerance) -> None:
+                **tolerance) -> list[list[dict]]:
     """Run ``runs(cfgs, shape)`` on every rank of a ``shape`` mesh; each configuration's results must
     match ``reference(cfg)`` (``check_parity``) and, with ``counts``, each rank's counted collectives
-    one step's planned ones."""
+    one step's planned ones. Returns every rank's results."""
     n = 1
     for v in shape.values():
         n *= v
@@ -76,6 +76,7 @@ def check_world(world, runs, cfgs: list[dict], shape: dict, reference, *, counts
         for r, res in enumerate(results if counts else []):
             assert res["counted"] == res["planned"], f"{cfg} {shape}: rank {r} ran {res['counted']}, " \
                                                      f"the plan says {res['planned']}"
+    return per_rank
 
 
 def _reference(cfg: dict) -> dict:
