@@ -251,3 +251,37 @@ def test_default_timeout_reads_the_environment(monkeypatch):
 
     monkeypatch.setenv("SHARDLIB_TIMEOUT", "12.5")
     assert default_timeout() == datetime.timedelta(seconds=12.5)
+
+
+def _tensor_only_mesh():
+    """A column/row MLP on sl.Mesh({'tensor': 2}) — no 'data' axis — trains like one process."""
+    from shardlib.models.mlp import MLP, regression_batch
+    from shardlib.testing import get_mesh
+
+    sizes = (6, 10, 6)
+    mesh = get_mesh({"tensor": 2})
+    losses = []
+    for split in (False, True):
+        model = MLP(sizes)
+        if split:
+            sl.shard({"layers.0.weight": sl.P("tensor", None), "layers.0.bias": sl.P("tensor"),
+                      "layers.1.weight": sl.P(None, "tensor")})(model)
+            plan = sl.plan(model, mesh, zero=1)
+            step = sl.parallelize(model, plan, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1)).step
+        else:
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+            def step(b, model=model, opt=opt):
+                opt.zero_grad()
+                loss = model(*b)
+                loss.backward()
+                opt.step()
+                return float(loss.detach())
+        losses.append([step(regression_batch(sizes, 4, s)) for s in range(3)])
+    return losses, plan.mesh.axis_sizes
+
+
+def test_a_mesh_without_a_data_axis_trains_with_data_one(world):
+    for (ref, got), axes in world(2, _tensor_only_mesh):
+        assert axes == {"data": 1, "tensor": 2}
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=0)

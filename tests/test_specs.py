@@ -300,3 +300,29 @@ def test_twelve_thousand_parameters_resolve():
     assert specs["1.bias"] == specs["5999.bias"] == specs["5900.bias"] == P("tensor")
     assert specs["0.bias"] == specs["599.bias"] == P()
     assert sum(s == P("tensor") for s in specs.values()) == 101
+
+
+def test_a_pattern_that_matches_nothing_is_an_error_naming_the_closest_names():
+    """Not only under strict: a typo in a table is named, with the parameter names it most likely meant."""
+    a = sl.shard(MESH, {"qkv.weight": P("tensor", None), "*.prj.weight": P(None, "tensor")})(PlainAttn())
+    with pytest.raises(sl.SpecError) as info:
+        resolve_specs(a, MESH)
+    (msg,) = problems_of(info)
+    assert "pattern '*.prj.weight'" in msg and "matches no parameter" in msg
+    assert "'proj.weight'" in msg.split("closest names are", 1)[1], msg
+    b = sl.shard(MESH, {"qkv.wieght": P("tensor", None)})(PlainAttn())
+    with pytest.raises(sl.SpecError, match=r"pattern 'qkv.wieght' .* closest names are 'qkv.weight'"):
+        resolve_specs(b, MESH)
+
+
+def test_a_mesh_without_a_data_axis_plans_with_data_one():
+    """sl.plan on a mesh of only 'tensor' reads it as data = 1 (the same ranks, one more axis name);
+    a data_axis= naming no axis of the mesh is still refused."""
+    model = sl.shard({"qkv.weight": P("tensor", None), "qkv.bias": P("tensor"),
+                      "proj.weight": P(None, "tensor")})(PlainAttn())
+    plan = sl.plan(model, sl.AbstractMesh({"tensor": 2}), zero=1)
+    assert plan.data_size == 1 and plan.tensor_size == 2
+    assert plan.mesh.axis_sizes == {"data": 1, "tensor": 2}
+    assert [plan.mesh.coords(r) for r in range(2)] == [(0, 0), (0, 1)]
+    with pytest.raises(sl.ShardingError, match="has no 'dat' axis"):
+        sl.plan(model, sl.AbstractMesh({"tensor": 2}), data_axis="dat")

@@ -198,6 +198,19 @@ class AbstractMesh:
     def abstract(self) -> AbstractMesh:
         return AbstractMesh(self.axis_sizes)
 
+    def with_axis(self, name: str) -> AbstractMesh:
+        """This mesh with a size-1 axis ``name`` in front (itself when it has the axis): the same
+        devices and ranks, one more name. The planner reads a mesh without a ``data`` axis as this
+        mesh with ``data`` = 1."""
+        if name in self._names:
+            return self
+        out = object.__new__(type(self))         # not copy.copy: a Mesh refuses pickling
+        out.__dict__.update(self.__dict__)         # shares the process groups (keys skip size-1 axes)
+        out._names = (name, *self._names)
+        out._sizes = (1, *self._sizes)
+        out._strides = (self.size, *self._strides)
+        return out
+
     # ---- value semantics -----------------------------------------------------------------------
     def __eq__(self, other: object) -> bool:
         return isinstance(other, AbstractMesh) and (self._names, self._sizes) == (other._names, other._sizes)
@@ -414,8 +427,10 @@ class Mesh(AbstractMesh):
 
     @property
     def device_mesh(self):
-        """torch's ``DeviceMesh`` over the same grid, or None in a world of one with no process group."""
-        return self._device_mesh
+        """torch's ``DeviceMesh`` over the same grid, or None in a world of one with no process group
+        (and on a mesh made by ``with_axis``, whose grid torch's mesh does not have)."""
+        dm = self._device_mesh
+        return dm if dm is None or dm.ndim == self.ndim else None
 
     def group(self, axes: str | Sequence[str]):
         """The process group over ``axes`` (any order), or None when their product is 1."""

@@ -144,6 +144,8 @@ def plan(model: nn.Module, mesh: AbstractMesh, zero: int | None = None, *, state
         raise ShardingTypeError(f"plan: expected an nn.Module — got {type(model).__name__}.")
     if not isinstance(mesh, AbstractMesh):
         raise ShardingTypeError(f"plan: expected a Mesh or AbstractMesh — got {type(mesh).__name__}.")
+    if data_axis == "data":          # a mesh without a data axis is one whose data size is 1
+        mesh = mesh.with_axis(data_axis)
     states, rdt, unit_names, rec, state_bytes, specs, tplan, pplan = _check(
         model, mesh, zero=zero, states=states, precision=precision, reduce_dtype=reduce_dtype,
         grad_accum=grad_accum, clip_grad_norm=clip_grad_norm, recompute=recompute, units=units,
@@ -303,8 +305,9 @@ def _check(model: nn.Module, mesh: AbstractMesh, *, zero, states, precision, red
     if not isinstance(data_axis, str):
         add(f"plan: data_axis must be a mesh axis name — got {type(data_axis).__name__} {data_axis!r}.", True)
     elif data_axis not in mesh.axis_names:
-        add(f"plan: the mesh {mesh.axis_sizes} has no {data_axis!r} axis — expected the data-parallel "
-            f"axis. Add it (size 1 if unused) or pass data_axis=.")
+        add(f"plan: the mesh {mesh.axis_sizes} has no {data_axis!r} axis — expected data_axis to name one of "
+            f"its axes {mesh.axis_names} (a mesh with no axis named 'data' plans with data = 1 by default). "
+            "Fix data_axis=, or drop it.")
     if replica_axis is not None and not isinstance(replica_axis, str):
         add(f"plan: replica_axis must be a mesh axis name or None — got {type(replica_axis).__name__} "
             f"{replica_axis!r}.", True)
