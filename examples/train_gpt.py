@@ -15,7 +15,8 @@ each is a short message naming the config key, exit code 2. Started plainly, the
 mesh's processes itself; under ``torchrun`` it uses that world unchanged.
 
 Rank 0 prints the plan (compact), shows a progress bar (loss, tokens/s, step time, ETA; on stderr)
-and a log line every ``train.log_every`` steps, and writes into the Hydra run directory
+and a log line every ``train.log_every`` steps — where the output is not a terminal (a log file, CI)
+no bar, but the same plain line every ``train.log_every`` steps or 30 s — and writes into the Hydra run directory
 (``outputs/<date>/<time>/``): ``metrics.jsonl`` (one object per step: step, loss, lr, grad_norm,
 tokens_per_s, step_ms, peak_rss per rank, bytes_per_axis rank 0 sent), ``plan.txt``, ``loss.png``,
 ``memory.png`` (per rank, planned vs measured parameters, gradients, optimizer state, activations),
@@ -43,7 +44,8 @@ from omegaconf import DictConfig, OmegaConf
 import shardlib as sl
 from shardlib.cli.compose import check_overrides
 from shardlib.frontend.config import ConfigError, RunConfig, run_config
-from shardlib.frontend.report import plot_loss, plot_memory, summary_lines
+from shardlib.frontend.launcher import WorkerError
+from shardlib.frontend.report import Progress, plot_loss, plot_memory, summary_lines
 from shardlib.frontend.run import SavedActivations, Trainer, check
 from shardlib.planner.pipeline_report import rank_activation_bytes
 from shardlib.runtime.checkpoint import clean_partial, latest, save_step
@@ -76,12 +78,7 @@ def rank_main(run: RunConfig, out: str) -> dict:
         print(text + f"\n\ndata: {len(trainer.text) / 2**20:.1f} MiB of "
               f"{run.data.path or 'the stdlib source'}; {t.steps} steps of {t.batch} x {run.seq} tokens; "
               f"writing to {out_dir}\n", flush=True)
-    import threading
-
-    from tqdm import tqdm
-    tqdm.set_lock(threading.RLock())          # not tqdm's multiprocessing lock: ranks leave with os._exit
-    bar = tqdm(total=t.steps, initial=start, disable=not lead, file=sys.stderr, mininterval=1.0, unit="step",
-               dynamic_ncols=True)
+    progress = Progress(t.steps, start, every=t.log_every, show=lead)
     metrics, saved, timeline = [], 0, []
     sink = open(out_dir / "metrics.jsonl", "w") if lead else contextlib.nullcontext()
     with sink as f:
@@ -97,17 +94,13 @@ def rank_main(run: RunConfig, out: str) -> dict:
             if lead:
                 f.write(json.dumps(m) + "\n")
                 f.flush()
-                bar.set_postfix(loss=f"{m['loss']:.4f}", tok_s=f"{m['tokens_per_s']:,.0f}", ms=f"{m['step_ms']:.0f}")
-                bar.update()
-                if (i + 1) % t.log_every == 0 or i == start:
-                    print(f"step {i + 1:5d}  loss {m['loss']:.4f}  lr {m['lr']:.2e}  {m['step_ms']:6.0f} ms  "
-                          f"{m['tokens_per_s']:8,.0f} tok/s", flush=True)
+                progress.update(m)
             if ck.every and ((i + 1) % ck.every == 0 or i + 1 == t.steps):
                 where = save_step(engine, ck.dir, i + 1, keep=ck.keep,
                                   extra={"mesh": run.mesh.name, "parallel": run.parallel.name})
                 if lead:
                     print(f"saved {where}", flush=True)
-    bar.close()
+    progress.close()
     if not metrics:
         return {"losses": [], "agree": True, "out": str(out_dir)}
     # whole-run claims are checked across ranks, under torchrun too: every rank's losses and memory
@@ -179,12 +172,11 @@ def hydra_main(cfg: DictConfig) -> None:
     try:
         results = sl.launch(rank_main, run.mesh.size, run, out)
     except KeyboardInterrupt:          # Ctrl-C: the ranks are gone; a save they left half-done goes too
-        if run.checkpoint.every:
-            clean_partial(run.checkpoint.dir)
-        print(f"\n{NAME}: interrupted" + (f"; checkpoint.resume=auto continues from {latest(run.checkpoint.dir)}"
-                                          if run.checkpoint.every and latest(run.checkpoint.dir) else ""),
-              file=sys.stderr, flush=True)
+        print(f"\n{NAME}: interrupted{_stopped(run, '; ')}", file=sys.stderr, flush=True)
         raise SystemExit(130) from None
+    except WorkerError as e:           # a rank raised or died: the launcher's own message, not ours wrapped round it
+        print(f"{NAME}: {e}{_stopped(run, chr(10))}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     res = results[0]
     if not res["losses"]:
         print(f"{NAME}: nothing to do — the checkpoint is at step {run.train.steps} already", flush=True)
@@ -193,6 +185,16 @@ def hydra_main(cfg: DictConfig) -> None:
         raise SystemExit(f"{NAME}: the ranks disagree on the loss")
     if os.environ.get("RANK", "0") == "0" and len(res["losses"]) > 1 and not res["losses"][-1] < res["losses"][0]:
         raise SystemExit(f"{NAME}: the loss did not go down ({res['losses'][0]:.4f} -> {res['losses'][-1]:.4f})")
+
+
+def _stopped(run: RunConfig, sep: str) -> str:
+    """The ranks are gone (Ctrl-C, or one failed): remove a save they left half-done; where a resume
+    would continue from (after ``sep``), or nothing."""
+    if not run.checkpoint.every:
+        return ""
+    clean_partial(run.checkpoint.dir)
+    where = latest(run.checkpoint.dir)
+    return f"{sep}checkpoint.resume=auto continues from {where}" if where else ""
 
 
 def problems_of(argv: list[str]) -> list[str]:

@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -63,6 +64,10 @@ def test_main_job_trains_3d_and_writes_its_metrics_and_pictures(main_run):
     rows = _metrics(out_dir)
     assert [r["step"] for r in rows] == list(range(1, 7))
     assert rows[-1]["loss"] < rows[0]["loss"]
+    # not a terminal (captured): plain progress lines, no bar and its carriage returns
+    assert "\r" not in out + proc.stderr and "it/s" not in proc.stderr and "step/s" not in proc.stderr
+    assert [line.split()[1] for line in out.splitlines() if line.startswith("step ") and "ETA" in line] == \
+        [f"{i}/6" for i in range(1, 7)]
     for r in rows:
         assert set(r) == {"step", "loss", "lr", "grad_norm", "step_ms", "tokens_per_s", "bytes_per_axis", "peak_rss"}
         assert len(r["peak_rss"]) == 8 and r["grad_norm"] > 0
@@ -250,3 +255,38 @@ def test_ctrl_c_then_resume_follows_the_same_loss_curve(tmp_path):
     assert [m["step"] for m in resumed] == list(range(saved + 1, saved + 5))
     assert [m["loss"] for m in resumed] == [m["loss"] for m in reference[saved:]]     # bit for bit
     assert [m["lr"] for m in resumed] == [m["lr"] for m in reference[saved:]]
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_ends_the_job_with_the_launchers_line(tmp_path):
+    """A rank killed with SIGKILL mid-run: the job exits 1 with the launcher's one line on stderr —
+    no traceback of the launching process, no Hydra advice — and no rank is left running."""
+    import signal
+    import time
+
+    log = tmp_path / "stdout.log"
+    with open(log, "w") as f:
+        job = subprocess.Popen([sys.executable, "examples/train_gpt.py", "mesh=dp2", "parallel=dp", "train=quick",
+                                "train.steps=100000", f"hydra.run.dir={tmp_path / 'out'}"], cwd=ROOT,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=f, stderr=subprocess.PIPE,
+                               text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while "step     2/100000" not in log.read_text():
+            assert job.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.1)
+        ranks = [p for p in _children(job.pid) if b"spawn_main" in (Path("/proc") / str(p) / "cmdline").read_bytes()]
+        assert len(ranks) == 2, ranks
+        os.kill(ranks[1], signal.SIGKILL)
+        err = job.communicate(timeout=120)[1]
+    finally:
+        job.kill()
+    assert job.returncode == 1, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and re.fullmatch(r"train_gpt\.py: rank [01] of 2 failed: rank [01] was killed by SIGKILL "
+                                            r"before returning a result.*", lines[0]), err
+    assert "Traceback" not in err and "HYDRA_FULL_ERROR" not in err
+    deadline = time.monotonic() + 30
+    while any(_alive(p) for p in ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in ranks)

@@ -1,5 +1,6 @@
-"""What a run writes next to its metrics: the loss curve and per-rank memory bars (PNG), and the
-summary. The pipeline timeline of a real step is ``frontend/timeline.plot_timeline``.
+"""What a run shows and writes next to its metrics: its progress, the loss curve and per-rank
+memory bars (PNG), and the summary. The pipeline timeline of a real step is
+``frontend/timeline.plot_timeline``.
 
 matplotlib is imported inside the plotting functions only, on an Agg canvas (no pyplot state).
 """
@@ -8,6 +9,8 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -87,3 +90,56 @@ def summary_lines(metrics: Sequence[Mapping[str, Any]], *, warmup: int = 2) -> l
             f"{statistics.median(m['tokens_per_s'] for m in timed):,.0f} tokens/s",
             "peak resident memory per rank: " + " ".join(format_bytes(b) for b in peaks),
             "bytes rank 0 sent per step: " + (", ".join(f"{a} {format_bytes(b)}" for a, b in axes.items()) or "none")]
+
+
+def _duration(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+class Progress:
+    """A run's progress on rank 0 (``show``): at a terminal a tqdm bar on stderr (loss, tokens/s,
+    step time, ETA) and a log line every ``every`` steps; anywhere else (stdout or stderr is a log
+    file, a pipe, CI) no bar — its carriage returns make a log unreadable — but the same plain line
+    every ``every`` steps or ``seconds`` seconds, whichever comes first, and after the first and the
+    last step. A line: ``step 12/200  loss 3.2100  lr 3.00e-03  124 ms  4,130 tok/s  ETA 0m23s``."""
+
+    def __init__(self, total: int, start: int, *, every: int, show: bool = True, seconds: float = 30.0,
+                 terminal: bool | None = None):
+        self.total, self.start, self.every, self.seconds, self.show = total, start, every, seconds, show
+        self.terminal = sys.stdout.isatty() and sys.stderr.isatty() if terminal is None else terminal
+        self.t0 = self.last = time.monotonic()
+        self.bar = None
+        if show and self.terminal:
+            import threading
+
+            from tqdm import tqdm
+            tqdm.set_lock(threading.RLock())       # not tqdm's multiprocessing lock: ranks leave with os._exit
+            self.bar = tqdm(total=total, initial=start, file=sys.stderr, mininterval=1.0, unit="step",
+                            dynamic_ncols=True)
+
+    def line(self, m: Mapping[str, Any]) -> str:
+        done = m["step"] - self.start
+        eta = (time.monotonic() - self.t0) / done * (self.total - m["step"]) if done > 0 else 0.0
+        return (f"step {m['step']:5d}/{self.total}  loss {m['loss']:.4f}  lr {m['lr']:.2e}  {m['step_ms']:6.0f} ms  "
+                f"{m['tokens_per_s']:8,.0f} tok/s  ETA {_duration(eta)}")
+
+    def update(self, m: Mapping[str, Any]) -> None:
+        """After step ``m["step"]`` (1-based) with its metrics."""
+        if not self.show:
+            return
+        now, step = time.monotonic(), m["step"]
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{m['loss']:.4f}", tok_s=f"{m['tokens_per_s']:,.0f}", ms=f"{m['step_ms']:.0f}")
+            self.bar.update()
+            due = step % self.every == 0 or step == self.start + 1
+        else:
+            due = (step % self.every == 0 or step == self.start + 1 or step == self.total
+                   or now - self.last >= self.seconds)
+        if due:
+            self.last = now
+            print(self.line(m), flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
