@@ -36,6 +36,7 @@ from .buckets import GradBuckets
 from .inspection import EngineInspection
 from .materialize import is_meta
 from .pipeline import PipelineRuntime, strip_to_stage
+from .pretrained import EnginePretrained
 from .scaler import LossScaler
 from .setup import EngineSetup, _check_optimizer, _scaler, _validate
 from .sync import broadcast_buffers, broadcast_module, cast_buffers
@@ -49,7 +50,7 @@ class NonFiniteLossError(FloatingPointError):
 def parallelize(model: nn.Module, plan: Plan, optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer], *,
                 lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
                 loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
-                loss_scale: LossScaler | float | None = None, mesh: Mesh | None = None) -> Engine:
+                loss_scale: LossScaler | float | None = None, mesh: Mesh | None = None, init: bool = True) -> Engine:
     """Shard ``model`` in place by ``plan`` and return the engine that trains it.
 
     ``optimizer`` is a factory ``params -> torch.optim.Optimizer``: the engine decides which
@@ -57,7 +58,8 @@ def parallelize(model: nn.Module, plan: Plan, optimizer: Callable[[list[nn.Param
     ``optimizer -> scheduler``, stepped after every optimizer step (``ReduceLROnPlateau`` is
     given the step's loss). ``loss_fn(model, batch)`` returns the loss; without it the model is
     called with the batch (``model(*batch)`` for a tuple, ``model(**batch)`` for a dict) and must
-    return the loss. ``loss_scale`` (fp16 only): the initial dynamic loss scale, or a
+    return the loss, or an output with a ``.loss`` (a transformers ``ModelOutput`` given labels).
+    ``loss_scale`` (fp16 only): the initial dynamic loss scale, or a
     ``LossScaler`` with its growth rules (default: 2**16, halved on overflow, doubled after 2000
     good steps). A step whose gradients overflow on any rank is skipped on every rank.
 
@@ -72,16 +74,23 @@ def parallelize(model: nn.Module, plan: Plan, optimizer: Callable[[list[nn.Param
     building never holds more than one unit's full values. Seed before building the model, and draw
     no random numbers between building it and ``parallelize``. A model that cannot be replayed is
     refused with a ``ShardingError`` naming its modules.
+
+    ``init=False``: the values come from a load (``engine.load_pretrained(folder)``, or ``engine.load``);
+    nothing is replayed or broadcast, each rank allocates only what it holds (ZeRO-3: its pieces; a
+    pipe axis: its stages', a meta model allowed) — see ``runtime/pretrained.py``. A model built
+    normally is allowed too (its values are dropped). A step before the load is refused.
     """
     return Engine(model, plan, optimizer, lr_scheduler=lr_scheduler, loss_fn=loss_fn,
-                  loss_scale=loss_scale, mesh=mesh)
+                  loss_scale=loss_scale, mesh=mesh, init=init)
 
 
-class Engine(EngineSetup, EngineInspection, EngineAccess):
+class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
     def __init__(self, model: nn.Module, plan: Plan, optimizer, *, lr_scheduler=None, loss_fn=None,
-                 loss_scale: LossScaler | None = None, mesh: Mesh | None = None):
+                 loss_scale: LossScaler | None = None, mesh: Mesh | None = None, init: bool = True):
         mesh = mesh if mesh is not None else plan.mesh
         _validate(model, plan, optimizer, mesh, loss_fn)
+        if not isinstance(init, bool):
+            raise ShardingTypeError(f"parallelize: init must be True or False — got {init!r}.")
         # the whole-mesh plan; the engine runs this rank's tensor-local plan (the plan itself when
         # nothing is split over tensor): data parallel and ZeRO act on the tensor shards
         self.global_plan = plan
@@ -105,19 +114,26 @@ class Engine(EngineSetup, EngineInspection, EngineAccess):
         rng = None
         piped = self.global_plan.pipe_size > 1
         meta = is_meta(model)
-        if piped and meta:
+        if piped and meta and init:
             raise ShardingError("parallelize: the model is on the meta device and the plan cuts it into pipeline "
-                                "stages — expected a model built on CPU for a pipe axis > 1 (building each stage "
-                                "from the meta device is not supported yet). Build the model normally.")
+                                "stages — expected a model built on CPU for a pipe axis > 1 (replaying its random "
+                                "initialization per stage is not supported yet). Load its values instead: "
+                                "parallelize(..., init=False) then engine.load_pretrained(folder), or build the "
+                                "model normally.")
         if piped:              # this rank keeps its stages' parameters; the rest stays shapes only
             strip_to_stage(model, {p.name for p in plan.params})
-        if meta:      # built on the meta device: rank 0's values, replayed (see _materialize)
-            rng = self._materialize()
-        else:   # every replica starts from rank 0's model, as DDP (split over tensor: the whole mesh does)
-            axes = (tuple(a for a in mesh.axis_names if not piped or a != self.global_plan.pipeline.axis)
-                    if plan.tensor_size > 1 else plan.dp_axes)
-            broadcast_module(model, mesh, axes)
-        self.states = self._build_states(rng)
+        # values from a load (init=False): none now, and a step is refused until one
+        self._needs_load = not init
+        if not init:
+            self.states = self._build_states_empty()
+        else:
+            if meta:      # built on the meta device: rank 0's values, replayed (see _materialize)
+                rng = self._materialize()
+            else:   # every replica starts from rank 0's model, as DDP (split over tensor: the whole mesh does)
+                axes = (tuple(a for a in mesh.axis_names if not piped or a != self.global_plan.pipeline.axis)
+                        if plan.tensor_size > 1 else plan.dp_axes)
+                broadcast_module(model, mesh, axes)
+            self.states = self._build_states(rng)
         if plan.mixed:
             cast_buffers(model, self.cdt)
         self._apply_recompute()
@@ -143,6 +159,7 @@ class Engine(EngineSetup, EngineInspection, EngineAccess):
     def step(self, batch: Any, *, local: bool = False) -> float:
         """One optimizer step on ``batch`` (the global batch, or this rank's rows with ``local=True``);
         returns the mean loss of the whole batch."""
+        self._refuse_before_load("step")
         micro = self._split(batch, local)            # validates before any collective
         with self._stepping():
             loss = self._step(micro)
@@ -161,7 +178,31 @@ class Engine(EngineSetup, EngineInspection, EngineAccess):
         """Restore the state ``save`` wrote — on any mesh, plan and world size; returns its ``extra``.
         A collective."""
         from .checkpoint import load
-        return load(self, path)
+        extra = load(self, path)
+        self._needs_load = False
+        return extra
+
+    def load_pretrained(self, path, *, strict: bool = True) -> None:
+        """Read a transformers folder (``config.json`` with ``model.safetensors``, or shards with
+        ``model.safetensors.index.json``; bf16/fp16/fp32, cast to fp32) or one ``.safetensors`` file into
+        the shards: each rank reads only its pieces. Everything is checked before any value is written;
+        ``strict=False`` ignores tensors the model lacks. Before the first step. A collective."""
+        from .pretrained import load_pretrained
+        load_pretrained(self, path, strict=strict)
+
+    def save_pretrained(self, path, *, max_shard_size: int | str = "50GB", dtype: torch.dtype = torch.float32):
+        """Write what ``model.save_pretrained(path)`` writes in one process (config, generation config,
+        safetensors sharded above ``max_shard_size`` with an index), tensors assembled on rank 0 one at a
+        time. A model with no transformers config gets the safetensors files only. A collective."""
+        from .pretrained import save_pretrained
+        self._refuse_before_load("save_pretrained")
+        return save_pretrained(self, path, max_shard_size=max_shard_size, dtype=dtype)
+
+    def _refuse_before_load(self, api: str) -> None:
+        if self._needs_load:
+            raise ShardingError(f"{api}: the engine was built with init=False and its parameters have no values yet "
+                                "— expected a load first. Call engine.load_pretrained(folder) (or "
+                                "engine.load(checkpoint)) before the first step, or parallelize with init=True.")
 
     def export(self, path):
         """The full model (``full_state_dict()``) as one safetensors file, for a plain model."""
@@ -334,6 +375,12 @@ class Engine(EngineSetup, EngineInspection, EngineAccess):
             out = self.model(*batch)
         else:
             out = self.model(batch)
+        if self.loss_fn is None and not isinstance(out, torch.Tensor) and hasattr(out, "loss"):
+            if out.loss is None:
+                raise ShardingTypeError(f"step: the model returned a {type(out).__name__} with no loss — expected "
+                                        "labels in the batch (e.g. {'input_ids': ..., 'labels': ...}). Add labels, "
+                                        "or pass loss_fn=.")
+            out = out.loss      # a transformers ModelOutput: the model's own loss
         if not isinstance(out, torch.Tensor) or out.dim() != 0:
             raise ShardingTypeError(f"step: the loss must be a scalar tensor — got "
                                     f"{type(out).__name__}{tuple(out.shape) if isinstance(out, torch.Tensor) else ''}. "

@@ -1,0 +1,512 @@
+"""Pretrained weights straight into the shards, and back out: ``engine.load_pretrained(path)`` and
+``engine.save_pretrained(path)`` on transformers folders (``config.json`` + safetensors).
+
+**Empty states.** ``sl.parallelize(model, plan, ..., init=False)`` gives each rank zeros of exactly
+what it holds (ZeRO-3: its flat piece of each parameter; a pipe axis: its stages' parameters only),
+never a full model; buffers the file does not carry (rotary ``inv_freq``) are recomputed by the
+model's own ``_init_weights``. A step before a load is refused.
+
+**Load.** Every rank reads the safetensors headers (no tensor data) and checks, before writing any
+value and without a collective (every rank sees the same files, so all refuse alike): the
+architecture in ``config.json``, every parameter and persistent buffer present (under any of its
+tied names), its shape, a floating dtype, and every file whole (a tensor's bytes inside the file).
+Then each rank reads only its pieces — the boxes ``checkpoint._pieces`` gives in global
+coordinates — through ``safe_open(...).get_slice(name)[box]``, one box at a time, cast to fp32 as
+it is copied in: what a load holds beyond the rank's states is one box, at most the largest
+tensor. A file is opened per tensor, so its mapped pages are let go as the load moves on.
+
+**Save.** Rank 0 writes what ``model.save_pretrained`` writes in one process — ``config.json``,
+``generation_config.json`` where the model generates, ``model.safetensors`` or shards named by
+huggingface_hub's own split (``max_shard_size``) with ``model.safetensors.index.json``, the same
+tensor names (a tied weight under the name transformers keeps). Each tensor is assembled on rank 0
+from the ranks' boxes (point-to-point, each element sent once) and written into its place in the
+file (the header is known up front), then freed: rank 0 holds one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..algebra.boxes import Box
+from .checkpoint import _pieces
+from .checkpoint_files import CheckpointError
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+SAFE, INDEX, CONFIG = "model.safetensors", "model.safetensors.index.json", "config.json"
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+_CODES = {v: k for k, v in _DTYPES.items()}
+_FLOATS = ("F64", "F32", "F16", "BF16")
+_RELOAD = "Save the folder again (model.save_pretrained) or download it again."
+
+
+# ---- building without values (sl.parallelize(..., init=False)) ---------------------------------------
+
+class EnginePretrained:
+    """Empty states and buffers for ``init=False`` (mixed into ``Engine``)."""
+
+    def _build_states_empty(self) -> list:
+        """Each parameter's state with zeros for values, each rank allocating only what it holds."""
+        self._fill_buffers()
+        named, owners = dict(self.model.named_parameters()), self._owners()
+        states = []
+        for i, pp in enumerate(self.plan.params):
+            p = named[pp.name]
+            who = owners[id(p)]
+            if p.is_meta and self.plan.states.params is None:      # kept whole: a real parameter first
+                p = nn.Parameter(torch.zeros(pp.shape, device=self.mesh.device), requires_grad=pp.trainable)
+                for mod, attr in who:
+                    mod._parameters[attr] = p
+            st = self._param_state(i, pp, p, torch.zeros(pp.shape, device=self.mesh.device), who)
+            self._put(st)
+            states.append(st)
+        return states
+
+    @torch.no_grad()
+    def _fill_buffers(self) -> None:
+        """Meta buffers get values: zeros for persistent ones (the load fills them), and the model's
+        own ``_init_weights(module)`` for each module holding one (transformers recomputes rotary
+        tables there); a float buffer it leaves unset is refused."""
+        init = getattr(self.model, "_init_weights", None)
+        unset = []
+        for mname, mod in self.model.named_modules():
+            metas = [k for k, b in mod._buffers.items() if b is not None and b.is_meta]
+            if not metas:
+                continue
+            for k in metas:
+                b = mod._buffers[k]
+                mod._buffers[k] = torch.full(b.shape, float("nan"), dtype=b.dtype) if b.is_floating_point() \
+                    else torch.zeros(b.shape, dtype=b.dtype)
+            if callable(init):
+                init(mod)
+            for k in metas:
+                if k in mod._non_persistent_buffers_set and (not callable(init) or (
+                        mod._buffers[k].is_floating_point() and torch.isnan(mod._buffers[k]).any())):
+                    unset.append(f"{mname}.{k}" if mname else k)
+                elif k not in mod._non_persistent_buffers_set:
+                    mod._buffers[k].zero_()
+            for k in metas:
+                mod._buffers[k] = mod._buffers[k].to(self.mesh.device)
+        if unset:
+            raise CheckpointError(
+                f"parallelize: init=False on a meta-device model whose non-persistent buffer(s) {unset[:6]} are not "
+                "in any checkpoint and were not computed — expected the model's _init_weights(module) to set them "
+                "(transformers models do). Build the model on a real device, or use init=True.")
+
+
+# ---- reading a folder's headers ------------------------------------------------------------------------
+
+class _Entry:
+    """One tensor in a safetensors file: where it is, its dtype code and shape."""
+
+    def __init__(self, file: Path, dtype: str, shape: tuple[int, ...]):
+        self.file, self.dtype, self.shape = file, dtype, shape
+
+
+def _header(file: Path) -> dict[str, _Entry]:
+    """The tensors a safetensors file holds, checked whole against the file's size."""
+    size = file.stat().st_size
+    bad = f"load_pretrained: {file} is not a whole safetensors file"
+    with open(file, "rb") as fh:
+        raw = fh.read(8)
+        n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
+        if n < 0 or n > size - 8:
+            raise CheckpointError(f"{bad} — got {size} bytes, its header says {n}; expected a header and data. "
+                                  f"The file is truncated. {_RELOAD}")
+        try:
+            header = json.loads(fh.read(n))
+        except ValueError:
+            raise CheckpointError(f"{bad} — its header is not JSON. {_RELOAD}") from None
+    data, out = size - 8 - n, {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (b, e) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{bad} — tensor {name!r} has a malformed header entry. {_RELOAD}") from None
+        if e > data:
+            raise CheckpointError(f"{bad} — tensor {name!r} ends at data byte {e} but the file holds {data}: it is "
+                                  f"truncated. {_RELOAD}")
+        item = _DTYPES[dtype].itemsize if dtype in _DTYPES else None
+        if item is not None and e - b != math.prod(shape) * item:
+            raise CheckpointError(f"{bad} — tensor {name!r} ({dtype} {list(shape)}) spans {e - b} bytes. {_RELOAD}")
+        out[name] = _Entry(file, dtype, shape)
+    return out
+
+
+def read_folder(path: Path, api: str = "load_pretrained") -> tuple[dict | None, dict[str, _Entry]]:
+    """``(config.json or None, every tensor by name)`` of a transformers folder (one ``model.safetensors``,
+    or shards listed by ``model.safetensors.index.json``), or of a single ``.safetensors`` file."""
+    if path.is_file():
+        return None, _header(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{api}: {path} does not exist — expected a folder written by save_pretrained or a "
+                              ".safetensors file. Check the path.")
+    config = None
+    if (path / CONFIG).is_file():
+        try:
+            config = json.loads((path / CONFIG).read_text())
+        except ValueError:
+            raise CheckpointError(f"{api}: {path / CONFIG} is not JSON. {_RELOAD}") from None
+    if (path / INDEX).is_file():
+        try:
+            weight_map = json.loads((path / INDEX).read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError):
+            raise CheckpointError(f"{api}: {path / INDEX} is not a safetensors index (no weight_map). {_RELOAD}") \
+                from None
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not (path / f).is_file()]
+        if missing:
+            raise CheckpointError(f"{api}: {path / INDEX} lists {missing[:4]}, not in {path} — expected every shard "
+                                  f"file the index names. {_RELOAD}")
+        out: dict[str, _Entry] = {}
+        for f in files:
+            out.update(_header(path / f))
+        lost = [k for k, f in weight_map.items() if k not in out or out[k].file.name != f]
+        if lost:
+            raise CheckpointError(f"{api}: {path / INDEX} places {lost[:4]} in files that do not hold them — the "
+                                  f"shards and the index disagree. {_RELOAD}")
+        return config, out
+    if (path / SAFE).is_file():
+        return config, _header(path / SAFE)
+    raise CheckpointError(f"{api}: {path} holds neither {SAFE} nor {INDEX} — expected a folder written by "
+                          "save_pretrained (safetensors). Save it with safe_serialization, or point at the right folder.")
+
+
+# ---- what the model expects -----------------------------------------------------------------------------
+
+def _aliases(model: nn.Module) -> dict[str, list[str]]:
+    """Every name of each parameter, keyed by its first (the plan's) name."""
+    first: dict[int, str] = {}
+    out: dict[str, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        out.setdefault(first.setdefault(id(p), name), []).append(name)
+    return out
+
+
+def _persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``state_dict`` names of the persistent buffers, in ``state_dict`` order (the first name of a shared one)."""
+    out, seen = {}, set()
+    for mname, mod in model.named_modules(remove_duplicate=False):
+        for k, b in mod._buffers.items():
+            if b is not None and k not in mod._non_persistent_buffers_set and id(b) not in seen:
+                seen.add(id(b))
+                out[f"{mname}.{k}" if mname else k] = b
+    return out
+
+
+def _check(engine: Engine, path: Path, config: dict | None, entries: dict[str, _Entry], strict: bool
+           ) -> tuple[dict[str, str], dict[str, str]]:
+    """Every problem with the folder for this model, raised at once; else the file name of each
+    parameter (by plan name) and of each persistent buffer found."""
+    model, problems = engine.model, []
+    mconf = getattr(model, "config", None)
+    if config is not None and mconf is not None and hasattr(mconf, "model_type"):
+        arch, want = config.get("architectures") or [], type(model).__name__
+        if config.get("model_type") != mconf.model_type or (arch and want not in arch):
+            problems.append(f"load_pretrained: {path} holds a {config.get('model_type')!r} model ({', '.join(arch)}) "
+                            f"— expected {mconf.model_type!r} ({want}). Load the folder of this architecture, or "
+                            "build the model from this folder's config.")
+    elif config is None and mconf is not None and hasattr(mconf, "model_type") and path.is_dir():
+        problems.append(f"load_pretrained: {path} has no {CONFIG} — expected a transformers folder for "
+                        f"{type(model).__name__}. Write it with save_pretrained.")
+    params: dict[str, str] = {}
+    shapes = {p.name: tuple(p.shape) for p in engine.global_plan.params}
+    for first, names in _aliases(model).items():
+        found = next((n for n in names if n in entries), None)
+        if found is None:
+            problems.append(f"load_pretrained: {path} holds no tensor {first!r}"
+                            + (f" (nor its tied names {names[1:]})" if len(names) > 1 else "")
+                            + f" — expected every parameter of {type(model).__name__}. {_RELOAD}")
+            continue
+        params[first] = found
+        problems += _entry_problems(path, found, entries[found], shapes[first], None)
+    buffers: dict[str, str] = {}
+    for name, b in _persistent_buffers(model).items():
+        if name in entries:
+            buffers[name] = name
+            problems += _entry_problems(path, name, entries[name], tuple(b.shape), b.dtype)
+        elif b.is_meta:
+            problems.append(f"load_pretrained: {path} holds no buffer {name!r} — expected every persistent buffer "
+                            f"of a model built without values. {_RELOAD}")
+    if strict:
+        known = {n for names in _aliases(model).values() for n in names} | set(_persistent_buffers(model))
+        ignore = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
+        nonpersistent = {n for n, _ in model.named_buffers()}
+        extra = [k for k in entries if k not in known and k not in nonpersistent
+                 and not any(p.search(k) for p in ignore)]
+        if extra:
+            problems.append(f"load_pretrained: {path} holds {len(extra)} tensor(s) {type(model).__name__} does not "
+                            f"have — got {sorted(extra)[:6]}; expected only the model's parameters and buffers. Load "
+                            "the folder of this exact model (same config), or pass strict=False to ignore them.")
+    if problems:
+        raise CheckpointError(problems[:20], api="load_pretrained")
+    return params, buffers
+
+
+def _entry_problems(path: Path, name: str, e: _Entry, shape: tuple[int, ...], dtype: torch.dtype | None
+                    ) -> list[str]:
+    out = []
+    if tuple(e.shape) != tuple(shape):
+        out.append(f"load_pretrained: {path}: tensor {name!r} has shape {list(e.shape)} — expected {list(shape)}. "
+                   "Load the folder of a model with this config.")
+    floating = dtype is None or dtype.is_floating_point
+    if floating and e.dtype not in _FLOATS:
+        out.append(f"load_pretrained: {path}: tensor {name!r} is {e.dtype} — expected a float dtype (F32, F16, "
+                   "BF16). Save the weights as floats (quantized checkpoints are not read here).")
+    elif not floating and e.dtype in _FLOATS:
+        out.append(f"load_pretrained: {path}: buffer {name!r} is {e.dtype} — expected {dtype}. {_RELOAD}")
+    return out
+
+
+# ---- load ---------------------------------------------------------------------------------------------
+
+def _slices(box: Box) -> tuple[slice, ...]:
+    return tuple(slice(s, s + n) for s, n in zip(*box))
+
+
+@torch.no_grad()
+def load_pretrained(engine: Engine, path: str | os.PathLike, *, strict: bool = True) -> None:
+    """Fill the engine's parameters (and persistent buffers) from a transformers folder, each rank
+    reading only its pieces (see the module doc). Checked whole before any value is written."""
+    from safetensors import safe_open
+
+    path = Path(path).absolute()
+    if engine.step_count > 0:
+        raise CheckpointError(f"load_pretrained: the engine has taken {engine.step_count} step(s) — expected a load "
+                              "before the first step (the optimizer's state would belong to other weights). Load "
+                              "pretrained weights into a fresh engine, or resume training with engine.load(checkpoint).")
+    config, entries = read_folder(path)
+    params, buffers = _check(engine, path, config, entries, strict)
+    pieces, _ = _pieces(engine)
+    failed = None
+    engine._needs_load = True                      # until every rank has read all of its pieces
+    try:
+        for p in pieces:
+            if not p.key.startswith("param/"):
+                continue
+            name = params[p.key[len("param/"):]]
+            with safe_open(str(entries[name].file), framework="pt") as f:
+                src = f.get_slice(name)
+                for box, off in p.boxes:
+                    p.box_tensor(box, off).copy_(src[_slices(box)])
+        by_key = {p.key: p for p in pieces}
+        for s in engine.states:            # frozen values into what the engine computes with
+            if not s.trainable:
+                dst = s.shard if s.shard is not None else s.local_piece(s.param.data)
+                dst.copy_(by_key[f"param/{s.name}"].flat.view_as(dst))
+        held = _persistent_buffers(engine.model)
+        for name, fname in buffers.items():
+            with safe_open(str(entries[fname].file), framework="pt") as f:
+                held[name].copy_(f.get_tensor(fname))
+    except Exception as e:                 # noqa: BLE001 — reported on every rank below
+        failed = f"rank {engine.mesh.rank}: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+    failed = [f for f in _gather(engine, failed) if f]
+    if failed:
+        raise CheckpointError(f"load_pretrained: reading {path} failed — {failed[0]}. The engine has no complete "
+                              f"values and refuses to step. {_RELOAD}")
+    engine._publish()
+    engine._needs_load = False
+
+
+def _gather(engine: Engine, obj):
+    if engine.mesh.size == 1:
+        return [obj]
+    out = [None] * engine.mesh.size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+# ---- save -----------------------------------------------------------------------------------------------
+
+def _saved_names(model: nn.Module) -> list[tuple[str, str]]:
+    """``(name in the file, plan name or buffer name)`` in ``state_dict`` order, one name per tensor:
+    of tied names transformers drops those its tied-weight keys match (as ``save_pretrained`` does)."""
+    aliases = _aliases(model)
+    first = {n: f for f, names in aliases.items() for n in names}
+    buffers = _persistent_buffers(model)
+    order = []
+    for mname, mod in model.named_modules(remove_duplicate=False):
+        for k, t in list(mod._parameters.items()) + [(k, b) for k, b in mod._buffers.items()
+                                                     if k not in mod._non_persistent_buffers_set]:
+            name = f"{mname}.{k}" if mname else k
+            if t is not None and (name in first or name in buffers) and name not in order:
+                order.append(name)
+    tied: list[str] = []
+    try:
+        from transformers.modeling_utils import _get_tied_weight_keys
+        tied = list(_get_tied_weight_keys(model)) if hasattr(model, "config") else []
+    except (ImportError, AttributeError, TypeError):
+        tied = []
+    drop = set()
+    for f, names in aliases.items():
+        names = [n for n in names if n in order]
+        found = 0
+        for n in sorted(names):
+            if any(re.search(pat, n) for pat in tied):
+                found += 1
+                if found < len(names):
+                    drop.add(n)
+        keep = [n for n in names if n not in drop]
+        drop.update(keep[1:])
+    return [(n, first.get(n, n)) for n in order if n not in drop]
+
+
+def _header_bytes(tensors: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> tuple[bytes, dict[str, int]]:
+    """A safetensors header for ``tensors`` laid out as safetensors does (by dtype, then name), and each
+    tensor's data offset."""
+    order = sorted(tensors, key=lambda t: (-t[1].itemsize, t[0]))
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offsets, off = {}, 0
+    for name, dtype, shape in order:
+        n = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": _CODES[dtype], "shape": list(shape), "data_offsets": [off, off + n]}
+        offsets[name] = off
+        off += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw, offsets
+
+
+def _parse_size(size: int | str) -> int:
+    from huggingface_hub.serialization._base import parse_size_to_int
+    return parse_size_to_int(size) if isinstance(size, str) else int(size)
+
+
+@torch.no_grad()
+def save_pretrained(engine: Engine, path: str | os.PathLike, *, max_shard_size: int | str = "50GB",
+                    dtype: torch.dtype = torch.float32) -> Path:
+    """Write the model as ``model.save_pretrained(path)`` does in one process (see the module doc); a
+    model without a transformers ``config`` gets the safetensors files only. A collective."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise CheckpointError(f"save_pretrained: dtype {dtype} — expected torch.float32, float16 or bfloat16.")
+    path = Path(path).absolute()
+    model, gplan = engine.model, engine.global_plan
+    names = _saved_names(model)
+    shapes = {p.name: tuple(p.shape) for p in gplan.params}
+    buffers = _persistent_buffers(model)
+    kinds = {src: (shapes[src], dtype) if src in shapes else
+             (tuple(buffers[src].shape), dtype if buffers[src].is_floating_point() else buffers[src].dtype)
+             for _, src in names}
+    meta = {n: torch.empty(kinds[src][0], dtype=kinds[src][1], device="meta") for n, src in names}
+    split = split_torch_state_dict_into_shards(meta, filename_pattern="model{suffix}.safetensors",
+                                               max_shard_size=_parse_size(max_shard_size))
+    del meta
+    hf = hasattr(getattr(model, "config", None), "save_pretrained")
+    rank0 = engine.mesh.rank == 0
+    if hf:                                # as save_pretrained: the saved dtype and the class in the config
+        model.config.dtype = str(dtype).split(".")[1]
+        model.config.architectures = [type(model).__name__]
+    problem = None
+    if rank0:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            if hf:
+                model.config.save_pretrained(path)
+                can = getattr(model, "can_generate", None)
+                if callable(can) and can() and getattr(model, "generation_config", None) is not None:
+                    model.generation_config.save_pretrained(path)
+        except OSError as e:
+            problem = f"save_pretrained: cannot write {path} ({e.strerror}) — expected a writable folder."
+    problem = _gather(engine, problem)[0]
+    if problem:
+        raise CheckpointError(problem)
+    sender = _Sender(engine)
+    src_of = dict(names)
+    for fname, tensors in split.filename_to_tensors.items():
+        head, offsets = _header_bytes([(n, kinds[src_of[n]][1], kinds[src_of[n]][0]) for n in tensors])
+        tmp = path / f".{fname}.tmp-{uuid.uuid4().hex[:8]}"
+        fh = open(tmp, "wb") if rank0 else None
+        try:
+            if fh:
+                fh.write(head)
+            for n in sorted(tensors, key=lambda n: offsets[n]):
+                src = src_of[n]
+                t = sender.full(src) if src in shapes else buffers[src]
+                if fh:
+                    fh.seek(len(head) + offsets[n])
+                    fh.write(t.detach().to(kinds[src][1]).contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+                del t
+        finally:
+            if fh:
+                fh.close()
+        if rank0:
+            os.replace(tmp, path / fname)
+    if rank0:
+        _tidy(path, split, model, hf)
+    if engine.mesh.size > 1:
+        dist.barrier()
+    return path
+
+
+def _tidy(path: Path, split, model: nn.Module, hf: bool) -> None:
+    """The index (sharded) or its absence (one file), and no stale shard from an earlier save."""
+    stale = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+    for f in path.iterdir():
+        if stale.fullmatch(f.name) and f.name not in split.filename_to_tensors:
+            f.unlink()
+    if split.is_sharded:
+        if (path / SAFE).is_file():
+            (path / SAFE).unlink()
+        total = {"total_parameters": model.num_parameters()} if hf and hasattr(model, "num_parameters") else {}
+        index = {"metadata": {**total, **split.metadata}, "weight_map": split.tensor_to_filename}
+        (path / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    elif (path / INDEX).is_file():
+        (path / INDEX).unlink()
+
+
+class _Sender:
+    """Full parameters on rank 0, one at a time: every rank tells once which boxes it holds; each box of
+    each tensor is sent by the lowest rank holding it (replicas send nothing), point to point."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        pieces, _ = _pieces(engine)
+        self.mine = {p.key[len("param/"):]: p for p in pieces if p.key.startswith("param/")}
+        held = {k: [b for b, _ in p.boxes] for k, p in self.mine.items()}
+        self.owner: dict[str, list[tuple[int, Box]]] = {}
+        for r, got in enumerate(_gather(engine, held)):
+            for k, boxes in got.items():
+                have = self.owner.setdefault(k, [])
+                for b in boxes:
+                    if math.prod(b[1]) and all(b != x for _, x in have):
+                        have.append((r, b))
+
+    def full(self, name: str) -> torch.Tensor | None:
+        """Parameter ``name``'s full fp32 value on rank 0 (None elsewhere)."""
+        e = self.engine
+        me = e.mesh.rank
+        shape = next(p.shape for p in e.global_plan.params if p.name == name)
+        out = torch.zeros(shape, dtype=torch.float32) if me == 0 else None
+        recvs, sends = [], []
+        local = {b: off for b, off in self.mine[name].boxes} if name in self.mine else {}
+        for r, box in self.owner.get(name, []):
+            if r == me == 0:
+                out[_slices(box)] = self.mine[name].box_tensor(box, local[box])
+            elif me == 0:
+                buf = torch.empty(box[1], dtype=torch.float32)
+                recvs.append((dist.irecv(buf, src=r), box, buf))
+            elif r == me:
+                sends.append(dist.isend(self.mine[name].box_tensor(box, local[box]).contiguous(), dst=0))
+        for w, box, buf in recvs:
+            w.wait()
+            out[_slices(box)] = buf
+        for w in sends:
+            w.wait()
+        return out
