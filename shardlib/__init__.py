@@ -8,6 +8,7 @@ from .algebra.mesh import AbstractMesh as AbstractMesh
 from .algebra.mesh import Mesh as Mesh
 from .algebra.mesh import current_mesh as current_mesh
 from .algebra.mesh import use_mesh as use_mesh
+from .algebra.spec import Fused as Fused
 from .algebra.spec import P as P
 from .algebra.spec import PartitionSpec as PartitionSpec
 from .comm.collectives import all_gather as all_gather
@@ -49,7 +50,7 @@ from .runtime.engine import parallelize as parallelize
 __version__ = "0.1.0"
 
 __all__ = [
-    "AbstractMesh", "AxisRules", "CheckpointError", "CollectiveCounter", "CommEntry", "Engine", "NonFiniteLossError", "Plan", "StateLayouts",
+    "AbstractMesh", "AxisRules", "CheckpointError", "CollectiveCounter", "CommEntry", "Engine", "Fused", "NonFiniteLossError", "Plan", "StateLayouts",
     "parallelize", "plan", "CollectiveError", "CollectiveRecord", "Layout", "Mesh", "MeshError",
     "P", "PartitionSpec", "RedistributePlan", "ShardingError", "ShardingTypeError", "SpecError", "Step",
     "WorkerError", "all_gather", "all_to_all", "axis_index", "count_collectives", "current_mesh",

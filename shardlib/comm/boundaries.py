@@ -19,7 +19,11 @@ replicated param used on the  identity                           all-reduce over
   seq-split stream (SP)                                          gradient is a partial sum)
 ============================  =================================  ===================================
 
-Model code runs unchanged on local shards. A column input is memoised per tensor: the q, k
+Model code runs unchanged on local shards, with two helps where it reads full widths: a split
+``Conv1D`` (transformers; weight ``(in, out)``) runs a forward that takes its output width from
+the local weight (its own views the output with the full ``nf``), and the module holding a fused
+column gets the plan's local attributes (``planner/tensor.py``: GPT-2's ``split_size``, head counts,
+an attention's ``config`` as a shallow copy with local head counts) until ``remove()``. A column input is memoised per tensor: the q, k
 and v projections of one attention read one input and cost one ``f`` (one all-reduce in
 backward), as Megatron's fused QKV does. ``Ops`` executes the collectives; the planner's tracer
 (``planner/trace.py``) gives the same hooks an ``Ops`` that records them instead, so what a step
@@ -28,6 +32,7 @@ runs and what the plan counts are one code path.
 
 from __future__ import annotations
 
+import copy
 import types
 from typing import Any
 
@@ -151,11 +156,15 @@ class Boundaries:
         regions: list[str] = []
         if partial:
             units = [u for u in units if not u or u in modules]
+        self._saved_attrs: list[tuple[nn.Module, str, Any]] = []
+        self._local_attrs(modules, getattr(tplan, "local_attrs", ()), partial)
         for site in tplan.sites:
             if partial and site.module not in modules:
                 continue
             mod = modules[site.module]
             in_sp = sp and bool(site.unit)
+            if site.conv1d and site.kind in ("column", "logits"):
+                self._override(mod, _conv_column_forward)
             region = site.module.rpartition(".")[0]
             if in_sp and site.kind == "column" and region != site.unit and region.startswith(site.unit + "."):
                 # SP: the sequence is gathered where the split region begins (the attention or MLP
@@ -172,7 +181,7 @@ class Boundaries:
                 if site.kind == "logits":
                     self._handles.append(mod.register_forward_hook(self._logits_post(site)))
             elif site.kind == "row":
-                self._override(mod, _row_forward(self, in_sp, site.module in sp_modules))
+                self._override(mod, _row_forward(self, in_sp, site.module in sp_modules, site.conv1d))
             elif site.kind == "vocab":
                 self._override(mod, _vocab_forward(self, site, in_sp))
         # SP: a unit's tensor-replicated parameters (norms, row biases) enter its forward through
@@ -268,6 +277,26 @@ class Boundaries:
         self.ops.unit = ""
 
     # ---- installing ----------------------------------------------------------------------------
+    def _local_attrs(self, modules: dict[str, nn.Module], attrs, partial: bool) -> None:
+        """Give the modules holding fused columns their local attributes (this rank's ceil chunk of
+        each full count); ``config.x`` goes to a shallow copy of the module's config."""
+        configs: dict[str, Any] = {}
+        for la in attrs:
+            if partial and la.module not in modules:
+                continue
+            mod = modules[la.module]
+            lo, hi = vocab_range(la.full, self.ops.size, self.ops.coord())
+            if la.attr.startswith("config."):
+                cfg = configs.get(la.module)
+                if cfg is None:
+                    self._saved_attrs.append((mod, "config", mod.config))
+                    cfg = configs[la.module] = copy.copy(mod.config)
+                    mod.config = cfg
+                setattr(cfg, la.attr[len("config."):], hi - lo)
+            else:
+                self._saved_attrs.append((mod, la.attr, getattr(mod, la.attr)))
+                setattr(mod, la.attr, hi - lo)
+
     def _override(self, mod: nn.Module, fn) -> None:
         mod.forward = types.MethodType(fn, mod)
         self._forwards.append(mod)
@@ -277,7 +306,9 @@ class Boundaries:
             h.remove()
         for mod in self._forwards:
             mod.__dict__.pop("forward", None)
-        self._handles, self._forwards = [], []
+        for mod, attr, value in reversed(self._saved_attrs):
+            setattr(mod, attr, value)
+        self._handles, self._forwards, self._saved_attrs = [], [], []
         self.clear()
 
 
@@ -287,9 +318,18 @@ def _unit_of(name: str, units: set[str]) -> str:
     return name
 
 
-def _row_forward(b: Boundaries, in_sp: bool, bias_partial: bool):
+def _conv_column_forward(self, x):
+    """transformers' ``Conv1D`` on a column shard: its own forward views the output with the full
+    ``nf``; the width here is the local weight's."""
+    return torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight).view(*x.shape[:-1], self.weight.shape[1])
+
+
+def _row_forward(b: Boundaries, in_sp: bool, bias_partial: bool, conv1d: bool = False):
     def forward(self, x):
-        y = F.linear(x, self.weight)
+        if conv1d:                               # Conv1D: weight (in, out)
+            y = (x.reshape(-1, x.shape[-1]) @ self.weight).view(*x.shape[:-1], self.weight.shape[1])
+        else:
+            y = F.linear(x, self.weight)
         y = b.ops.scatter_seq(y) if in_sp else b.ops.g(y)
         if self.bias is not None:
             y = y + (b.sp_value(self, "bias") if bias_partial else self.bias)

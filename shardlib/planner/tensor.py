@@ -19,6 +19,12 @@ Linear ``P("tensor", None)``  logits split on the vocab   none: ``F.cross_entrop
 outside the layer stack, no   (the LM head)               vocab-parallel cross-entropy (2 all-reduces
 row beside it (``logits``)                                of ``N`` and ``2N`` floats), never holding
                                                           the full logits
+Conv1D ``P(None, "tensor")``  as a column Linear            as a column Linear (``transformers``'
+/ ``P("tensor", None)``                                   ``Conv1D``: weight stored ``(in, out)``)
+Linear ``P(Fused(3,           a column whose features     as a column; the bias ``P(Fused(3,
+"tensor"), None)``, Conv1D    are ``parts`` blocks        "tensor"))`` follows
+``P(None, Fused(3, ...))``    (``q|k|v``): this rank's
+                              chunk of each, in order
 ============================  ==========================  ==========================================
 
 Between a column and the row that consumes its output, model code runs unchanged on the local
@@ -30,22 +36,52 @@ all-gather + reduce-scatter pair of the same total volume, and the parameters re
 ``tensor`` that act on the split stream (LayerNorms, row biases) get partial gradients, summed
 over ``tensor`` in backward.
 
+**Conv1D** (``transformers.pytorch_utils.Conv1D``, found by its class name and ``nf``/``nx``
+attributes: transformers is never imported here) is a Linear with its weight stored transposed; its
+forward views the output with the full ``nf``, so while split the runtime replaces it with one that
+takes the width from the local weight (``comm/boundaries.py``), as it does a row Linear's.
+
+**Fused columns.** ``Fused(parts, axis)`` on a column's out-features says the features are
+``parts`` equal blocks (GPT-2's ``c_attn`` ``q|k|v``, Phi-3's ``qkv_proj`` and ``gate_up_proj``): each
+rank holds its chunk of every block, so the unchanged module code that ``.split()``s or
+``.chunk()``s the output gets this rank's q, k and v. Module code that slices by full-width
+attributes gets *local attributes* while split (``LocalAttr``; installed by ``Boundaries``,
+restored by ``remove()``), on the module holding a fused column only:
+
+=================================================  ==============================================
+attribute of the module holding the fused column   local value
+=================================================  ==============================================
+``split_size`` equal to the block width            this rank's chunk of a block (GPT-2's
+                                                   ``c_attn(h).split(self.split_size, dim=2)``)
+head counts ``num_heads``, ``num_attention_heads``,  the count / tensor size (heads split whole),
+``n_heads``, their KV forms — its own, and its      its ``config`` replaced by a shallow copy
+``config``'s (an attention module's)               holding them (Phi-3's ``config.num_attention_
+                                                   heads * head_dim`` query width)
+=================================================  ==============================================
+
+A fused ``q|k|v`` needs equal blocks: with fewer KV heads than query heads (grouped-query Phi-3)
+the blocks differ and the projection is refused (keep it replicated). A per-head interleaved
+projection (GPT-NeoX's ``query_key_value``: rows ``[head0: q k v][head1: q k v]...``) is a plain
+column ``P("tensor", None)``: contiguous rows are whole heads. ``hf_tp.py`` holds the tables.
+
 Everything here is data decided from the model's structure and the specs, before any process
 runs; errors name the module, the parameter, its shape, the spec and the fix.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 from torch import nn
 
-from ..algebra.spec import PartitionSpec
+from ..algebra.spec import Fused, PartitionSpec
 
 COLUMN, ROW, VOCAB, LOGITS = "column", "row", "vocab", "logits"
 _HEADS = ("n_heads", "num_heads", "num_attention_heads")
 _KV_HEADS = ("n_kv_heads", "num_kv_heads", "num_key_value_heads")
+_WIDTH_ATTRS = ("split_size",)
+_ATTENTION_MARKS = ("head_dim", "head_size", "num_key_value_groups")
 
 
 @dataclass(frozen=True)
@@ -60,6 +96,18 @@ class Site:
     bias: str | None
     width: int
     unit: str
+    fused: int = 1          # a column's feature blocks (``Fused(parts, axis)``); 1: plain
+    conv1d: bool = False    # transformers' Conv1D: weight (in, out)
+
+
+@dataclass(frozen=True)
+class LocalAttr:
+    """An int attribute of ``module`` (``"config.x"``: of its ``config``) that counts ``full`` split
+    elements: while split it holds this rank's ceil chunk of them."""
+
+    module: str
+    attr: str
+    full: int
 
 
 @dataclass(frozen=True)
@@ -74,6 +122,7 @@ class TensorPlan:
     sites: tuple[Site, ...]
     sp_modules: tuple[str, ...] = ()
     seq_dim: int = 1
+    local_attrs: tuple[LocalAttr, ...] = ()
 
     def site(self, module: str) -> Site | None:
         return self._by_module.get(module)
@@ -126,33 +175,42 @@ def derive(model: nn.Module, specs: dict[str, PartitionSpec], *, axis: str, size
                 sp_modules.append(mname)
             continue
         where = f"{type(mod).__name__} {mname or '<root>'!r}"
-        if isinstance(mod, nn.Linear):
+        dims = _projection_dims(mod)
+        if dims is not None:
+            out_dim, in_dim, out_features, in_features = dims
+            conv = out_dim == 1
             w = split.get("weight")
             wq = qual["weight"]
             wshape = tuple(mod.weight.shape)
             if w is None:
                 problems.append(f"plan: {qual['bias']} {tuple(mod.bias.shape)} of {where} is split on {axis!r} by "
                                 f"{_fmt(split['bias'])} while its weight is not — expected the bias split only with "
-                                f"the weight's output features (weight P({axis!r}, None)). Split the weight too, or "
-                                "keep the bias replicated.")
+                                f"the weight's output features (weight {_fmt(_col_spec(conv, axis))}). Split the "
+                                "weight too, or keep the bias replicated.")
                 continue
-            col, row = _on(w, 0, axis), _on(w, 1, axis)
-            bias_spec = specs.get(qual.get("bias", ""), PartitionSpec()) if mod.bias is not None else None
-            if col and tuple(w) != (axis,) and tuple(w) != (axis, None):
-                problems.append(_combo(wq, wshape, w, axis, where))
-                continue
-            if row and tuple(w) != (None, axis):
-                problems.append(_combo(wq, wshape, w, axis, where))
+            entries = tuple(w) + (None,) * (2 - len(tuple(w)))
+            col = _is(entries[out_dim], axis) and entries[in_dim] is None
+            row = entries[in_dim] == axis and entries[out_dim] is None
+            if not (col or row):
+                problems.append(_combo(wq, wshape, w, axis, where, conv, in_dim, entries[in_dim]))
                 continue
             projections.setdefault(mname.rpartition(".")[0], []).append(f"{wq} {wshape} {_fmt(w)}")
+            bias_spec = specs.get(qual.get("bias", ""), PartitionSpec()) if mod.bias is not None else None
             if col:
-                if bias_spec is not None and not _on(bias_spec, 0, axis):
+                parts = entries[out_dim].parts if isinstance(entries[out_dim], Fused) else 1
+                want = PartitionSpec(entries[out_dim])
+                if bias_spec is not None and PartitionSpec(*tuple(bias_spec)[:1]) != want:
                     problems.append(f"plan: {qual['bias']} {tuple(mod.bias.shape)} of {where} is {_fmt(bias_spec)} but "
                                     f"its weight {wq} {wshape} is column-split {_fmt(w)}: each rank computes only its "
-                                    f"features, so it adds only their bias — expected the bias P({axis!r}). Add "
-                                    f"'{qual['bias']}': P({axis!r}) (or the logical name of its dim) to the spec table.")
+                                    f"features, so it adds only their bias — expected the bias {_fmt(want)}. Add "
+                                    f"'{qual['bias']}': {_fmt(want)} (or the logical name of its dim) to the spec table.")
                     continue
-                sites.append(Site(mname, COLUMN, wq, qual.get("bias"), mod.out_features, unit))
+                if parts > 1 and out_features % parts:
+                    problems.append(f"plan: {wq} {wshape} of {where} is {_fmt(w)}, but dim {out_dim} ({out_features} "
+                                    f"features) is not {parts} equal blocks — expected Fused parts dividing the "
+                                    f"width. Declare the blocks it holds, or split it plainly ({_fmt(_col_spec(conv, axis))}).")
+                    continue
+                sites.append(Site(mname, COLUMN, wq, qual.get("bias"), out_features, unit, parts, conv))
             else:
                 if bias_spec is not None and _uses(bias_spec, axis):
                     problems.append(f"plan: {qual['bias']} {tuple(mod.bias.shape)} of {where} is {_fmt(bias_spec)} but "
@@ -160,7 +218,7 @@ def derive(model: nn.Module, specs: dict[str, PartitionSpec], *, axis: str, size
                                     "over the full features, so the bias is added once, after the sum — expected "
                                     f"the bias replicated, P(). Drop it from the spec table.")
                     continue
-                sites.append(Site(mname, ROW, wq, qual.get("bias"), mod.in_features, unit))
+                sites.append(Site(mname, ROW, wq, qual.get("bias"), in_features, unit, 1, conv))
                 if sequence_parallel and size > 1 and unit and mod.bias is not None:
                     sp_modules.append(mname)
         elif isinstance(mod, nn.Embedding):
@@ -182,21 +240,31 @@ def derive(model: nn.Module, specs: dict[str, PartitionSpec], *, axis: str, size
             for a, s in split.items():
                 problems.append(f"plan: {qual[a]} {tuple(mod._parameters[a].shape)} of {where} is {_fmt(s)}, but a "
                                 f"{type(mod).__name__} cannot consume a parameter split on {axis!r} — only the weights "
-                                "of nn.Linear (out- or in-features) and nn.Embedding (vocabulary), and a column "
-                                f"Linear's bias, can be split. Keep {qual[a]} replicated (P()); with "
+                                "of nn.Linear and transformers' Conv1D (out- or in-features) and nn.Embedding "
+                                f"(vocabulary), and a column's bias, can be split. Keep {qual[a]} replicated (P()); with "
                                 "sequence_parallel=True a norm runs on sequence shards with its weights replicated.")
     for parent, weights in projections.items():
         problems += _head_problems(parent, modules[parent], size, axis, weights)
+    local_attrs: list[LocalAttr] = []
+    for site in sites:
+        if site.fused > 1:
+            parent = site.module.rpartition(".")[0]
+            found, why = _fused_attrs(parent, modules[parent], site)
+            if why:
+                problems.append(f"plan: {site.weight} of {type(modules[site.module]).__name__} {site.module!r} is "
+                                f"{_fmt(specs[site.weight])}: {why}")
+            local_attrs += [a for a in found if a not in local_attrs]
     # a column whose output no row of the same parent consumes ends the model: the LM head
     row_parents = {s.module.rpartition(".")[0] for s in sites if s.kind == ROW}
-    sites = [Site(s.module, LOGITS, s.weight, s.bias, s.width, s.unit)
+    sites = [replace(s, kind=LOGITS)
              if s.kind == COLUMN and s.module.rpartition(".")[0] not in row_parents and not s.unit else s
              for s in sites]
     if sequence_parallel and size > 1 and not units:
         problems.append("plan: sequence_parallel=True splits the residual stream on the sequence dim inside the "
                         "layer stack — got a model with no layer-stack units (no nn.ModuleList of blocks, and "
                         "units= not given). Pass units=[...] naming the blocks, or sequence_parallel=False.")
-    return TensorPlan(axis, size, bool(sequence_parallel), tuple(sites), tuple(sp_modules)), problems
+    return TensorPlan(axis, size, bool(sequence_parallel), tuple(sites), tuple(sp_modules),
+                      local_attrs=tuple(local_attrs)), problems
 
 
 def _unit(name: str, units: set[str]) -> str:
@@ -209,20 +277,71 @@ def _unit(name: str, units: set[str]) -> str:
     return ""
 
 
-def _combo(name: str, shape: tuple[int, ...], spec: PartitionSpec, axis: str, where: str) -> str:
-    return (f"plan: {name} {shape} of {where} is {_fmt(spec)} — expected P({axis!r}, None) (column: output "
-            f"features split) or P(None, {axis!r}) (row: input features split). Use one of them.")
+def _combo(name: str, shape: tuple[int, ...], spec: PartitionSpec, axis: str, where: str, conv: bool,
+           in_dim: int, in_entry) -> str:
+    col, row = _col_spec(conv, axis), _col_spec(not conv, axis)
+    extra = (f" A Fused entry splits output features only: dim {in_dim} holds the input features, which a "
+             "row splits plainly." if isinstance(in_entry, Fused) else "")
+    return (f"plan: {name} {shape} of {where} is {_fmt(spec)} — expected {_fmt(col)} (column: output "
+            f"features split; P(..Fused(parts, {axis!r})..) in that place for parts equal blocks) or {_fmt(row)} "
+            f"(row: input features split).{extra} Use one of them.")
+
+
+def _col_spec(conv: bool, axis) -> PartitionSpec:
+    """The column spec of a Linear (weight (out, in)) or a Conv1D (weight (in, out))."""
+    return PartitionSpec(None, axis) if conv else PartitionSpec(axis, None)
+
+
+def _is(entry, axis: str) -> bool:
+    """``entry`` splits a dim over ``axis`` alone (plainly or fused)."""
+    return entry == axis or (isinstance(entry, Fused) and tuple(entry) == (axis,))
+
+
+def _projection_dims(mod: nn.Module) -> tuple[int, int, int, int] | None:
+    """``(out dim, in dim, out features, in features)`` of the weight of an ``nn.Linear`` or of
+    transformers' ``Conv1D`` (by class name and its ``nf``/``nx``: weight ``(nx, nf)``); None otherwise."""
+    if isinstance(mod, nn.Linear):
+        return 0, 1, mod.out_features, mod.in_features
+    w = mod._parameters.get("weight")
+    nf, nx = getattr(mod, "nf", None), getattr(mod, "nx", None)
+    if (type(mod).__name__ == "Conv1D" and isinstance(nf, int) and isinstance(nx, int) and w is not None
+            and tuple(w.shape) == (nx, nf)):
+        return 1, 0, nf, nx
+    return None
+
+
+def _fused_attrs(name: str, mod: nn.Module, site: Site) -> tuple[list[LocalAttr], str]:
+    """The local attributes of ``mod``, the module holding the fused column ``site`` (see the
+    module doc), and why its blocks cannot be split ("" when they can)."""
+    block = site.width // site.fused
+    out = [LocalAttr(name, a, block) for a in _WIDTH_ATTRS if getattr(mod, a, None) == block]
+    heads, kv = _count(mod, _HEADS), _count(mod, _KV_HEADS)
+    if site.fused == 3 and heads is not None and kv is not None and heads != kv:
+        return [], (f"{site.fused} equal blocks of {block}, but {name or '<root>'!r} has {heads} query and {kv} KV "
+                    f"heads, so its q|k|v blocks differ in width — expected equal blocks. Keep this projection "
+                    "and its output projection replicated (P()), or split q, k and v as separate projections.")
+    for n in _HEADS + _KV_HEADS:
+        v = getattr(mod, n, None)
+        if isinstance(v, int) and not isinstance(v, bool):
+            out.append(LocalAttr(name, n, v))
+    cfg = getattr(mod, "config", None)
+    if cfg is not None and any(hasattr(mod, a) for a in _ATTENTION_MARKS):
+        for n in _HEADS + _KV_HEADS:
+            v = getattr(cfg, n, None)
+            if isinstance(v, int) and not isinstance(v, bool):
+                out.append(LocalAttr(name, f"config.{n}", v))
+    return out, ""
 
 
 def _count(mod: nn.Module, names: tuple[str, ...]) -> int | None:
     """A head count of ``mod``: its own attribute, else (for an attention module only: one that
-    has a ``head_dim`` or ``num_key_value_groups``) its ``config``'s. An MLP or a whole model
+    has a ``head_dim``, ``head_size`` or ``num_key_value_groups``) its ``config``'s. An MLP or a whole model
     holding the same ``config`` has no heads of its own."""
     for n in names:
         v = getattr(mod, n, None)
         if isinstance(v, int) and not isinstance(v, bool):
             return v
-    if not any(hasattr(mod, a) for a in ("head_dim", "num_key_value_groups")):
+    if not any(hasattr(mod, a) for a in _ATTENTION_MARKS):
         return None
     cfg = getattr(mod, "config", None)
     for n in names:

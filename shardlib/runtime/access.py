@@ -316,8 +316,8 @@ class EngineAccess:
 
     def _untensor(self, raw: dict) -> dict[int, torch.Tensor]:
         """``id(local value) -> full value`` of every parameter split over tensor, gathered from
-        the tensor shards (uneven ones too) by the redistribution planner, in plan order on every
-        rank (the collectives match)."""
+        the tensor shards (uneven and fused ones too) by the redistribution planner, in plan order
+        on every rank (the collectives match)."""
         if self.plan.tensor_size == 1:
             return {}
         done: dict[int, torch.Tensor] = {}
@@ -328,6 +328,8 @@ class EngineAccess:
             v = raw[s.name]
             if id(v) in done:
                 continue
-            done[id(v)] = redistribute(v.detach().contiguous(), Layout(self.mesh, pp.spec), Layout(self.mesh, PartitionSpec()),
-                                       pp.full_shape)
+            # a fused dim gathers in its blocked view (``Layout.unfused``), where the shard is one box
+            shape, lay = Layout(self.mesh, pp.spec).unfused(pp.full_shape)
+            local = v.detach().contiguous().view(lay.local_shape(shape, self.mesh.rank))
+            done[id(v)] = redistribute(local, lay, Layout(self.mesh, PartitionSpec()), shape).view(pp.full_shape)
         return done

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from ..algebra.boxes import Box, overlap, range_boxes, shift, slices_in
+from ..algebra.boxes import Box, overlap, piece_boxes, slices_in
 from ..algebra.layout import Layout
 from .checkpoint_files import (FORMAT, LATEST, MANIFEST, VERSION, CheckpointError, _dcp_error, _fsync_dir, _install,
                                _sha, _why, _writable, params_problems,
@@ -52,29 +52,36 @@ if TYPE_CHECKING:
 
 class _Piece:
     """This rank's part of one global tensor: a flat range of its block, as boxes (global
-    coordinates) and the 1-D tensor holding it."""
+    coordinates) and the 1-D tensor holding it. ``block`` is ``(parts, start)`` per dim
+    (``_block``): a fused parameter's block is its chunk of each of the dim's blocks, and a box of
+    it may lie strided in the flat piece (``box_tensor`` views it there, writable)."""
 
-    def __init__(self, key: str, shape: tuple[int, ...], block: tuple[int, ...], local: tuple[int, ...],
-                 lo: int, hi: int, flat: torch.Tensor):
+    def __init__(self, key: str, shape: tuple[int, ...], block: tuple[tuple[int, ...], tuple[int, ...]],
+                 local: tuple[int, ...], lo: int, hi: int, flat: torch.Tensor):
         self.key, self.shape, self.flat = key, shape, flat
         self.boxes: list[tuple[Box, int]] = []       # (global box, offset in flat)
-        off = 0
-        for b in range_boxes(local, lo, hi):
-            self.boxes.append((shift(b, block), off))
-            off += math.prod(b[1])
-        assert off == flat.numel(), (key, off, flat.numel())
+        self._strides: dict[int, tuple[int, ...]] = {}
+        parts, start = block
+        for b, off, strides in piece_boxes(shape, parts, start, local, lo, hi):
+            self.boxes.append((b, off))
+            self._strides[off] = strides
+        assert sum(math.prod(b[1]) for b, _ in self.boxes) == flat.numel(), (key, flat.numel())
 
     def box_tensor(self, box: Box, off: int) -> torch.Tensor:
-        return self.flat[off:off + math.prod(box[1])].view(box[1])
+        return self.flat.as_strided(box[1], self._strides[off], self.flat.storage_offset() + off)
 
 
-def _block(engine: Engine, s) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(global shape, the start of this rank's tensor-parallel block) of parameter state ``s``."""
+def _block(engine: Engine, s) -> tuple[tuple[int, ...], tuple[tuple[int, ...], tuple[int, ...]]]:
+    """(global shape, ``(parts, start)``) of parameter state ``s``'s tensor-parallel block: per dim,
+    the number of fused blocks (1 for a plain dim) and where this rank's chunk of each begins."""
     pp = s.plan
     if pp.full_shape is None:
-        return tuple(pp.shape), (0,) * len(pp.shape)
-    sl = Layout(engine.mesh, pp.spec).local_slices(pp.full_shape, engine.mesh.rank)
-    return tuple(pp.full_shape), tuple(x.start or 0 for x in sl)
+        return tuple(pp.shape), ((1,) * len(pp.shape), (0,) * len(pp.shape))
+    lay = Layout(engine.mesh, pp.spec)
+    shape = tuple(pp.full_shape)
+    first, _ = lay.local_boxes(shape, engine.mesh.rank)[0]      # block 0 of each fused dim: its start in it
+    fused = lay.fused
+    return shape, (tuple(fused.get(d, 1) for d in range(len(shape))), tuple(g.start for g in first))
 
 
 def _pieces(engine: Engine) -> tuple[list[_Piece], dict[str, torch.Tensor]]:

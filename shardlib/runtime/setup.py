@@ -109,7 +109,7 @@ class EngineSetup:
             lo, hi = slot.piece(flat.groups[slot.group].segments[slot.segment].bounds(mesh.rank))
         st = ParamState(i, pp, p, slot, lo, hi, owners)
         if pp.full_shape is not None and tuple(full.shape) != pp.shape:   # split over tensor: keep this rank's shard
-            full = full[Layout(mesh, pp.spec).local_slices(pp.full_shape, mesh.rank)].clone(
+            full = Layout(mesh, pp.spec).local_part(full, mesh.rank).clone(   # a fused dim: its chunk of every block
                 memory_format=torch.contiguous_format)          # not a view: the full value is freed
         value = full.to(device=mesh.device, dtype=torch.float32)
         mine = st.local_piece(value)
