@@ -1,0 +1,357 @@
+"""Pretrained weights straight into the shards, and back out (issue 18, deliverables 3 and 4).
+
+A tiny transformers Llama is built on the meta device, parallelized with ``init=False`` on data 2 x
+tensor 2 (ZeRO-3, ``tests/llama.py``'s ``LLAMA_TP``) and given its values by
+``engine.load_pretrained`` from folders its own ``save_pretrained`` wrote (one file and sharded,
+fp32 and bf16 on disk); trained 4 steps with no ``loss_fn`` (the model's own loss) it gives the
+losses of ``from_pretrained`` trained in one process, and ``engine.save_pretrained`` writes what
+``model.save_pretrained`` writes (same files, tensor names, index, config) — ``from_pretrained`` of
+it gives the one-process logits. The same round trip from data 2 ZeRO-3 and one process; the
+reference GPT on pipe 2 (each rank allocating only its stage) from an exported safetensors file.
+Peak memory while loading is measured (the kernel's high-water mark of each rank's RSS, reset before
+the load) on a larger Llama: at most the largest tensor above what the rank holds at rest. Every bad
+folder is refused by name before a value is written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import hf_models
+import shardlib as sl
+from llama import LLAMA_TP, tiny_config
+from shardlib.models.gpt import GPT, GPTConfig, token_batch
+from shardlib.runtime.checkpoint_files import CheckpointError
+from shardlib.testing import get_mesh
+from test_engine import max_rel
+
+STEPS, BATCH, LR = 4, 4, 1e-2
+GPT_CFG = GPTConfig(vocab_size=67, seq_len=16, d_model=32, n_heads=4, n_layers=4)
+
+
+def _opt(params):
+    return torch.optim.AdamW(params, lr=LR, weight_decay=0.1, eps=1e-6)
+
+
+def _batches() -> list[dict]:
+    return [hf_models.batch("llama", BATCH, 300 + s) for s in range(STEPS)]
+
+
+def _from_pretrained(folder):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa").train()
+
+
+def _reference(folder) -> tuple[list[float], torch.nn.Module]:
+    """``from_pretrained`` trained ``STEPS`` steps in one process: its losses and the model."""
+    model = _from_pretrained(folder)
+    opt = _opt(list(model.parameters()))
+    losses = []
+    for b in _batches():
+        opt.zero_grad(set_to_none=True)
+        loss = model(**b).loss
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses, model
+
+
+def _write_sources(root) -> dict[str, tuple[str, str | None]]:
+    """Folders written by the model's own save_pretrained: ``{case: (folder, max_shard_size)}``."""
+    model = hf_models.build("llama", seed=0)
+    out = {}
+    model.save_pretrained(root / "f32")
+    out["f32"] = (str(root / "f32"), None)
+    model.save_pretrained(root / "sharded", max_shard_size="60KB")
+    out["sharded"] = (str(root / "sharded"), "60KB")
+    model.to(torch.bfloat16).save_pretrained(root / "bf16")
+    out["bf16"] = (str(root / "bf16"), None)
+    return out
+
+
+# ---- in the workers -------------------------------------------------------------------------------
+
+def _engine(shape: dict, zero: int, *, meta: bool = True, init: bool = False):
+    mesh = get_mesh(shape)
+    model = hf_models.build("llama", seed=1, meta=meta)
+    if shape.get("tensor", 1) > 1:
+        sl.shard(LLAMA_TP)(model)
+    plan = sl.plan(model, mesh, zero=zero)
+    return sl.parallelize(model, plan, optimizer=_opt, init=init)
+
+
+def load_train_save(cases: list[tuple[str, str | None, str]], shape: dict, zero: int, bad: str | None) -> dict:
+    """Per case: meta build, init=False, (a refused load of ``bad`` first), load, 4 steps, save."""
+    out = {}
+    for src, size, dst in cases:
+        engine = _engine(shape, zero)
+        refused = None
+        if bad is not None:
+            try:
+                engine.load_pretrained(bad)
+            except CheckpointError as e:
+                refused = str(e)
+        engine.load_pretrained(src)
+        losses = [engine.step(b) for b in _batches()]
+        engine.save_pretrained(dst, **({"max_shard_size": size} if size else {}))
+        out[dst] = {"losses": losses, "refused": refused}
+    return out
+
+
+def _rss() -> dict[str, int]:
+    with open("/proc/self/status") as f:
+        return {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f)
+                if k in ("VmHWM", "VmRSS")}
+
+
+def load_peak(folder: str, shape: dict) -> dict:
+    """The peak RSS a load adds to what the rank holds at rest (kernel high-water mark, reset first)."""
+    mesh = get_mesh(shape)
+    from transformers import LlamaForCausalLM
+    with torch.device("meta"):
+        model = LlamaForCausalLM(_big_config())
+    sl.shard(LLAMA_TP)(model)
+    engine = sl.parallelize(model, sl.plan(model, mesh, zero=3), optimizer=_opt, init=False)
+    held = sum(t.numel() * t.element_size() for s in engine.states
+               for t in {id(x): x for x in (s.master, s.shard, s.grad_shard) if x is not None}.values())
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")                     # VmHWM := VmRSS now
+    before = _rss()["VmRSS"]
+    engine.load_pretrained(folder)
+    peak = _rss()["VmHWM"] - before
+    ids = torch.randint(0, 2048, (4, 16), generator=torch.Generator().manual_seed(0))
+    loss = engine.step({"input_ids": ids, "labels": ids})
+    return {"peak": peak, "held": held, "loss": loss}
+
+
+def _big_config():
+    return tiny_config(vocab=2048, hidden=256, intermediate=704, heads=8, kv_heads=4, layers=6)
+
+
+# ---- tests ----------------------------------------------------------------------------------------
+
+def _same_files(ours, theirs) -> None:
+    """Our folder holds what transformers' save_pretrained writes: files, tensor names, shapes, dtypes,
+    index and config."""
+    from safetensors import safe_open
+
+    assert sorted(os.listdir(ours)) == sorted(os.listdir(theirs))
+    for name in os.listdir(theirs):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(ours, name), "pt") as a, safe_open(os.path.join(theirs, name), "pt") as b:
+                assert sorted(a.keys()) == sorted(b.keys()), name
+                assert a.metadata() == b.metadata()
+                for k in b.keys():
+                    sa, sb = a.get_slice(k), b.get_slice(k)
+                    assert (sa.get_shape(), sa.get_dtype()) == (sb.get_shape(), sb.get_dtype()), k
+        elif name.endswith(".json"):
+            with open(os.path.join(ours, name)) as fa, open(os.path.join(theirs, name)) as fb:
+                assert json.load(fa) == json.load(fb), name
+
+
+def _check_round_trip(per_rank: list[dict], sources: dict, root, tag: str) -> None:
+    for case, (folder, size) in sources.items():
+        want, trained = _reference(folder)
+        dst = str(root / f"{tag}-{case}")
+        for r, res in enumerate(per_rank):
+            got = res[dst]["losses"]
+            assert max_rel(got, want) <= 1e-5, f"{tag} {case} rank {r}: {got} vs {want}"
+        trained.save_pretrained(root / f"hf-{tag}-{case}", **({"max_shard_size": size} if size else {}))
+        _same_files(dst, root / f"hf-{tag}-{case}")
+        back = _from_pretrained(dst)
+        b = hf_models.batch("llama", 2, 77)
+        with torch.no_grad():
+            torch.testing.assert_close(back(**b).logits, trained(**b).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_meta_build_loads_into_data2_tensor2_zero3_and_saves_back(world, tmp_path):
+    """Meta build + init=False + load_pretrained on data 2 x tensor 2 ZeRO-3 (one file, sharded, bf16 on
+    disk): one process's losses on every rank; save_pretrained writes transformers' own files, and
+    from_pretrained of them gives the one-process logits. A refused load first leaves nothing behind."""
+    sources = _write_sources(tmp_path)
+    bad = tmp_path / "bad"
+    _drop_tensor(sources["f32"][0], bad, "model.layers.1.mlp.up_proj.weight")
+    cases = [(folder, size, str(tmp_path / f"dp2tp2-{case}")) for case, (folder, size) in sources.items()]
+    per_rank = world(4, load_train_save, cases, {"data": 2, "tensor": 2}, 3, str(bad))
+    for res in per_rank:
+        for dst, got in res.items():
+            assert got["refused"] and "model.layers.1.mlp.up_proj.weight" in got["refused"], got["refused"]
+    _check_round_trip(per_rank, sources, tmp_path, "dp2tp2")
+
+
+def test_round_trip_from_data2_zero3_and_one_process(world, tmp_path):
+    sources = {k: v for k, v in _write_sources(tmp_path).items() if k != "bf16"}
+    cases = [(folder, size, str(tmp_path / f"dp2-{case}")) for case, (folder, size) in sources.items()]
+    _check_round_trip(world(2, load_train_save, cases, {"data": 2}, 3, None), sources, tmp_path, "dp2")
+    cases = [(folder, size, str(tmp_path / f"one-{case}")) for case, (folder, size) in sources.items()]
+    _check_round_trip([load_train_save(cases, {"data": 1}, 0, None)], sources, tmp_path, "one")
+
+
+def test_peak_memory_while_loading_is_one_tensor_above_the_shards(world, tmp_path):
+    """A 6-layer Llama (5.6M parameters, 22 MB) on data 2 x tensor 2 ZeRO-3: each rank's RSS high-water
+    mark while loading exceeds what it held before the load by at most the largest tensor (the
+    embedding, 2 MB) plus 1 MB of slack for the allocator and Python; and it holds about a quarter."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(_big_config())
+    model.save_pretrained(tmp_path / "big", max_shard_size="8MB")
+    total = sum(p.numel() * 4 for p in model.parameters())
+    largest = max(p.numel() * 4 for p in model.parameters())
+    for r, res in enumerate(world(4, load_peak, str(tmp_path / "big"), {"data": 2, "tensor": 2})):
+        assert res["peak"] <= largest + (1 << 20), f"rank {r}: loading added {res['peak']} B; largest {largest}"
+        assert res["held"] <= 2 * total / 4 + largest, f"rank {r}: holds {res['held']} B of {total}"
+        assert torch.isfinite(torch.tensor(res["loss"]))
+
+
+# ---- pipe 2: the reference GPT, each rank allocating only its stage --------------------------------
+
+def _gpt_batches():
+    return [token_batch(GPT_CFG, 8, 500 + s) for s in range(STEPS)]
+
+
+def gpt_pipe(file: str, dst: str, shape: dict, zero: int) -> dict:
+    mesh = get_mesh(shape)
+    with torch.device("meta"):
+        model = GPT(GPT_CFG, seed=None)
+    plan = sl.plan(model, mesh, rules={"layers": "pipe"}, microbatches=2, zero=zero)
+    engine = sl.parallelize(model, plan, optimizer=_opt, init=False)
+    allocated = sum(s.plan.numel for s in engine.states)
+    engine.load_pretrained(file)
+    losses = [engine.step(b) for b in _gpt_batches()]
+    engine.save_pretrained(dst)
+    return {"losses": losses, "allocated": allocated}
+
+
+def test_meta_gpt_loads_under_pipe2(world, tmp_path):
+    """The reference GPT (no transformers config) on pipe 2 and data 2 x pipe 2 ZeRO-3: built on meta,
+    each rank allocating only its stage, loaded from a safetensors file engine.export wrote; one
+    process's losses; save_pretrained writes model.safetensors only, the one-process weights."""
+    from safetensors.torch import load_file
+
+    source = GPT(GPT_CFG, seed=0)
+    eng = sl.parallelize(source, sl.plan(source, sl.Mesh({"data": 1})), optimizer=_opt)
+    eng.export(tmp_path / "gpt.safetensors")
+    ref = GPT(GPT_CFG, seed=0)
+    opt, want = _opt(list(ref.parameters())), []
+    for b in _gpt_batches():
+        opt.zero_grad(set_to_none=True)
+        loss = ref(*b)
+        loss.backward()
+        opt.step()
+        want.append(float(loss))
+    total = sum(p.numel() for p in ref.parameters())
+    for shape, zero in (({"data": 1, "pipe": 2}, 0), ({"data": 2, "pipe": 2}, 3)):
+        dst = tmp_path / f"out-{shape['data']}"
+        per_rank = world(shape["data"] * 2, gpt_pipe, str(tmp_path / "gpt.safetensors"), str(dst), shape, zero)
+        for r, res in enumerate(per_rank):
+            assert max_rel(res["losses"], want) <= 1e-5, f"{shape} rank {r}: {res['losses']} vs {want}"
+            assert res["allocated"] < 0.75 * total, f"{shape} rank {r}: {res['allocated']} of {total}"
+        assert sorted(os.listdir(dst)) == ["model.safetensors"]
+        saved = load_file(dst / "model.safetensors")
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(saved[name], p.detach(), rtol=1e-4, atol=1e-5, msg=name)
+
+
+# ---- bad input: refused by name, nothing half-loaded ----------------------------------------------
+
+def _drop_tensor(src, dst, name: str, **edits) -> None:
+    """Copy folder ``src`` to ``dst`` without tensor ``name`` (or with ``edits``: name -> new tensor)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, dst)
+    sd = load_file(os.path.join(dst, "model.safetensors"))
+    if name:
+        del sd[name]
+    sd.update(edits)
+    save_file(sd, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+
+
+def _values(engine) -> dict:
+    return {k: v.clone() for k, v in engine.full_state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pretrained")
+    hf_models.build("llama", seed=0, layers=2).save_pretrained(root / "good")
+    return root
+
+
+def _bad_folders(root) -> dict:
+    good = root / "good"
+    out = {}
+    _drop_tensor(good, root / "missing", "model.norm.weight")
+    out["missing"] = (root / "missing", "holds no tensor 'model.norm.weight'")
+    _drop_tensor(good, root / "shape", "", **{"model.norm.weight": torch.ones(31)})
+    out["shape"] = (root / "shape", "has shape [31] — expected [32]")
+    _drop_tensor(good, root / "dtype", "", **{"model.norm.weight": torch.ones(32, dtype=torch.int32)})
+    out["dtype"] = (root / "dtype", "is I32 — expected a float dtype")
+    _drop_tensor(good, root / "extra", "", **{"model.layers.9.mlp.up_proj.weight": torch.ones(2)})
+    out["extra"] = (root / "extra", "does not have")
+    import shutil
+    shutil.copytree(good, root / "truncated")
+    f = root / "truncated" / "model.safetensors"
+    os.truncate(f, f.stat().st_size - 100)
+    out["truncated"] = (root / "truncated", "truncated")
+    hf_models.build("gpt2", seed=0, layers=2).save_pretrained(root / "gpt2")
+    out["architecture"] = (root / "gpt2", "holds a 'gpt2' model (GPT2LMHeadModel) — expected 'llama' (LlamaForCausalLM)")
+    hf_models.build("llama", seed=0, layers=2).save_pretrained(root / "index", max_shard_size="20KB")
+    os.remove(root / "index" / "model-00002-of-00008.safetensors")
+    out["shard missing"] = (root / "index", "lists ['model-00002-of-00008.safetensors'], not in")
+    out["no folder"] = (root / "nowhere", "does not exist")
+    return out
+
+
+def test_bad_folders_are_refused_before_any_value_is_written(folder):
+    """A missing tensor, another shape, an int dtype, an extra tensor (strict), a truncated file, another
+    architecture, a missing shard, no folder: each a CheckpointError naming it; the values (a model
+    built normally, load over random init) are unchanged after the refusal."""
+    mesh = sl.Mesh({"data": 1})
+    model = hf_models.build("llama", seed=3, layers=2)
+    engine = sl.parallelize(model, sl.plan(model, mesh, zero=0), optimizer=_opt)
+    before = _values(engine)
+    for case, (path, words) in _bad_folders(folder).items():
+        with pytest.raises(CheckpointError, match="load_pretrained") as err:
+            engine.load_pretrained(path)
+        assert words in str(err.value), f"{case}: {err.value}"
+        for k, v in _values(engine).items():
+            assert torch.equal(v, before[k]), f"{case}: {k} changed"
+    engine.load_pretrained(folder / "extra", strict=False)         # extra tensors ignored on request
+    loaded = _values(engine)
+    ref = hf_models.build("llama", seed=0, layers=2)
+    for k, v in ref.state_dict().items():
+        assert torch.equal(loaded[k], v), k
+
+
+def test_load_after_a_step_and_a_step_before_a_load_are_refused(folder):
+    mesh = sl.Mesh({"data": 1})
+    model = hf_models.build("llama", seed=3, layers=2, meta=True)
+    engine = sl.parallelize(model, sl.plan(model, mesh, zero=3), optimizer=_opt, init=False)
+    with pytest.raises(sl.ShardingError, match=r"init=False .* engine.load_pretrained\(folder\)"):
+        engine.step(hf_models.batch("llama", 2, 0))
+    with pytest.raises(sl.ShardingError, match="save_pretrained: the engine was built with init=False"):
+        engine.save_pretrained(folder / "never")
+    engine.load_pretrained(folder / "good")
+    engine.step(hf_models.batch("llama", 2, 0))
+    with pytest.raises(CheckpointError, match="has taken 1 step"):
+        engine.load_pretrained(folder / "good")
+
+
+def test_init_false_on_a_normally_built_model_and_without_labels(folder):
+    """init=False on a model with values: they are dropped, the load gives the folder's; a transformers
+    model called without labels (no .loss) is refused naming the fix."""
+    mesh = sl.Mesh({"data": 1})
+    model = hf_models.build("llama", seed=3, layers=2)
+    engine = sl.parallelize(model, sl.plan(model, mesh, zero=0), optimizer=_opt, init=False)
+    engine.load_pretrained(folder / "good")
+    ref = hf_models.build("llama", seed=0, layers=2)
+    for k, v in ref.state_dict().items():
+        assert torch.equal(engine.full_state_dict()[k], v), k
+    with pytest.raises(sl.ShardingTypeError, match="no loss — expected labels"):
+        engine.step({"input_ids": hf_models.batch("llama", 2, 0)["input_ids"]})
