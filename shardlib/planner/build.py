@@ -153,7 +153,7 @@ def plan(model: nn.Module, mesh: AbstractMesh, zero: int | None = None, *, state
         data_axis=data_axis, broadcast_buffers=broadcast_buffers, rules=rules,
         sequence_parallel=sequence_parallel, tensor_axis=tensor_axis, microbatches=microbatches,
         schedule=schedule, virtual_stages=virtual_stages, stages=stages, pipe_axis=pipe_axis,
-        pipe_gather=pipe_gather, replica_axis=replica_axis)
+        pipe_gather=pipe_gather, replica_axis=replica_axis, batch=batch)
     replica_axis = _replica(mesh, replica_axis)
     if pplan is not None:
         grad_accum = pplan.microbatches
@@ -230,7 +230,8 @@ def plan(model: nn.Module, mesh: AbstractMesh, zero: int | None = None, *, state
         if batch is not None:
             pplan = _with_stream(model, pplan, out, batch)
             from .pipeline_report import block_saved_bytes
-            pplan = replace(pplan, block_saved=block_saved_bytes(model, replace(out, pipeline=pplan)))
+            pplan = replace(pplan, block_saved=block_saved_bytes(model, replace(out, pipeline=pplan),
+                                                                           batch=batch))
         out = replace(out, pipeline=pplan)
     return out
 
@@ -282,7 +283,7 @@ def with_data(spec: PartitionSpec, axis: str | None) -> PartitionSpec:
 def _check(model: nn.Module, mesh: AbstractMesh, *, zero, states, precision, reduce_dtype, grad_accum,
            clip_grad_norm, recompute, units, bucket_mb, optimizer, reshard_after_forward, data_axis,
            broadcast_buffers, rules, sequence_parallel, tensor_axis, microbatches, schedule, virtual_stages,
-           stages, pipe_axis, pipe_gather="step", replica_axis=None) -> tuple[StateLayouts, torch.dtype, list[str], set[str], int, dict[str, PartitionSpec],
+           stages, pipe_axis, pipe_gather="step", replica_axis=None, batch=None) -> tuple[StateLayouts, torch.dtype, list[str], set[str], int, dict[str, PartitionSpec],
                                        TensorPlan | None, PipelinePlan | None]:
     """Check every argument of ``plan`` and raise all problems at once; return what they resolve
     to: the state layouts, the reduction dtype, the unit names, the recomputed units and the
@@ -399,7 +400,7 @@ def _check(model: nn.Module, mesh: AbstractMesh, *, zero, states, precision, red
         pplan, pproblems = derive_pipeline(model, mesh, rules=rules, axis=pipe_axis, microbatches=microbatches,
                                            schedule=schedule, virtual=virtual_stages, stages=stages,
                                            recompute=sorted(rec), gather=pipe_gather, zero3=zero3,
-                                           reshard=reshard_after_forward)
+                                           reshard=reshard_after_forward, batch=batch)
         for m in pproblems:
             add(m)
         spec_problems: list[str] = []

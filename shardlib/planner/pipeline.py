@@ -19,7 +19,19 @@ stack lives with the first stage, what comes after with the last.
 The model's own ``forward`` must compute the same thing (``pipeline_post(blocks(pipeline_pre(b)), b)``)
 so that one process and every pipeline train alike. Modules registered before the stack
 attribute run in ``pipeline_pre`` (first stage); those registered after it in ``pipeline_post``
-(last stage); a parameter used on both sides (tied embeddings) is refused at plan time.
+(last stage) — at every level of a nested stack's name; a parameter used on both sides (tied
+embeddings) is refused at plan time.
+
+**A transformers causal LM needs no code** (``planner/hf_stages.py``): a model without these
+methods whose ``forward`` takes ``input_ids``, ``inputs_embeds`` and ``labels`` (Llama, Qwen2,
+Mistral, GPT-2, GPT-NeoX, ...) is fed the dicts ``model(**batch)`` takes; what runs before and
+after the stack, the blocks' keyword arguments (rotary tables, masks, positions: each stage
+computes its own from the micro-batch, so only the hidden state crosses stages) and the loss
+are the model's own ``forward``'s, checked at plan time. The modules that run before the stack
+(by execution) are the first stage's, the others the last stage's. Its stack is named by a
+table entry (``sl.shard({"model.layers": ("layers",)})(model)``) or, where none is declared,
+found: the model's one ``nn.ModuleList`` of identical blocks (one class, the same parameter
+shapes).
 
 **The split.** By default the stack is cut so that the largest stage (counting the parameters of
 ``pipeline_pre`` on the first stage and of ``pipeline_post`` on the last) is as small as it can
@@ -40,8 +52,9 @@ import math
 import torch
 from torch import nn
 
+from .hf_stages import CausalLMStages, is_causal_lm
 from .schedules import Action, lower, schedule_actions, schedule_problems
-from .specs import find_stack
+from .specs import AxisRules, _tables_by_prefix, find_stack
 
 PRE, POST = "pipeline_pre", "pipeline_post"
 # Receives posted ahead of the action that waits for them, per stage a rank holds. gloo (and NCCL)
@@ -88,6 +101,8 @@ class PipelinePlan:
     block_saved: tuple[int, ...] | None = None
     # ZeRO-3's gather policy (GATHER_POLICIES); the plan's ``pipe_unshard`` says whether it applies
     gather: str = "step"
+    # what runs before, between and after the blocks (``stage_functions``), and how the stack was found
+    source: str = ""
 
     @property
     def stream_bytes(self) -> int | None:
@@ -179,20 +194,109 @@ def loss_words(dtype: torch.dtype) -> int:
 
 # ---------------------------------------------------------------------------------------------
 
+class ProtocolStages:
+    """The pipeline protocol of a model that defines ``pipeline_pre`` / ``pipeline_post`` (the
+    module doc): blocks take the stream alone; batches are tuples (or one tensor)."""
+
+    kind = "protocol"
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    @staticmethod
+    def _args(batch) -> tuple:
+        return tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+
+    def pre(self, batch, dtype: torch.dtype) -> tuple[torch.Tensor, None]:
+        return self.model.pipeline_pre(*self._args(batch)), None
+
+    def context(self, batch, dtype: torch.dtype) -> None:
+        return None
+
+    @staticmethod
+    def block_kwargs(ctx, index: int) -> dict:
+        return {}
+
+    def post(self, x: torch.Tensor, batch) -> torch.Tensor:
+        return self.model.pipeline_post(x, *self._args(batch))
+
+
+def stage_functions(model: nn.Module, stack: str) -> ProtocolStages | CausalLMStages | None:
+    """What runs before, between and after the stack's blocks: the model's own ``pipeline_pre`` /
+    ``pipeline_post``, else the transformers adapter for a causal LM, else None."""
+    if callable(getattr(model, PRE, None)) and callable(getattr(model, POST, None)):
+        return ProtocolStages(model)
+    if is_causal_lm(model):
+        return CausalLMStages(model, stack)
+    return None
+
+
 def stack_modules(model: nn.Module, stack: str) -> tuple[list[str], list[str], list[str]]:
-    """``(blocks, pre modules, post modules)``: the stack's children, and the model's other direct
-    children registered before / after the stack attribute (by registration order)."""
-    modules = dict(model.named_modules())
-    lst = modules[stack]
+    """``(blocks, pre modules, post modules)``: the stack's children, and the modules holding
+    parameters directly outside it — before / after the stack by registration order, at each
+    level of its (possibly nested) name: in ``model.layers``, ``model``'s children registered
+    before ``layers`` and the root's before ``model`` are before it."""
+    lst = model.get_submodule(stack)
     blocks = [f"{stack}.{n}" for n, _ in lst.named_children()]
-    top = stack.split(".", 1)[0]
-    pre, post, seen = [], [], False
-    for name, _ in model.named_children():
-        if name == top:
-            seen = True
-        else:
-            (post if seen else pre).append(name)
+    parts = stack.split(".")
+    pre, post = [], []
+    for depth in range(len(parts)):
+        prefix = ".".join(parts[:depth])
+        parent = model.get_submodule(prefix) if prefix else model
+        seen = False
+        for name, child in parent.named_children():
+            if name == parts[depth]:
+                seen = True
+                continue
+            q = f"{prefix}.{name}" if prefix else name
+            held = [f"{q}.{n}" if n else q for n, m in child.named_modules() if m._parameters]
+            (post if seen else pre).extend(held)
     return blocks, pre, post
+
+
+def auto_stack(model: nn.Module) -> tuple[str | None, list[str]]:
+    """The model's one ``nn.ModuleList`` of identical blocks (one class, the same parameter names
+    and shapes, at least two), or None; and the candidates when there are several."""
+    found = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and name and _identical_blocks(mod):
+            found.append(name)
+    return (found[0] if len(found) == 1 else None), found
+
+
+def _identical_blocks(lst: nn.ModuleList) -> bool:
+    kids = list(lst)
+    if len(kids) < 2:
+        return False
+    sig = [(type(k), tuple((n, tuple(p.shape)) for n, p in k.named_parameters())) for k in kids]
+    return bool(sig[0][1]) and all(s == sig[0] for s in sig)
+
+
+def _stack_entry_problems(model: nn.Module, rules, axis: str) -> list[str]:
+    """Table entries of one logical dim ``layers`` (or one dim mapped to the pipe axis) that name a
+    module which is not an ``nn.ModuleList`` of blocks."""
+    rules = AxisRules.coerce(rules)
+    modules = dict(model.named_modules())
+    out = []
+    for prefix, tables in _tables_by_prefix(model).items():
+        for table, owner in tables:
+            for e in table.entries:
+                dims = tuple(e.spec) if e.spec is not None else e.logical
+                if len(dims) != 1:
+                    continue
+                mapped = dims[0] if e.spec is not None else (rules.get(dims[0]) if dims[0] else None)
+                if not (e.logical == ("layers",) or mapped == axis or mapped == (axis,)):
+                    continue
+                name = f"{prefix}.{e.pattern}" if prefix else e.pattern
+                mod = modules.get(name)
+                if mod is None or (isinstance(mod, nn.ModuleList) and len(mod)):
+                    continue       # a parameter pattern, or a stack
+                what = "an empty nn.ModuleList" if isinstance(mod, nn.ModuleList) else f"a {type(mod).__name__}"
+                lists = [n for n, m in modules.items() if isinstance(m, nn.ModuleList) and len(m)]
+                out.append(f"plan: the layer stack entry {e.pattern!r} ({owner}) names {name!r}, {what} — expected an "
+                           f"nn.ModuleList of blocks, e.g. {lists[:3] or ['model.layers']}. Name the model's list of "
+                           "blocks in the entry.")
+    return out
 
 
 def balance(block_sizes: Sequence[int], stages: int, first: int = 0, last: int = 0) -> list[int]:
@@ -251,10 +355,11 @@ def parse_layout(layout: str) -> tuple[list[int], list[str]]:
 
 def derive(model: nn.Module, mesh, *, rules, axis: str, microbatches: int | None, schedule: str | None,
            virtual: int | None, stages, recompute: Sequence[str] = (), gather: str = "step", zero3: bool = False,
-           reshard: bool = True) -> tuple[PipelinePlan | None, list[str]]:
+           reshard: bool = True, batch=None) -> tuple[PipelinePlan | None, list[str]]:
     """The pipeline of ``model`` on ``mesh``'s ``axis`` (None when the axis is 1 or absent), and
     every problem found. ``gather``: ZeRO-3's policy (``GATHER_POLICIES``), checked against the
-    schedule when ``zero3``; ``reshard``: the plan's ``reshard_after_forward``."""
+    schedule when ``zero3``; ``reshard``: the plan's ``reshard_after_forward``; ``batch``: the
+    plan's example batch (a transformers model's stages are checked on it)."""
     p = mesh.axis_sizes.get(axis, 1)
     stack, axes, problems = find_stack(model, rules)
     if not (isinstance(gather, str) and gather in GATHER_POLICIES):
@@ -262,21 +367,36 @@ def derive(model: nn.Module, mesh, *, rules, axis: str, microbatches: int | None
                         + "; ".join(f"{k!r}: {v}" for k, v in GATHER_POLICIES.items()) + ".")
     if p <= 1:
         return None, problems
+    problems += _stack_entry_problems(model, rules, axis)
+    how_found = ""
+    if stack is None and not problems:
+        stack, candidates = auto_stack(model)
+        rule = AxisRules.coerce(rules).get("layers")
+        axes = () if rule is None else (rule,) if isinstance(rule, str) else tuple(rule)
+        how_found = " (found: the model's one nn.ModuleList of identical blocks)"
+        if len(candidates) > 1:
+            problems.append(f"plan: the model {type(model).__name__} declares no layer stack and has several lists of "
+                            f"identical blocks {candidates} — expected one to cut into stages. Declare it: "
+                            f"sl.shard({{{candidates[0]!r}: ('layers',)}})(model).")
+            return None, problems
     if stack is None:
         problems.append(
             f"plan: the mesh splits {axis!r} over {p} ranks, but the model {type(model).__name__} declares no layer "
-            "stack — expected an nn.ModuleList named with the logical dim 'layers' in its sl.shard table, and "
-            f"the methods {PRE}(*batch) -> x and {POST}(x, *batch) -> loss. Declare it, e.g. "
+            "stack and has no nn.ModuleList of identical blocks — expected an nn.ModuleList named with the logical "
+            f"dim 'layers' in its sl.shard table, and (unless it is a transformers causal LM) the methods "
+            f"{PRE}(*batch) -> x and {POST}(x, *batch) -> loss. Declare it, e.g. "
             "@sl.shard({'blocks': ('layers',)}) on the model's class (see shardlib/planner/pipeline.py), or "
             f"plan with {axis}=1.")
         return None, problems
     if axes != (axis,):
-        problems.append(f"plan: the layer stack {stack!r} is split over {axes or 'nothing'} — expected exactly "
-                        f"({axis!r},) on a mesh with {axis}={p}. Add the rule {{'layers': {axis!r}}} "
+        problems.append(f"plan: the layer stack {stack!r}{how_found} is split over {axes or 'nothing'} — expected "
+                        f"exactly ({axis!r},) on a mesh with {axis}={p}. Add the rule {{'layers': {axis!r}}} "
                         f"(rules={{'layers': {axis!r}, ...}}).")
-    for attr in (PRE, POST):
+    fns = stage_functions(model, stack)
+    for attr in (PRE, POST) if fns is None else ():
         if not callable(getattr(model, attr, None)):
-            problems.append(f"plan: the model {type(model).__name__} has no method {attr} — expected "
+            problems.append(f"plan: the model {type(model).__name__} has no method {attr} and is not a transformers "
+                            f"causal LM (a forward taking input_ids, inputs_embeds and labels) — expected "
                             f"{PRE}(*batch) -> x (what runs before the stack) and {POST}(x, *batch) -> loss "
                             "(what runs after it) for a pipeline. Add them (shardlib/planner/pipeline.py "
                             "documents the protocol; shardlib.models.GPT is an example).")
@@ -288,21 +408,29 @@ def derive(model: nn.Module, mesh, *, rules, axis: str, microbatches: int | None
         return None, problems
 
     blocks, pre_mods, post_mods = stack_modules(model, stack)
+    if isinstance(fns, CausalLMStages):          # what runs before the stack, by execution
+        pre_mods, post_mods, found = fns.check(batch)
+        problems += found
     modules = dict(model.named_modules())
     n_stages = p * v
 
-    def params_of(names: Sequence[str]) -> list[tuple[str, object]]:
+    def params_of(names: Sequence[str], recurse: bool) -> list[tuple[str, object]]:
         out = []
         for mname in names:
-            out += [(f"{mname}.{n}", t) for n, t in modules[mname].named_parameters()]
+            out += [(f"{mname}.{n}" if mname else n, t) for n, t in modules[mname].named_parameters(recurse=recurse)]
         return out
 
-    block_params = [params_of([b]) for b in blocks]
-    pre_params, post_params = params_of(pre_mods), params_of(post_mods)
-    if model._parameters:
-        problems.append(f"plan: the model holds parameters of its own ({sorted(model._parameters)}) — expected "
-                        f"every parameter in a submodule, so the pipeline knows its stage. Move them into a module "
-                        f"registered before the stack (used by {PRE}) or after it (used by {POST}).")
+    block_params = [params_of([b], True) for b in blocks]
+    pre_params, post_params = params_of(pre_mods, False), params_of(post_mods, False)
+    parts = stack.split(".")
+    for depth in range(len(parts)):
+        holder = ".".join(parts[:depth])
+        own = modules[holder]._parameters
+        if own:
+            problems.append(f"plan: the module {holder or type(model).__name__!r} above the layer stack holds "
+                            f"parameters of its own ({sorted(own)}) — expected every parameter in a submodule, so "
+                            f"the pipeline knows its stage. Move them into a module registered before the stack "
+                            f"(run before it) or after it (run after it).")
     if len(blocks) < n_stages:
         problems.append(f"plan: the layer stack {stack!r} has {len(blocks)} blocks, fewer than the {n_stages} stages "
                         f"({axis}={p} x {v} virtual) — expected at least one block per stage. Use {axis} <= "
@@ -365,8 +493,11 @@ def derive(model: nn.Module, mesh, *, rules, axis: str, microbatches: int | None
                   sum(sizes[i] for i in r) + (numel(pre_params) if s == 0 else 0)
                   + (numel(post_params) if s == n_stages - 1 else 0))
         for s, r in enumerate(ranges))
+    source = (f"{type(model).__name__}'s own forward (transformers adapter, planner/hf_stages.py)"
+              if isinstance(fns, CausalLMStages) else f"the model's {PRE} / {POST}")
     return PipelinePlan(axis, p, v, m, name, stack, stage_plans, how,
-                        tuple(n for n, _ in pre_params), tuple(n for n, _ in post_params), gather=gather), problems
+                        tuple(n for n, _ in pre_params), tuple(n for n, _ in post_params), gather=gather,
+                        source=source + how_found), problems
 
 
 def _explicit(stages, n_stages: int, n_blocks: int, axis: str, p: int, v: int, problems: list[str]
@@ -399,8 +530,19 @@ def _explicit(stages, n_stages: int, n_blocks: int, axis: str, p: int, v: int, p
 def stream_shape(model: nn.Module, stack: str, batch, rows: int, dtype) -> tuple[int, ...]:
     """The shape of the stream between stages for a micro-batch of ``rows`` rows of ``batch``:
     ``pipeline_pre`` and the first block on the meta device (nothing is computed); every parameter
-    as a meta tensor of ``dtype`` (the compute dtype), whatever the model holds now."""
-    first = dict(model.named_modules())[stack][0]
+    as a meta tensor of ``dtype`` (the compute dtype), whatever the model holds now. A transformers
+    model's first block is called with the keyword arguments its forward gives it
+    (``CausalLMStages.probe``: computed on the CPU from zeros, then on the meta device)."""
+    first = model.get_submodule(stack)[0]
+    fns = stage_functions(model, stack)
+    if isinstance(fns, CausalLMStages):
+        shape, ctx = fns.probe(batch, rows, dtype)
+        values = {n: torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device="meta")
+                  for n, t in [*first.named_parameters(), *first.named_buffers()]}
+        x = torch.empty(shape, dtype=dtype, device="meta")
+        with torch.no_grad():
+            out = torch.func.functional_call(first, values, (x,), ctx[0], strict=False)
+        return tuple(out.shape)
 
     class Probe(nn.Module):
         def __init__(self):

@@ -76,11 +76,16 @@ def saved_bytes(fn: Callable[..., Any], *args: Any, exclude: Sequence[torch.Tens
     return sum(sizes.values())
 
 
-def block_saved_bytes(model: nn.Module, plan: Plan, *, rank: int = 0) -> tuple[int, ...]:
+def block_saved_bytes(model: nn.Module, plan: Plan, *, rank: int = 0, batch: Any = None) -> tuple[int, ...]:
     """Per block of the layer stack (in order), the bytes autograd saves for backward in that block
     for one micro-batch on ``rank`` (see the module doc). Blocks of one class and parameter shapes
-    are measured once. Needs the stream's shape (``sl.plan(..., batch=)``)."""
+    (and, for a transformers model, the same keyword arguments' shapes) are measured once. Needs
+    the stream's shape (``sl.plan(..., batch=)``). A transformers model's blocks are called with
+    the keyword arguments its forward gives them (``planner/hf_stages.py``) for a micro-batch of
+    ``batch`` (the plan's example batch; without it, tokens of the stream's shape and no mask)."""
     from ..comm.boundaries import Boundaries, Ops
+    from .hf_stages import CausalLMStages
+    from .pipeline import stage_functions
 
     pp = plan.pipeline
     if pp is None or pp.stream is None:
@@ -107,10 +112,18 @@ def block_saved_bytes(model: nn.Module, plan: Plan, *, rank: int = 0) -> tuple[i
         bounds = Boundaries(model, tp, MeasureOps(plan.mesh, tp.axis, tp.seq_dim), [u.name for u in plan.units])
     memo: dict[tuple, int] = {}
     out = []
+    fns = stage_functions(model, pp.stack)
+    ctx = None
+    if isinstance(fns, CausalLMStages):
+        rows, seq = pp.stream[0], pp.stream[1] * (tp.size if sp else 1)
+        example = batch if isinstance(batch, dict) else {"input_ids": torch.zeros(rows, seq, dtype=torch.long)}
+        ctx = fns.probe(example, rows, dtype)[1]
+    index = {f"{pp.stack}.{n}": i for i, (n, _) in enumerate(modules[pp.stack].named_children())}
     try:
         for s in pp.stages:
             for name in s.blocks:
                 block = modules[name]
+                kwargs = ctx[index[name]] if ctx is not None else {}
                 shape = list(pp.stream)
                 if sp and body and name == body[0]:     # the first unit's input is the whole sequence
                     shape[tp.seq_dim] *= tp.size
@@ -123,13 +136,14 @@ def block_saved_bytes(model: nn.Module, plan: Plan, *, rank: int = 0) -> tuple[i
                     values[n] = torch.empty(b.shape, dtype=dtype if b.is_floating_point() and plan.mixed else b.dtype,
                                             device="meta")
                 key = (type(block), tuple((n, tuple(v.shape)) for n, v in values.items()), tuple(shape),
-                       name in recomputed, bool(sp and body and name == body[0]))
+                       name in recomputed, bool(sp and body and name == body[0]),
+                       tuple((k, tuple(v.shape) if isinstance(v, torch.Tensor) else repr(v)) for k, v in kwargs.items()))
                 if key not in memo:
                     x = torch.empty(shape, dtype=getattr(torch, pp.stream_dtype), device="meta", requires_grad=True)
                     if name in recomputed:           # a checkpoint keeps its input; the rest is recomputed
                         memo[key] = x.numel() * x.element_size()
                     else:
-                        memo[key] = saved_bytes(torch.func.functional_call, block, values, (x,),
+                        memo[key] = saved_bytes(torch.func.functional_call, block, values, (x,), kwargs,
                                                 exclude=list(values.values()), strict=False)
                 out.append(memo[key])
     finally:

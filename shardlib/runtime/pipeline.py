@@ -9,7 +9,10 @@ which walks the rank's lowered action list (``planner/schedules.py``) in order:
   between stages (worked out once per batch shape on the meta device: no per-step handshake),
   or this stage's own output for its gradient;
 * ``F`` runs the stage: ``model.pipeline_pre`` on the first stage, its blocks, and
-  ``model.pipeline_post`` (the loss) on the last; ``SEND_F`` sends the output;
+  ``model.pipeline_post`` (the loss) on the last; ``SEND_F`` sends the output. A transformers
+  causal LM runs its own forward's parts instead (``planner/hf_stages.py``): each stage computes
+  the blocks' keyword arguments (masks, rotary tables) from the micro-batch, once per micro-batch
+  for all the stages the rank holds, so only the hidden state is sent;
 * ``B`` back-propagates the stage (the loss times ``scale / (data · m)`` on the last stage, the
   received gradient elsewhere); ``SEND_B`` sends its input gradient with the micro-batch's loss
   behind it (``planner.pipeline.loss_words``: its fp32 bits), so every stage knows every
@@ -40,10 +43,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from ..comm import core as comm
 from ..errors import CollectiveError
-from ..planner.pipeline import loss_words, stream_shape
+from ..planner.pipeline import loss_words, stage_functions, stream_shape
 from ..planner.simulate import Record
 
 if TYPE_CHECKING:
@@ -86,6 +90,10 @@ class PipelineRuntime:
         modules = dict(engine.model.named_modules())
         self.modules = modules
         self.blocks = {i: [modules[b] for b in s.blocks] for i, s in self.stages.items()}
+        self.fns = stage_functions(engine.model, pp.stack)
+        order = {f"{pp.stack}.{n}": k for k, (n, _) in enumerate(modules[pp.stack].named_children())}
+        self.block_index = {i: [order[b] for b in s.blocks] for i, s in self.stages.items()}
+        self.ctx: dict[int, Any] = {}      # micro-batch -> the blocks' keyword arguments (this step)
         self.zero3 = engine.plan.states.params is not None
         self.per_step = engine.plan.pipe_unshard          # ZeRO-3's "step" gather policy
         self.actions = pp.lowered(self.coord, unshard=self.per_step)
@@ -135,6 +143,7 @@ class PipelineRuntime:
         self.weight_work: dict[tuple[int, int], Any] = {}
         self.sends: list[comm.Pending] = []
         self.timeline = []
+        self.ctx = {}
         if eng.units is not None:
             eng.units.begin_micro(first=True)
         posted = 0                      # receives posted so far, in list order (self.recvs)
@@ -170,6 +179,7 @@ class PipelineRuntime:
             if s.trainable and s.param.grad is not None:
                 s.used = True
         self.inputs = self.outputs = self.grad_in = {}
+        self.ctx = {}
         assert len(self.losses) == len(micro), f"rank {self.mesh.rank} knows {sorted(self.losses)} of the losses"
         total = torch.zeros((), dtype=torch.float32, device=self.mesh.device)
         for i in range(len(micro)):           # in micro-batch order, as one process adds them
@@ -278,26 +288,30 @@ class PipelineRuntime:
 
     # ---- compute -------------------------------------------------------------------------------
     def _forward(self, s: int, i: int) -> None:
-        eng, st = self.engine, self.stages[s]
+        eng, st, fns = self.engine, self.stages[s], self.fns
         batch = self.micro[i]
-        batch = batch if isinstance(batch, (tuple, list)) else (batch,)
         if st.pre:
-            x, inp = eng.model.pipeline_pre(*batch), None
+            x, self.ctx[i] = fns.pre(batch, eng.cdt)
+            inp = None
         else:
             x = inp = self._received(("F", s, i)).requires_grad_(True)
-        for blk in self.blocks[s]:
-            x = blk(x)
+            if i not in self.ctx:
+                self.ctx[i] = fns.context(batch, eng.cdt)
+        ctx = self.ctx[i]
+        for blk, k in zip(self.blocks[s], self.block_index[s]):
+            x = blk(x, **fns.block_kwargs(ctx, k))
         if st.post:
             logits = eng.tensor.logits if eng.tensor is not None else None
             try:
                 with logits if logits is not None else contextlib.nullcontext():
-                    loss = eng.model.pipeline_post(x, *batch)
+                    loss = fns.post(x, batch)
             finally:
                 if logits is not None:
                     logits.clear()
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                raise PipelineError(f"pipeline: {type(eng.model).__name__}.pipeline_post must return the scalar mean "
-                                    f"loss of the micro-batch — got {type(loss).__name__}"
+                what = "the model's loss" if fns.kind == "transformers" else f"{type(eng.model).__name__}.pipeline_post"
+                raise PipelineError(f"pipeline: {what} must be the scalar mean loss of the micro-batch — got "
+                                    f"{type(loss).__name__}"
                                     f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}.")
             self.losses[i] = loss.detach().float()
             x = loss
@@ -357,11 +371,11 @@ class PipelineRuntime:
         """Shape and dtype of the stream between stages for micro-batches shaped like ``batch``
         (``planner.pipeline.stream_shape``: ``pipeline_pre`` and the first block on the meta device,
         nothing computed or communicated), once per batch shape."""
-        batch = batch if isinstance(batch, (tuple, list)) else (batch,)
-        key = tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t) for t in batch)
+        leaves, spec = tree_flatten(batch)
+        key = (str(spec), *((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t) for t in leaves))
         hit = self._shapes.get(key)
         if hit is None:         # with the tensor axis's boundaries installed: SP's slice is in the shape
-            rows = next(t.shape[0] for t in batch if isinstance(t, torch.Tensor))
+            rows = next(t.shape[0] for t in leaves if isinstance(t, torch.Tensor))
             shape = stream_shape(self.engine.model, self.pp.stack, batch, rows, self.engine.cdt)
             if self.engine.tensor is not None:
                 self.engine.tensor.clear()

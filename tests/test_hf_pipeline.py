@@ -1,0 +1,222 @@
+"""A transformers causal LM pipelines with no code: the stack named by a table entry (or found),
+``rules={"layers": "pipe"}``, batches the dicts ``model(**batch)`` takes, the model's own loss.
+
+Tiny models of ``tests/hf_models.py`` (Llama, Qwen2, Mistral, GPT-2 untied, GPT-NeoX; 4 blocks)
+train 4 steps with AdamW on gloo ranks — pipe 2 under every schedule, pipe 2 x data 2 ZeRO-3
+(both ``pipe_gather`` policies), pipe 2 x tensor 2 and data 2 x tensor 2 x pipe 2 — with and
+without an ``attention_mask`` (odd rows end in padding, their labels -100). Each must give the
+losses of the same model trained by a plain loop in one process on the whole batch (within 1e-5
+relative), the same on every rank, the final weights equal, and one step's counted collectives
+and point-to-point messages equal to the plan's. Micro-batches hold 2 rows (one padded), so every
+micro-batch has as many labelled tokens and the mean of the micro-batch means is the batch's mean
+(planner/hf_stages.py says what happens otherwise).
+
+Plan-time refusals (no processes): a stack entry naming something that is not a list of blocks,
+blocks needing tensors computed from parameters or returning more than the hidden state, tied
+embeddings, two candidate stacks, a batch that is not a dict.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+import hf_models
+import shardlib as sl
+from llama import LLAMA_TP
+from shardlib import P
+from shardlib.testing import get_mesh
+from test_engine import max_rel
+from test_tensor import train_counting
+
+STEPS, BATCH, LR = 4, 8, 1e-2
+STACKS = {"llama": "model.layers", "qwen2": "model.layers", "mistral": "model.layers", "gpt2": "transformer.h",
+          "gpt_neox": "gpt_neox.layers"}
+QWEN2_TP = {**LLAMA_TP, "*.q_proj.bias": P("tensor"), "*.k_proj.bias": P("tensor"), "*.v_proj.bias": P("tensor")}
+_REFS: dict = {}
+
+
+def _batches(family: str, mask: bool) -> list[dict]:
+    return [hf_models.batch(family, BATCH, 300 + s, mask=mask) for s in range(STEPS)]
+
+
+def _optimizer(params):
+    return torch.optim.AdamW(params, lr=LR, weight_decay=0.1, eps=1e-6)
+
+
+def reference(family: str, mask: bool) -> dict:
+    key = (family, mask)
+    if key not in _REFS:
+        model = hf_models.build(family, tie=False)
+        opt = _optimizer(list(model.parameters()))
+        losses = []
+        for batch in _batches(family, mask):
+            opt.zero_grad(set_to_none=True)
+            loss = model(**batch).loss
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach()))
+        _REFS[key] = {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return _REFS[key]
+
+
+def hf_run(cfg: dict, shape: dict) -> dict:
+    mesh = get_mesh(shape)
+    family = cfg["family"]
+    model = hf_models.build(family, tie=False)
+    table = {**({"model.layers": ("layers",)} if cfg.get("declare") else {}),
+             **({"llama": LLAMA_TP, "qwen2": QWEN2_TP}[family] if shape.get("tensor", 1) > 1 else {})}
+    if table:
+        sl.shard(table)(model)
+    batches = _batches(family, cfg.get("mask", False))
+    kw = {k: cfg[k] for k in ("zero", "microbatches", "schedule", "virtual_stages", "pipe_gather") if k in cfg}
+    plan = sl.plan(model, mesh, rules={"layers": "pipe"}, batch=batches[0], **kw)
+    engine = sl.parallelize(model, plan, optimizer=_optimizer)
+    losses, counts = train_counting(engine, plan, batches)
+    full = engine.full_state_dict()
+    names = [n for n, _ in hf_models.build(family, tie=False, meta=True).named_parameters()]
+    return {"losses": losses, "params": {n: full[n] for n in names}, "stack": plan.pipeline.stack,
+            "source": plan.pipeline.source, "block_saved": plan.pipeline.block_saved, **counts}
+
+
+def hf_runs(cfgs: list[dict], shape: dict) -> list[dict]:
+    return [hf_run(c, shape) for c in cfgs]
+
+
+def _check(world, cfgs: list[dict], shape: dict) -> list[list[dict]]:
+    n = 1
+    for v in shape.values():
+        n *= v
+    per_rank = world(n, hf_runs, cfgs, shape)
+    for i, cfg in enumerate(cfgs):
+        ref = reference(cfg["family"], cfg.get("mask", False))
+        for r in range(n):
+            res = per_rank[r][i]
+            rel = max_rel(res["losses"], ref["losses"])
+            assert rel <= 1e-5, f"{cfg} {shape} rank {r}: {res['losses']} vs {ref['losses']} ({rel:.3g})"
+            assert res["losses"] == per_rank[0][i]["losses"], f"{cfg} {shape}: rank {r} differs from rank 0"
+            for name, want in ref["params"].items():
+                torch.testing.assert_close(res["params"][name], want, rtol=1e-3, atol=1e-2 * LR * STEPS,
+                                           msg=lambda m, n=name: f"{cfg} {shape} rank {r}, {n}: {m}")
+            assert res["counted"] == res["planned"], f"{cfg} {shape} rank {r}: ran {res['counted']}, " \
+                                                     f"planned {res['planned']}"
+            assert res["stack"] == STACKS[cfg["family"]] and "transformers adapter" in res["source"]
+            assert res["block_saved"] and all(b > 0 for b in res["block_saved"])
+    return per_rank
+
+
+SCHEDULES = [{"schedule": "gpipe"}, {"schedule": "1f1b"}, {"schedule": "zb_h1"},
+             {"schedule": "interleaved_1f1b", "virtual_stages": 2}]
+
+
+def test_llama_pipe_every_schedule_with_and_without_a_mask(world):
+    cfgs = [{"family": "llama", "microbatches": 4, "mask": mask, "declare": mask, **s}
+            for s in SCHEDULES for mask in (False, True)]
+    _check(world, cfgs, {"data": 1, "pipe": 2})
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral", "gpt2", "gpt_neox"])
+def test_other_families_pipe_every_schedule(world, family):
+    cfgs = [{"family": family, "microbatches": 4, "mask": i % 2 == 1, **s} for i, s in enumerate(SCHEDULES)]
+    _check(world, cfgs, {"data": 1, "pipe": 2})
+
+
+def test_pipe_by_data_zero3_both_gather_policies(world):
+    cfgs = [{"family": f, "zero": 3, "microbatches": 2, "pipe_gather": g, "mask": g == "microbatch"}
+            for f in ("llama", "qwen2", "gpt2", "gpt_neox") for g in ("step", "microbatch")]
+    _check(world, cfgs, {"data": 2, "pipe": 2})
+
+
+def test_pipe_by_tensor(world):
+    cfgs = [{"family": "llama", "microbatches": 2, "declare": True}, {"family": "llama", "microbatches": 2, "mask": True,
+                                                                       "schedule": "zb_h1"},
+            {"family": "qwen2", "microbatches": 4, "schedule": "interleaved_1f1b", "virtual_stages": 2, "mask": True}]
+    _check(world, cfgs, {"pipe": 2, "tensor": 2})
+
+
+def test_llama_data_by_tensor_by_pipe(world):
+    cfgs = [{"family": "llama", "zero": 3, "microbatches": 2, "mask": True},
+            {"family": "llama", "zero": 3, "microbatches": 2, "pipe_gather": "microbatch", "declare": True}]
+    _check(world, cfgs, {"data": 2, "tensor": 2, "pipe": 2})
+
+
+# ---- refused at plan time -------------------------------------------------------------------------
+
+def _refused(model, **kw) -> str:
+    with pytest.raises(sl.ShardingError) as info:
+        sl.plan(model, sl.AbstractMesh({"data": 1, "pipe": 2}), rules={"layers": "pipe"}, **kw)
+    return str(info.value)
+
+
+def _has(msg: str, *parts: str) -> None:
+    for p in parts:
+        assert p in msg, f"{p!r} not in:\n{msg}"
+
+
+def test_a_stack_entry_that_is_not_a_list_of_blocks():
+    model = hf_models.build("llama", layers=2)
+    sl.shard({"model.norm": ("layers",)})(model)
+    _has(_refused(model), "'model.norm'", "LlamaRMSNorm", "nn.ModuleList of blocks", "'model.layers'")
+
+
+def test_tied_embeddings_are_refused_with_the_fix():
+    _has(_refused(hf_models.build("gpt2", layers=2), batch=hf_models.batch("gpt2", 4, 0)),
+         "'lm_head.weight'", "'transformer.wte.weight'", "tied", "tie_word_embeddings=False")
+
+
+def test_a_batch_that_is_not_a_dict():
+    ids = torch.zeros(4, 16, dtype=torch.long)
+    _has(_refused(hf_models.build("llama", layers=2), batch=(ids, ids)), "is a tuple", "model(**batch)", "'labels'")
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int, returns_tuple: bool = False):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.returns_tuple = returns_tuple
+
+    def forward(self, x, gate=None):
+        y = x + self.fc(x) * (1 if gate is None else gate)
+        return (y, gate) if self.returns_tuple else y
+
+
+class _FakeLM(nn.Module):
+    """A causal LM the adapter does not know: its blocks get a gate computed from a parameter
+    (``gated``), or return a tuple."""
+
+    def __init__(self, gated: bool, returns_tuple: bool = False, d: int = 8, vocab: int = 11):
+        super().__init__()
+        self.config = SimpleNamespace(hidden_size=d)
+        self.emb = nn.Embedding(vocab, d)
+        self.gate = nn.Linear(d, 1) if gated else None
+        self.layers = nn.ModuleList(_Block(d, returns_tuple) for _ in range(4))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, input_ids=None, inputs_embeds=None, labels=None, attention_mask=None, use_cache=None):
+        x = self.emb(input_ids) if inputs_embeds is None else inputs_embeds
+        gate = torch.sigmoid(self.gate(x)) if self.gate is not None else None
+        for layer in self.layers:
+            x = layer(x, gate=gate)
+            x = x[0] if isinstance(x, tuple) else x
+        logits = self.head(x)
+        return SimpleNamespace(loss=nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()))
+
+
+def test_blocks_needing_tensors_the_adapter_cannot_recompute():
+    ids = torch.zeros(4, 6, dtype=torch.long)
+    _has(_refused(_FakeLM(gated=True), batch={"input_ids": ids, "labels": ids}),
+         "block 0 of 'layers' needs 'gate'", "computed from parameters", "only the hidden state crosses")
+    _has(_refused(_FakeLM(gated=False, returns_tuple=True), batch={"input_ids": ids, "labels": ids}),
+         "block 0 of 'layers' (_Block) returns tuple", "the hidden state alone")
+
+
+def test_an_unknown_model_without_a_stack_or_protocol():
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+            self.b = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+    _has(_refused(Two()), "several lists of identical blocks", "['a', 'b']", "sl.shard({'a': ('layers',)})(model)")
