@@ -1,4 +1,5 @@
-"""The main job: the reference GPT trained on real text over a 3D mesh of CPU processes.
+"""The main job: the reference GPT — or any local transformers causal LM — trained on real text over a
+3D mesh of CPU processes.
 
     python examples/train_gpt.py                                    # data x pipe x tensor = 2x2x2: 8 processes
     python examples/train_gpt.py mesh=dp2_tp2 parallel=zero3 train.precision=bf16
@@ -6,6 +7,8 @@
     torchrun --nnodes 2 --nproc-per-node 4 --node-rank R --master-addr HOST --master-port 29500 examples/train_gpt.py
                                                                     # the same run over two nodes (R = 0, 1)
     python examples/train_gpt.py checkpoint.every=50 checkpoint.resume=auto    # stop any time; run again to continue
+    python examples/train_gpt.py model=hf model.path=FOLDER mesh=dp2_tp2 parallel=tp data=dataset data.path=x.jsonl
+                                                                    # a transformers folder on a local dataset
 
 Hydra composes ``conf/config.yaml`` (groups ``mesh`` = ``meshes/*.yaml``, ``parallel``, ``model``,
 ``train``, ``data``); the configuration becomes the library's ``RunConfig`` at this edge and is checked
@@ -21,6 +24,14 @@ no bar, but the same plain line every ``train.log_every`` steps or 30 s — and 
 tokens_per_s, step_ms, peak_rss per rank, bytes_per_axis rank 0 sent), ``plan.txt``, ``loss.png``,
 ``memory.png`` (per rank, planned vs measured parameters, gradients, optimizer state, activations),
 ``timeline.png`` (the last step of a pipeline) and ``summary.json``.
+
+A transformers model (``model=hf model.path=<folder>``: ``config.json``, safetensors, tokenizer
+files; ``examples/make_tiny_hf.py`` makes a small one offline) trains the same way: each rank builds
+it with its parameters on the meta device, ``sl.parallelize(..., init=False)`` and
+``engine.load_pretrained(folder)`` read only its pieces; the folder's own tokenizer reads each data
+rank's share of the text (the stdlib, a file, or ``data=dataset``: text, JSON lines or parquet
+through the ``datasets`` library); the loss is the model's own; at the end ``engine.save_pretrained``
+writes the trained model to ``hf/`` in the run directory (``from_pretrained`` loads it).
 
 Checkpoints: ``checkpoint.every=N`` saves the whole training state every N steps (and after the last)
 into ``checkpoint.dir`` (``step-000123`` folders, a ``latest`` pointer replaced atomically: a run killed
@@ -75,9 +86,11 @@ def rank_main(run: RunConfig, out: str) -> dict:
     if lead:
         text = plan.explain(max_params=8)
         (out_dir / "plan.txt").write_text(plan.explain(full=True) + "\n")
-        print(text + f"\n\ndata: {len(trainer.text) / 2**20:.1f} MiB of "
-              f"{run.data.path or 'the stdlib source'}; {t.steps} steps of {t.batch} x {run.seq} tokens; "
-              f"writing to {out_dir}\n", flush=True)
+        source = run.data.path or "the stdlib source"
+        data = (f"{len(trainer.text):,} tokens (data rank 0's share of {engine.data_size}) of {source}, by the "
+                f"folder's tokenizer" if trainer.hf else f"{len(trainer.text) / 2**20:.1f} MiB of {source}")
+        print(text + f"\n\ndata: {data}; {t.steps} steps of {t.batch} x {run.seq} tokens; writing to {out_dir}\n",
+              flush=True)
     progress = Progress(t.steps, start, every=t.log_every, show=lead)
     metrics, saved, timeline = [], 0, []
     sink = open(out_dir / "metrics.jsonl", "w") if lead else contextlib.nullcontext()
@@ -101,6 +114,11 @@ def rank_main(run: RunConfig, out: str) -> dict:
                 if lead:
                     print(f"saved {where}", flush=True)
     progress.close()
+    if trainer.hf and metrics:         # the trained model as a transformers folder: from_pretrained loads it
+        engine.save_pretrained(out_dir / "hf")
+        if lead:
+            print(f"saved the trained model to {out_dir / 'hf'} (AutoModelForCausalLM.from_pretrained loads it; "
+                  f"its tokenizer is the one in {run.model.path})", flush=True)
     if not metrics:
         return {"losses": [], "agree": True, "out": str(out_dir)}
     # whole-run claims are checked across ranks, under torchrun too: every rank's losses and memory
@@ -136,7 +154,8 @@ def _resume(engine, ck, lead: bool) -> int:
 
 
 def _report(run: RunConfig, plan, metrics: list[dict], everyone: list[dict], agree: bool, out_dir: pathlib.Path) -> None:
-    title = f"mesh={run.mesh.name} parallel={run.parallel.name} model={run.model.name}"
+    model = run.model.name + (f" ({run.model.path})" if run.model.kind == "hf" else "")
+    title = f"mesh={run.mesh.name} parallel={run.parallel.name} model={model}"
     plot_loss(metrics, out_dir / "loss.png", title=title)
     planned = []
     for r in range(len(everyone)):
@@ -155,7 +174,8 @@ def _report(run: RunConfig, plan, metrics: list[dict], everyone: list[dict], agr
                       compare={"formula": bubble_formula(pp.schedule, pp.size, pp.microbatches, pp.virtual)})
     lines = summary_lines(metrics)
     lines.append(f"the same loss on all {len(everyone)} ranks: {'yes' if agree else 'NO'}")
-    summary = {"config": {"mesh": run.mesh.name, "parallel": run.parallel.name, "model": run.model.name},
+    summary = {"config": {"mesh": run.mesh.name, "parallel": run.parallel.name, "model": run.model.name,
+                          **({"model_path": run.model.path} if run.model.kind == "hf" else {})},
                "summary": lines, "first_loss": metrics[0]["loss"], "last_loss": metrics[-1]["loss"],
                "ranks_agree": agree, "steps": len(metrics),
                "memory": {"planned": planned, "measured": [e["held"] for e in everyone]}}

@@ -12,10 +12,12 @@ The groups (``conf/config.yaml`` composes one file of each):
 * ``mesh`` (``meshes/*.yaml``, the one source of truth): axis names and sizes, device, backend, and
   for planning the device's sustained TFLOP/s, memory, and each axis's link (GB/s, µs);
 * ``parallel``: layout rules and policies (ZeRO stage, sequence parallel, schedule, micro-batches);
-* ``model``: the reference GPT's sizes, ``tiny`` to 1T-class;
+* ``model``: the reference GPT's sizes, ``tiny`` to 1T-class; or ``kind: hf`` — a local transformers
+  causal-LM folder (``model.path``), whose own config and tokenizer set the sizes;
 * ``train``: steps, global batch, sequence, learning-rate schedule, precision, clipping,
   accumulation, recompute, seed;
-* ``data``: the text to train on (the stdlib's source, or a file of yours).
+* ``data``: the text to train on (the stdlib's source, a file of yours, or a local dataset — text,
+  JSON lines, parquet — read through the ``datasets`` library).
 """
 
 from __future__ import annotations
@@ -31,7 +33,10 @@ from ..errors import ShardingError
 PRECISIONS = ("fp32", "bf16", "fp16")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
 LR_SCHEDULES = ("cosine", "linear", "constant")
-SOURCES = ("stdlib", "file")
+SOURCES = ("stdlib", "file", "dataset")
+FORMATS = ("text", "json", "parquet")          # datasets.load_dataset's packaged builders
+MODEL_KINDS = ("gpt", "hf")
+_GPT_SIZES = ("vocab_size", "d_model", "n_heads", "n_layers", "mlp_ratio")
 
 
 class ConfigError(ShardingError):
@@ -94,13 +99,18 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """``kind: gpt`` — the reference GPT of these sizes; ``kind: hf`` — the transformers causal LM in the
+    folder ``path`` (its config.json sets the sizes; ``seq_len`` is then the training sequence length)."""
+
     name: str
-    vocab_size: int
-    seq_len: int
-    d_model: int
-    n_heads: int
-    n_layers: int
+    vocab_size: int = 256
+    seq_len: int = 64
+    d_model: int = 128
+    n_heads: int = 4
+    n_layers: int = 2
     mlp_ratio: int = 4
+    kind: str = "gpt"
+    path: str | None = None
 
     def gpt(self):
         from ..models.gpt import GPTConfig
@@ -129,8 +139,10 @@ class TrainConfig:
 @dataclass(frozen=True)
 class DataConfig:
     source: str = "stdlib"
-    path: str | None = None
-    megabytes: float = 2.0          # how much text to read
+    path: str | None = None         # file: a text file; dataset: a file, a glob or a folder of them
+    megabytes: float = 2.0          # how much text to read (dataset: per data rank)
+    format: str | None = None       # dataset: text | json | parquet (null: from the file extension)
+    text_field: str = "text"        # dataset: the column holding the text (json, parquet)
 
 
 @dataclass(frozen=True)
@@ -331,10 +343,26 @@ def _parallel(raw: Any, problems: list[str]) -> ParallelConfig:
 
 def _model(raw: Any, problems: list[str]) -> ModelConfig:
     c = _Checker("model", raw, problems, _keys(ModelConfig))
+    kind = c.choice("kind", "gpt", MODEL_KINDS)
+    path = c.get("path")
+    if kind == "hf":
+        if path in (None, "???", ""):
+            problems.append("model.path: missing — model=hf trains a local transformers causal-LM folder "
+                            "(config.json, safetensors, tokenizer files): give model.path=<folder>. Make a small one "
+                            "offline with python examples/make_tiny_hf.py <folder>.")
+            path = None
+        for key in _GPT_SIZES:
+            if key in c.raw:
+                problems.append(f"model.{key}: not used with model.kind=hf — the folder's config.json sets the "
+                                "model's sizes. Remove it, or edit the folder's config.")
+    elif path is not None:
+        problems.append(f"model.path: {path!r} is only read with model.kind=hf — expected model=hf "
+                        f"model.path=<folder>, or no path for the reference GPT.")
     out = ModelConfig(name=c.str("name", "model"), vocab_size=c.int("vocab_size", 256), seq_len=c.int("seq_len", 64),
                       d_model=c.int("d_model", 128), n_heads=c.int("n_heads", 4), n_layers=c.int("n_layers", 2),
-                      mlp_ratio=c.int("mlp_ratio", 4))
-    if out.d_model % out.n_heads:
+                      mlp_ratio=c.int("mlp_ratio", 4), kind=kind,
+                      path=c.str("path", None, optional=True) if path is not None else None)
+    if kind == "gpt" and out.d_model % out.n_heads:
         problems.append(f"model.n_heads: {out.n_heads} heads do not divide model.d_model={out.d_model} — expected a "
                         "divisor of d_model.")
     return out
@@ -356,9 +384,13 @@ def _train(raw: Any, problems: list[str]) -> TrainConfig:
 def _data(raw: Any, problems: list[str]) -> DataConfig:
     c = _Checker("data", raw if raw is not None else {}, problems, _keys(DataConfig))
     out = DataConfig(source=c.choice("source", "stdlib", SOURCES), path=c.str("path", None, optional=True),
-                     megabytes=c.number("megabytes", 2.0, strict=True))
-    if out.source == "file" and out.path is None:
+                     megabytes=c.number("megabytes", 2.0, strict=True),
+                     format=c.choice("format", None, FORMATS, optional=True), text_field=c.str("text_field", "text"))
+    if out.source == "file" and out.path in (None, "???"):
         problems.append("data.path: missing — data=file reads a text file of yours: give data.path=<file>.")
+    if out.source == "dataset" and out.path in (None, "???"):
+        problems.append("data.path: missing — data=dataset reads a local dataset (text, JSON lines or parquet "
+                        "files): give data.path=<file, glob or folder>.")
     return out
 
 
@@ -413,7 +445,7 @@ def _cross(run: RunConfig) -> list[str]:
             out.append(f"parallel: mesh={run.mesh.name} has {axis}={size}, but parallel={run.parallel.name} maps no "
                        f"logical dim to {axis!r} — expected a preset that uses it (e.g. parallel=3d), or a mesh "
                        f"without it.")
-    if run.train.seq is not None and run.train.seq > run.model.seq_len:
+    if run.model.kind == "gpt" and run.train.seq is not None and run.train.seq > run.model.seq_len:
         out.append(f"train.seq: {run.train.seq} tokens is longer than model.seq_len={run.model.seq_len} positions — "
                    "expected train.seq <= model.seq_len.")
     dp = shape.get("data", 1) * (shape.get(ra, 1) if ra else shape.get("replica", 1))

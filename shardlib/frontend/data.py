@@ -1,7 +1,8 @@
 """Text to train on, read as bytes, and the step-indexed batches of a run.
 
 ``load_text`` reads the Python standard library's own source (real text that ships with every
-Python: no download) or a file of yours (``data.path``), checking it first: a path that is missing,
+Python: no download), a file of yours (``data.path``) or a local dataset's text (``source:
+dataset``, read by ``frontend/tokens.py``), checking it first: a path that is missing,
 a folder, unreadable, too short for one sequence, or not UTF-8 text (a corrupt or binary file) is a
 ``DataError`` naming ``data.path`` and the fix. ``batch_at(text, step, ...)`` draws step ``step``'s
 global batch from a generator seeded by ``(seed, step)``: every rank draws the same batch, and a run
@@ -59,10 +60,26 @@ def _file(path: str, limit: int) -> bytes:
     return data
 
 
+def _dataset(data: DataConfig, limit: int) -> bytes:
+    """A local dataset's text (``frontend/tokens.py`` reads it) as UTF-8 bytes: documents end with a
+    newline, a text file's lines keep theirs."""
+    from .tokens import dataset_texts
+    out, size = [], 0
+    for text, _ in dataset_texts(data):
+        out.append(text.encode("utf-8") + b"\n")
+        size += len(out[-1])
+        if size >= limit:
+            break
+    return b"".join(out)[:limit]
+
+
 def load_text(data: DataConfig, seq: int) -> torch.Tensor:
     """The training text as a 1-D int64 tensor of byte values (at most ``data.megabytes``)."""
     limit = int(data.megabytes * 2**20)
-    raw = _file(data.path, limit) if data.path is not None else _stdlib(limit)
+    if data.source == "dataset":
+        raw = _dataset(data, limit)
+    else:
+        raw = _file(data.path, limit) if data.path is not None else _stdlib(limit)
     if len(raw) < seq + 2:
         where = f"data.path: {data.path}" if data.path is not None else "data: the stdlib's source"
         raise DataError(f"{where} holds {len(raw)} bytes — expected at least one sequence of train.seq={seq} tokens "

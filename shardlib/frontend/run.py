@@ -5,7 +5,9 @@ and the parity matrix (``python -m shardlib.verify``).
   the model built on the meta device and planned on an ``AbstractMesh`` with the run's options (a
   model the layout cannot split, a batch that does not divide, a bad schedule), and the data read;
 * ``Trainer(run, mesh)`` — the model, plan and engine on a running mesh, the text, the learning-rate
-  schedule; ``trainer.step(i)`` trains step ``i`` on ``batch_at(text, i)`` and returns its metrics:
+  schedule; ``trainer.step(i)`` trains step ``i`` on ``batch_at(text, i)`` (a transformers folder,
+  ``model.kind=hf``: on this data rank's rows of its own share of the text, tokenized by the folder's
+  tokenizer — ``frontend/hf.py``, ``frontend/tokens.py``) and returns its metrics:
   loss, learning rate, gradient norm, step time, tokens/s, the bytes this rank sent per mesh axis
   (counted), and every rank's peak resident memory (one small all-gather).
 """
@@ -40,8 +42,11 @@ def lr_factor(train: TrainConfig, step: int) -> float:
     return train.min_lr + (1 - train.min_lr) * decay
 
 
-def example_batch(run: RunConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def example_batch(run: RunConfig) -> Any:
     """The shapes of a global batch (meta tensors): the planner traces activations and the stream from them."""
+    if run.model.kind == "hf":
+        from .hf import example_batch as hf_batch
+        return hf_batch(run)
     ids = torch.zeros(run.train.batch, run.seq, dtype=torch.long, device="meta")
     return ids, ids
 
@@ -60,30 +65,50 @@ def check(run: RunConfig) -> list[str]:
 
     problems: list[str] = []
     where = f"plan (mesh={run.mesh.name}, parallel={run.parallel.name}, model={run.model.name})"
+    hf = run.model.kind == "hf"
+    if hf:
+        from . import hf as hf_folder
+        problems += hf_folder.folder_problems(run)
+        if problems:                         # no model to plan, no tokenizer to read the data with
+            return problems + _data_problems(run)
     try:
-        with torch.device("meta"):
-            model = GPT(run.model.gpt(), seed=None)
+        if hf:
+            model = hf_folder.meta_model(run)
+        else:
+            with torch.device("meta"):
+                model = GPT(run.model.gpt(), seed=None)
         if run.checkpoint.every or run.checkpoint.resume:
             problems += resume_problems(run.checkpoint.resume, run.checkpoint.dir,
                                         {n: tuple(p.shape) for n, p in model.named_parameters()})
         make_plan(model, AbstractMesh(run.mesh.shape), run)
     except (ShardingError, ShardingTypeError) as e:
         found = getattr(e, "problems", None) or [str(e)]
-        problems += [f"{_keys_of(p)}{where}: {p.removeprefix('plan: ')}" for p in collapse(found)]
+        problems += [f"{_keys_of(p, run)}{where}: {p.removeprefix('plan: ')}" for p in collapse(found)]
     except ValueError as e:
         problems.append(f"model: {e}")
-    if run.model.vocab_size < VOCAB:
+    if not hf and run.model.vocab_size < VOCAB:
         problems.append(f"model.vocab_size: {run.model.vocab_size} is smaller than the data's {VOCAB} byte values — "
                         f"expected model.vocab_size >= {VOCAB}.")
+    return problems + _data_problems(run)
+
+
+def _data_problems(run: RunConfig) -> list[str]:
+    """The data read (a dataset: opened, its rows counted against the data ranks; its cache built here)."""
     try:
+        if run.data.source == "dataset":
+            from .tokens import dataset_problems
+            found = dataset_problems(run.data, run.mesh.shape.get("data", 1))
+            if found or run.model.kind == "hf":
+                return found
         load_text(run.data, run.seq)
     except ShardingError as e:
-        problems += e.problems
-    return problems
+        return e.problems
+    return []
 
 
 # what a planner problem is about, in config keys (the message itself names the sizes and the fix)
-_KEYS = ((r"attention heads|KV heads", "model.n_heads with the mesh's tensor axis"),
+_KEYS = ((r"pipeline_pre|pipeline_post", "mesh (its pipe axis)"),
+         (r"attention heads|KV heads", "model.n_heads with the mesh's tensor axis"),
          (r"blocks, fewer than the|layer stack", "model.n_layers with the mesh's pipe axis"),
          (r"schedule|micro-batches|microbatches", "parallel.schedule / parallel.microbatches"),
          (r"batch", "train.batch"),
@@ -91,9 +116,11 @@ _KEYS = ((r"attention heads|KV heads", "model.n_heads with the mesh's tensor axi
          (r"precision|dtype", "train.precision"))
 
 
-def _keys_of(problem: str) -> str:
+def _keys_of(problem: str, run: RunConfig) -> str:
     for pattern, keys in _KEYS:
         if re.search(pattern, problem):
+            if run.model.kind == "hf" and keys.startswith("model."):      # the folder's config sets the sizes
+                keys = "model.path (its config.json)" + keys[keys.index(" with"):]
             return f"{keys}: "
     return ""
 
@@ -116,23 +143,44 @@ class Trainer:
     """The run on ``mesh`` (a ``Mesh`` over the running world): model, plan, engine, text."""
 
     def __init__(self, run: RunConfig, mesh: Mesh, *, text: torch.Tensor | None = None):
-        from ..models.gpt import GPT
         from ..runtime.engine import parallelize
 
         self.run, self.mesh = run, mesh
         t = run.train
-        self.model = GPT(run.model.gpt(), seed=t.seed)
+        self.hf = run.model.kind == "hf"
+        self.model = self._model()
         self.plan = make_plan(self.model, mesh, run)
         self.engine = parallelize(
             self.model, self.plan,
             optimizer=lambda ps: torch.optim.AdamW(ps, lr=t.lr, weight_decay=t.weight_decay),
-            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda i: lr_factor(t, i)))
-        self.text = text if text is not None else load_text(run.data, run.seq)
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda i: lr_factor(t, i)),
+            init=not self.hf)
+        if self.hf:       # the weights into the shards; this data rank's share of the text, in the folder's tokens
+            from .hf import load_tokenizer
+            from .tokens import load_tokens
+            self.engine.load_pretrained(run.model.path)
+            self.tokenizer = load_tokenizer(run.model.path)
+            self.text = text if text is not None else load_tokens(
+                run.data, self.tokenizer, run.seq, self.engine.data_index, self.engine.data_size)
+        else:
+            self.text = text if text is not None else load_text(run.data, run.seq)
         self.tokens_per_step = t.batch * run.seq
 
-    def batch(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Step ``i``'s global batch (the data position is the step)."""
+    def _model(self) -> torch.nn.Module:
+        if self.hf:
+            from .hf import meta_model
+            return meta_model(self.run)
+        from ..models.gpt import GPT
+        return GPT(self.run.model.gpt(), seed=self.run.train.seed)
+
+    def batch(self, i: int) -> Any:
+        """Step ``i``'s batch (the data position is the step): the global batch, or with a transformers
+        folder this data rank's rows of it."""
         t = self.run.train
+        if self.hf:
+            from .tokens import local_batch
+            return local_batch(self.text, i, t.batch // self.engine.data_size, self.run.seq, t.seed,
+                               self.engine.data_index)
         return batch_at(self.text, i, t.batch, self.run.seq, t.seed)
 
     def step(self, i: int, *, record: bool = True) -> dict[str, Any]:
@@ -141,7 +189,7 @@ class Trainer:
         lr = self.engine.optimizer.param_groups[0]["lr"]
         t0 = time.perf_counter()
         with comm.count_collectives() as counter:
-            loss = self.engine.step(batch)
+            loss = self.engine.step(batch, local=self.hf)
         dt = time.perf_counter() - t0
         out = {"step": i + 1, "loss": loss, "lr": lr, "grad_norm": self.engine.grad_norm, "step_ms": 1e3 * dt,
                "tokens_per_s": self.tokens_per_step / dt,
@@ -177,8 +225,9 @@ class SavedActivations:
     activation memory, beside the plan's."""
 
     def __init__(self, model: torch.nn.Module):
+        from ..runtime.access import ShardedParameter       # a ZeRO-3 parameter at rest: no storage here
         self.own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]
-                    if not t.is_meta and t.untyped_storage().nbytes()}
+                    if not t.is_meta and not isinstance(t, ShardedParameter) and t.untyped_storage().nbytes()}
         self.live: dict[int, list] = {}          # storage pointer -> [bytes, references]
         self.bytes = self.peak = 0
 
