@@ -139,3 +139,84 @@ def test_shards_tile_the_tensor_exactly(case):
     assert got == want
     replication = math.prod(s for a, s in mesh_sizes.items() if a not in spec.axes)
     assert all(len(v) == replication for v in got.values())
+
+
+# ---- Fused dims -----------------------------------------------------------------------------------
+
+def test_fused_shard_is_each_blocks_chunk_in_block_order():
+    import torch
+
+    mesh = sl.AbstractMesh({"data": 2, "tensor": 2})
+    lay = sl.Layout(mesh, P(None, sl.Fused(3, "tensor")))
+    full = torch.arange(4 * 12).view(4, 12)          # q|k|v blocks of 4 columns
+    assert lay.local_shape((4, 12), 1) == (4, 6) and lay.padded_local_shape((4, 12)) == (4, 6)
+    assert lay.local_part(full, 1).tolist() == full[:, [2, 3, 6, 7, 10, 11]].tolist()
+    assert lay.local_part(full, 2).tolist() == full[:, [0, 1, 4, 5, 8, 9]].tolist()
+    assert [g for g, _ in lay.local_boxes((4, 12), 1)] == [(slice(0, 4), slice(a, a + 2)) for a in (2, 6, 10)]
+    assert [loc for _, loc in lay.local_boxes((4, 12), 1)] == [(slice(0, 4), slice(a, a + 2)) for a in (0, 2, 4)]
+    shape2, plain = lay.unfused((4, 12))
+    assert shape2 == (4, 3, 4) and plain.spec == P(None, None, "tensor")
+    assert lay.short() == "RS(1)x3" and lay.is_even((4, 12))
+
+
+def test_fused_uneven_blocks_use_ceil_chunks_per_block():
+    import torch
+
+    mesh = sl.AbstractMesh({"tensor": 3})
+    lay = sl.Layout(mesh, P(sl.Fused(2, "tensor")))
+    # blocks of 5: chunks 2, 2, 1 of each
+    assert [lay.local_shape((10,), r) for r in range(3)] == [(4,), (4,), (2,)]
+    assert lay.shard_boxes((10,))[2] == [(slice(4, 5),), (slice(9, 10),)]
+    assert lay.padded_local_shape((10,)) == (4,) and not lay.is_even((10,))
+    assert lay.local_numel((10,), 2) == 2
+    full = torch.arange(10)
+    tiles = torch.cat([lay.local_part(full, r) for r in range(3)])
+    assert sorted(tiles.tolist()) == list(range(10))
+
+
+def test_fused_errors_name_the_dim_parts_and_fix():
+    mesh = sl.AbstractMesh({"data": 1, "tensor": 2})
+    lay = sl.Layout(mesh, P(None, sl.Fused(3, "tensor")))
+    with pytest.raises(sl.SpecError, match=r"dim 1 of tensor 'w' \(shape \(4, 10\)\) is Fused\(3, 'tensor'\) but its "
+                                          r"size 10 is not 3 equal blocks.*Declare the number of blocks"):
+        lay.check((4, 10), "w")
+    for api in ("local_slices", "shard_slices", "local_bounds"):
+        with pytest.raises(sl.SpecError, match="local_boxes/shard_boxes"):
+            getattr(lay, api)((4, 12), *([0] if api == "local_slices" else []))
+    with pytest.raises(sl.SpecError, match="DTensor has no public placement"):
+        lay.placements()
+
+
+def test_fused_normalizes_like_a_plain_split():
+    lay = sl.Layout(sl.AbstractMesh({"data": 2, "tensor": 1}), P(sl.Fused(3, ("data", "tensor"))))
+    assert lay.normalized().spec == P(sl.Fused(3, "data"))
+    assert sl.Layout(sl.AbstractMesh({"data": 2, "tensor": 1}), P(sl.Fused(3, "tensor"))).normalized().spec == P()
+
+
+def test_piece_boxes_cover_a_fused_shards_flat_ranges():
+    """Every flat range [lo, hi) of a rank's fused block, mapped to global boxes with strides, holds
+    exactly the range's elements (the checkpoint's and load_pretrained's unit)."""
+    import torch
+
+    from shardlib.algebra.boxes import piece_boxes
+
+    mesh = sl.AbstractMesh({"tensor": 3})
+    for spec, shape in [(P(None, sl.Fused(3, "tensor")), (2, 12)), (P(sl.Fused(2, "tensor"), None), (10, 3)),
+                        (P(None, None, sl.Fused(3, "tensor")), (2, 2, 9)), (P(None, sl.Fused(3, "tensor")), (2, 9, 2))]:
+        lay = sl.Layout(mesh, spec)
+        full = torch.arange(math.prod(shape)).view(shape)
+        for r in range(3):
+            local = lay.local_part(full, r).contiguous()
+            first, _ = lay.local_boxes(shape, r)[0]
+            parts = tuple(lay.fused.get(d, 1) for d in range(len(shape)))
+            n = local.numel()
+            for lo in range(n + 1):
+                for hi in range(lo, n + 1):
+                    piece = local.reshape(-1)[lo:hi].clone()
+                    seen = torch.full((hi - lo,), -1)
+                    for (st, sz), off, strides in piece_boxes(shape, parts, [g.start for g in first], local.shape,
+                                                              lo, hi):
+                        want = full[tuple(slice(a, a + b) for a, b in zip(st, sz))]
+                        assert torch.equal(piece.as_strided(sz, strides, off), want), (spec, r, lo, hi)
+                        seen.as_strided(sz, strides, off).copy_(want)
+                    assert torch.equal(seen, piece), (spec, r, lo, hi)

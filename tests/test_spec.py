@@ -44,3 +44,31 @@ def test_several_problems_reported_at_once():
     with pytest.raises(sl.SpecError) as info:
         P("data", "data", "tensor", "tensor")
     assert len(info.value.problems) == 2
+
+
+# ---- Fused --------------------------------------------------------------------------------------
+
+def test_fused_is_an_immutable_hashable_entry_with_a_short_repr():
+    f = sl.Fused(3, "tensor")
+    assert repr(f) == "Fused(3, 'tensor')" and repr(P(None, f)) == "P(None, Fused(3, 'tensor'))"
+    assert f == sl.Fused(3, "tensor") and hash(f) == hash(sl.Fused(3, "tensor"))
+    assert f != sl.Fused(2, "tensor") and f != "tensor" and f != ("tensor",) and ("tensor",) != f
+    assert P(None, f) != P(None, "tensor")
+    assert len({P(None, f), P(None, sl.Fused(3, "tensor"))}) == 1
+    with pytest.raises(AttributeError):
+        f.parts = 2
+    spec = P(sl.Fused(2, ("data", "tensor")), None)
+    assert pickle.loads(pickle.dumps(spec)) == spec and repr(spec[0]) == "Fused(2, ('data', 'tensor'))"
+    assert spec.axes == ("data", "tensor") and tuple(spec.dim_axes(0)) == ("data", "tensor") and spec.fused() == {0: 2}
+    assert P.from_dim_axes([(), f]) == P(None, f)
+
+
+def test_fused_bad_input():
+    with pytest.raises(sl.ShardingTypeError, match="parts must be an int >= 1"):
+        sl.Fused(0, "tensor")
+    with pytest.raises(sl.ShardingTypeError, match="axis must be a mesh axis name"):
+        sl.Fused(3, 3)
+    with pytest.raises(sl.ShardingTypeError, match="Fused entry on its own"):
+        P(("data", sl.Fused(3, "tensor")))
+    with pytest.raises(sl.SpecError, match="used twice"):
+        P(sl.Fused(3, "tensor"), "tensor")
