@@ -419,3 +419,89 @@ def test_no_rules_splits_nothing():
         assert {p.name: p.shape for p in plan.local(rank).params} == {n: tuple(p.shape)
                                                                       for n, p in model.named_parameters()}
     assert "split modules: none" in plan.explain()
+
+
+# ---- Conv1D and Fused columns (transformers models) ------------------------------------------------
+
+def _hf(family: str, **kw):
+    import hf_models
+
+    return hf_models.build(family, layers=2, **kw)
+
+
+def test_gpt2_plans_conv1d_sites_fused_c_attn_and_local_attributes():
+    from shardlib.planner.hf_tp import tp_table
+
+    model = _hf("gpt2")
+    plan = sl.plan(sl.shard(tp_table(model))(model), tensor_mesh(2))
+    site = plan.tensor.site("transformer.h.0.attn.c_attn")
+    assert (site.kind, site.fused, site.conv1d, site.width) == ("column", 3, True, 96)
+    assert plan.tensor.site("transformer.h.1.mlp.c_proj").kind == "row"
+    attrs = {(a.module, a.attr): a.full for a in plan.tensor.local_attrs}
+    assert attrs[("transformer.h.0.attn", "split_size")] == 32
+    assert attrs[("transformer.h.0.attn", "config.num_attention_heads")] == 4
+    local = {p.name: p.shape for p in plan.local(1).params}
+    # q|k|v blocks of 32, each split 2 ways: this rank's 16 of each
+    assert local["transformer.h.0.attn.c_attn.weight"] == (32, 48)
+    assert local["transformer.h.0.attn.c_attn.bias"] == (48,)
+    assert local["transformer.h.0.attn.c_proj.weight"] == (16, 32)
+
+
+def test_fused_parts_that_do_not_divide_the_width():
+    model = _hf("gpt2")
+    table = {"*.mlp.c_fc.weight": P(None, sl.Fused(3, "tensor")), "*.mlp.c_fc.bias": P(sl.Fused(3, "tensor")),
+             "*.mlp.c_proj.weight": P("tensor", None)}
+    err = plan_error(sl.shard(table)(model), tensor_mesh(2))
+    the_problem(err, "transformer.h.0.mlp.c_fc.weight (32, 128)", "P(None, Fused(3, 'tensor'))",
+                "dim 1 (128 features) is not 3 equal blocks", "split it plainly (P(None, 'tensor'))")
+
+
+def test_fused_qkv_of_grouped_query_attention_is_refused():
+    """Phi-3 with 8 query and 2 KV heads of 4: q|k|v are 32|8|8 wide — 48 rows, divisible by 3,
+    but not 3 equal blocks."""
+    import hf_models
+    from transformers import AutoModelForCausalLM
+
+    from shardlib.planner.hf_tp import tp_table
+
+    cfg = hf_models.config("phi3", layers=2)
+    cfg.num_attention_heads, cfg.num_key_value_heads = 8, 2
+    model = AutoModelForCausalLM.from_config(cfg)
+    assert "*.qkv_proj.weight" not in tp_table(model)          # the table keeps it replicated
+    table = {"*.qkv_proj.weight": P(sl.Fused(3, "tensor"), None), "*.o_proj.weight": P(None, "tensor")}
+    err = plan_error(sl.shard(table)(model), tensor_mesh(2, data=1))
+    the_problem(err, "model.layers.0.self_attn.qkv_proj.weight", "P(Fused(3, 'tensor'), None)",
+                "8 query and 2 KV heads", "expected equal blocks", "Keep this projection")
+
+
+def test_fused_qkv_whose_heads_the_degree_cannot_split():
+    from shardlib.planner.hf_tp import tp_table
+
+    model = _hf("gpt2")
+    err = plan_error(sl.shard(tp_table(model))(model), tensor_mesh(3, data=1))
+    the_problem(err, "GPT2Attention 'transformer.h.0.attn'", "4 attention heads", "tensor=3",
+                "transformer.h.0.attn.c_attn.weight (32, 96) P(None, Fused(3, 'tensor'))", "one of [1, 2, 4]")
+
+
+def test_fused_column_bias_must_follow_its_weight():
+    model = _hf("gpt2")
+    table = {"*.attn.c_attn.weight": P(None, sl.Fused(3, "tensor")), "*.attn.c_attn.bias": P("tensor"),
+             "*.attn.c_proj.weight": P("tensor", None)}
+    err = plan_error(sl.shard(table)(model), tensor_mesh(2))
+    the_problem(err, "transformer.h.1.attn.c_attn.bias (96,)", "is P('tensor')",
+                "expected the bias P(Fused(3, 'tensor'))")
+
+
+def test_fused_row_and_wrong_dim_of_a_conv1d_are_refused():
+    model = _hf("gpt2")
+    table = {"*.attn.c_attn.weight": P(sl.Fused(3, "tensor"), None), "*.attn.c_proj.weight": P(None, "tensor")}
+    err = plan_error(sl.shard(table)(model), tensor_mesh(2))
+    the_problem(err, "transformer.h.0.attn.c_attn.weight (32, 96)", "Conv1D", "expected P(None, 'tensor') (column",
+                "P('tensor', None) (row", "A Fused entry splits output features only")
+
+
+def test_tp_table_of_an_unknown_family():
+    from shardlib.planner.hf_tp import tp_table
+
+    with pytest.raises(sl.ShardingError, match="tp_table: ToyLM is of family None"):
+        tp_table(ToyLM())
