@@ -449,13 +449,13 @@ def save_pretrained(engine: Engine, path: str | os.PathLike, *, max_shard_size: 
         if rank0:
             os.replace(tmp, path / fname)
     if rank0:
-        _tidy(path, split, model, hf)
+        _tidy(path, split, sum(p.numel for p in gplan.params), hf)
     if engine.mesh.size > 1:
         dist.barrier()
     return path
 
 
-def _tidy(path: Path, split, model: nn.Module, hf: bool) -> None:
+def _tidy(path: Path, split, params: int, hf: bool) -> None:
     """The index (sharded) or its absence (one file), and no stale shard from an earlier save."""
     stale = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
     for f in path.iterdir():
@@ -464,7 +464,7 @@ def _tidy(path: Path, split, model: nn.Module, hf: bool) -> None:
     if split.is_sharded:
         if (path / SAFE).is_file():
             (path / SAFE).unlink()
-        total = {"total_parameters": model.num_parameters()} if hf and hasattr(model, "num_parameters") else {}
+        total = {"total_parameters": params} if hf else {}
         index = {"metadata": {**total, **split.metadata}, "weight_map": split.tensor_to_filename}
         (path / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     elif (path / INDEX).is_file():
