@@ -50,6 +50,7 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF
            "BOOL": torch.bool}
 _CODES = {v: k for k, v in _DTYPES.items()}
 _FLOATS = ("F64", "F32", "F16", "BF16")
+_CHUNK = 64 << 20            # bytes: the most one read spans in a file
 _RELOAD = "Save the folder again (model.save_pretrained) or download it again."
 
 
@@ -279,6 +280,14 @@ def _slices(box: Box) -> tuple[slice, ...]:
     return tuple(slice(s, s + n) for s, n in zip(*box))
 
 
+def _rows(box: Box, i: int, n: int) -> Box:
+    """Rows ``[i, i + n)`` of ``box`` (along dim 0), clipped to it."""
+    if not box[1]:
+        return box
+    (s0, *rest), (n0, *sizes) = box
+    return (s0 + i, *rest), (min(n, n0 - i), *sizes)
+
+
 @torch.no_grad()
 def load_pretrained(engine: Engine, path: str | os.PathLike, *, strict: bool = True) -> None:
     """Fill the engine's parameters (and persistent buffers) from a transformers folder, each rank
@@ -293,6 +302,10 @@ def load_pretrained(engine: Engine, path: str | os.PathLike, *, strict: bool = T
     config, entries = read_folder(path)
     params, buffers = _check(engine, path, config, entries, strict)
     pieces, _ = _pieces(engine)
+    # a read holds its bytes about three times (the file's mapped pages, safetensors' buffer, the
+    # tensor it returns): reads span at most a quarter of the largest tensor (and _CHUNK)
+    chunk = min(_CHUNK, max(1, max(math.prod(entries[n].shape) * _DTYPES[entries[n].dtype].itemsize
+                                   for n in params.values()) // 4))
     failed = None
     engine._needs_load = True                      # until every rank has read all of its pieces
     try:
@@ -300,10 +313,17 @@ def load_pretrained(engine: Engine, path: str | os.PathLike, *, strict: bool = T
             if not p.key.startswith("param/"):
                 continue
             name = params[p.key[len("param/"):]]
-            with safe_open(str(entries[name].file), framework="pt") as f:
-                src = f.get_slice(name)
-                for box, off in p.boxes:
-                    p.box_tensor(box, off).copy_(src[_slices(box)])
+            e = entries[name]
+            row = math.prod(e.shape[1:]) * _DTYPES[e.dtype].itemsize
+            for box, off in p.boxes:
+                dst = p.box_tensor(box, off)
+                step = max(1, chunk // row) if box[1] else 1
+                for i in range(0, max(box[1][0], 1) if box[1] else 1, step):
+                    part = _rows(box, i, step)
+                    with safe_open(str(e.file), framework="pt") as f:       # mapped pages let go after
+                        got = f.get_slice(name)[_slices(part)]
+                    (dst[i:i + step] if box[1] else dst).copy_(got)
+                    del got
         by_key = {p.key: p for p in pieces}
         for s in engine.states:            # frozen values into what the engine computes with
             if not s.trainable:
