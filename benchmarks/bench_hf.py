@@ -51,7 +51,6 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -64,9 +63,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.masking_utils import create_causal_mask
 
 import shardlib as sl
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from llama import LLAMA_TP  # noqa: E402  (tests/llama.py: the Llama TP pattern table)
+from shardlib.planner.hf_tp import tp_table
 
 
 def llama_config(vocab: int, hidden: int, inter: int, heads: int, kv: int, layers: int, seq: int) -> LlamaConfig:
@@ -136,7 +133,7 @@ class Built:
 def shardlib_plan(model: LlamaForCausalLM, shape: dict[str, int], cfg: LlamaConfig, batch: int):
     """Table and plan of either part: the layer stack named ``layers`` (cut by ``pipe``), Megatron TP where
     the mesh has ``tensor``, ZeRO-3 where it has ``data``."""
-    table = {**(LLAMA_TP if "tensor" in shape else {}), **({"model.layers": ("layers",)} if "pipe" in shape else {})}
+    table = {**(tp_table(model) if "tensor" in shape else {}), **({"model.layers": ("layers",)} if "pipe" in shape else {})}
     if table:
         sl.shard(table)(model)
     pipe = {"rules": {"layers": "pipe"}, "microbatches": M, "schedule": "1f1b"} if "pipe" in shape else {}
