@@ -3,7 +3,8 @@
 
 Tiny models of ``tests/hf_models.py`` (Llama, Qwen2, Mistral, GPT-2 untied, GPT-NeoX; 4 blocks)
 train 4 steps with AdamW on gloo ranks — pipe 2 under every schedule, pipe 2 x data 2 ZeRO-3
-(both ``pipe_gather`` policies), pipe 2 x tensor 2 and data 2 x tensor 2 x pipe 2 — with and
+(both ``pipe_gather`` policies), pipe 2 x tensor 2 (``planner/hf_tp.tp_table``, ± vocab-parallel
+head) and data 2 x tensor 2 x pipe 2 — with and
 without an ``attention_mask`` (odd rows end in padding, their labels -100). Each must give the
 losses of the same model trained by a plain loop in one process on the whole batch (within 1e-5
 relative), the same on every rank, the final weights equal, and one step's counted collectives
@@ -26,8 +27,7 @@ from torch import nn
 
 import hf_models
 import shardlib as sl
-from llama import LLAMA_TP
-from shardlib import P
+from shardlib.planner.hf_tp import tp_table
 from shardlib.testing import get_mesh
 from test_engine import max_rel
 from test_tensor import train_counting
@@ -35,7 +35,6 @@ from test_tensor import train_counting
 STEPS, BATCH, LR = 4, 8, 1e-2
 STACKS = {"llama": "model.layers", "qwen2": "model.layers", "mistral": "model.layers", "gpt2": "transformer.h",
           "gpt_neox": "gpt_neox.layers"}
-QWEN2_TP = {**LLAMA_TP, "*.q_proj.bias": P("tensor"), "*.k_proj.bias": P("tensor"), "*.v_proj.bias": P("tensor")}
 _REFS: dict = {}
 
 
@@ -67,8 +66,8 @@ def hf_run(cfg: dict, shape: dict) -> dict:
     mesh = get_mesh(shape)
     family = cfg["family"]
     model = hf_models.build(family, tie=False)
-    table = {**({"model.layers": ("layers",)} if cfg.get("declare") else {}),
-             **({"llama": LLAMA_TP, "qwen2": QWEN2_TP}[family] if shape.get("tensor", 1) > 1 else {})}
+    table = {**({STACKS[family]: ("layers",)} if cfg.get("declare") else {}),
+             **(tp_table(model, vocab=cfg.get("vocab", False)) if shape.get("tensor", 1) > 1 else {})}
     if table:
         sl.shard(table)(model)
     batches = _batches(family, cfg.get("mask", False))
@@ -131,9 +130,11 @@ def test_pipe_by_data_zero3_both_gather_policies(world):
 
 
 def test_pipe_by_tensor(world):
-    cfgs = [{"family": "llama", "microbatches": 2, "declare": True}, {"family": "llama", "microbatches": 2, "mask": True,
-                                                                       "schedule": "zb_h1"},
-            {"family": "qwen2", "microbatches": 4, "schedule": "interleaved_1f1b", "virtual_stages": 2, "mask": True}]
+    cfgs = [{"family": "llama", "microbatches": 2, "declare": True, "vocab": True},
+            {"family": "llama", "microbatches": 2, "mask": True, "schedule": "zb_h1"},
+            {"family": "qwen2", "microbatches": 4, "schedule": "interleaved_1f1b", "virtual_stages": 2, "mask": True},
+            {"family": "gpt2", "microbatches": 2, "mask": True, "vocab": True},
+            {"family": "gpt_neox", "microbatches": 2, "schedule": "gpipe"}]
     _check(world, cfgs, {"pipe": 2, "tensor": 2})
 
 

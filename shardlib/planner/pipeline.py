@@ -537,7 +537,13 @@ def stream_shape(model: nn.Module, stack: str, batch, rows: int, dtype) -> tuple
     fns = stage_functions(model, stack)
     if isinstance(fns, CausalLMStages):
         shape, ctx = fns.probe(batch, rows, dtype)
-        values = {n: torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device="meta")
+        # block 0 (under SP the stack's first block slices the sequence, wherever it runs), with the
+        # shapes of a block this rank holds: another stage's parameters are on the meta device at
+        # their full shapes, while the tensor axis's local attributes (GPT-2's split_size) are set
+        held = next((b for b in model.get_submodule(stack) if not any(t.is_meta for t in b.parameters())), first)
+        local = dict([*held.named_parameters(), *held.named_buffers()])
+        values = {n: torch.empty(local.get(n, t).shape, dtype=dtype if t.is_floating_point() else t.dtype,
+                                 device="meta")
                   for n, t in [*first.named_parameters(), *first.named_buffers()]}
         x = torch.empty(shape, dtype=dtype, device="meta")
         with torch.no_grad():
