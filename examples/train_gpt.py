@@ -75,6 +75,10 @@ def world_problems(run: RunConfig) -> list[str]:
 
 
 def rank_main(run: RunConfig, out: str) -> dict:
+    import threading
+
+    from tqdm import tqdm
+    tqdm.set_lock(threading.RLock())   # not tqdm's multiprocessing lock (ours, datasets'): ranks leave with os._exit
     torch.set_num_threads(1)
     mesh = sl.Mesh(run.mesh.shape)
     trainer = Trainer(run, mesh)

@@ -80,6 +80,13 @@ def test_overrides_reach_the_dataclasses():
     (["train.seq=100"], "train.seq: 100 tokens is longer than model.seq_len=64 positions"),
     (["model.n_heads=3"], "model.n_heads: 3 heads do not divide model.d_model=128"),
     (["data=file"], "data.path: missing — data=file reads a text file of yours"),
+    (["data=dataset"], "data.path: missing — data=dataset reads a local dataset"),
+    (["data=dataset", "data.path=x.jsonl", "data.format=csv"], "data.format: got 'csv'; expected one of text, json, "
+                                                              "parquet or null."),
+    (["model=hf"], "model.path: missing — model=hf trains a local transformers causal-LM folder"),
+    (["model=hf", "model.path=x", "model.n_layers=3"], "model.n_layers: no such config key — model has kind, name, "
+                                                       "path, seq_len."),
+    (["model=hf", "model.path=x", "model.kind=bert"], "model.kind: got 'bert'; expected one of gpt, hf."),
     (["mesh.links.expert={gbps: 1}"], "no such config key"),
     (["mesh.axes.data=0", "mesh=dp2"], "mesh.axes.data: got 0; expected a positive int."),
     (["train"], "train: not an override — expected key=value"),
@@ -90,6 +97,22 @@ def test_each_bad_value_is_named_by_its_key(overrides, expected):
         return
     got = problems_of(*overrides)
     assert any(expected in p for p in got), got
+
+
+def test_a_transformers_folder_takes_its_sizes_from_its_own_config():
+    run = compose("model=hf", "model.path=some/folder", "mesh=dp2_tp2", "parallel=tp", "train.seq=256")
+    assert (run.model.kind, run.model.path, run.seq) == ("hf", "some/folder", 256)    # no model.seq_len bound here
+    raw = check_overrides(["model=hf", "model.path=f"])
+    raw["model"]["d_model"] = 64
+    with pytest.raises(ConfigError) as e:
+        run_config(raw)
+    assert e.value.problems == ["model.d_model: not used with model.kind=hf — the folder's config.json sets the "
+                                "model's sizes. Remove it, or edit the folder's config."]
+    raw = check_overrides([])
+    raw["model"]["path"] = "f"
+    with pytest.raises(ConfigError) as e:
+        run_config(raw)
+    assert e.value.problems[0].startswith("model.path: 'f' is only read with model.kind=hf")
 
 
 def test_all_problems_at_once():

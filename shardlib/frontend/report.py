@@ -111,10 +111,7 @@ class Progress:
         self.t0 = self.last = time.monotonic()
         self.bar = None
         if show and self.terminal:
-            import threading
-
             from tqdm import tqdm
-            tqdm.set_lock(threading.RLock())       # not tqdm's multiprocessing lock: ranks leave with os._exit
             self.bar = tqdm(total=total, initial=start, file=sys.stderr, mininterval=1.0, unit="step",
                             dynamic_ncols=True)
 

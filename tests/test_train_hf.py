@@ -1,0 +1,173 @@
+"""The main job on a transformers folder (``model=hf model.path=<folder>``), end to end.
+
+A tiny Llama folder is made offline by ``examples/make_tiny_hf.py`` (a BPE tokenizer trained on the
+stdlib's source, random weights, ``save_pretrained``), and the same 60 documents are written as
+JSON lines and as parquet. The job trains the folder 6 steps on data 2 (ZeRO-3, JSON lines) and on
+data 2 x tensor 2 (TP, parquet): every data rank reads and tokenizes only its share, the weights go
+straight into the shards (``init=False`` + ``engine.load_pretrained``), the loss is the model's own.
+Both runs give the losses one process gives training ``from_pretrained`` on the same rows (fp32,
+1e-5 relative), write metrics, pictures and a summary, and end with ``engine.save_pretrained`` into
+the run directory, which ``from_pretrained`` loads. Configuration errors are named by key before
+any rank starts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SEQ = 32
+COMMON = ["model=hf", "train=quick", f"model.seq_len={SEQ}", "data=dataset"]
+
+
+def _example(name: str):
+    spec = importlib.util.spec_from_file_location(f"example_{name}", ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """A tiny Llama folder and 60 documents as JSON lines and parquet; datasets' cache in a tmp dir."""
+    import pandas as pd
+
+    root = tmp_path_factory.mktemp("hf")
+    folder = _example("make_tiny_hf").make(root / "tiny-llama", vocab=300, hidden=32, layers=2, heads=4, kv_heads=2,
+                                          intermediate=64, positions=64, megabytes=0.25)
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    docs = [{"text": p.read_text(errors="ignore")[:3000], "source": p.name} for p in sorted(stdlib.glob("*.py"))[:60]]
+    with open(root / "docs.jsonl", "w") as f:
+        f.writelines(json.dumps(d) + "\n" for d in docs)
+    pd.DataFrame(docs).to_parquet(root / "docs.parquet")
+    return {"folder": folder, "root": root, "env": {**os.environ, "PYTHONUNBUFFERED": "1",
+                                                    "HF_DATASETS_CACHE": str(root / "cache")}}
+
+
+def _run(made, out: Path, *args: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "examples/train_gpt.py", *COMMON, f"model.path={made['folder']}", *args,
+                           f"hydra.run.dir={out}"], cwd=ROOT, env=made["env"], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, f"{args} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def _reference(made, data_file: Path) -> list[float]:
+    """One process: ``from_pretrained``, the two data ranks' rows of each step stacked, AdamW with
+    train=quick's settings (lr 3e-3 constant, clipping at 1.0)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from shardlib.frontend.config import DataConfig
+    from shardlib.frontend.tokens import load_tokens, local_batch
+
+    tokenizer = AutoTokenizer.from_pretrained(made["folder"])
+    data = DataConfig(source="dataset", path=str(data_file), megabytes=16)
+    shares = [load_tokens(data, tokenizer, SEQ, d, 2) for d in range(2)]
+    model = AutoModelForCausalLM.from_pretrained(made["folder"], dtype=torch.float32).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    losses = []
+    for step in range(6):
+        rows = [local_batch(shares[d], step, 8, SEQ, 0, d) for d in range(2)]
+        batch = {k: torch.cat([r[k] for r in rows]) for k in rows[0]}
+        opt.zero_grad(set_to_none=True)
+        loss = model(**batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+@pytest.mark.slow
+def test_main_job_trains_a_transformers_folder_like_one_process(made):
+    root = made["root"]
+    runs = {"dp2 zero3 json lines": (root / "dp2", ["mesh=dp2", "parallel=zero3", f"data.path={root / 'docs.jsonl'}"]),
+            "dp2 x tp2 parquet": (root / "dp2_tp2", ["mesh=dp2_tp2", "parallel=tp",
+                                                     f"data.path={root / 'docs.parquet'}"])}
+    want = _reference(made, root / "docs.jsonl")
+    assert want[-1] < want[0]
+    for what, (out, args) in runs.items():
+        proc = _run(made, out, *args)
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        losses = [r["loss"] for r in rows]
+        assert [r["step"] for r in rows] == list(range(1, 7)) and all(math.isfinite(x) for x in losses), what
+        rel = max(abs(a - b) / abs(b) for a, b in zip(losses, want))
+        assert rel <= 1e-5, f"{what}: {losses} vs one process {want} ({rel:.3g})"
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["ranks_agree"] and summary["config"]["model_path"] == str(made["folder"]), what
+        for name in ("loss.png", "memory.png", "plan.txt"):
+            assert (out / name).stat().st_size > 0, (what, name)
+        assert "by the folder's tokenizer" in proc.stdout and "\r" not in proc.stdout + proc.stderr, what
+    # the trained model, written by engine.save_pretrained, loads with from_pretrained and is the trained one
+    from transformers import AutoModelForCausalLM
+    trained = AutoModelForCausalLM.from_pretrained(root / "dp2_tp2" / "hf", dtype=torch.float32)
+    initial = AutoModelForCausalLM.from_pretrained(made["folder"], dtype=torch.float32)
+    other = AutoModelForCausalLM.from_pretrained(root / "dp2" / "hf", dtype=torch.float32).state_dict()
+    for name, p in trained.state_dict().items():
+        torch.testing.assert_close(p, other[name], rtol=1e-4, atol=1e-5, msg=name)
+    assert not torch.equal(trained.model.embed_tokens.weight, initial.model.embed_tokens.weight)
+
+
+# ---- configuration errors: named by key, before any rank starts -----------------------------------------
+
+def test_folder_and_dataset_errors_are_named_by_key(made, tmp_path, monkeypatch):
+    from transformers import AutoConfig
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", made["env"]["HF_DATASETS_CACHE"])
+    problems_of = _example("train_gpt").problems_of
+    base = ["mesh=dp2", "parallel=zero3", *COMMON, f"data.path={made['root'] / 'docs.jsonl'}"]
+
+    def one(*args: str) -> str:
+        got = problems_of([*base, *args])
+        assert len(got) == 1, got
+        return got[0]
+
+    assert problems_of([*base, f"model.path={made['folder']}"]) == []
+    assert one(f"model.path={tmp_path / 'nope'}").startswith(f"model.path: {tmp_path / 'nope'} does not exist")
+    assert one().startswith("model.path: missing — model=hf trains a local transformers causal-LM folder")
+    AutoConfig.for_model("t5").save_pretrained(tmp_path / "t5")                 # an encoder-decoder: no causal LM
+    got = one(f"model.path={tmp_path / 't5'}")
+    assert got.startswith(f"model.path: {tmp_path / 't5'} holds a ") and "not a causal language model" in got
+    (tmp_path / "empty").mkdir()
+    assert one(f"model.path={tmp_path / 'empty'}") == (f"model.path: {tmp_path / 'empty'} has no config.json — "
+                                                       "expected a folder written by save_pretrained (config.json, "
+                                                       "safetensors, tokenizer files).")
+    folder = f"model.path={made['folder']}"
+    assert one(folder, "train.seq=100").startswith("train.seq: 100 tokens is longer than the model's "
+                                                   "max_position_embeddings=64")
+    assert one(folder, "data.text_field=body").startswith("data.text_field: 'body' is not a column of ")
+    assert one(folder, f"data.path={tmp_path / 'none.jsonl'}").startswith(f"data.path: {tmp_path / 'none.jsonl'} "
+                                                                          "does not exist")
+    (tmp_path / "two.jsonl").write_text('{"text": "a"}\n')
+    assert "holds 1 rows, fewer than the 2 data ranks" in one(folder, f"data.path={tmp_path / 'two.jsonl'}")
+    (tmp_path / "bad.parquet").write_bytes(b"PAR1 this is not parquet")
+    got = one(folder, f"data.path={tmp_path / 'bad.parquet'}")
+    assert got.startswith(f"data.path: {tmp_path / 'bad.parquet'} cannot be read as parquet"), got
+    (tmp_path / "x.csv").write_text("text\na\n")
+    assert one(folder, f"data.path={tmp_path / 'x.csv'}").startswith("data.format: cannot tell the format of ")
+
+
+def test_the_reference_gpt_reads_a_dataset_as_bytes(made, monkeypatch):
+    """data=dataset without model=hf: the documents' text, as the byte-level GPT reads a file."""
+    from shardlib.cli.compose import check_overrides
+    from shardlib.frontend.config import run_config
+    from shardlib.frontend.data import load_text
+    from shardlib.frontend.run import check
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", made["env"]["HF_DATASETS_CACHE"])
+    run = run_config(check_overrides(["mesh=dp2", "parallel=dp", "data=dataset",
+                                      f"data.path={made['root'] / 'docs.parquet'}"]))
+    assert check(run) == []
+    text = bytes(load_text(run.data, run.seq).to(torch.uint8).tolist())
+    first = json.loads((made["root"] / "docs.jsonl").read_text().splitlines()[0])["text"]
+    assert text.startswith(first.encode("utf-8") + b"\n")
