@@ -72,7 +72,8 @@ def hf_run(cfg: dict, shape: dict) -> dict:
         sl.shard(table)(model)
     batches = _batches(family, cfg.get("mask", False))
     kw = {k: cfg[k] for k in ("zero", "microbatches", "schedule", "virtual_stages", "pipe_gather") if k in cfg}
-    plan = sl.plan(model, mesh, rules={"layers": "pipe"}, batch=batches[0], **kw)
+    plan = sl.plan(model, mesh, rules={"layers": "pipe"}, batch=batches[0], sequence_parallel=cfg.get("sp", False),
+                   **kw)
     engine = sl.parallelize(model, plan, optimizer=_optimizer)
     losses, counts = train_counting(engine, plan, batches)
     full = engine.full_state_dict()
@@ -134,7 +135,8 @@ def test_pipe_by_tensor(world):
             {"family": "llama", "microbatches": 2, "mask": True, "schedule": "zb_h1"},
             {"family": "qwen2", "microbatches": 4, "schedule": "interleaved_1f1b", "virtual_stages": 2, "mask": True},
             {"family": "gpt2", "microbatches": 2, "mask": True, "vocab": True},
-            {"family": "gpt_neox", "microbatches": 2, "schedule": "gpipe"}]
+            {"family": "gpt_neox", "microbatches": 2, "schedule": "gpipe"},
+            {"family": "llama", "microbatches": 2, "mask": True, "sp": True}]
     _check(world, cfgs, {"pipe": 2, "tensor": 2})
 
 

@@ -201,6 +201,8 @@ def pipeline_lines(plan: Plan, full: bool = False) -> list[str]:
     blocks = sum(len(s.blocks) for s in pp.stages)
     out = [(f"  pipeline: {pp.axis!r} (p={p}), {pp.num_stages} stages ({v} per rank), layer stack {pp.stack!r} "
             f"of {blocks} blocks; split {pp.split}")]
+    if pp.source:
+        out.append(f"    before, between and after the blocks: {pp.source}")
     if plan.pipe_coord is not None:
         out.append(f"    this plan holds pipe rank {plan.pipe_coord}'s stages")
     else:
