@@ -157,7 +157,7 @@ class Boundaries:
         if partial:
             units = [u for u in units if not u or u in modules]
         self._saved_attrs: list[tuple[nn.Module, str, Any]] = []
-        self._local_attrs(modules, getattr(tplan, "local_attrs", ()), partial)
+        self._local_attrs(modules, tplan.local_attrs, partial)
         for site in tplan.sites:
             if partial and site.module not in modules:
                 continue
