@@ -80,7 +80,11 @@ def _engine(shape: dict, zero: int, *, meta: bool = True, init: bool = False):
     model = hf_models.build("llama", seed=1, meta=meta)
     if shape.get("tensor", 1) > 1:
         sl.shard(LLAMA_TP)(model)
-    plan = sl.plan(model, mesh, zero=zero)
+    rules = {}
+    if shape.get("pipe", 1) > 1:           # the layer stack named by a table entry, cut by a rule
+        sl.shard({"model.layers": ("layers",)})(model)
+        rules = {"rules": {"layers": "pipe"}, "microbatches": 2}
+    plan = sl.plan(model, mesh, zero=zero, **rules)
     return sl.parallelize(model, plan, optimizer=_opt, init=init)
 
 
@@ -216,6 +220,17 @@ def test_peak_memory_while_loading_is_one_tensor_above_the_shards(world, tmp_pat
         # a quarter of the tensor-split weights, half of the embedding and head (split over data only)
         assert res["held"] <= total / 3, f"rank {r}: holds {res['held']} B of {total}"
         assert torch.isfinite(torch.tensor(res["loss"]))
+
+
+def test_meta_llama_loads_under_pipe2(world, tmp_path):
+    """A transformers Llama on pipe 2 (and data 2 x pipe 2 ZeRO-3), built on meta, each rank allocating
+    only its stage: one process's losses; save_pretrained round trip."""
+    sources = {k: v for k, v in _write_sources(tmp_path).items() if k != "bf16"}
+    cases = [(folder, size, str(tmp_path / f"pp2-{case}")) for case, (folder, size) in sources.items()]
+    _check_round_trip(world(2, load_train_save, cases, {"data": 1, "pipe": 2}, 0, None), sources, tmp_path, "pp2")
+    cases = [(folder, size, str(tmp_path / f"dp2pp2-{case}")) for case, (folder, size) in sources.items()]
+    _check_round_trip(world(4, load_train_save, cases, {"data": 2, "pipe": 2}, 3, None), sources, tmp_path,
+                      "dp2pp2")
 
 
 # ---- pipe 2: the reference GPT, each rank allocating only its stage --------------------------------
