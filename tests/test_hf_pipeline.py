@@ -1,7 +1,8 @@
 """A transformers causal LM pipelines with no code: the stack named by a table entry (or found),
 ``rules={"layers": "pipe"}``, batches the dicts ``model(**batch)`` takes, the model's own loss.
 
-Tiny models of ``tests/hf_models.py`` (Llama, Qwen2, Mistral, GPT-2 untied, GPT-NeoX; 4 blocks)
+Tiny models of ``tests/hf_models.py`` (Llama, Qwen2, Mistral, GPT-2 untied, GPT-NeoX; 4 blocks) and a
+Gemma-2 (logit soft-capping, per-layer sliding/full masks)
 train 4 steps with AdamW on gloo ranks — pipe 2 under every schedule, pipe 2 x data 2 ZeRO-3
 (both ``pipe_gather`` policies), pipe 2 x tensor 2 (``planner/hf_tp.tp_table``, ± vocab-parallel
 head) and data 2 x tensor 2 x pipe 2 — with and
@@ -34,12 +35,30 @@ from test_tensor import train_counting
 
 STEPS, BATCH, LR = 4, 8, 1e-2
 STACKS = {"llama": "model.layers", "qwen2": "model.layers", "mistral": "model.layers", "gpt2": "transformer.h",
-          "gpt_neox": "gpt_neox.layers"}
+          "gpt_neox": "gpt_neox.layers", "gemma2": "model.layers"}
 _REFS: dict = {}
 
 
+def _build(family: str, meta: bool = False):
+    """``hf_models.build(family, tie=False)``, or a tiny Gemma-2: logits soft-capped after the head,
+    embeddings scaled inside the base model, sliding-window and full attention alternating by layer."""
+    if family != "gemma2":
+        return hf_models.build(family, tie=False, meta=meta)
+    import transformers as tf
+
+    cfg = tf.Gemma2Config(vocab_size=hf_models.VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=8, num_hidden_layers=4, max_position_embeddings=hf_models.SEQ,
+                          sliding_window=4, final_logit_softcapping=30.0, attn_logit_softcapping=50.0, use_cache=False,
+                          pad_token_id=None, attn_implementation="eager", tie_word_embeddings=False, dtype=torch.float32)
+    torch.manual_seed(0)
+    with torch.device("meta" if meta else "cpu"):
+        model = tf.AutoModelForCausalLM.from_config(cfg)
+    return model.float().train()
+
+
 def _batches(family: str, mask: bool) -> list[dict]:
-    return [hf_models.batch(family, BATCH, 300 + s, mask=mask) for s in range(STEPS)]
+    return [hf_models.batch("llama" if family == "gemma2" else family, BATCH, 300 + s, mask=mask)
+            for s in range(STEPS)]
 
 
 def _optimizer(params):
@@ -49,7 +68,7 @@ def _optimizer(params):
 def reference(family: str, mask: bool) -> dict:
     key = (family, mask)
     if key not in _REFS:
-        model = hf_models.build(family, tie=False)
+        model = _build(family)
         opt = _optimizer(list(model.parameters()))
         losses = []
         for batch in _batches(family, mask):
@@ -65,7 +84,7 @@ def reference(family: str, mask: bool) -> dict:
 def hf_run(cfg: dict, shape: dict) -> dict:
     mesh = get_mesh(shape)
     family = cfg["family"]
-    model = hf_models.build(family, tie=False)
+    model = _build(family)
     table = {**({STACKS[family]: ("layers",)} if cfg.get("declare") else {}),
              **(tp_table(model, vocab=cfg.get("vocab", False)) if shape.get("tensor", 1) > 1 else {})}
     if table:
@@ -77,7 +96,7 @@ def hf_run(cfg: dict, shape: dict) -> dict:
     engine = sl.parallelize(model, plan, optimizer=_optimizer)
     losses, counts = train_counting(engine, plan, batches)
     full = engine.full_state_dict()
-    names = [n for n, _ in hf_models.build(family, tie=False, meta=True).named_parameters()]
+    names = [n for n, _ in _build(family, meta=True).named_parameters()]
     return {"losses": losses, "params": {n: full[n] for n in names}, "stack": plan.pipeline.stack,
             "source": plan.pipeline.source, "block_saved": plan.pipeline.block_saved, **counts}
 
@@ -121,6 +140,14 @@ def test_llama_pipe_every_schedule_with_and_without_a_mask(world):
 @pytest.mark.parametrize("family", ["qwen2", "mistral", "gpt2", "gpt_neox"])
 def test_other_families_pipe_every_schedule(world, family):
     cfgs = [{"family": family, "microbatches": 4, "mask": i % 2 == 1, **s} for i, s in enumerate(SCHEDULES)]
+    _check(world, cfgs, {"data": 1, "pipe": 2})
+
+
+def test_what_the_model_does_after_its_head_comes_with_it(world):
+    """Gemma-2 soft-caps its logits and alternates sliding and full attention: the last stage runs
+    the model's own forward after the stack, and each block gets its own layer's mask."""
+    cfgs = [{"family": "gemma2", "microbatches": 4, "mask": True, "schedule": "1f1b"},
+            {"family": "gemma2", "microbatches": 4, "schedule": "interleaved_1f1b", "virtual_stages": 2}]
     _check(world, cfgs, {"data": 1, "pipe": 2})
 
 

@@ -99,6 +99,7 @@ class CausalLMStages:
         self.parent = model.get_submodule(parent) if parent else model
         self.blocks = list(model.get_submodule(stack))
         self.width = int(model.config.hidden_size)
+        self._sigs: dict[type, inspect.Signature] = {}
 
     # ---- what a step runs ------------------------------------------------------------------------
     def pre(self, batch: Mapping[str, Any], dtype: torch.dtype) -> tuple[torch.Tensor, Context]:
@@ -316,7 +317,10 @@ class CausalLMStages:
 
     def _bound(self, i: int, call: tuple) -> tuple[Any, dict[str, Any]]:
         args, kwargs = call
-        sig = inspect.signature(self.blocks[i].forward)
+        kind = type(self.blocks[i])
+        sig = self._sigs.get(kind)
+        if sig is None:
+            sig = self._sigs[kind] = inspect.signature(self.blocks[i].forward)
         bound = sig.bind(*args, **kwargs).arguments
         names = list(sig.parameters)
         x = bound.pop(names[0])
