@@ -25,7 +25,6 @@ file (the header is known up front), then freed: rank 0 holds one tensor at a ti
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -38,20 +37,14 @@ import torch.distributed as dist
 from torch import nn
 
 from ..algebra.boxes import Box
-from .checkpoint import _pieces
+from .checkpoint import _gather, _pieces
 from .checkpoint_files import CheckpointError
+from .pretrained_files import _DTYPES, _FLOATS, _RELOAD, CONFIG, _Entry, _header_bytes, _tidy, read_folder
 
 if TYPE_CHECKING:
     from .engine import Engine
 
-SAFE, INDEX, CONFIG = "model.safetensors", "model.safetensors.index.json", "config.json"
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool}
-_CODES = {v: k for k, v in _DTYPES.items()}
-_FLOATS = ("F64", "F32", "F16", "BF16")
 _CHUNK = 64 << 20            # bytes: the most one read spans in a file
-_RELOAD = "Save the folder again (model.save_pretrained) or download it again."
 
 
 # ---- building without values (sl.parallelize(..., init=False)) ---------------------------------------
@@ -67,11 +60,12 @@ class EnginePretrained:
         for i, pp in enumerate(self.plan.params):
             p = named[pp.name]
             who = owners[id(p)]
+            full = torch.zeros(pp.shape, device=self.mesh.device)     # at most one (local) tensor whole
             if p.is_meta and self.plan.states.params is None:      # kept whole: a real parameter first
-                p = nn.Parameter(torch.zeros(pp.shape, device=self.mesh.device), requires_grad=pp.trainable)
+                p = nn.Parameter(full, requires_grad=pp.trainable)
                 for mod, attr in who:
                     mod._parameters[attr] = p
-            st = self._param_state(i, pp, p, torch.zeros(pp.shape, device=self.mesh.device), who)
+            st = self._param_state(i, pp, p, full, who)
             self._put(st)
             states.append(st)
         return states
@@ -106,86 +100,6 @@ class EnginePretrained:
                 f"parallelize: init=False on a meta-device model whose non-persistent buffer(s) {unset[:6]} are not "
                 "in any checkpoint and were not computed — expected the model's _init_weights(module) to set them "
                 "(transformers models do). Build the model on a real device, or use init=True.")
-
-
-# ---- reading a folder's headers ------------------------------------------------------------------------
-
-class _Entry:
-    """One tensor in a safetensors file: where it is, its dtype code and shape."""
-
-    def __init__(self, file: Path, dtype: str, shape: tuple[int, ...]):
-        self.file, self.dtype, self.shape = file, dtype, shape
-
-
-def _header(file: Path) -> dict[str, _Entry]:
-    """The tensors a safetensors file holds, checked whole against the file's size."""
-    size = file.stat().st_size
-    bad = f"load_pretrained: {file} is not a whole safetensors file"
-    with open(file, "rb") as fh:
-        raw = fh.read(8)
-        n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
-        if n < 0 or n > size - 8:
-            raise CheckpointError(f"{bad} — got {size} bytes, its header says {n}; expected a header and data. "
-                                  f"The file is truncated. {_RELOAD}")
-        try:
-            header = json.loads(fh.read(n))
-        except ValueError:
-            raise CheckpointError(f"{bad} — its header is not JSON. {_RELOAD}") from None
-    data, out = size - 8 - n, {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, shape, (b, e) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{bad} — tensor {name!r} has a malformed header entry. {_RELOAD}") from None
-        if e > data:
-            raise CheckpointError(f"{bad} — tensor {name!r} ends at data byte {e} but the file holds {data}: it is "
-                                  f"truncated. {_RELOAD}")
-        item = _DTYPES[dtype].itemsize if dtype in _DTYPES else None
-        if item is not None and e - b != math.prod(shape) * item:
-            raise CheckpointError(f"{bad} — tensor {name!r} ({dtype} {list(shape)}) spans {e - b} bytes. {_RELOAD}")
-        out[name] = _Entry(file, dtype, shape)
-    return out
-
-
-def read_folder(path: Path, api: str = "load_pretrained") -> tuple[dict | None, dict[str, _Entry]]:
-    """``(config.json or None, every tensor by name)`` of a transformers folder (one ``model.safetensors``,
-    or shards listed by ``model.safetensors.index.json``), or of a single ``.safetensors`` file."""
-    if path.is_file():
-        return None, _header(path)
-    if not path.is_dir():
-        raise CheckpointError(f"{api}: {path} does not exist — expected a folder written by save_pretrained or a "
-                              ".safetensors file. Check the path.")
-    config = None
-    if (path / CONFIG).is_file():
-        try:
-            config = json.loads((path / CONFIG).read_text())
-        except ValueError:
-            raise CheckpointError(f"{api}: {path / CONFIG} is not JSON. {_RELOAD}") from None
-    if (path / INDEX).is_file():
-        try:
-            weight_map = json.loads((path / INDEX).read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError):
-            raise CheckpointError(f"{api}: {path / INDEX} is not a safetensors index (no weight_map). {_RELOAD}") \
-                from None
-        files = sorted(set(weight_map.values()))
-        missing = [f for f in files if not (path / f).is_file()]
-        if missing:
-            raise CheckpointError(f"{api}: {path / INDEX} lists {missing[:4]}, not in {path} — expected every shard "
-                                  f"file the index names. {_RELOAD}")
-        out: dict[str, _Entry] = {}
-        for f in files:
-            out.update(_header(path / f))
-        lost = [k for k, f in weight_map.items() if k not in out or out[k].file.name != f]
-        if lost:
-            raise CheckpointError(f"{api}: {path / INDEX} places {lost[:4]} in files that do not hold them — the "
-                                  f"shards and the index disagree. {_RELOAD}")
-        return config, out
-    if (path / SAFE).is_file():
-        return config, _header(path / SAFE)
-    raise CheckpointError(f"{api}: {path} holds neither {SAFE} nor {INDEX} — expected a folder written by "
-                          "save_pretrained (safetensors). Save it with safe_serialization, or point at the right folder.")
 
 
 # ---- what the model expects -----------------------------------------------------------------------------
@@ -298,7 +212,8 @@ def load_pretrained(engine: Engine, path: str | os.PathLike, *, strict: bool = T
     if engine.step_count > 0:
         raise CheckpointError(f"load_pretrained: the engine has taken {engine.step_count} step(s) — expected a load "
                               "before the first step (the optimizer's state would belong to other weights). Load "
-                              "pretrained weights into a fresh engine, or resume training with engine.load(checkpoint).")
+                              "pretrained weights into a fresh engine, or resume training with "
+                              "engine.load(checkpoint).")
     config, entries = read_folder(path)
     params, buffers = _check(engine, path, config, entries, strict)
     pieces, _ = _pieces(engine)
@@ -343,14 +258,6 @@ def load_pretrained(engine: Engine, path: str | os.PathLike, *, strict: bool = T
     engine._needs_load = False
 
 
-def _gather(engine: Engine, obj):
-    if engine.mesh.size == 1:
-        return [obj]
-    out = [None] * engine.mesh.size
-    dist.all_gather_object(out, obj)
-    return out
-
-
 # ---- save -----------------------------------------------------------------------------------------------
 
 def _saved_names(model: nn.Module) -> list[tuple[str, str]]:
@@ -366,7 +273,6 @@ def _saved_names(model: nn.Module) -> list[tuple[str, str]]:
             name = f"{mname}.{k}" if mname else k
             if t is not None and (name in first or name in buffers) and name not in order:
                 order.append(name)
-    tied: list[str] = []
     try:
         from transformers.modeling_utils import _get_tied_weight_keys
         tied = list(_get_tied_weight_keys(model)) if hasattr(model, "config") else []
@@ -386,33 +292,13 @@ def _saved_names(model: nn.Module) -> list[tuple[str, str]]:
     return [(n, first.get(n, n)) for n in order if n not in drop]
 
 
-def _header_bytes(tensors: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> tuple[bytes, dict[str, int]]:
-    """A safetensors header for ``tensors`` laid out as safetensors does (by dtype, then name), and each
-    tensor's data offset."""
-    order = sorted(tensors, key=lambda t: (-t[1].itemsize, t[0]))
-    header: dict = {"__metadata__": {"format": "pt"}}
-    offsets, off = {}, 0
-    for name, dtype, shape in order:
-        n = math.prod(shape) * dtype.itemsize
-        header[name] = {"dtype": _CODES[dtype], "shape": list(shape), "data_offsets": [off, off + n]}
-        offsets[name] = off
-        off += n
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    return len(raw).to_bytes(8, "little") + raw, offsets
-
-
-def _parse_size(size: int | str) -> int:
-    from huggingface_hub.serialization._base import parse_size_to_int
-    return parse_size_to_int(size) if isinstance(size, str) else int(size)
-
-
 @torch.no_grad()
 def save_pretrained(engine: Engine, path: str | os.PathLike, *, max_shard_size: int | str = "50GB",
                     dtype: torch.dtype = torch.float32) -> Path:
     """Write the model as ``model.save_pretrained(path)`` does in one process (see the module doc); a
     model without a transformers ``config`` gets the safetensors files only. A collective."""
     from huggingface_hub import split_torch_state_dict_into_shards
+    from huggingface_hub.serialization._base import parse_size_to_int
 
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise CheckpointError(f"save_pretrained: dtype {dtype} — expected torch.float32, float16 or bfloat16.")
@@ -426,7 +312,8 @@ def save_pretrained(engine: Engine, path: str | os.PathLike, *, max_shard_size: 
              for _, src in names}
     meta = {n: torch.empty(kinds[src][0], dtype=kinds[src][1], device="meta") for n, src in names}
     split = split_torch_state_dict_into_shards(meta, filename_pattern="model{suffix}.safetensors",
-                                               max_shard_size=_parse_size(max_shard_size))
+                                               max_shard_size=parse_size_to_int(max_shard_size)
+                                               if isinstance(max_shard_size, str) else int(max_shard_size))
     del meta
     hf = hasattr(getattr(model, "config", None), "save_pretrained")
     rank0 = engine.mesh.rank == 0
@@ -473,22 +360,6 @@ def save_pretrained(engine: Engine, path: str | os.PathLike, *, max_shard_size: 
     if engine.mesh.size > 1:
         dist.barrier()
     return path
-
-
-def _tidy(path: Path, split, params: int, hf: bool) -> None:
-    """The index (sharded) or its absence (one file), and no stale shard from an earlier save."""
-    stale = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
-    for f in path.iterdir():
-        if stale.fullmatch(f.name) and f.name not in split.filename_to_tensors:
-            f.unlink()
-    if split.is_sharded:
-        if (path / SAFE).is_file():
-            (path / SAFE).unlink()
-        total = {"total_parameters": params} if hf else {}
-        index = {"metadata": {**total, **split.metadata}, "weight_map": split.tensor_to_filename}
-        (path / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    elif (path / INDEX).is_file():
-        (path / INDEX).unlink()
 
 
 class _Sender:
