@@ -453,7 +453,8 @@ def main(argv=None) -> None:
             n = 1
             for v in shape.values():
                 n *= v
-            row = {"config": label, "form": f"Llama {label} {shape}", "baseline": torch_name, "ranks": n,
+            row = {"config": label, "form": f"transformers Llama {label} ({' x '.join(f'{a} {v}' for a, v in shape.items())}"
+                   f"{', ZeRO-3' if 'data' in shape else ''}, 1F1B m={M})", "baseline": torch_name, "ranks": n,
                    "results": {}, "failed": {}, "rss": {}, "load": [os.getloadavg()[0]]}
             row = summarize(run_sides(row, n, rank_main, rss_main, label, args.sides, args.warmup, args.steps,
                                       timeout, not args.no_rss, lambda per, side: collect(per[0], side, args.steps)),

@@ -10,6 +10,8 @@ stepped alternately — see each script's docstring):
 * ``bench_tensor_parallel.py`` TP (± SP) vs ``parallelize_module``, data x tensor ZeRO-3 vs FSDP2 + TP
 * ``bench_pipeline.py``       GPipe / 1F1B / interleaved / ZB-H1 vs ``torch.distributed.pipelining``
 * ``bench_3d.py``             data x pipe x tensor vs FSDP2 + TP + pipelining (torchtitan's composition)
+* ``bench_hf.py``             a transformers Llama, pipe 2 and 2x2x2, vs hand-written stages + FSDP2 + TP +
+                              pipelining (its step part; torch's ``pipeline()`` cannot run the model)
 
 and writes ``<out>/summary.md`` (one table: form, baseline, ranks, median step ms of each side, ratio,
 max relative loss difference of each side against one process) and ``<out>/summary.json``, plus each
@@ -38,6 +40,8 @@ SCRIPTS = {
     "bench_pipeline": {"full": ["--no-rss", "--steps", "20"], "quick": ["--configs", "1f1b-p2", "interleaved-p2",
                                                                        "1f1b-p4", "--steps", "8", "--no-rss"]},
     "bench_3d": {"full": [], "quick": ["--steps", "8"]},
+    "bench_hf": {"full": ["--parts", "steps", "--no-rss", "--steps", "10"],
+                 "quick": ["--parts", "steps", "--no-rss", "--steps", "5", "--warmup", "2"]},
 }
 
 
@@ -65,8 +69,8 @@ def _rows(script: str, data) -> list[dict]:
                         "ranks": r["p"], "shardlib_ms": res["shardlib"]["ms"], "torch_ms": res["torch"]["ms"],
                         "ratio": r["ratio"], "dloss": max(res["shardlib"]["dloss"], res["torch"]["dloss"]),
                         "dloss_kind": "rel vs 1 process"})
-    elif script == "bench_3d":
-        for r in data:
+    elif script in ("bench_3d", "bench_hf"):
+        for r in (data[0].get("steps", []) if script == "bench_hf" else data):
             if r.get("ratio") is None:
                 continue
             out.append({"form": r.get("form", r.get("config", "3D")), "baseline": r.get("baseline", r.get("torch", "")),
