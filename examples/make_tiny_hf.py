@@ -3,6 +3,7 @@ with the main job when you have no model folder at hand:
 
     python examples/make_tiny_hf.py tiny-llama                      # Llama, ~0.2 M parameters
     python examples/make_tiny_hf.py tiny-qwen --family qwen2 --hidden 128 --layers 4
+    python examples/make_tiny_hf.py tiny-gpt2 --family gpt2         # Conv1D, fused q|k|v, tied embeddings
     python examples/train_gpt.py model=hf model.path=tiny-llama mesh=dp2_tp2 parallel=tp
 
 What a Hub model folder holds, made here with no download: a byte-level BPE tokenizer trained with
@@ -19,7 +20,7 @@ import pathlib
 import sys
 
 EOS = "<|endoftext|>"
-FAMILIES = ("llama", "mistral", "qwen2")
+FAMILIES = ("llama", "mistral", "qwen2", "gpt2")
 
 
 def train_tokenizer(text: str, vocab: int):
@@ -55,12 +56,18 @@ def make(out: str | pathlib.Path, *, family: str = "llama", vocab: int = 384, hi
     data = DataConfig(source="file" if text else "stdlib", path=text, megabytes=megabytes)
     raw = bytes(load_text(data, 16).to(torch.uint8).tolist())
     tokenizer = train_tokenizer(raw.decode("utf-8", errors="ignore"), vocab)
-    config = AutoConfig.for_model(
-        family, vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate,
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
-        max_position_embeddings=positions, tie_word_embeddings=False, use_cache=False,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        attention_dropout=0.0)
+    ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=None,
+               use_cache=False)          # packed text: no padding
+    if family == "gpt2":          # Conv1D projections, fused q|k|v, learned positions, tied embeddings
+        config = AutoConfig.for_model(family, vocab_size=len(tokenizer), n_embd=hidden, n_inner=intermediate,
+                                      n_layer=layers, n_head=heads, n_positions=positions, resid_pdrop=0.0,
+                                      embd_pdrop=0.0, attn_pdrop=0.0, **ids)
+    else:
+        config = AutoConfig.for_model(
+            family, vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate,
+            num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+            head_dim=hidden // heads, max_position_embeddings=positions, tie_word_embeddings=False,
+            attention_dropout=0.0, **ids)
     disable_progress_bar()
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -79,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--kv-heads", type=int, default=2, help="grouped-query KV heads (not gpt2)")
     ap.add_argument("--intermediate", type=int, default=172)
     ap.add_argument("--positions", type=int, default=256, help="max_position_embeddings")
     ap.add_argument("--seed", type=int, default=0)

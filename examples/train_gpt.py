@@ -232,6 +232,7 @@ def problems_of(argv: list[str]) -> list[str]:
 
 def main() -> None:
     """Check the whole configuration here, in one process, then hand over to Hydra (run directory)."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")     # its advice on inputs we build is noise here
     problems = problems_of(sys.argv[1:])
     if problems:
         print(f"{NAME}: " + (problems[0] if len(problems) == 1 else f"{len(problems)} problems in the configuration:\n"

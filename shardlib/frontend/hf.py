@@ -150,9 +150,3 @@ def example_batch(run: RunConfig) -> dict[str, torch.Tensor]:
     ids = torch.zeros(run.train.batch, run.seq, dtype=torch.long)
     return {"input_ids": ids, "labels": ids}
 
-
-def describe(run: RunConfig, model: nn.Module) -> dict[str, Any]:
-    """What the run's summary says about the model: family, class, parameter count, folder."""
-    return {"path": str(run.model.path), "class": type(model).__name__,
-            "model_type": getattr(model.config, "model_type", None),
-            "parameters": sum(p.numel() for p in model.parameters())}

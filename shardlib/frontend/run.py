@@ -107,7 +107,7 @@ def _data_problems(run: RunConfig) -> list[str]:
 
 
 # what a planner problem is about, in config keys (the message itself names the sizes and the fix)
-_KEYS = ((r"pipeline_pre|pipeline_post", "mesh (its pipe axis)"),
+_KEYS = ((r"pipeline_pre|pipeline_post|\(tied\)", "mesh (its pipe axis)"),
          (r"attention heads|KV heads", "model.n_heads with the mesh's tensor axis"),
          (r"blocks, fewer than the|layer stack", "model.n_layers with the mesh's pipe axis"),
          (r"schedule|micro-batches|microbatches", "parallel.schedule / parallel.microbatches"),
