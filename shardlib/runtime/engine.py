@@ -198,12 +198,6 @@ class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
         self._refuse_before_load("save_pretrained")
         return save_pretrained(self, path, max_shard_size=max_shard_size, dtype=dtype)
 
-    def _refuse_before_load(self, api: str) -> None:
-        if self._needs_load:
-            raise ShardingError(f"{api}: the engine was built with init=False and its parameters have no values yet "
-                                "— expected a load first. Call engine.load_pretrained(folder) (or "
-                                "engine.load(checkpoint)) before the first step, or parallelize with init=True.")
-
     def export(self, path):
         """The full model (``full_state_dict()``) as one safetensors file, for a plain model."""
         from .checkpoint import export

@@ -52,6 +52,12 @@ _CHUNK = 64 << 20            # bytes: the most one read spans in a file
 class EnginePretrained:
     """Empty states and buffers for ``init=False`` (mixed into ``Engine``)."""
 
+    def _refuse_before_load(self, api: str) -> None:
+        if self._needs_load:
+            raise CheckpointError(f"{api}: the engine was built with init=False and its parameters have no values "
+                                  "yet — expected a load first. Call engine.load_pretrained(folder) (or "
+                                  "engine.load(checkpoint)) before the first step, or parallelize with init=True.")
+
     def _build_states_empty(self) -> list:
         """Each parameter's state with zeros for values, each rank allocating only what it holds."""
         self._fill_buffers()
