@@ -49,7 +49,8 @@ def _build(family: str, meta: bool = False):
     cfg = tf.Gemma2Config(vocab_size=hf_models.VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4,
                           num_key_value_heads=2, head_dim=8, num_hidden_layers=4, max_position_embeddings=hf_models.SEQ,
                           sliding_window=4, final_logit_softcapping=30.0, attn_logit_softcapping=50.0, use_cache=False,
-                          pad_token_id=None, attn_implementation="eager", tie_word_embeddings=False, dtype=torch.float32)
+                          pad_token_id=None, attn_implementation="eager", tie_word_embeddings=False,
+                          dtype=torch.float32)
     torch.manual_seed(0)
     with torch.device("meta" if meta else "cpu"):
         model = tf.AutoModelForCausalLM.from_config(cfg)

@@ -48,6 +48,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
+from ..errors import ShardingError
+
 Context = list          # per block of the stack, in order: the keyword arguments it is called with
 PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
@@ -133,7 +135,7 @@ class CausalLMStages:
                 and out[0].dim() == 0:
             loss = out[0]
         if loss is None:
-            raise ValueError(f"pipeline: {type(self.model).__name__} returned no loss — expected the batch "
+            raise ShardingError(f"pipeline: {type(self.model).__name__} returned no loss — expected the batch "
                              f"to hold 'labels' (got {sorted(batch)}). Give the batch its labels.")
         return loss
 
@@ -199,9 +201,10 @@ class CausalLMStages:
     def _check_calls(self, calls: dict[int, tuple]) -> list[str]:
         n, name = len(self.blocks), type(self.model).__name__
         if sorted(calls) != list(range(n)) or any(len(v) != 1 for v in calls.values()) or list(calls) != sorted(calls):
-            return [f"plan: {name}'s forward calls the blocks of {self.stack!r} as {[(i, len(v)) for i, v in calls.items()]} "
-                    f"(index, times) — expected each of its {n} blocks once, in order, so that the stack can be cut "
-                    "into stages. Declare the stack the forward runs block by block, or plan without the pipe axis."]
+            seen = [(i, len(v)) for i, v in calls.items()]
+            return [f"plan: {name}'s forward calls the blocks of {self.stack!r} as {seen} (index, times) — "
+                    f"expected each of its {n} blocks once, in order, so that the stack can be cut into stages. "
+                    "Declare the stack the forward runs block by block, or plan without the pipe axis."]
         out = []
         for i in range(1, n):
             if self._hidden(i, calls[i][0]) is not self._hidden(i - 1, calls[i - 1][0]):
@@ -230,8 +233,7 @@ class CausalLMStages:
                                "from the batch (masks, positions, rotary tables): only the hidden state crosses "
                                f"stages. {name} cannot be pipelined by the transformers adapter; plan without the "
                                "pipe axis.")
-            shapes = {k: [tuple(t.shape) for t in tree_flatten(v)[0] if isinstance(t, torch.Tensor)] for k, v in a.items()}
-            other = {k: [tuple(t.shape) for t in tree_flatten(v)[0] if isinstance(t, torch.Tensor)] for k, v in b.items()}
+            shapes, other = _shapes(a), _shapes(b)
             if shapes != other:
                 out.append(f"plan: block {i} of {self.stack!r} gets {shapes} from input_ids but {other} from "
                            "inputs_embeds — expected the same arguments either way (the stages after the first "
@@ -302,7 +304,7 @@ class CausalLMStages:
         if problems is not None:
             return calls
         if sorted(calls) != list(range(last + 1)):
-            raise ValueError(f"pipeline: {type(self.model).__name__}'s forward called blocks {sorted(calls)} of "
+            raise ShardingError(f"pipeline: {type(self.model).__name__}'s forward called blocks {sorted(calls)} of "
                              f"{self.stack!r} — expected all {last + 1}.")
         return [calls[i][0] for i in range(last + 1)]
 
@@ -331,7 +333,7 @@ class CausalLMStages:
                 out.update(v)
             elif kind is inspect.Parameter.VAR_POSITIONAL:
                 if v:
-                    raise ValueError(f"pipeline: block {i} of {self.stack!r} is given {len(v)} extra positional "
+                    raise ShardingError(f"pipeline: block {i} of {self.stack!r} is given {len(v)} extra positional "
                                      "arguments — expected arguments the adapter can pass by name.")
             else:
                 out[k] = v
@@ -371,6 +373,10 @@ def _zeros_for(model: nn.Module, which: str, dtype: torch.dtype, device: torch.d
     finally:
         for store, attr, t in swapped:
             store[attr] = t
+
+
+def _shapes(kwargs: dict[str, Any]) -> dict[str, list[tuple[int, ...]]]:
+    return {k: [tuple(t.shape) for t in tree_flatten(v)[0] if isinstance(t, torch.Tensor)] for k, v in kwargs.items()}
 
 
 def _concrete(batch: Mapping[str, Any], rows: int) -> dict[str, Any]:

@@ -85,7 +85,7 @@ def block_saved_bytes(model: nn.Module, plan: Plan, *, rank: int = 0, batch: Any
     ``batch`` (the plan's example batch; without it, tokens of the stream's shape and no mask)."""
     from ..comm.boundaries import Boundaries, Ops
     from .hf_stages import CausalLMStages
-    from .pipeline import stage_functions
+    from .stack import stage_functions
 
     pp = plan.pipeline
     if pp is None or pp.stream is None:
@@ -137,7 +137,8 @@ def block_saved_bytes(model: nn.Module, plan: Plan, *, rank: int = 0, batch: Any
                                             device="meta")
                 key = (type(block), tuple((n, tuple(v.shape)) for n, v in values.items()), tuple(shape),
                        name in recomputed, bool(sp and body and name == body[0]),
-                       tuple((k, tuple(v.shape) if isinstance(v, torch.Tensor) else repr(v)) for k, v in kwargs.items()))
+                       tuple((k, tuple(v.shape) if isinstance(v, torch.Tensor) else repr(v))
+                             for k, v in kwargs.items()))
                 if key not in memo:
                     x = torch.empty(shape, dtype=getattr(torch, pp.stream_dtype), device="meta", requires_grad=True)
                     if name in recomputed:           # a checkpoint keeps its input; the rest is recomputed

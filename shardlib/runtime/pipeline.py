@@ -47,7 +47,8 @@ from torch.utils._pytree import tree_flatten
 
 from ..comm import core as comm
 from ..errors import CollectiveError
-from ..planner.pipeline import loss_words, stage_functions, stream_shape
+from ..planner.pipeline import loss_words, stream_shape
+from ..planner.stack import stage_functions
 from ..planner.simulate import Record
 
 if TYPE_CHECKING:
