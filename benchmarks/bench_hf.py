@@ -130,15 +130,16 @@ class Built:
 # shardlib: the model unchanged, a table entry and a rule
 # ---------------------------------------------------------------------------------------------
 
-def shardlib_plan(model: LlamaForCausalLM, shape: dict[str, int], cfg: LlamaConfig, batch: int):
+def shardlib_plan(model: LlamaForCausalLM, shape: dict[str, int], cfg: LlamaConfig, batch: int | None):
     """Table and plan of either part: the layer stack named ``layers`` (cut by ``pipe``), Megatron TP where
-    the mesh has ``tensor``, ZeRO-3 where it has ``data``."""
+    the mesh has ``tensor``, ZeRO-3 where it has ``data``. ``batch=None`` (the load part): no example batch,
+    so no activation trace — ``sl.plan(meta_model, ..., batch=...)`` fails copying the meta rotary buffer."""
     table = {**(tp_table(model) if "tensor" in shape else {}), **({"model.layers": ("layers",)} if "pipe" in shape else {})}
     if table:
         sl.shard(table)(model)
     pipe = {"rules": {"layers": "pipe"}, "microbatches": M, "schedule": "1f1b"} if "pipe" in shape else {}
     return sl.plan(model, sl.Mesh(shape), zero=3 if "data" in shape else 0,
-                   batch=llama_batch(cfg, batch, 0), **pipe)
+                   batch=None if batch is None else llama_batch(cfg, batch, 0), **pipe)
 
 
 def run_shardlib(shape: dict[str, int]) -> Built:
@@ -362,7 +363,7 @@ def load_main(side: str, shape: dict[str, int], folder: str) -> dict:
                 model = LlamaForCausalLM(LOAD_CFG)
         else:
             model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32)
-        plan = shardlib_plan(model, shape, LOAD_CFG, LOAD_BATCH)
+        plan = shardlib_plan(model, shape, LOAD_CFG, None)
         if side == "shardlib":
             engine = sl.parallelize(model, plan, optimizer=make_optimizer, init=False)
             engine.load_pretrained(folder)
