@@ -303,6 +303,37 @@ def test_meta_built_model_trains_as_the_normally_built_one(world, data, runs):
                 torch.testing.assert_close(meta["final"][k], v, rtol=1e-5, atol=1e-7, msg=f"{what}: {k}")
 
 
+def _train_pipe(shape: dict, zero: int, meta: bool) -> dict:
+    """The GPT on a pipe axis (2 micro-batches): on meta each rank replays only its stage's values."""
+    mesh = get_mesh(shape)
+    model = engine_model("gpt", seed=5 + (mesh.rank if meta else 0), meta=meta)
+    plan = sl.plan(model, mesh, zero=zero, rules={"layers": "pipe"}, microbatches=2)
+    engine = sl.parallelize(model, plan, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    built = sum(s.plan.numel for s in engine.states)
+    init = engine.full_state_dict()
+    losses = [engine.step(b) for b in engine_batches("gpt", batch=8)]
+    return {"init": init, "losses": losses, "final": engine.full_state_dict(), "built": built}
+
+
+def _pipe_meta_vs_normal(shape: dict, zero: int) -> tuple[dict, dict]:
+    return _train_pipe(shape, zero, meta=False), _train_pipe(shape, zero, meta=True)
+
+
+@pytest.mark.parametrize("shape,zero", [({"data": 1, "pipe": 2}, 0), ({"data": 2, "pipe": 2}, 3)])
+def test_meta_built_model_under_a_pipe_axis_replays_only_its_stages(world, shape, zero):
+    """A meta GPT cut into pipeline stages: each rank materializes only its stage's parameters (the
+    others stay on meta), with the values of a normal build from rank 0's seed; trains as built normally."""
+    total = sum(p.numel() for p in engine_model("gpt", seed=5, meta=False).parameters())
+    want = state(engine_model("gpt", seed=5, meta=False))
+    for rank, (normal, meta) in enumerate(world(shape["data"] * 2, _pipe_meta_vs_normal, shape, zero)):
+        assert meta["built"] < total, f"rank {rank}: built {meta['built']} of {total}"
+        assert_same(meta["init"], want)
+        for a, b in zip(meta["losses"], normal["losses"]):
+            assert abs(a - b) <= 1e-6 * abs(b), f"{shape} rank {rank}: loss {a} vs {b}"
+        for k, v in normal["final"].items():
+            torch.testing.assert_close(meta["final"][k], v, rtol=1e-5, atol=1e-7, msg=f"{shape} rank {rank}: {k}")
+
+
 BUILD_CFG = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=2, n_layers=6)
 
 

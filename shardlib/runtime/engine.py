@@ -34,7 +34,7 @@ from ..planner.plan import Plan
 from .access import EngineAccess
 from .buckets import GradBuckets
 from .inspection import EngineInspection
-from .materialize import is_meta
+from .materialize import is_meta, materialize_stage_
 from .pipeline import PipelineRuntime, strip_to_stage
 from .pretrained import EnginePretrained
 from .scaler import LossScaler
@@ -71,7 +71,8 @@ def parallelize(model: nn.Module, plan: Plan, optimizer: Callable[[list[nn.Param
     normal CPU build from the same generator state gives it — rank 0's on every rank — replayed
     from the model's ``reset_parameters()`` / ``init_weights(module)`` (the contract in
     ``runtime/materialize.py``); under ZeRO-3 unit by unit, each rank keeping only its piece, so
-    building never holds more than one unit's full values. Seed before building the model, and draw
+    building never holds more than one unit's full values; under a pipe axis each rank replays only
+    its stages' parameters. Seed before building the model, and draw
     no random numbers between building it and ``parallelize``. A model that cannot be replayed is
     refused with a ``ShardingError`` naming its modules.
 
@@ -114,12 +115,6 @@ class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
         rng = None
         piped = self.global_plan.pipe_size > 1
         meta = is_meta(model)
-        if piped and meta and init:
-            raise ShardingError("parallelize: the model is on the meta device and the plan cuts it into pipeline "
-                                "stages — expected a model built on CPU for a pipe axis > 1 (replaying its random "
-                                "initialization per stage is not supported yet). Load its values instead: "
-                                "parallelize(..., init=False) then engine.load_pretrained(folder), or build the "
-                                "model normally.")
         if piped:              # this rank keeps its stages' parameters; the rest stays shapes only
             strip_to_stage(model, {p.name for p in plan.params})
         # values from a load (init=False): none now, and a step is refused until one
@@ -127,7 +122,9 @@ class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
         if not init:
             self.states = self._build_states_empty()
         else:
-            if meta:      # built on the meta device: rank 0's values, replayed (see _materialize)
+            if meta and piped:     # rank 0's values replayed for this rank's stages only, then as built
+                materialize_stage_(model, mesh, {p.name for p in plan.params})
+            elif meta:      # built on the meta device: rank 0's values, replayed (see _materialize)
                 rng = self._materialize()
             else:   # every replica starts from rank 0's model, as DDP (split over tensor: the whole mesh does)
                 axes = (tuple(a for a in mesh.axis_names if not piped or a != self.global_plan.pipeline.axis)

@@ -44,7 +44,7 @@ built normally on a GPU draws from that device's generator instead.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -267,15 +267,17 @@ def _run(step: _Step, real: dict[int, torch.Tensor], first_owner: dict[int, int]
 
 
 def materialize(model: nn.Module, groups: Sequence[Sequence[str]] | None = None, *,
-                rng_state: torch.Tensor | None = None, alloc: Alloc | None = None, api: str = "parallelize"
-                ) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+                rng_state: torch.Tensor | None = None, alloc: Alloc | None = None, api: str = "parallelize",
+                keep: Collection[int] | None = None) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
     """Yield ``(group index, {tensor name: full CPU value})`` for each of ``groups`` (lists of
     parameter/buffer names, each tensor in exactly one group; default: one group of every tensor),
     in order, one at a time. The values are what a normal build from ``rng_state`` gives (see the
     module doc). Keep what you need of a group before asking for the next: the yielded tensors are
     not referenced by the materializer afterwards. ``alloc(shape, dtype)`` makes every tensor the
-    replay writes (default ``torch.empty``, or the one set by ``allocator``). The model is left on the
-    meta device; on completion the global CPU generator is left where a normal build leaves it."""
+    replay writes (default ``torch.empty``, or the one set by ``allocator``). ``keep``: the indices of
+    the groups to build (default all; the others are neither built nor yielded — a pipeline stage's).
+    The model is left on the meta device; on completion the global CPU generator is left where a
+    normal build leaves it."""
     alloc = alloc if alloc is not None else _default_alloc[-1]
     steps, tensors = init_program(model, api)
     if groups is None:
@@ -303,7 +305,7 @@ def materialize(model: nn.Module, groups: Sequence[Sequence[str]] | None = None,
         step.groups = frozenset(group_of[s.key] for s in step.slots)
     start = rng_state if rng_state is not None else torch.get_rng_state()
     gen = torch.default_generator
-    if len(groups) == 1:
+    if len(groups) == 1 and keep is None:
         yield from _single(steps, tensors, first_owner, start, alloc, api)
         return
     # pass 1: run every call on scratch tensors, recording the generator state at each segment
@@ -317,6 +319,8 @@ def materialize(model: nn.Module, groups: Sequence[Sequence[str]] | None = None,
     end = gen.get_state()
     # pass 2: per group, replay its segments on its real tensors
     for g, names in enumerate(groups):
+        if keep is not None and g not in keep:
+            continue
         real = _allocate([by_name[n] for n in names], tensors, alloc)
         for seg in segments:
             if g in seg.groups:
@@ -368,18 +372,39 @@ def _check(real: dict[int, torch.Tensor], tensors: _Tensors, api: str) -> dict[s
 
 
 def materialize_(model: nn.Module, *, rng_state: torch.Tensor | None = None,
-                 api: str = "parallelize") -> nn.Module:
+                 api: str = "parallelize", only: Collection[str] | None = None) -> nn.Module:
     """Give a meta-device ``model`` its values in place (every tensor, on the CPU), as a normal build
     from ``rng_state`` would: the whole model at once, for layouts that keep it whole on each rank.
-    Each parameter becomes a new ``nn.Parameter`` (tied ones stay tied); build the optimizer after."""
+    ``only``: the parameters to build (a pipeline stage's; every buffer is built too), the others
+    left on the meta device. Each parameter becomes a new ``nn.Parameter`` (tied ones stay tied);
+    build the optimizer after."""
     tensors = _Tensors(model)
-    for _, values in materialize(model, rng_state=rng_state, api=api):
-        new = [nn.Parameter(values[n], requires_grad=t.requires_grad) if is_param else values[n]
-               for n, t, is_param in zip(tensors.names, tensors.meta, tensors.is_param)]
+    groups = None
+    if only is not None:
+        mine = [n for n, is_param in zip(tensors.names, tensors.is_param) if n in only or not is_param]
+        groups = [mine, [n for n in tensors.names if n not in set(mine)]]
+        groups = groups if groups[1] else [mine]
+    for _, values in materialize(model, groups, rng_state=rng_state, api=api, keep=None if only is None else {0}):
+        new = [(nn.Parameter(values[n], requires_grad=t.requires_grad) if is_param else values[n])
+               if n in values else None for n, t, is_param in zip(tensors.names, tensors.meta, tensors.is_param)]
         for slots in tensors.slots.values():
             for s in slots:
-                s.put(new[s.key])
+                if new[s.key] is not None:
+                    s.put(new[s.key])
     return model
+
+
+def materialize_stage_(model: nn.Module, mesh, names: Collection[str], api: str = "parallelize") -> None:
+    """A meta-device ``model`` under a pipe axis: this rank's stages' parameters ``names`` (and every
+    buffer) given, in place, the values a normal build gives them on rank 0; the other stages' stay
+    on the meta device. Checked before the one set-up collective (rank 0's generator state)."""
+    real = partly_meta(model)
+    if real:
+        raise ShardingError(f"{api}: the model is partly on the meta device — got {len(real)} tensor(s) with values "
+                            f"({', '.join(real[:4])}{' ...' if len(real) > 4 else ''}); expected every parameter and "
+                            "buffer on the meta device or none. Build the whole model under torch.device('meta').")
+    init_program(model, api)
+    materialize_(model, rng_state=agreed_rng_state(mesh), api=api, only=names)
 
 
 def agreed_rng_state(mesh, axes: str | Sequence[str] | None = None, state: torch.Tensor | None = None

@@ -354,7 +354,7 @@ def save_pretrained(engine: Engine, path: str | os.PathLike, *, max_shard_size: 
                 t = sender.full(src) if src in shapes else buffers[src]
                 if fh:
                     fh.seek(len(head) + offsets[n])
-                    fh.write(t.detach().to(kinds[src][1]).contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+                    fh.write(t.detach().to(kinds[src][1]).contiguous().view(-1).view(torch.uint8).numpy().data)
                 del t
         finally:
             if fh:
@@ -374,6 +374,7 @@ class _Sender:
 
     def __init__(self, engine: Engine):
         self.engine = engine
+        self.shapes = {p.name: tuple(p.shape) for p in engine.global_plan.params}
         pieces, _ = _pieces(engine)
         self.mine = {p.key[len("param/"):]: p for p in pieces if p.key.startswith("param/")}
         held = {k: [b for b, _ in p.boxes] for k, p in self.mine.items()}
@@ -389,8 +390,7 @@ class _Sender:
         """Parameter ``name``'s full fp32 value on rank 0 (None elsewhere)."""
         e = self.engine
         me = e.mesh.rank
-        shape = next(p.shape for p in e.global_plan.params if p.name == name)
-        out = torch.zeros(shape, dtype=torch.float32) if me == 0 else None
+        out = torch.zeros(self.shapes[name], dtype=torch.float32) if me == 0 else None
         recvs, sends = [], []
         local = {b: off for b, off in self.mine[name].boxes} if name in self.mine else {}
         for r, box in self.owner.get(name, []):
