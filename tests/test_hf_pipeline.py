@@ -66,16 +66,25 @@ def _optimizer(params):
     return torch.optim.AdamW(params, lr=LR, weight_decay=0.1, eps=1e-6)
 
 
-def reference(family: str, mask: bool) -> dict:
-    key = (family, mask)
+def reference(family: str, mask: bool, per_micro: int = 0) -> dict:
+    """One process on the whole batch; with ``per_micro`` rows per micro-batch, gradient
+    accumulation over micro-batches of that many rows, the step's loss the mean of theirs."""
+    key = (family, mask, per_micro)
     if key not in _REFS:
         model = _build(family)
         opt = _optimizer(list(model.parameters()))
         losses = []
         for batch in _batches(family, mask):
             opt.zero_grad(set_to_none=True)
-            loss = model(**batch).loss
-            loss.backward()
+            if per_micro:
+                parts = [{k: v[i:i + per_micro] for k, v in batch.items()} for i in range(0, BATCH, per_micro)]
+                micro = [model(**mb).loss for mb in parts]
+                for part in micro:
+                    (part / len(parts)).backward()
+                loss = sum(m.detach() for m in micro) / len(parts)
+            else:
+                loss = model(**batch).loss
+                loss.backward()
             opt.step()
             losses.append(float(loss.detach()))
         _REFS[key] = {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
@@ -112,7 +121,8 @@ def _check(world, cfgs: list[dict], shape: dict) -> list[list[dict]]:
         n *= v
     per_rank = world(n, hf_runs, cfgs, shape)
     for i, cfg in enumerate(cfgs):
-        ref = reference(cfg["family"], cfg.get("mask", False))
+        per_micro = BATCH // cfg["microbatches"] if cfg.get("per_micro") else 0
+        ref = reference(cfg["family"], cfg.get("mask", False), per_micro)
         for r in range(n):
             res = per_rank[r][i]
             rel = max_rel(res["losses"], ref["losses"])
@@ -133,8 +143,12 @@ SCHEDULES = [{"schedule": "gpipe"}, {"schedule": "1f1b"}, {"schedule": "zb_h1"},
 
 
 def test_llama_pipe_every_schedule_with_and_without_a_mask(world):
+    """And with micro-batches of one row, whose labelled tokens differ (15 or 12): each micro-batch's
+    loss is the model's own mean over its tokens, the step's the mean of those (as gradient
+    accumulation in one process), not the mean over the batch's tokens."""
     cfgs = [{"family": "llama", "microbatches": 4, "mask": mask, "declare": mask, **s}
             for s in SCHEDULES for mask in (False, True)]
+    cfgs.append({"family": "llama", "microbatches": 8, "mask": True, "schedule": "1f1b", "per_micro": True})
     _check(world, cfgs, {"data": 1, "pipe": 2})
 
 
