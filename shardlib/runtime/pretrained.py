@@ -108,6 +108,49 @@ class EnginePretrained:
                 "(transformers models do). Build the model on a real device, or use init=True.")
 
 
+def _renamings(model: nn.Module) -> list:
+    """transformers' renamings of checkpoint keys for ``model`` (GPT-NeoX's ``embed_out`` is ``lm_head``),
+    as ``from_pretrained`` applies them; none for other models."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming
+    except ImportError:
+        return []
+    if not isinstance(model, PreTrainedModel):
+        return []
+    return [c for c in get_model_conversion_mapping(model, add_legacy=True) if isinstance(c, WeightRenaming)]
+
+
+def _renamed(model: nn.Module, entries: dict[str, _Entry]) -> dict[str, _Entry]:
+    """The file's tensors by the model's names (each still knows its name in the file)."""
+    renamings, out = _renamings(model), {}
+    for key, e in entries.items():
+        for r in renamings:
+            key, _ = r.rename_source_key(key)
+        out.setdefault(key, e)
+    return out
+
+
+def _reverted(model: nn.Module, names: list[tuple[str, str]], meta: dict[str, torch.Tensor]
+              ) -> tuple[list[tuple[str, str]], dict[str, torch.Tensor]]:
+    """The names transformers' ``save_pretrained`` writes (its renamings reverted, in its order)."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        return names, meta
+    if not isinstance(model, PreTrainedModel):
+        return names, meta
+    src_of, by_id = dict(names), {id(t): n for n, t in meta.items()}
+    out = revert_weight_conversion(model, dict(meta))
+    if any(id(t) not in by_id for t in out.values()):
+        raise CheckpointError(f"save_pretrained: transformers converts {type(model).__name__}'s weights on save "
+                              "(not only renames them) — expected a model whose checkpoint names map one to one. "
+                              "Save engine.full_state_dict() with model.save_pretrained in one process instead.")
+    return [(n, src_of[by_id[id(t)]]) for n, t in out.items()], out
+
+
 # ---- what the model expects -----------------------------------------------------------------------------
 
 def _aliases(model: nn.Module) -> dict[str, list[str]]:
@@ -221,6 +264,7 @@ def load_pretrained(engine: Engine, path: str | os.PathLike, *, strict: bool = T
                               "pretrained weights into a fresh engine, or resume training with "
                               "engine.load(checkpoint).")
     config, entries = read_folder(path)
+    entries = _renamed(engine.model, entries)
     params, buffers = _check(engine, path, config, entries, strict)
     pieces, _ = _pieces(engine)
     # a read holds its bytes about three times (the file's mapped pages, safetensors' buffer, the
@@ -242,7 +286,7 @@ def load_pretrained(engine: Engine, path: str | os.PathLike, *, strict: bool = T
                 for i in range(0, max(box[1][0], 1) if box[1] else 1, step):
                     part = _rows(box, i, step)
                     with safe_open(str(e.file), framework="pt") as f:       # mapped pages let go after
-                        got = f.get_slice(name)[_slices(part)]
+                        got = f.get_slice(e.key)[_slices(part)]
                     (dst[i:i + step] if box[1] else dst).copy_(got)
                     del got
         by_key = {p.key: p for p in pieces}
@@ -253,7 +297,7 @@ def load_pretrained(engine: Engine, path: str | os.PathLike, *, strict: bool = T
         held = _persistent_buffers(engine.model)
         for name, fname in buffers.items():
             with safe_open(str(entries[fname].file), framework="pt") as f:
-                held[name].copy_(f.get_tensor(fname))
+                held[name].copy_(f.get_tensor(entries[fname].key))
     except Exception as e:                 # noqa: BLE001 — reported on every rank below
         failed = f"rank {engine.mesh.rank}: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
     failed = [f for f in _gather(engine, failed) if f]
@@ -317,6 +361,7 @@ def save_pretrained(engine: Engine, path: str | os.PathLike, *, max_shard_size: 
              (tuple(buffers[src].shape), dtype if buffers[src].is_floating_point() else buffers[src].dtype)
              for _, src in names}
     meta = {n: torch.empty(kinds[src][0], dtype=kinds[src][1], device="meta") for n, src in names}
+    names, meta = _reverted(model, names, meta)
     split = split_torch_state_dict_into_shards(meta, filename_pattern="model{suffix}.safetensors",
                                                max_shard_size=parse_size_to_int(max_shard_size)
                                                if isinstance(max_shard_size, str) else int(max_shard_size))

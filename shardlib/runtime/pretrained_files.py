@@ -24,11 +24,12 @@ _RELOAD = "Save the folder again (model.save_pretrained) or download it again."
 
 
 class _Entry(NamedTuple):
-    """One tensor in a safetensors file: where it is, its dtype code and shape."""
+    """One tensor in a safetensors file: where it is, its dtype code, shape and name in the file."""
 
     file: Path
     dtype: str
     shape: tuple[int, ...]
+    key: str
 
 
 def _header(file: Path) -> dict[str, _Entry]:
@@ -59,7 +60,7 @@ def _header(file: Path) -> dict[str, _Entry]:
         item = _DTYPES[dtype].itemsize if dtype in _DTYPES else None
         if item is not None and e - b != math.prod(shape) * item:
             raise CheckpointError(f"{bad} — tensor {name!r} ({dtype} {list(shape)}) spans {e - b} bytes. {_RELOAD}")
-        out[name] = _Entry(file, dtype, shape)
+        out[name] = _Entry(file, dtype, shape, name)
     return out
 
 
