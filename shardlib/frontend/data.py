@@ -87,6 +87,21 @@ def load_text(data: DataConfig, seq: int) -> torch.Tensor:
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()
 
 
+def text_share(data: DataConfig, index: int, size: int) -> bytes:
+    """Data rank ``index`` of ``size``'s contiguous share of the stdlib's source or of ``data.path``
+    (of their first ``data.megabytes``): a file is read at its share's offset, that share only.
+    Checked by ``load_text`` before any rank starts."""
+    limit = int(data.megabytes * 2**20)
+    if data.path is None:
+        raw = _stdlib(limit)[:limit]
+        return raw[index * len(raw) // size:(index + 1) * len(raw) // size]
+    path = pathlib.Path(data.path).expanduser()
+    n = min(path.stat().st_size, limit)
+    with open(path, "rb") as f:
+        f.seek(index * n // size)
+        return f.read((index + 1) * n // size - index * n // size)
+
+
 def batch_at(text: torch.Tensor, step: int, batch: int, seq: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Step ``step``'s global batch: ``batch`` windows of ``seq + 1`` bytes at random offsets
     (inputs, and targets shifted by one), the same on every rank and on every resume."""

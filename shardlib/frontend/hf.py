@@ -17,7 +17,6 @@ values never exist whole on a rank: each builds the model with its parameters on
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import json
 import pathlib
 from collections.abc import Iterator
@@ -27,6 +26,7 @@ import torch
 from torch import nn
 
 from .config import RunConfig
+
 
 def layout_table(model: nn.Module, run: RunConfig) -> dict[str, Any]:
     """``model``'s table for the run's ``parallel`` preset: where its rules map ``heads``/``mlp`` to a

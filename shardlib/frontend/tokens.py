@@ -1,7 +1,7 @@
 """Text as a transformers tokenizer's tokens, each data rank reading and tokenizing only its share.
 
-The sources are ``conf/data``'s: the stdlib's source or a text file (``data.load_text``'s bytes,
-cut into ``size`` contiguous shares), or a local dataset (``source: dataset``) read through the
+The sources are ``conf/data``'s: the stdlib's source or a text file (``data.text_share``: ``size``
+contiguous shares of its bytes, a file read at the share's offset), or a local dataset (``source: dataset``) read through the
 ``datasets`` library — ``load_dataset("text" | "json" | "parquet", data_files=...)``, converted
 once into a memory-mapped Arrow cache (``HF_DATASETS_CACHE``) by the check before any rank starts,
 then ``Dataset.shard(size, index, contiguous=True)`` on each rank: a rank touches only its rows,
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from .config import DataConfig
-from .data import DataError, load_text
+from .data import DataError, text_share
 
 _EXTENSIONS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json",
                ".parquet": "parquet"}
@@ -123,10 +123,7 @@ def _chunks(data: DataConfig, index: int, size: int) -> Iterator[tuple[str, bool
         if lines:
             yield "".join(lines), False
         return
-    raw = load_text(data, 1)                     # bytes of the stdlib's source or the file, up to megabytes
-    n = len(raw)
-    mine = raw[index * n // size:(index + 1) * n // size].to(torch.uint8).numpy().tobytes()
-    text = mine.decode("utf-8", errors="ignore")
+    text = text_share(data, index, size).decode("utf-8", errors="ignore")     # a character cut at an end: dropped
     lines = text.splitlines(keepends=True)
     for i in range(0, len(lines), 200):
         yield "".join(lines[i:i + 200]), False
