@@ -366,6 +366,12 @@ def test_load_after_a_step_and_a_step_before_a_load_are_refused(folder):
     engine.step(hf_models.batch("llama", 2, 0))
     with pytest.raises(CheckpointError, match="has taken 1 step"):
         engine.load_pretrained(folder / "good")
+    engine.save(folder / "ckpt")                 # a training checkpoint is a load too
+    again = hf_models.build("llama", seed=4, layers=2, meta=True)
+    again = sl.parallelize(again, sl.plan(again, mesh, zero=3), optimizer=_opt, init=False)
+    again.load(folder / "ckpt")
+    b = hf_models.batch("llama", 2, 1)
+    assert again.step(b) == engine.step(b)
 
 
 def test_init_false_on_a_normally_built_model_and_without_labels(folder):
