@@ -200,6 +200,50 @@ def test_memory_per_rank_is_its_stages_states():
 
 # ---- bad input ------------------------------------------------------------------------------------
 
+class _Body(nn.Module):
+    def __init__(self, n: int, d: int = 8):
+        super().__init__()
+        self.blocks = nn.ModuleList(MLP(d, 12) for _ in range(n))
+        self.norm = nn.LayerNorm(d)
+
+
+class Nested(nn.Module):
+    """The protocol with the stack one level down (``body.blocks``), declared nowhere."""
+
+    def __init__(self, n: int = 4, d: int = 8):
+        super().__init__()
+        self.inp = nn.Linear(3, d)
+        self.body = _Body(n, d)
+        self.out = nn.Linear(d, 1)
+
+    def pipeline_pre(self, x, y):
+        return self.inp(x)
+
+    def pipeline_post(self, h, x, y):
+        return F.mse_loss(self.out(self.body.norm(h)).squeeze(-1), y)
+
+
+def test_a_nested_stack_is_found_and_split_at_every_level():
+    """No table: the one list of identical blocks is the stack; modules registered before it at
+    each level of its name run first, those after it last."""
+    model = Nested()
+    pp = sl.plan(model, mesh(pipe=2), rules=PIPE, batch=(torch.zeros(4, 3), torch.zeros(4))).pipeline
+    assert pp.stack == "body.blocks" and "found" in pp.source and "pipeline_pre" in pp.source
+    assert pp.pre_params == ("inp.weight", "inp.bias")
+    assert pp.post_params == ("body.norm.weight", "body.norm.bias", "out.weight", "out.bias")
+    assert [s.blocks for s in pp.stages] == [("body.blocks.0", "body.blocks.1"), ("body.blocks.2", "body.blocks.3")]
+    assert pp.stream == (2, 8)
+    sl.shard({"body.blocks": ("layers",)})(model)           # declared: the same stack
+    assert sl.plan(model, mesh(pipe=2), rules=PIPE).pipeline.stack == "body.blocks"
+
+
+def test_a_stack_entry_naming_a_module_that_is_not_a_list():
+    model = Nested()
+    sl.shard({"body.norm": ("layers",)})(model)
+    the_problem(plan_error(model, mesh(pipe=2), rules=PIPE), "'body.norm'", "a LayerNorm", "nn.ModuleList of blocks",
+                "['body.blocks']")
+
+
 def test_fewer_layers_than_stages():
     err = plan_error(gpt(3), mesh(pipe=4), rules=PIPE)
     the_problem(err, "3 blocks", "4 stages", "pipe <= 3")

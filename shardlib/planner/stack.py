@@ -78,7 +78,10 @@ def stack_modules(model: nn.Module, stack: str) -> tuple[list[str], list[str], l
             q = f"{prefix}.{name}" if prefix else name
             held = [f"{q}.{n}" if n else q for n, m in child.named_modules() if m._parameters]
             (post if seen else pre).extend(held)
-    return blocks, pre, post
+    order = {n: i for i, (n, _) in enumerate(model.named_modules())}
+    def at(name: str) -> int:
+        return order.get(name, len(order))
+    return blocks, sorted(pre, key=at), sorted(post, key=at)
 
 
 def auto_stack(model: nn.Module) -> tuple[str | None, list[str]]:
