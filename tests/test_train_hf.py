@@ -133,6 +133,8 @@ def test_folder_and_dataset_errors_are_named_by_key(made, tmp_path, monkeypatch)
         return got[0]
 
     assert problems_of([*base, f"model.path={made['folder']}"]) == []
+    # the default 2x2x2 mesh (parallel=3d: pipe, tensor, data) plans the folder's model too
+    assert problems_of(["model=hf", f"model.path={made['folder']}", "train=quick", f"model.seq_len={SEQ}"]) == []
     assert one(f"model.path={tmp_path / 'nope'}").startswith(f"model.path: {tmp_path / 'nope'} does not exist")
     assert one().startswith("model.path: missing — model=hf trains a local transformers causal-LM folder")
     AutoConfig.for_model("t5").save_pretrained(tmp_path / "t5")                 # an encoder-decoder: no causal LM
