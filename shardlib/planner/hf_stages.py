@@ -55,13 +55,14 @@ PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
 
 def is_causal_lm(model: nn.Module) -> bool:
-    """A transformers-style causal LM: a ``config`` and a ``forward`` taking ``input_ids``,
-    ``inputs_embeds`` and ``labels``."""
+    """A transformers-style causal LM: a ``config`` with ``hidden_size`` and a ``forward`` taking
+    ``input_ids``, ``inputs_embeds`` and ``labels``."""
     try:
         params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         return False
-    return hasattr(model, "config") and {"input_ids", "inputs_embeds", "labels"} <= set(params)
+    width = getattr(getattr(model, "config", None), "hidden_size", None)
+    return isinstance(width, int) and {"input_ids", "inputs_embeds", "labels"} <= set(params)
 
 
 class _Stop(Exception):
@@ -136,7 +137,7 @@ class CausalLMStages:
             loss = out[0]
         if loss is None:
             raise ShardingError(f"pipeline: {type(self.model).__name__} returned no loss — expected the batch "
-                             f"to hold 'labels' (got {sorted(batch)}). Give the batch its labels.")
+                                f"to hold 'labels' (got {sorted(batch)}). Give the batch its labels.")
         return loss
 
     # ---- shapes on the meta device -----------------------------------------------------------------
@@ -178,7 +179,7 @@ class CausalLMStages:
         handles = [m.register_forward_pre_hook(lambda mod, args, n=n: ran.append(n)) for n, m in owners.items()]
         small = _concrete(batch, 1)
         try:
-            with _zeros_for(self.model, "all", torch.float32, torch.device("cpu"), grad=True):
+            with _zeros_for(self.model, "all", torch.float32, small["input_ids"].device, grad=True):
                 by_ids = self._record({k: v for k, v in small.items() if k != "labels"}, None, torch.float32,
                                       problems)
                 embedded = self._embedded(small, torch.float32, labels=False)
@@ -191,11 +192,14 @@ class CausalLMStages:
         post = [n for n in owners if n not in set(pre)]
         if problems:
             return pre, post, problems
-        problems += self._check_calls(by_ids)
-        if not problems:
-            problems += self._check_args(by_ids, by_embeds)
-        if not problems:
-            problems += self._check_block(by_embeds)
+        try:
+            problems += self._check_calls(by_ids)
+            if not problems:
+                problems += self._check_args(by_ids, by_embeds)
+            if not problems:
+                problems += self._check_block(by_embeds)
+        except ShardingError as e:       # a block's arguments that cannot be passed by name
+            problems.append(str(e).replace("pipeline:", "plan:", 1))
         return pre, post, problems
 
     def _check_calls(self, calls: dict[int, tuple]) -> list[str]:
@@ -304,8 +308,9 @@ class CausalLMStages:
         if problems is not None:
             return calls
         if sorted(calls) != list(range(last + 1)):
-            raise ShardingError(f"pipeline: {type(self.model).__name__}'s forward called blocks {sorted(calls)} of "
-                             f"{self.stack!r} — expected all {last + 1}.")
+            raise ShardingError(f"pipeline: {type(self.model).__name__}'s forward called blocks of {self.stack!r} — "
+                                f"got {sorted(calls)}; expected all {last + 1}, as the plan checked. Plan again for "
+                                "this batch.")
         return [calls[i][0] for i in range(last + 1)]
 
     @contextmanager
@@ -333,8 +338,9 @@ class CausalLMStages:
                 out.update(v)
             elif kind is inspect.Parameter.VAR_POSITIONAL:
                 if v:
-                    raise ShardingError(f"pipeline: block {i} of {self.stack!r} is given {len(v)} extra positional "
-                                     "arguments — expected arguments the adapter can pass by name.")
+                    raise ShardingError(f"pipeline: block {i} of {self.stack!r} is given extra positional arguments "
+                                        f"— got {len(v)}; expected arguments the adapter can pass by name. Plan "
+                                        "without the pipe axis for this model.")
             else:
                 out[k] = v
         return x, out
