@@ -22,7 +22,8 @@ attribute run in ``pipeline_pre`` (first stage); those registered after it in ``
 (last stage) — at every level of a nested stack's name; a parameter used on both sides (tied
 embeddings) is refused at plan time.
 
-**A transformers causal LM needs no code** (``planner/hf_stages.py``): a model without these
+**A transformers causal LM needs no code** (``planner/hf_stages.py``; ``planner/stack.py`` picks
+what runs around the blocks and finds the stack): a model without these
 methods whose ``forward`` takes ``input_ids``, ``inputs_embeds`` and ``labels`` (Llama, Qwen2,
 Mistral, GPT-2, GPT-NeoX, ...) is fed the dicts ``model(**batch)`` takes; what runs before and
 after the stack, the blocks' keyword arguments (rotary tables, masks, positions: each stage
