@@ -52,6 +52,9 @@ from ..errors import ShardingError
 
 Context = list          # per block of the stack, in order: the keyword arguments it is called with
 PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
+# what only the loss reads: kept from the runs up to the stack (transformers' loss_function takes
+# ``num_items_in_batch`` to divide the summed loss by a token count given from outside)
+LOSS_KEYS = ("labels", "num_items_in_batch")
 
 
 def is_causal_lm(model: nn.Module) -> bool:
@@ -108,7 +111,7 @@ class CausalLMStages:
     def pre(self, batch: Mapping[str, Any], dtype: torch.dtype) -> tuple[torch.Tensor, Context]:
         """The first stage: the stream entering block 0 (through the embeddings, with their
         gradient) and every block's keyword arguments."""
-        kwargs = {k: v for k, v in batch.items() if k != "labels"}
+        kwargs = {k: v for k, v in batch.items() if k not in LOSS_KEYS}
         calls = self._record(kwargs, "meta", dtype)
         return self._hidden(0, calls[0]), [self._kwargs(i, c) for i, c in enumerate(calls)]
 
@@ -180,7 +183,7 @@ class CausalLMStages:
         small = _concrete(batch, 1)
         try:
             with _zeros_for(self.model, "all", torch.float32, small["input_ids"].device, grad=True):
-                by_ids = self._record({k: v for k, v in small.items() if k != "labels"}, None, torch.float32,
+                by_ids = self._record({k: v for k, v in small.items() if k not in LOSS_KEYS}, None, torch.float32,
                                       problems)
                 embedded = self._embedded(small, torch.float32, labels=False)
                 embedded["inputs_embeds"].requires_grad_(True)
@@ -270,10 +273,10 @@ class CausalLMStages:
 
     # ---- the swapped forward -----------------------------------------------------------------------
     def _embedded(self, batch: Mapping[str, Any], dtype: torch.dtype, *, labels: bool) -> dict[str, Any]:
-        """``batch`` with ``inputs_embeds`` of zeros in place of ``input_ids`` (and without labels
-        unless ``labels``)."""
+        """``batch`` with ``inputs_embeds`` of zeros in place of ``input_ids`` (and without
+        ``LOSS_KEYS`` unless ``labels``)."""
         ids = batch["input_ids"]
-        out = {k: v for k, v in batch.items() if k != "input_ids" and (labels or k != "labels")}
+        out = {k: v for k, v in batch.items() if k != "input_ids" and (labels or k not in LOSS_KEYS)}
         out["inputs_embeds"] = torch.zeros((*ids.shape, self.width), dtype=dtype, device=ids.device)
         return out
 
