@@ -16,7 +16,7 @@ from torch import nn
 
 from ..algebra.layout import Layout
 from ..algebra.mesh import AbstractMesh
-from ..algebra.spec import PartitionSpec
+from ..algebra.spec import Fused, PartitionSpec
 from ..errors import ShardingError, ShardingTypeError
 from .pipeline import PipelinePlan
 from .pipeline import derive as derive_pipeline
@@ -276,7 +276,10 @@ def with_data(spec: PartitionSpec, axis: str | None) -> PartitionSpec:
         return spec
     entries = list(spec) or [None]
     first = entries[0]
-    entries[0] = axis if first is None else ((*first, axis) if isinstance(first, tuple) else (first, axis))
+    if isinstance(first, Fused):         # data splits each block's tensor-local slice, as the flat pieces do
+        entries[0] = Fused(first.parts, (*first, axis))
+    else:
+        entries[0] = axis if first is None else ((*first, axis) if isinstance(first, tuple) else (first, axis))
     return PartitionSpec(*entries)
 
 

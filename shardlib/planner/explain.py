@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 import textwrap
 
+from ..algebra.spec import Fused
 from ..comm.core import format_bytes
 
 WIDTH = 150          # lines are wrapped at this width (a parameter name longer than a line is kept whole)
@@ -308,7 +309,8 @@ def _dims(spec) -> str:
     entries = tuple(spec)
     if not any(e is not None for e in entries):
         return "-"
-    return ",".join("-" if e is None else "·".join(e) if isinstance(e, tuple) else e for e in entries)
+    return ",".join("-" if e is None else f"{'·'.join(e)}x{e.parts}" if isinstance(e, Fused)
+                    else "·".join(e) if isinstance(e, tuple) else e for e in entries)
 
 
 def _spec(axis: str | None) -> str:
