@@ -505,3 +505,18 @@ def test_tp_table_of_an_unknown_family():
 
     with pytest.raises(sl.ShardingError, match="tp_table: ToyLM is of family None"):
         tp_table(ToyLM())
+
+
+def test_a_meta_built_transformers_model_plans_its_activations_as_a_built_one():
+    """A meta build (init=False's case) has meta rotary tables; the activation trace reads them as zeros
+    and prices the same collectives as the model built with values."""
+    import hf_models
+    from llama import LLAMA_TP
+
+    batch = hf_models.batch("llama", 4, 0)
+    comm = []
+    for meta in (True, False):
+        model = hf_models.build("llama", meta=meta)
+        sl.shard(LLAMA_TP)(model)
+        comm.append(sl.plan(model, sl.AbstractMesh({"data": 2, "tensor": 2}), zero=3, batch=batch).comm_per_step())
+    assert any(e.what == "activations" for e in comm[0]) and comm[0] == comm[1]

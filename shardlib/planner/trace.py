@@ -216,8 +216,10 @@ def _trace(model: nn.Module, plan: Plan, batch: Any, coord: int, device: str, *,
         values[p.name] = torch.zeros(shape, dtype=plan.compute_dtype, device=device)
     for name, b in model.named_buffers():
         dt = plan.compute_dtype if b.is_floating_point() and plan.mixed else b.dtype
-        values[name] = b.to(device=device, dtype=dt) if device != "meta" else torch.empty(b.shape, dtype=dt,
-                                                                                            device=device)
+        if device == "meta" or b.is_meta:      # a meta build's buffers (rotary tables) trace as zeros on the CPU
+            values[name] = torch.zeros(b.shape, dtype=dt, device=device)
+        else:
+            values[name] = b.to(device=device, dtype=dt)
     ops = RecordingOps(tp.axis, tp.size, coord, tp.seq_dim, {u.name for u in plan.units if u.recompute})
 
     def logits(output: torch.Tensor, site) -> torch.Tensor:
