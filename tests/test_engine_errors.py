@@ -60,6 +60,10 @@ def _bad_inputs(data: int) -> dict[str, tuple[str, str, int]]:
         m5 := make_model("mlp").requires_grad_(False), sl.plan(m5, mesh), optimizer=make_optimizer("sgd")))
     out["plan of another model"] = _attempt(lambda: sl.parallelize(
         make_model("gpt"), sl.plan(make_model("mlp"), mesh), optimizer=make_optimizer("sgd")))
+    pmesh = get_mesh({"pipe": 2} if data == 2 else {"data": data // 2, "pipe": 2})   # no data axis at data 2
+    out["loss_fn under a pipe"] = _attempt(lambda: sl.parallelize(
+        m6 := make_model("gpt"), sl.plan(m6, pmesh, rules={"layers": "pipe"}), optimizer=make_optimizer("sgd"),
+        loss_fn=lambda model, b: model(*b)))
     out["no parameters"] = _attempt(lambda: sl.plan(torch.nn.ReLU(), mesh))
     out["zero=4"] = _attempt(lambda: sl.plan(make_model("mlp"), mesh, zero=4))
     return out
@@ -84,6 +88,7 @@ EXPECTED = {
     "loss_scale without fp16": ("ShardingError", ["loss_scale", "bf16", "fp16"]),
     "everything frozen": ("ShardingError", ["no trainable parameters", "requires_grad"]),
     "plan of another model": ("ShardingError", ["parameters differ"]),
+    "loss_fn under a pipe": ("ShardingError", ["loss_fn", "pipeline stages", "Drop loss_fn"]),
     "no parameters": ("ShardingError", ["ReLU", "no parameters"]),
     "zero=4": ("ShardingError", ["zero=4", "out of range"]),
 }

@@ -267,7 +267,7 @@ def _tensor_only_mesh():
             sl.shard({"layers.0.weight": sl.P("tensor", None), "layers.0.bias": sl.P("tensor"),
                       "layers.1.weight": sl.P(None, "tensor")})(model)
             plan = sl.plan(model, mesh, zero=1)
-            step = sl.parallelize(model, plan, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1)).step
+            step = sl.parallelize(model, plan, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), mesh=mesh).step
         else:
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
 

@@ -88,7 +88,10 @@ def parallelize(model: nn.Module, plan: Plan, optimizer: Callable[[list[nn.Param
 class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
     def __init__(self, model: nn.Module, plan: Plan, optimizer, *, lr_scheduler=None, loss_fn=None,
                  loss_scale: LossScaler | None = None, mesh: Mesh | None = None, init: bool = True):
-        mesh = mesh if mesh is not None else plan.mesh
+        if mesh is None:
+            mesh = plan.mesh
+        elif plan.data_axis not in mesh.axis_names:      # planned as data = 1 (sl.plan's reading)
+            mesh = mesh.with_axis(plan.data_axis)
         _validate(model, plan, optimizer, mesh, loss_fn)
         if not isinstance(init, bool):
             raise ShardingTypeError(f"parallelize: init must be True or False — got {init!r}.")

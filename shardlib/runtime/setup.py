@@ -214,6 +214,12 @@ def _validate(model, plan, optimizer, mesh, loss_fn) -> None:
     if loss_fn is not None and not callable(loss_fn):
         raise ShardingTypeError(f"parallelize: loss_fn must be callable (model, batch) -> loss — got "
                                 f"{type(loss_fn).__name__}.")
+    if loss_fn is not None and plan.pipe_size > 1:
+        raise ShardingError(
+            "parallelize: loss_fn is given, but the plan cuts the model into pipeline stages, whose last stage "
+            "computes the loss itself — the model's pipeline_post, or a transformers model's own loss "
+            "(model(**batch).loss) — expected no loss_fn under a pipe axis. Drop loss_fn (put the loss in "
+            "pipeline_post, or pass labels in the batch).")
 
 
 def _check_optimizer(opt, masters: list[torch.Tensor], plan: Plan, model: nn.Module) -> None:
