@@ -30,7 +30,11 @@ submodules have nothing to compose with.
 parameters), saved once with ``save_pretrained`` (fp32 safetensors) to a temporary folder. Each side runs alone
 in a fresh world (``--repeats`` times; medians) and every rank reports the seconds from the start of the
 measured phase until the model is sharded and ready to step (after a barrier) and its peak RSS during it
-(``VmHWM`` reset with ``clear_refs``, ``bench_memory.PeakRSS``), and the rise over the RSS at its start:
+(``VmHWM`` reset with ``clear_refs``, ``bench_memory.PeakRSS``), and the rise over the RSS at its start.
+``from_pretrained`` maps the safetensors file and its fp32 tensors stay views of it until touched, so the torch
+side reads every value it keeps (a sum) inside the measured phase; shardlib's values are copied in by the load.
+shardlib's ``init=False`` allocates the rank's model states up front (parameters, gradients, AdamW moments:
+``plan.memory_per_rank``, listed), where the torch side allocates gradients and moments at its first step:
 
 * ``shardlib``       ``with torch.device("meta"): LlamaForCausalLM(cfg)``, ``sl.parallelize(model, plan,
                      optimizer=..., init=False)``, ``engine.load_pretrained(folder)``;
@@ -357,6 +361,9 @@ def load_main(side: str, shape: dict[str, int], folder: str) -> dict:
             for layer in model.model.layers:
                 fully_shard(layer, mesh=subs["data"])
             fully_shard(model, mesh=subs["data"])
+        with torch.no_grad():   # from_pretrained maps the file: read every value this rank keeps
+            for q in (mod if "pipe" in shape else model).parameters():
+                float((q.to_local() if hasattr(q, "to_local") else q).sum())
     else:
         if side == "shardlib":
             with torch.device("meta"):
@@ -372,6 +379,8 @@ def load_main(side: str, shape: dict[str, int], folder: str) -> dict:
     dist.barrier()
     seconds = time.perf_counter() - t0
     out = {"seconds": seconds, "peak": peak.peak(), "before": before, "exact": peak.exact}
+    if engine is not None:
+        out["states"] = sum(plan.memory_per_rank(dist.get_rank()).values())
     peak.stop()
     if engine is not None:
         out["loss"] = float(engine.step(llama_batch(LOAD_CFG, LOAD_BATCH, 0)))
@@ -411,6 +420,8 @@ def run_load(repeats: int, timeout: tuple[float, float], layouts: list[str], sid
                     row["peak_mib"] = [statistics.median(per[k]["peak"] for per in runs) / 2**20 for k in range(n)]
                     row["rise_mib"] = [statistics.median(per[k]["peak"] - per[k]["before"] for per in runs) / 2**20
                                        for k in range(n)]
+                    if "states" in runs[0][0]:
+                        row["states_mib"] = [runs[0][k]["states"] / 2**20 for k in range(n)]
                     losses = [r.get("loss") for r in runs[0]]
                     if losses[0] is not None:
                         row["dloss"] = max(abs(x - out["reference_loss"]) / out["reference_loss"] for x in losses)
@@ -421,15 +432,16 @@ def run_load(repeats: int, timeout: tuple[float, float], layouts: list[str], sid
 
 
 def load_table(load: dict) -> str:
-    lines = ["| layout | side | seconds to sharded (median) | peak RSS MiB per rank (rise) | max rel Δ first loss vs "
-             "1 process from_pretrained |", "|---|---|---|---|---|"]
+    lines = ["| layout | side | seconds to sharded (median) | peak RSS MiB per rank (rise) | planned model states MiB "
+             "per rank | max rel Δ first loss vs 1 process from_pretrained |", "|---|---|---|---|---|---|"]
     for r in load["rows"]:
         if r["failed"] and not r["runs"]:
             lines.append(f"| {r['layout']} | {r['side']} | FAILED ({r['failed']}) | – | – |")
             continue
         rss = " / ".join(f"{p:.0f} (+{q:.0f})" for p, q in zip(r["peak_mib"], r["rise_mib"]))
+        st = " / ".join(f"{x:.0f}" for x in r["states_mib"]) if "states_mib" in r else "–"
         dl = f"{r['dloss']:.1e}" if "dloss" in r else "–"
-        lines.append(f"| {r['layout']} | {r['side']} | {r['seconds']:.1f} | {rss} | {dl} |")
+        lines.append(f"| {r['layout']} | {r['side']} | {r['seconds']:.1f} | {rss} | {st} | {dl} |")
     return "\n".join(lines)
 
 
