@@ -105,6 +105,9 @@ def test_main_job_trains_a_transformers_folder_like_one_process(made):
         assert rel <= 1e-5, f"{what}: {losses} vs one process {want} ({rel:.3g})"
         summary = json.loads((out / "summary.json").read_text())
         assert summary["ranks_agree"] and summary["config"]["model_path"] == str(made["folder"]), what
+        for planned, held in zip(summary["memory"]["planned"], summary["memory"]["measured"]):   # model states
+            assert [planned[k] for k in ("params", "grads", "optimizer")] == \
+                [held[k] for k in ("params", "grads", "optimizer")], what
         for name in ("loss.png", "memory.png", "plan.txt"):
             assert (out / name).stat().st_size > 0, (what, name)
         assert "by the folder's tokenizer" in proc.stdout and "\r" not in proc.stdout + proc.stderr, what
