@@ -16,10 +16,8 @@ values never exist whole on a rank: each builds the model with its parameters on
 
 from __future__ import annotations
 
-import contextlib
 import json
 import pathlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -107,32 +105,15 @@ def load_tokenizer(folder: str):
     return AutoTokenizer.from_pretrained(folder)
 
 
-@contextlib.contextmanager
-def _parameters_on_meta() -> Iterator[None]:
-    """Modules built inside get their parameters on the meta device (no values) and their buffers
-    for real (rotary tables, computed from the config: small), as the planner's trace needs them."""
-    register = nn.Module.register_parameter
-
-    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        register(module, name, param)
-        if param is not None and not param.is_meta:
-            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-
-    nn.Module.register_parameter = on_meta
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register
-
-
 def meta_model(run: RunConfig) -> nn.Module:
-    """The folder's model with its parameters on the meta device (no values; its buffers real), its
-    layout table attached: what ``check`` plans on an ``AbstractMesh``, and what each rank
-    parallelizes with ``init=False`` and fills with ``engine.load_pretrained(model.path)``."""
+    """The folder's model on the meta device (no values), its layout table attached: what ``check``
+    plans on an ``AbstractMesh``, and what each rank parallelizes with ``init=False`` (which computes
+    the buffers the weights do not carry, such as rotary tables) and fills with
+    ``engine.load_pretrained(model.path)``."""
     from transformers import AutoConfig, AutoModelForCausalLM
     config = AutoConfig.from_pretrained(run.model.path)
     config.use_cache = False
-    with _parameters_on_meta():
+    with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return _annotated(model, run)
 
