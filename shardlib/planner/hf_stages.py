@@ -22,11 +22,12 @@ what each block is called with.
   mask and rotary arithmetic on zeros, nothing with this stage's parameters.
 
 **The loss** is ``model(**micro_batch).loss``, exactly what one process computes on the micro-batch:
-for transformers' causal LMs the mean over the micro-batch's non-ignored tokens. The engine takes
-the mean of the micro-batch losses (its contract: each a mean over its rows), which is the mean
-over the whole batch's tokens when every micro-batch has as many non-ignored labels — always
-without padding or ``-100`` labels; with them, it is the mean of the micro-batch means, as
-gradient accumulation without ``num_items_in_batch`` computes it.
+for transformers' causal LMs the micro-batch's summed token losses over ``num_items_in_batch``,
+which the engine puts in every micro-batch (``runtime/batches.py``: the global batch's count of
+non-ignored shifted labels over ``data · m``), so the engine's mean of the micro-batch losses is
+the whole batch's token mean, padding and ``-100`` labels included — ``model(**batch).loss`` of
+one process. ``num_items_in_batch`` goes to the loss only (``LOSS_KEYS``), not to the runs up to
+the stack.
 
 **Checked at plan time** (``check``, on one row of the example batch, parameters read as zeros of
 stride 0 on the CPU): the forward calls each block once, in order, passing the previous block's
@@ -389,12 +390,12 @@ def _shapes(kwargs: dict[str, Any]) -> dict[str, list[tuple[int, ...]]]:
 
 
 def _concrete(batch: Mapping[str, Any], rows: int) -> dict[str, Any]:
-    """The first ``rows`` rows of each tensor of ``batch``; meta tensors (an example batch of
-    shapes only) as ones on the CPU."""
+    """The first ``rows`` rows of each tensor of ``batch`` (a 0-dim one, ``num_items_in_batch``, as
+    it is); meta tensors (an example batch of shapes only) as ones on the CPU."""
     out = {}
     for k, v in batch.items():
         if isinstance(v, torch.Tensor):
-            v = v[:rows]
+            v = v[:rows] if v.dim() else v
             if v.is_meta:
                 v = torch.ones(v.shape, dtype=v.dtype)
         out[k] = v

@@ -13,7 +13,10 @@ chunk). ``engine.data_index`` and ``engine.data_size`` say which chunk that is.
 
 The loss of each micro-batch must be a mean over its rows (as ``F.cross_entropy`` and
 ``F.mse_loss`` are by default); with equal micro-batches the mean of means is the mean of the
-whole batch, which is what makes every layout train like one process.
+whole batch, which is what makes every layout train like one process. A transformers causal LM
+given ``labels`` is the exception that padding makes: its loss is a mean over non-ignored tokens,
+so the engine gives each micro-batch ``num_items_in_batch`` (the global batch's token count over
+``data · m``) and the step's loss is the whole batch's token mean exactly (``runtime/batches.py``).
 """
 
 from __future__ import annotations
@@ -25,13 +28,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves, tree_map_only
 
 from ..algebra.mesh import Mesh
 from ..comm import core as comm
 from ..errors import ShardingError, ShardingTypeError
 from ..planner.plan import Plan
 from .access import EngineAccess
+from .batches import split_batch
 from .buckets import GradBuckets
 from .inspection import EngineInspection
 from .materialize import is_meta, materialize_stage_
@@ -160,10 +163,10 @@ class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
         """One optimizer step on ``batch`` (the global batch, or this rank's rows with ``local=True``);
         returns the mean loss of the whole batch."""
         self._refuse_before_load("step")
-        micro = self._split(batch, local)            # validates before any collective
+        micro, rows = split_batch(self, batch, local)    # validates before any collective
         with self._stepping():
             loss = self._step(micro)
-        self.samples_seen += self._rows
+        self.samples_seen += rows
         return loss
 
     # ---- checkpoints (runtime/checkpoint.py) -------------------------------------------------------
@@ -330,36 +333,6 @@ class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
         """The current fp16 loss scale (None without fp16)."""
         return self.scaler.scale if self.scaler else None
 
-    def _split(self, batch: Any, local: bool) -> list[Any]:
-        n, m = self.data_size, self.plan.grad_accum
-        leaves = _leaves(batch)
-        if not leaves:
-            raise ShardingTypeError("step: the batch holds no tensors — expected a tensor, or a tuple/list/dict of "
-                                    "tensors with the batch in dim 0.")
-        sizes = {t.shape[0] if t.dim() else None for t in leaves}
-        if None in sizes or len(sizes) != 1:
-            raise ShardingError(f"step: batch tensors disagree on dim 0 (the batch dim) — got sizes "
-                                f"{[tuple(t.shape) for t in leaves]}; expected the same batch size in every tensor.")
-        b = sizes.pop()
-        need = m if local else n * m
-        if b % need:
-            what = (f"{m} micro-batches (grad_accum)" if local else
-                    f"data={n} ranks x {m} micro-batches (grad_accum) = {need}")
-            lo, hi = (b // need) * need, (b // need + 1) * need
-            use = f"{lo} or {hi}" if lo else f"{hi}"
-            fix = "grad_accum" if local else "grad_accum or the data degree"
-            raise ShardingError(f"step: a {'local ' if local else ''}batch of {b} does not split evenly over {what} "
-                                f"— expected a multiple of {need}. Use a batch of {use}, or change {fix}.")
-        rows = b if local else b // n
-        self._rows = b * n if local else b
-        start = 0 if local else self.data_index * rows
-        per = rows // m
-        return [_map(batch, lambda t, i=i: self._prepare(t[start + i * per:start + (i + 1) * per])) for i in range(m)]
-
-    def _prepare(self, t: torch.Tensor) -> torch.Tensor:
-        t = t.to(self.mesh.device)
-        return t.to(self.cdt) if t.is_floating_point() and self.plan.mixed else t
-
     def _loss(self, batch: Any) -> torch.Tensor:
         if self.loss_fn is not None:
             out = self.loss_fn(self.model, batch)
@@ -451,13 +424,6 @@ class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
                     s.param.data.copy_(s.master.view(s.param.shape))
             return
         self.buckets.publish(self.cdt)           # all-gather the updated pieces, bucket by bucket
-
-def _leaves(batch: Any) -> list[torch.Tensor]:
-    return [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
-
-
-def _map(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    return tree_map_only(torch.Tensor, fn, batch)
 
 
 # ---- what the machine can do -------------------------------------------------------------------

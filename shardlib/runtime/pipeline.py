@@ -376,7 +376,7 @@ class PipelineRuntime:
         key = (str(spec), *((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t) for t in leaves))
         hit = self._shapes.get(key)
         if hit is None:         # with the tensor axis's boundaries installed: SP's slice is in the shape
-            rows = next(t.shape[0] for t in leaves if isinstance(t, torch.Tensor))
+            rows = next(t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim())
             shape = stream_shape(self.engine.model, self.pp.stack, batch, rows, self.engine.cdt)
             if self.engine.tensor is not None:
                 self.engine.tensor.clear()

@@ -1,0 +1,124 @@
+"""A step's batch cut into this rank's micro-batches, and transformers' exact token mean.
+
+``split_batch`` validates the batch (before any collective), takes this rank's rows (dim 0 over
+the data ranks, its ``data`` coordinate's chunk; all of them with ``local=True``), cuts them into
+``grad_accum`` equal micro-batches and moves them to the mesh's device (floating tensors in the
+compute dtype under mixed precision).
+
+**The token mean.** The engine averages the ``data · m`` micro-batch losses, which is the batch's
+mean when each is a mean over equally many items. A transformers causal LM's loss is a mean over
+the micro-batch's non-ignored tokens (label ``!= -100`` after the shift), and with padding or
+``-100`` labels micro-batches hold unequal counts: the mean of their means is not what one process
+computes on the whole batch. As HF's Trainer does, the engine then gives every micro-batch
+``num_items_in_batch = N / (data · m)`` (a 0-dim fp32 tensor), ``N`` the global batch's count of
+non-ignored shifted labels (``(labels[:, 1:] != -100).sum()``, the count ``ForCausalLMLoss``
+divides by): each micro-batch's loss is its summed token losses times ``data · m / N``, and the
+engine's mean of them is ``sum(token losses) / N`` — ``model(**batch).loss`` of one process.
+
+It applies to a dict batch with ``labels`` (and no ``num_items_in_batch`` of the user's), no
+``loss_fn``, and a transformers model whose forward takes loss keywords (``accepts_loss_kwargs``,
+else a ``**kwargs``) and whose ``loss_function`` is ``ForCausalLMLoss``; everything else is
+unchanged. A global batch is counted on every rank from the whole batch (no collective); a local
+batch (``local=True``) counts its rows and sums the count over the data axes with one scalar
+all-reduce before the first forward — a collective ``plan.comm_per_step`` does not list (it
+describes a step on the global batch).
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map_only
+
+from ..comm import core as comm
+from ..errors import ShardingError, ShardingTypeError
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+IGNORE = -100          # transformers' ignore index
+
+
+def split_batch(engine: Engine, batch: Any, local: bool) -> tuple[list[Any], int]:
+    """This rank's micro-batches of ``batch`` and the global batch's rows."""
+    n, m = engine.data_size, engine.plan.grad_accum
+    leaves = _leaves(batch)
+    if not leaves:
+        raise ShardingTypeError("step: the batch holds no tensors — expected a tensor, or a tuple/list/dict of "
+                                "tensors with the batch in dim 0.")
+    sizes = {t.shape[0] if t.dim() else None for t in leaves}
+    if None in sizes or len(sizes) != 1:
+        raise ShardingError(f"step: batch tensors disagree on dim 0 (the batch dim) — got sizes "
+                            f"{[tuple(t.shape) for t in leaves]}; expected the same batch size in every tensor.")
+    b = sizes.pop()
+    need = m if local else n * m
+    if b % need:
+        what = (f"{m} micro-batches (grad_accum)" if local else
+                f"data={n} ranks x {m} micro-batches (grad_accum) = {need}")
+        lo, hi = (b // need) * need, (b // need + 1) * need
+        use = f"{lo} or {hi}" if lo else f"{hi}"
+        fix = "grad_accum" if local else "grad_accum or the data degree"
+        raise ShardingError(f"step: a {'local ' if local else ''}batch of {b} does not split evenly over {what} "
+                            f"— expected a multiple of {need}. Use a batch of {use}, or change {fix}.")
+    rows = b if local else b // n
+    start = 0 if local else engine.data_index * rows
+    per = rows // m
+    device, cdt, mixed = engine.mesh.device, engine.cdt, engine.plan.mixed
+
+    def prepare(t: torch.Tensor) -> torch.Tensor:
+        t = t.to(device)
+        return t.to(cdt) if t.is_floating_point() and mixed else t
+
+    micro = [_map(batch, lambda t, i=i: prepare(t[start + i * per:start + (i + 1) * per])) for i in range(m)]
+    if counts_tokens(engine.model, engine.loss_fn, batch):
+        labels = batch["labels"]
+        count = (labels[:, 1:] != IGNORE).sum().to(device=device, dtype=torch.float64).reshape(1)
+        if local and n > 1:      # the global count: this rank's rows summed over the data axes
+            count = comm.all_reduce(count, engine.mesh, engine.plan.dp_axes)
+        share = (count.reshape(()) / (n * m)).float()
+        micro = [{**mb, "num_items_in_batch": share} for mb in micro]
+    return micro, b * n if local else b
+
+
+def counts_tokens(model: nn.Module, loss_fn: Callable | None, batch: Any) -> bool:
+    """Whether a step on ``batch`` divides by the global token count (the module doc's rule)."""
+    if loss_fn is not None or not isinstance(batch, Mapping) or "labels" not in batch \
+            or "num_items_in_batch" in batch or not isinstance(batch["labels"], torch.Tensor) \
+            or batch["labels"].dim() < 2:
+        return False
+    return _causal_lm_loss(model)
+
+
+def _causal_lm_loss(model: nn.Module) -> bool:
+    """A transformers model that takes ``num_items_in_batch`` and gives it to ``ForCausalLMLoss``."""
+    tf = sys.modules.get("transformers")
+    if tf is None or not isinstance(model, tf.PreTrainedModel):
+        return False
+    accepts = getattr(model, "accepts_loss_kwargs", None)
+    if accepts is None:
+        try:
+            params = inspect.signature(model.forward).parameters.values()
+        except (TypeError, ValueError):
+            return False
+        accepts = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params)
+    if not accepts:
+        return False
+    from transformers.loss.loss_utils import ForCausalLMLoss
+    try:
+        loss = model.loss_function
+    except (AttributeError, KeyError):
+        return False
+    return loss is ForCausalLMLoss
+
+
+def _leaves(batch: Any) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
+
+
+def _map(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    return tree_map_only(torch.Tensor, fn, batch)
