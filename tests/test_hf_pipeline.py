@@ -9,9 +9,9 @@ head) and data 2 x tensor 2 x pipe 2 — with and
 without an ``attention_mask`` (odd rows end in padding, their labels -100). Each must give the
 losses of the same model trained by a plain loop in one process on the whole batch (within 1e-5
 relative), the same on every rank, the final weights equal, and one step's counted collectives
-and point-to-point messages equal to the plan's. Micro-batches hold 2 rows (one padded), so every
-micro-batch has as many labelled tokens and the mean of the micro-batch means is the batch's mean
-(planner/hf_stages.py says what happens otherwise).
+and point-to-point messages equal to the plan's. With micro-batches of one row, whose labelled
+tokens differ, the step's loss is still the whole batch's token mean (the engine's
+``num_items_in_batch``, runtime/batches.py; tests/test_token_mean.py has more uneven cases).
 
 Plan-time refusals (no processes): a stack entry naming something that is not a list of blocks,
 blocks needing tensors computed from parameters or returning more than the hidden state, tied
@@ -66,25 +66,17 @@ def _optimizer(params):
     return torch.optim.AdamW(params, lr=LR, weight_decay=0.1, eps=1e-6)
 
 
-def reference(family: str, mask: bool, per_micro: int = 0) -> dict:
-    """One process on the whole batch; with ``per_micro`` rows per micro-batch, gradient
-    accumulation over micro-batches of that many rows, the step's loss the mean of theirs."""
-    key = (family, mask, per_micro)
+def reference(family: str, mask: bool) -> dict:
+    """One process on the whole batch: ``model(**batch).loss``."""
+    key = (family, mask)
     if key not in _REFS:
         model = _build(family)
         opt = _optimizer(list(model.parameters()))
         losses = []
         for batch in _batches(family, mask):
             opt.zero_grad(set_to_none=True)
-            if per_micro:
-                parts = [{k: v[i:i + per_micro] for k, v in batch.items()} for i in range(0, BATCH, per_micro)]
-                micro = [model(**mb).loss for mb in parts]
-                for part in micro:
-                    (part / len(parts)).backward()
-                loss = sum(m.detach() for m in micro) / len(parts)
-            else:
-                loss = model(**batch).loss
-                loss.backward()
+            loss = model(**batch).loss
+            loss.backward()
             opt.step()
             losses.append(float(loss.detach()))
         _REFS[key] = {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
@@ -121,8 +113,7 @@ def _check(world, cfgs: list[dict], shape: dict) -> list[list[dict]]:
         n *= v
     per_rank = world(n, hf_runs, cfgs, shape)
     for i, cfg in enumerate(cfgs):
-        per_micro = BATCH // cfg["microbatches"] if cfg.get("per_micro") else 0
-        ref = reference(cfg["family"], cfg.get("mask", False), per_micro)
+        ref = reference(cfg["family"], cfg.get("mask", False))
         for r in range(n):
             res = per_rank[r][i]
             rel = max_rel(res["losses"], ref["losses"])
@@ -143,12 +134,12 @@ SCHEDULES = [{"schedule": "gpipe"}, {"schedule": "1f1b"}, {"schedule": "zb_h1"},
 
 
 def test_llama_pipe_every_schedule_with_and_without_a_mask(world):
-    """And with micro-batches of one row, whose labelled tokens differ (15 or 12): each micro-batch's
-    loss is the model's own mean over its tokens, the step's the mean of those (as gradient
-    accumulation in one process), not the mean over the batch's tokens."""
+    """And with micro-batches of one row, whose labelled tokens differ (15 or 12): the step's loss
+    is the mean over the whole batch's tokens, as one process computes it, not the mean of the
+    micro-batch means."""
     cfgs = [{"family": "llama", "microbatches": 4, "mask": mask, "declare": mask, **s}
             for s in SCHEDULES for mask in (False, True)]
-    cfgs.append({"family": "llama", "microbatches": 8, "mask": True, "schedule": "1f1b", "per_micro": True})
+    cfgs.append({"family": "llama", "microbatches": 8, "mask": True, "schedule": "1f1b"})
     _check(world, cfgs, {"data": 1, "pipe": 2})
 
 

@@ -6,7 +6,9 @@ tensor 2 (ZeRO-3, ``tests/llama.py``'s ``LLAMA_TP``) and given its values by
 fp32 and bf16 on disk); trained 4 steps with no ``loss_fn`` (the model's own loss) it gives the
 losses of ``from_pretrained`` trained in one process, and ``engine.save_pretrained`` writes what
 ``model.save_pretrained`` writes (same files, tensor names, index, config) — ``from_pretrained`` of
-it gives the one-process logits. The same round trip from data 2 ZeRO-3 and one process; the
+it gives the one-process logits; GPT-2 too (Conv1D, the fused ``c_attn`` split by heads, tied
+embeddings replicated), and under precision="bf16" its loaded fp32 masters are the file's values
+bit for bit. The same round trip from data 2 ZeRO-3 and one process; the
 reference GPT on pipe 2 (each rank allocating only its stage) from an exported safetensors file.
 Peak memory while loading is measured (the kernel's high-water mark of each rank's RSS, reset before
 the load) on a larger Llama: at most the largest tensor above what the rank holds at rest. Every bad
@@ -25,6 +27,7 @@ import hf_models
 import shardlib as sl
 from llama import LLAMA_TP, tiny_config
 from shardlib.models.gpt import GPT, GPTConfig, token_batch
+from shardlib.planner.hf_tp import tp_table
 from shardlib.runtime.checkpoint_files import CheckpointError
 from shardlib.testing import get_mesh
 from test_engine import max_rel
@@ -60,41 +63,44 @@ def _reference(folder) -> tuple[list[float], torch.nn.Module]:
     return losses, model
 
 
-def _write_sources(root) -> dict[str, tuple[str, str | None]]:
+def _write_sources(root, family: str = "llama") -> dict[str, tuple[str, str | None]]:
     """Folders written by the model's own save_pretrained: ``{case: (folder, max_shard_size)}``."""
-    model = hf_models.build("llama", seed=0)
+    model = hf_models.build(family, seed=0)
     out = {}
-    model.save_pretrained(root / "f32")
-    out["f32"] = (str(root / "f32"), None)
-    model.save_pretrained(root / "sharded", max_shard_size="60KB")
-    out["sharded"] = (str(root / "sharded"), "60KB")
-    model.to(torch.bfloat16).save_pretrained(root / "bf16")
-    out["bf16"] = (str(root / "bf16"), None)
+    model.save_pretrained(root / f"{family}-f32")
+    out["f32"] = (str(root / f"{family}-f32"), None)
+    model.save_pretrained(root / f"{family}-sharded", max_shard_size="60KB")
+    out["sharded"] = (str(root / f"{family}-sharded"), "60KB")
+    model.to(torch.bfloat16).save_pretrained(root / f"{family}-bf16")
+    out["bf16"] = (str(root / f"{family}-bf16"), None)
     return out
 
 
 # ---- in the workers -------------------------------------------------------------------------------
 
-def _engine(shape: dict, zero: int, *, meta: bool = True, init: bool = False):
+def _engine(shape: dict, zero: int, *, meta: bool = True, init: bool = False, family: str = "llama",
+            precision: str = "fp32"):
     mesh = get_mesh(shape)
-    model = hf_models.build("llama", seed=1, meta=meta)
-    if shape.get("tensor", 1) > 1:
-        sl.shard(LLAMA_TP)(model)
+    model = hf_models.build(family, seed=1, meta=meta)
+    if shape.get("tensor", 1) > 1:       # GPT-2: Conv1D and the fused c_attn split, tied embeddings replicated
+        sl.shard(LLAMA_TP if family == "llama" else tp_table(model))(model)
     rules = {}
     if shape.get("pipe", 1) > 1:           # the layer stack named by a table entry, cut by a rule
         sl.shard({"model.layers": ("layers",)})(model)
         rules = {"rules": {"layers": "pipe"}, "microbatches": 2}
-    plan = sl.plan(model, mesh, zero=zero, **rules)
+    plan = sl.plan(model, mesh, zero=zero, precision=precision, **rules)
     return sl.parallelize(model, plan, optimizer=_opt, init=init)
 
 
-def load_train_save(cases: list[tuple[str, str | None, str]], shape: dict, zero: int, bad: str | None) -> dict:
-    """Per case: meta build, init=False, (a refused load of ``bad`` first), load, 4 steps, save."""
+def load_train_save(cases: list[tuple], shape: dict, zero: int, bad: str | None) -> dict:
+    """Per case ``(folder, max_shard_size, dst[, family])``: meta build, init=False, (a refused load of
+    ``bad`` first, Llama only), load, 4 steps, save."""
     out = {}
-    for src, size, dst in cases:
-        engine = _engine(shape, zero)
+    for src, size, dst, *family in cases:
+        family = family[0] if family else "llama"
+        engine = _engine(shape, zero, family=family)
         refused = None
-        if bad is not None:
+        if bad is not None and family == "llama":
             try:
                 engine.load_pretrained(bad)
             except CheckpointError as e:
@@ -105,6 +111,20 @@ def load_train_save(cases: list[tuple[str, str | None, str]], shape: dict, zero:
         full = engine.full_state_dict()
         out[dst] = {"losses": losses, "refused": refused, "full": full if get_mesh(shape).rank == 0 else None}
     return out
+
+
+def load_bf16(src: str, shape: dict) -> dict:
+    """precision="bf16" (fp32 masters, bf16 compute) on ``shape``, ZeRO-3: the masters right after the
+    load (``full_state_dict``, rank 0) and the losses of 2 steps."""
+    engine = _engine(shape, 3, family="gpt2", precision="bf16")
+    engine.load_pretrained(src)
+    full = engine.full_state_dict()
+    losses = [engine.step(b) for b in _batches()[:2]]
+    return {"full": full if get_mesh(shape).rank == 0 else None, "losses": losses}
+
+
+def dp2tp2(cases: list[tuple], shape: dict, zero: int, bad: str, bf16_src: str) -> dict:
+    return {"cases": load_train_save(cases, shape, zero, bad), "bf16": load_bf16(bf16_src, shape)}
 
 
 def _rss() -> dict[str, int]:
@@ -157,7 +177,7 @@ def _same_files(ours, theirs) -> None:
                 assert json.load(fa) == json.load(fb), name
 
 
-def _check_round_trip(per_rank: list[dict], sources: dict, root, tag: str) -> None:
+def _check_round_trip(per_rank: list[dict], sources: dict, root, tag: str, family: str = "llama") -> None:
     for case, (folder, size) in sources.items():
         want, trained = _reference(folder)
         dst = str(root / f"{tag}-{case}")
@@ -166,7 +186,7 @@ def _check_round_trip(per_rank: list[dict], sources: dict, root, tag: str) -> No
             assert max_rel(got, want) <= 1e-5, f"{tag} {case} rank {r}: {got} vs {want}"
         # transformers' own save of the trained weights, from a model whose tensors own their storage
         # (from_pretrained leaves views of one buffer, which huggingface_hub's split keeps together)
-        fresh = hf_models.build("llama")
+        fresh = hf_models.build(family)
         fresh.load_state_dict(trained.state_dict())
         fresh.save_pretrained(root / f"hf-{tag}-{case}", **({"max_shard_size": size} if size else {}))
         _same_files(dst, root / f"hf-{tag}-{case}")
@@ -181,16 +201,35 @@ def _check_round_trip(per_rank: list[dict], sources: dict, root, tag: str) -> No
 def test_meta_build_loads_into_data2_tensor2_zero3_and_saves_back(world, tmp_path):
     """Meta build + init=False + load_pretrained on data 2 x tensor 2 ZeRO-3 (one file, sharded, bf16 on
     disk): one process's losses on every rank; save_pretrained writes transformers' own files, and
-    from_pretrained of them gives the one-process logits. A refused load first leaves nothing behind."""
+    from_pretrained of them gives the one-process logits. A refused load first leaves nothing behind.
+    The same for GPT-2 (``tp_table``: Conv1D and the fused q|k|v ``c_attn`` split by heads, the tied
+    embeddings replicated); and GPT-2 under precision="bf16": the loaded fp32 masters are the file's
+    values bit for bit, and it trains."""
+    from safetensors.torch import load_file
+
     sources = _write_sources(tmp_path)
+    gpt2 = {k: v for k, v in _write_sources(tmp_path, "gpt2").items() if k != "bf16"}
     bad = tmp_path / "bad"
     _drop_tensor(sources["f32"][0], bad, "model.layers.1.mlp.up_proj.weight")
     cases = [(folder, size, str(tmp_path / f"dp2tp2-{case}")) for case, (folder, size) in sources.items()]
-    per_rank = world(4, load_train_save, cases, {"data": 2, "tensor": 2}, 3, str(bad))
+    cases += [(folder, size, str(tmp_path / f"dp2tp2-gpt2-{case}"), "gpt2") for case, (folder, size) in gpt2.items()]
+    per_rank = world(4, dp2tp2, cases, {"data": 2, "tensor": 2}, 3, str(bad), gpt2["f32"][0])
     for res in per_rank:
-        for dst, got in res.items():
-            assert got["refused"] and "model.layers.1.mlp.up_proj.weight" in got["refused"], got["refused"]
-    _check_round_trip(per_rank, sources, tmp_path, "dp2tp2")
+        for dst, got in res["cases"].items():
+            if "gpt2" not in dst:
+                assert got["refused"] and "model.layers.1.mlp.up_proj.weight" in got["refused"], got["refused"]
+    _check_round_trip([r["cases"] for r in per_rank], sources, tmp_path, "dp2tp2")
+    _check_round_trip([r["cases"] for r in per_rank], gpt2, tmp_path, "dp2tp2-gpt2", "gpt2")
+    file = load_file(f"{gpt2['f32'][0]}/model.safetensors")
+    masters = per_rank[0]["bf16"]["full"]
+    for k, v in file.items():
+        assert masters[k].dtype == torch.float32 and torch.equal(masters[k], v), f"bf16: {k}"
+    assert torch.equal(masters["lm_head.weight"], file["transformer.wte.weight"])       # tied
+    want = _reference(gpt2["f32"][0])[0][:2]
+    print("bf16 vs fp32 losses:", per_rank[0]["bf16"]["losses"], want)
+    for r, res in enumerate(per_rank):
+        assert res["bf16"]["losses"] == per_rank[0]["bf16"]["losses"], f"bf16: rank {r} differs from rank 0"
+        assert max_rel(res["bf16"]["losses"], want) <= 2e-3, f"bf16: {res['bf16']['losses']} vs fp32 {want}"
 
 
 def test_round_trip_from_data2_zero3_and_one_process(world, tmp_path):
