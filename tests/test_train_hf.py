@@ -3,8 +3,9 @@
 A tiny Llama folder is made offline by ``examples/make_tiny_hf.py`` (a BPE tokenizer trained on the
 stdlib's source, random weights, ``save_pretrained``), and the same 60 documents are written as
 JSON lines and as parquet. The job trains the folder 6 steps on data 2 (ZeRO-3, JSON lines) and on
-data 2 x tensor 2 (TP, parquet): every data rank reads and tokenizes only its share, the weights go
-straight into the shards (``init=False`` + ``engine.load_pretrained``), the loss is the model's own.
+the default data 2 x pipe 2 x tensor 2 (parallel=3d: 1F1B, TP + SP; parquet): every data rank reads
+and tokenizes only its share, the weights go straight into the shards (``init=False`` +
+``engine.load_pretrained``), the loss is the model's own (on the last pipeline stage).
 Both runs give the losses one process gives training ``from_pretrained`` on the same rows (fp32,
 1e-5 relative), write metrics, pictures and a summary, and end with ``engine.save_pretrained`` into
 the run directory, which ``from_pretrained`` loads. Configuration errors are named by key before
@@ -92,8 +93,7 @@ def _reference(made, data_file: Path) -> list[float]:
 def test_main_job_trains_a_transformers_folder_like_one_process(made):
     root = made["root"]
     runs = {"dp2 zero3 json lines": (root / "dp2", ["mesh=dp2", "parallel=zero3", f"data.path={root / 'docs.jsonl'}"]),
-            "dp2 x tp2 parquet": (root / "dp2_tp2", ["mesh=dp2_tp2", "parallel=tp",
-                                                     f"data.path={root / 'docs.parquet'}"])}
+            "2x2x2 3d parquet": (root / "3d", ["mesh=2x2x2", "parallel=3d", f"data.path={root / 'docs.parquet'}"])}
     want = _reference(made, root / "docs.jsonl")
     assert want[-1] < want[0]
     for what, (out, args) in runs.items():
@@ -113,7 +113,7 @@ def test_main_job_trains_a_transformers_folder_like_one_process(made):
         assert "by the folder's tokenizer" in proc.stdout and "\r" not in proc.stdout + proc.stderr, what
     # the trained model, written by engine.save_pretrained, loads with from_pretrained and is the trained one
     from transformers import AutoModelForCausalLM
-    trained = AutoModelForCausalLM.from_pretrained(root / "dp2_tp2" / "hf", dtype=torch.float32)
+    trained = AutoModelForCausalLM.from_pretrained(root / "3d" / "hf", dtype=torch.float32)
     initial = AutoModelForCausalLM.from_pretrained(made["folder"], dtype=torch.float32)
     other = AutoModelForCausalLM.from_pretrained(root / "dp2" / "hf", dtype=torch.float32).state_dict()
     for name, p in trained.state_dict().items():
