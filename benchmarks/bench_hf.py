@@ -137,7 +137,7 @@ class Built:
 def shardlib_plan(model: LlamaForCausalLM, shape: dict[str, int], cfg: LlamaConfig, batch: int | None):
     """Table and plan of either part: the layer stack named ``layers`` (cut by ``pipe``), Megatron TP where
     the mesh has ``tensor``, ZeRO-3 where it has ``data``. ``batch=None`` (the load part): no example batch,
-    so no activation trace — ``sl.plan(meta_model, ..., batch=...)`` fails copying the meta rotary buffer."""
+    no activation accounting (the load is measured, not a step)."""
     table = {**(tp_table(model) if "tensor" in shape else {}), **({"model.layers": ("layers",)} if "pipe" in shape else {})}
     if table:
         sl.shard(table)(model)
@@ -380,7 +380,7 @@ def load_main(side: str, shape: dict[str, int], folder: str) -> dict:
     seconds = time.perf_counter() - t0
     out = {"seconds": seconds, "peak": peak.peak(), "before": before, "exact": peak.exact}
     if engine is not None:
-        out["states"] = sum(plan.memory_per_rank(dist.get_rank()).values())
+        out["states"] = plan.memory_per_rank(dist.get_rank())["total"]
     peak.stop()
     if engine is not None:
         out["loss"] = float(engine.step(llama_batch(LOAD_CFG, LOAD_BATCH, 0)))
