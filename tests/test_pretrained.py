@@ -204,7 +204,7 @@ def test_meta_build_loads_into_data2_tensor2_zero3_and_saves_back(world, tmp_pat
     from_pretrained of them gives the one-process logits. A refused load first leaves nothing behind.
     The same for GPT-2 (``tp_table``: Conv1D and the fused q|k|v ``c_attn`` split by heads, the tied
     embeddings replicated); and GPT-2 under precision="bf16": the loaded fp32 masters are the file's
-    values bit for bit, and it trains."""
+    values bit for bit, and 2 steps give fp32's losses within 2e-3 (bf16 compute; 1e-4 measured)."""
     from safetensors.torch import load_file
 
     sources = _write_sources(tmp_path)
