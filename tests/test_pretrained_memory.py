@@ -1,0 +1,116 @@
+"""Memory of a meta build loaded under a pipe axis (issue 18, deliverable 3: "peak memory while loading
+<= the rank's shards plus the largest tensor, measured").
+
+A transformers Llama built on the meta device is parallelized with ``init=False`` on pipe 2 (zero=0)
+and given its values by ``engine.load_pretrained``. Each rank's resident memory is read from the
+kernel (``VmRSS``, and the high-water mark ``VmHWM`` reset through ``/proc/self/clear_refs``), so what
+torch allocates is seen, not only what Python does. What the engine holds is counted by storage:
+every distinct storage of its states (parameters, masters, shards, gradient shards), its gradient
+buckets and the model's buffers — on pipe 2 with zero=0 that must be this stage's parameters once
+(fp32, the master is the parameter) and one gradient buffer of the same size (the buckets a normally
+built model gets too). Building may add no more than that (no zeros for the other stage or the
+whole model, no second copy); loading may add, above it, at most the largest tensor (one read).
+"""
+
+from __future__ import annotations
+
+import torch
+
+import shardlib as sl
+from llama import tiny_config
+from shardlib.testing import get_mesh
+
+SLACK = 1 << 20           # the allocator's and Python's own bytes while building and loading
+
+
+def _cfg():
+    return tiny_config(vocab=4096, hidden=256, intermediate=704, heads=8, kv_heads=4, layers=6)
+
+
+def _rss() -> dict[str, int]:
+    with open("/proc/self/status") as f:
+        return {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f)
+                if k in ("VmHWM", "VmRSS")}
+
+
+def _reset_peak() -> int:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")                     # VmHWM := VmRSS now
+    return _rss()["VmRSS"]
+
+
+def _held(engine) -> dict[str, int]:
+    """Bytes of the distinct storages the engine holds, by kind (a storage shared by two kinds counts once)."""
+    seen: set[int] = set()
+    out = {"params": 0, "grads": 0, "buffers": 0}
+
+    def add(kind: str, t) -> None:
+        if t is None or t.is_meta:
+            return
+        s = t.untyped_storage()
+        if s.nbytes() and s.data_ptr() not in seen:
+            seen.add(s.data_ptr())
+            out[kind] += s.nbytes()
+
+    for s in engine.states:
+        for t in (s.param, s.master, s.shard):
+            add("params", t)
+        add("grads", s.grad_shard)
+    for b in engine.buckets.buffers if engine.buckets is not None else []:
+        add("grads", b)
+    for b in engine.model.buffers():
+        add("buffers", b)
+    return out
+
+
+def _opt(params):
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+def pipe_load_peak(folder: str) -> dict:
+    """Meta build, ``parallelize(init=False)`` and ``load_pretrained`` on pipe 2: each phase's peak RSS
+    above the RSS before it, and what the engine holds at rest."""
+    from transformers import LlamaForCausalLM
+    mesh = get_mesh({"data": 1, "pipe": 2})
+    with torch.device("meta"):
+        model = LlamaForCausalLM(_cfg())
+    sl.shard({"model.layers": ("layers",)})(model)
+    plan = sl.plan(model, mesh, zero=0, rules={"layers": "pipe"}, microbatches=2)
+    before = _reset_peak()
+    engine = sl.parallelize(model, plan, optimizer=_opt, init=False)
+    build_peak = _rss()["VmHWM"] - before
+    rest = _reset_peak()
+    engine.load_pretrained(folder)
+    load_peak = _rss()["VmHWM"] - rest
+    stage = sum(s.plan.numel * 4 for s in engine.states)
+    ids = torch.randint(0, 4096, (4, 16), generator=torch.Generator().manual_seed(0))
+    loss = engine.step({"input_ids": ids, "labels": ids})
+    return {"build": build_peak, "rest": rest - before, "load": load_peak, "held": _held(engine),
+            "stage": stage, "loss": loss}
+
+
+def test_meta_build_and_load_under_pipe2_hold_the_stage_once(world, tmp_path):
+    """A 6-layer Llama (6.9M parameters, 28 MB fp32, one file) on pipe 2: each rank holds its stage's
+    parameters once plus a gradient buffer as large (the zero=0 buckets), at most 60 % of the model;
+    building adds no more than that, loading at most the largest tensor (the 4 MB embedding) above it,
+    each within 1 MB of slack."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(_cfg())
+    model.save_pretrained(tmp_path / "llama")
+    total = sum(p.numel() * 4 for p in model.parameters())
+    largest = max(p.numel() * 4 for p in model.parameters())
+    per_rank = world(2, pipe_load_peak, str(tmp_path / "llama"))
+    print("pipe 2, bytes per rank:", per_rank, "model", total, "largest", largest)
+    for r, res in enumerate(per_rank):
+        held, stage = res["held"], res["stage"]
+        assert stage <= 0.6 * total, f"rank {r}: its stage has {stage} B of the model's {total}"
+        assert held["params"] == stage, f"rank {r}: parameter storages {held['params']} B; its stage is {stage} B"
+        assert held["grads"] <= stage + 64, f"rank {r}: gradient storages {held['grads']} B; its stage is {stage} B"
+        owned = sum(held.values())
+        assert res["build"] <= owned + SLACK, f"rank {r}: building rose {res['build']} B; the engine holds {owned}"
+        assert res["rest"] <= owned + SLACK, f"rank {r}: at rest {res['rest']} B above the start; holds {owned}"
+        assert res["load"] <= largest + SLACK, f"rank {r}: loading rose {res['load']} B; largest tensor {largest}"
+        assert torch.isfinite(torch.tensor(res["loss"]))
+    assert per_rank[0]["loss"] == per_rank[1]["loss"]
