@@ -2,8 +2,12 @@
 ``engine.save_pretrained(path)`` on transformers folders (``config.json`` + safetensors).
 
 **Empty states.** ``sl.parallelize(model, plan, ..., init=False)`` gives each rank zeros of exactly
-what it holds (ZeRO-3: its flat piece of each parameter; a pipe axis: its stages' parameters only),
-never a full model; buffers the file does not carry (rotary ``inv_freq``) are recomputed by the
+what it holds (ZeRO-3: its flat piece of each parameter, never a whole tensor even for a moment; a
+pipe axis: its stages' parameters only, once — the fp32 master is the parameter), never a full
+model; besides, the engine holds what it holds for a model built normally (zero=0: gradient
+buckets as large as the parameters, allocated at set-up — on a ``from_pretrained`` model the
+parameters are the file's mapped pages, resident only once read, so its set-up RSS shows the
+buckets alone). Buffers the file does not carry (rotary ``inv_freq``) are recomputed by the
 model's own ``_init_weights``. A step before a load is refused.
 
 **Load.** Every rank reads the safetensors headers (no tensor data) and checks, before writing any
@@ -15,8 +19,9 @@ coordinates — through ``safe_open(...).get_slice(name)[rows]``, cast to fp32 a
 A read holds its bytes about three times (the file's mapped pages, safetensors' buffer, the tensor
 it returns), so each spans at most a quarter of the largest tensor (and 64 MB), the file reopened
 per read so its mapped pages are let go: a load holds at most ~3/4 of the largest tensor beyond the
-rank's states (measured in tests/test_pretrained.py by the RSS high-water mark). transformers'
-checkpoint renamings (GPT-NeoX's ``embed_out`` for ``lm_head``) apply both ways.
+rank's states (the RSS high-water mark, measured in tests/test_pretrained.py on data 2 x tensor 2
+ZeRO-3 and, building included, in tests/test_pretrained_memory.py on pipe 2 and data 2 ZeRO-3).
+transformers' checkpoint renamings (GPT-NeoX's ``embed_out`` for ``lm_head``) apply both ways.
 
 **Save.** Rank 0 writes what ``model.save_pretrained`` writes in one process — ``config.json``,
 ``generation_config.json`` where the model generates, ``model.safetensors`` or shards named by
@@ -65,11 +70,15 @@ class EnginePretrained:
         """Each parameter's state with zeros for values, each rank allocating only what it holds."""
         self._fill_buffers()
         named, owners = dict(self.model.named_parameters()), self._owners()
+        zero3 = self.plan.states.params is not None
         states = []
         for i, pp in enumerate(self.plan.params):
             p = named[pp.name]
             who = owners[id(p)]
-            full = torch.zeros(pp.shape, device=self.mesh.device)     # at most one (local) tensor whole
+            # ZeRO-3 keeps only its piece (cloned from this): one zero seen whole through strides of 0,
+            # not a whole tensor allocated for a moment; kept whole, the zeros are the parameter itself
+            full = torch.zeros((), device=self.mesh.device).expand(pp.shape) if zero3 else \
+                torch.zeros(pp.shape, device=self.mesh.device)
             if p.is_meta and self.plan.states.params is None:      # kept whole: a real parameter first
                 p = nn.Parameter(full, requires_grad=pp.trainable)
                 for mod, attr in who:
