@@ -78,3 +78,22 @@ def batch(family: str, rows: int, seed: int, *, mask: bool = False) -> dict[str,
         out["attention_mask"] = m
         out["labels"] = ids.masked_fill(m == 0, -100)
     return out
+
+
+def adamw(params, lr: float = 1e-2):
+    """The tests' optimizer: AdamW with weight decay (so a parameter left out of an update shows)."""
+    return torch.optim.AdamW(params, lr=lr, weight_decay=0.1, eps=1e-6)
+
+
+def train_alone(model, batches, *, lr: float = 1e-2, loss=None) -> list[float]:
+    """The one-process reference: ``model`` trained in place by ``adamw`` on each batch in turn,
+    the loss ``model(**batch).loss`` (or ``loss(model, batch)``); the losses, as floats."""
+    opt = adamw(list(model.parameters()), lr)
+    out = []
+    for b in batches:
+        opt.zero_grad(set_to_none=True)
+        value = model(**b).loss if loss is None else loss(model, b)
+        value.backward()
+        opt.step()
+        out.append(float(value.detach()))
+    return out
