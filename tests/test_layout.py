@@ -220,3 +220,13 @@ def test_piece_boxes_cover_a_fused_shards_flat_ranges():
                         assert torch.equal(piece.as_strided(sz, strides, off), want), (spec, r, lo, hi)
                         seen.as_strided(sz, strides, off).copy_(want)
                     assert torch.equal(seen, piece), (spec, r, lo, hi)
+
+
+def test_redistribution_names_a_fused_layout_it_cannot_plan():
+    """sl.plan_redistribute between a plain and a fused layout: a SpecError naming the API and the fix,
+    not an internal planner failure."""
+    mesh = sl.AbstractMesh({"tensor": 2})
+    fused = sl.Layout(mesh, P(sl.Fused(3, "tensor")))
+    for src, dst in ((sl.Layout(mesh, P()), fused), (fused, sl.Layout(mesh, P()))):
+        with pytest.raises(sl.SpecError, match=r"plan_redistribute: dim 0 of .* is fused .* unfused\(shape\)"):
+            sl.plan_redistribute(src, dst, (6,))

@@ -152,7 +152,8 @@ class Layout:
         """``{dim: parts}`` of the spec's ``Fused`` dims."""
         return self.spec.fused()
 
-    def _refuse_fused(self, api: str) -> None:
+    def require_plain(self, api: str) -> None:
+        """Refuse a layout with ``Fused`` dims where ``api`` works on single slices (a clear error naming the fix)."""
         if self.fused:
             d, p = next(iter(self.fused.items()))
             raise SpecError(f"{api}: dim {d} of {self.spec} is fused ({p} blocks, each split) — a rank's shard is "
@@ -180,7 +181,7 @@ class Layout:
 
     def local_slices(self, shape: Sequence[int], rank: int | None = None) -> tuple[slice, ...]:
         """The slice of the global tensor that ``rank`` holds (this process's rank by default)."""
-        self._refuse_fused("Layout.local_slices")
+        self.require_plain("Layout.local_slices")
         shape = self.check(shape, api="Layout.local_slices")
         return self._slices(shape, self._rank_arg(rank, "Layout.local_slices"))
 
@@ -244,7 +245,7 @@ class Layout:
 
         Vectorized over ranks (numpy), so whole-mesh arithmetic stays cheap on 10,000 devices.
         """
-        self._refuse_fused("Layout.local_bounds")
+        self.require_plain("Layout.local_bounds")
         shape = self.check(shape, api="Layout.local_bounds")
         starts = np.zeros((len(shape), self.mesh.size), dtype=np.int64)
         stops = np.empty((len(shape), self.mesh.size), dtype=np.int64)
@@ -260,7 +261,7 @@ class Layout:
 
     def shard_slices(self, shape: Sequence[int]) -> dict[int, tuple[slice, ...]]:
         """``{rank: slices}`` for every rank of the mesh."""
-        self._refuse_fused("Layout.shard_slices")
+        self.require_plain("Layout.shard_slices")
         shape = self.check(shape, api="Layout.shard_slices")
         starts, stops = self.local_bounds(shape)
         cols = list(zip(*starts.tolist(), *stops.tolist())) if shape else [()] * self.mesh.size

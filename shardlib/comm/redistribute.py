@@ -176,6 +176,8 @@ def _plan(src: Layout, dst: Layout, shape: Sequence[int], dtype: torch.dtype, ap
         raise ShardingTypeError(f"{api}: dtype must be a torch.dtype — got {dtype!r}.")
     shape = src.check(shape, api=api)
     dst.check(shape, api=api)
+    src.require_plain(api)
+    dst.require_plain(api)
     return _plan_cached(src, dst, shape, dtype)
 
 
