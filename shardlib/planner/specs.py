@@ -37,6 +37,7 @@ from torch import nn
 from ..algebra.mesh import AbstractMesh, current_mesh, unknown_axis_message
 from ..algebra.spec import PartitionSpec
 from ..errors import MeshError, Problems, ShardingTypeError, SpecError
+from .names import closest, relative_names
 
 RuleValue = str | tuple[str, ...] | None
 Logical = tuple[str | None, ...]
@@ -444,46 +445,16 @@ def resolve_specs(model: nn.Module, mesh: AbstractMesh | None = None,
                 got = unused.setdefault(id(table), (table, owner, [], missed))
                 got[2].append(prefix)
     for table, owner, prefixes, missed in unused.values():
-        names = _relative_names(model, prefixes)
+        names = relative_names(model, prefixes)
         for e in missed:
             problems.add(f"{API}: pattern {e.pattern!r} of {owner} matches no parameter — expected every pattern to "
                          f"match a parameter (or name the layer stack), relative to the module it is attached to; "
-                         f"{_closest(e.pattern, names)}. Fix the pattern or drop it.")
+                         f"{closest(e.pattern, names)}. Fix the pattern or drop it.")
     if collect is not None:              # the planner lists these with its own problems
         collect.extend(problems.items)
         return out
     problems.raise_if_any()
     return out
-
-
-def _relative_names(model: nn.Module, prefixes: list[str]) -> list[str]:
-    """Parameter and module names relative to each module in ``prefixes`` (a table's owners)."""
-    out: dict[str, None] = {}
-    for name, _ in [*model.named_parameters(remove_duplicate=False), *model.named_modules()]:
-        for prefix in prefixes:
-            if not prefix:
-                out[name] = None
-            elif name.startswith(prefix + "."):
-                out[name[len(prefix) + 1:]] = None
-    return [n for n in out if n]
-
-
-def _closest(pattern: str, names: list[str]) -> str:
-    """The names most like ``pattern`` (a typo's likely intent), for messages: a wildcard pattern is
-    compared with the names' last components (``'*.q_prj.weight'`` with ``'q_proj.weight'``)."""
-    import difflib
-
-    wild = any(c in pattern for c in "*?[")
-    plain = pattern.lstrip("*.") if wild else pattern
-    k = plain.count(".") + 1
-    tails: dict[str, str] = {}
-    for n in names:
-        tails.setdefault(".".join(n.split(".")[-k:]) if wild else n, n)
-    near = difflib.get_close_matches(plain, list(tails), n=3, cutoff=0.5)
-    if near:
-        return "the closest names are " + ", ".join(
-            f"'*.{t}' (e.g. {tails[t]!r})" if wild and t != tails[t] else repr(t) for t in near)
-    return f"names there look like {', '.join(repr(n) for n in names[:3])}" if names else "it holds no parameters"
 
 
 def _origin(e: _Entry, owner: str, spec: PartitionSpec | None = None) -> str:
