@@ -29,19 +29,14 @@ from .config import RunConfig
 def layout_table(model: nn.Module, run: RunConfig) -> dict[str, Any]:
     """``model``'s table for the run's ``parallel`` preset: where its rules map ``heads``/``mlp`` to a
     mesh axis of size > 1, the family's Megatron table over that axis (``planner/hf_tp.tp_table``; the
-    embedding and head vocab-parallel where ``vocab`` maps there too); under a ``pipe`` axis, the
-    model's one ``ModuleList`` of blocks named as its layer stack."""
+    embedding and head vocab-parallel where ``vocab`` maps there too)."""
     from ..planner.hf_tp import tp_table
     rules, shape = run.rules(), run.mesh.shape
     axis = rules.get("heads") or rules.get("mlp")
     table: dict[str, Any] = {}
     if isinstance(axis, str) and shape.get(axis, 1) > 1:
         table.update(tp_table(model, vocab=rules.get("vocab") == axis, axis=axis))
-    if shape.get("pipe", 1) > 1:
-        stacks = [n for n, m in model.named_modules() if isinstance(m, nn.ModuleList)]
-        if len(stacks) == 1:
-            table[stacks[0]] = ("layers",)
-    return table
+    return table                  # under a pipe axis the planner finds the layer stack (planner/stack.py)
 
 
 def _weights(folder: pathlib.Path) -> list[pathlib.Path]:
