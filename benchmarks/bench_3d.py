@@ -94,10 +94,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from bench_memory import proc_status                                # benchmarks/ is on the path when run
-from bench_pipeline import GPTStage, lm_loss                        # as a script
+from bench_pipeline import GPTStage, lm_loss                        # benchmarks/ is on the path when run
 from bench_tensor_parallel import CountCollectives, torch_tp_plan
-from harness import alternate, common_options, reference_losses, run_sides, write_rows
+from harness import gathered_alternate, rss_of, common_options, reference_losses, run_sides, write_rows
 
 import shardlib as sl
 from shardlib.comm.core import NETWORK_OPS
@@ -264,20 +263,12 @@ def rank_main(label: str, sides: list[str], warmup: int, steps: int) -> list[dic
     sp = CONFIGS[label][0]
     batches = [token_batch(CFG, BATCH, s) for s in range(warmup + steps)]
     built = {side: SIDES[side](sp) for side in sides}
-    mine = alternate(built, batches, warmup, count=counted_step)
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    return everyone
+    return gathered_alternate(built, batches, warmup, count=counted_step)
 
 
 def rss_main(label: str, side: str, steps: int) -> dict:
     """In a fresh world, one side alone: RSS before building and its peak (VmHWM) after ``steps``."""
-    torch.set_num_threads(1)
-    before = proc_status("VmRSS")
-    b = SIDES[side](CONFIGS[label][0])
-    for s in range(steps):
-        b.step(token_batch(CFG, BATCH, s))
-    return {"before": before, "peak": proc_status("VmHWM")}
+    return rss_of(lambda: SIDES[side](CONFIGS[label][0]), lambda s: token_batch(CFG, BATCH, s), steps)
 
 
 # ---------------------------------------------------------------------------------------------

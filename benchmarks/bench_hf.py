@@ -62,7 +62,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from bench_3d import collect, counted_step, ops_lines, summarize, table    # benchmarks/ is on the path
 from bench_memory import PeakRSS, proc_status
-from harness import alternate, common_options, launch, run_sides, write_rows
+from harness import gathered_alternate, rss_of, common_options, launch, run_sides, write_rows
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.masking_utils import create_causal_mask
 
@@ -262,19 +262,12 @@ def rank_main(label: str, sides: list[str], warmup: int, steps: int) -> list[dic
     torch.set_num_threads(1)
     batches = [llama_batch(STEP_CFG, BATCH, s) for s in range(warmup + steps)]
     built = {side: SIDES[side](CONFIGS[label][0]) for side in sides}
-    mine = alternate(built, batches, warmup, count=counted_step)
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    return everyone
+    return gathered_alternate(built, batches, warmup, count=counted_step)
 
 
 def rss_main(label: str, side: str, steps: int) -> dict:
-    torch.set_num_threads(1)
-    before = proc_status("VmRSS")
-    b = SIDES[side](CONFIGS[label][0])
-    for s in range(steps):
-        b.step(llama_batch(STEP_CFG, BATCH, s))
-    return {"before": before, "peak": proc_status("VmHWM")}
+    """In a fresh world, one side alone: RSS before building and its peak (VmHWM) after ``steps``."""
+    return rss_of(lambda: SIDES[side](CONFIGS[label][0]), lambda s: llama_batch(STEP_CFG, BATCH, s), steps)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -78,6 +78,26 @@ def alternate(built: dict[str, Any], batches: list, warmup: int, *,
     return mine
 
 
+def gathered_alternate(built: dict[str, Any], batches: list, warmup: int, **kw) -> list[dict]:
+    """``alternate`` on this rank; every rank's record, on every rank."""
+    mine = alternate(built, batches, warmup, **kw)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+def rss_of(build: Callable[[], Any], batch_of: Callable[[int], Any], steps: int) -> dict:
+    """In a fresh world, one side alone: RSS before ``build()`` and its peak (VmHWM) after ``steps``."""
+    from bench_memory import proc_status
+
+    torch.set_num_threads(1)
+    before = proc_status("VmRSS")
+    b = build()
+    for s in range(steps):
+        b.step(batch_of(s))
+    return {"before": before, "peak": proc_status("VmHWM")}
+
+
 def common_options(ap: argparse.ArgumentParser, *, steps: int, rss: bool = True) -> None:
     """``--steps --warmup --timeout --world-timeout [--no-rss] --json``."""
     ap.add_argument("--steps", type=int, default=steps, help="timed steps per side")
