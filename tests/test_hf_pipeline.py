@@ -5,13 +5,16 @@ Tiny models of ``tests/hf_models.py`` (Llama, Qwen2, Mistral, GPT-2 untied, GPT-
 Gemma-2 (logit soft-capping, per-layer sliding/full masks)
 train 4 steps with AdamW on gloo ranks — pipe 2 under every schedule, pipe 2 x data 2 ZeRO-3
 (both ``pipe_gather`` policies), pipe 2 x tensor 2 (``planner/hf_tp.tp_table``, ± vocab-parallel
-head) and data 2 x tensor 2 x pipe 2 — with and
-without an ``attention_mask`` (odd rows end in padding, their labels -100). Each must give the
-losses of the same model trained by a plain loop in one process on the whole batch (within 1e-5
-relative), the same on every rank, the final weights equal, and one step's counted collectives
-and point-to-point messages equal to the plan's. With micro-batches of one row, whose labelled
-tokens differ, the step's loss is still the whole batch's token mean (the engine's
-``num_items_in_batch``, runtime/batches.py; tests/test_token_mean.py has more uneven cases).
+head) and data 2 x tensor 2 x pipe 2 (Llama, Qwen2, GPT-2, GPT-NeoX), some with ``recompute`` — with
+and without an ``attention_mask`` (odd rows end in padding, their labels -100). Each must give the
+losses of the same model trained by a plain loop in one process on the whole batch
+(``hf_models.train_alone``, within 1e-5 relative), the same on every rank, the final weights
+equal, and one step's counted collectives and point-to-point messages equal to the plan's. With
+micro-batches of one row, whose labelled tokens differ, the step's loss is still the whole batch's
+token mean (the engine's ``num_items_in_batch``, runtime/batches.py; tests/test_token_mean.py has
+more uneven cases). After every action of the schedule, a rank holds the blocks' arguments (masks,
+rotary tables) only of the micro-batches with a forward still to run on it; a step given a tuple
+or a dict without labels is refused on every rank before anything runs.
 
 Plan-time refusals (no processes): a stack entry naming something that is not a list of blocks,
 blocks needing tensors computed from parameters or returning more than the hidden state, tied
@@ -20,6 +23,8 @@ embeddings, two candidate stacks, a batch that is not a dict.
 
 from __future__ import annotations
 
+import collections
+import functools
 from types import SimpleNamespace
 
 import pytest
@@ -62,25 +67,38 @@ def _batches(family: str, mask: bool) -> list[dict]:
             for s in range(STEPS)]
 
 
-def _optimizer(params):
-    return torch.optim.AdamW(params, lr=LR, weight_decay=0.1, eps=1e-6)
-
-
 def reference(family: str, mask: bool) -> dict:
     """One process on the whole batch: ``model(**batch).loss``."""
     key = (family, mask)
     if key not in _REFS:
         model = _build(family)
-        opt = _optimizer(list(model.parameters()))
-        losses = []
-        for batch in _batches(family, mask):
-            opt.zero_grad(set_to_none=True)
-            loss = model(**batch).loss
-            loss.backward()
-            opt.step()
-            losses.append(float(loss.detach()))
+        losses = hf_models.train_alone(model, _batches(family, mask), lr=LR)
         _REFS[key] = {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
     return _REFS[key]
+
+
+def _watch_contexts(pipe) -> list[tuple]:
+    """After each action ``pipe`` runs: ``(kind, stage, micro-batch, micro-batches whose block
+    arguments it holds)``."""
+    seen = []
+    do = pipe._do
+
+    def watched(a) -> None:
+        do(a)
+        seen.append((a.kind, a.stage, a.mb, sorted(pipe.ctx)))
+    pipe._do = watched
+    return seen
+
+
+def _refusals(engine, batch: dict) -> list[str]:
+    """What ``engine.step`` says to a tuple and to a dict without labels (raised before anything runs)."""
+    out = []
+    for bad in ((batch["input_ids"], batch["labels"]), {"input_ids": batch["input_ids"]}):
+        try:
+            engine.step(bad)
+        except sl.ShardingTypeError as e:
+            out.append(str(e))
+    return out
 
 
 def hf_run(cfg: dict, shape: dict) -> dict:
@@ -92,15 +110,19 @@ def hf_run(cfg: dict, shape: dict) -> dict:
     if table:
         sl.shard(table)(model)
     batches = _batches(family, cfg.get("mask", False))
-    kw = {k: cfg[k] for k in ("zero", "microbatches", "schedule", "virtual_stages", "pipe_gather") if k in cfg}
+    kw = {k: cfg[k] for k in ("zero", "microbatches", "schedule", "virtual_stages", "pipe_gather", "recompute")
+          if k in cfg}
     plan = sl.plan(model, mesh, rules={"layers": "pipe"}, batch=batches[0], sequence_parallel=cfg.get("sp", False),
                    **kw)
-    engine = sl.parallelize(model, plan, optimizer=_optimizer)
+    engine = sl.parallelize(model, plan, optimizer=functools.partial(hf_models.adamw, lr=LR))
+    held = _watch_contexts(engine.pipe)
     losses, counts = train_counting(engine, plan, batches)
+    refused = _refusals(engine, batches[0]) if cfg.get("refuse") else []
     full = engine.full_state_dict()
     names = [n for n, _ in _build(family, meta=True).named_parameters()]
     return {"losses": losses, "params": {n: full[n] for n in names}, "stack": plan.pipeline.stack,
-            "source": plan.pipeline.source, "block_saved": plan.pipeline.block_saved, **counts}
+            "source": plan.pipeline.source, "block_saved": plan.pipeline.block_saved, "held": held,
+            "left": len(engine.pipe.ctx), "refused": refused, **counts}
 
 
 def hf_runs(cfgs: list[dict], shape: dict) -> list[dict]:
@@ -126,7 +148,29 @@ def _check(world, cfgs: list[dict], shape: dict) -> list[list[dict]]:
                                                      f"planned {res['planned']}"
             assert res["stack"] == STACKS[cfg["family"]] and "transformers adapter" in res["source"]
             assert res["block_saved"] and all(b > 0 for b in res["block_saved"])
+            _check_contexts(res["held"], f"{cfg} {shape} rank {r}")
+            assert res["left"] == 0, f"{cfg} {shape} rank {r}: {res['left']} contexts kept after the steps"
+            if cfg.get("refuse"):
+                tuple_msg, labels_msg = res["refused"]
+                _has(tuple_msg, "step: the batch of", "is a tuple", "model(**batch)", "'labels'", "Give dicts")
+                _has(labels_msg, "step: the batch of", "has no 'labels'", "['input_ids']", "Add it")
     return per_rank
+
+
+def _check_contexts(held: list[tuple], where: str) -> None:
+    """Each step (the same actions): after every action, the contexts held are those of the
+    micro-batches whose forwards on this rank have begun and not all run."""
+    per = len(held) // STEPS
+    assert per * STEPS == len(held), where
+    for k in range(STEPS):
+        actions = held[k * per:(k + 1) * per]
+        total = collections.Counter(mb for kind, _, mb, _ in actions if kind == "F")
+        done: collections.Counter = collections.Counter()
+        for kind, stage, mb, ctx in actions:
+            done[mb] += kind == "F"
+            want = sorted(i for i in done if 0 < done[i] < total[i])
+            assert ctx == want, f"{where}, step {k}, after {kind} of stage {stage} micro-batch {mb}: holds " \
+                                f"the contexts of {ctx}, expected {want}"
 
 
 SCHEDULES = [{"schedule": "gpipe"}, {"schedule": "1f1b"}, {"schedule": "zb_h1"},
@@ -139,7 +183,10 @@ def test_llama_pipe_every_schedule_with_and_without_a_mask(world):
     micro-batch means."""
     cfgs = [{"family": "llama", "microbatches": 4, "mask": mask, "declare": mask, **s}
             for s in SCHEDULES for mask in (False, True)]
-    cfgs.append({"family": "llama", "microbatches": 8, "mask": True, "schedule": "1f1b"})
+    cfgs.append({"family": "llama", "microbatches": 8, "mask": True, "schedule": "1f1b", "refuse": True})
+    cfgs += [{"family": "llama", "microbatches": 2, "recompute": True},
+             {"family": "llama", "microbatches": 4, "mask": True, "recompute": True, "schedule": "interleaved_1f1b",
+              "virtual_stages": 2}]
     _check(world, cfgs, {"data": 1, "pipe": 2})
 
 
@@ -169,13 +216,18 @@ def test_pipe_by_tensor(world):
             {"family": "qwen2", "microbatches": 4, "schedule": "interleaved_1f1b", "virtual_stages": 2, "mask": True},
             {"family": "gpt2", "microbatches": 2, "mask": True, "vocab": True},
             {"family": "gpt_neox", "microbatches": 2, "schedule": "gpipe"},
-            {"family": "llama", "microbatches": 2, "mask": True, "sp": True}]
+            {"family": "llama", "microbatches": 2, "mask": True, "sp": True},
+            {"family": "llama", "microbatches": 2, "mask": True, "recompute": True},
+            {"family": "gpt2", "microbatches": 2, "recompute": True, "sp": True}]
     _check(world, cfgs, {"pipe": 2, "tensor": 2})
 
 
-def test_llama_data_by_tensor_by_pipe(world):
+def test_data_by_tensor_by_pipe(world):
     cfgs = [{"family": "llama", "zero": 3, "microbatches": 2, "mask": True},
-            {"family": "llama", "zero": 3, "microbatches": 2, "pipe_gather": "microbatch", "declare": True}]
+            {"family": "llama", "zero": 3, "microbatches": 2, "pipe_gather": "microbatch", "declare": True},
+            {"family": "qwen2", "zero": 3, "microbatches": 2, "mask": True, "vocab": True},
+            {"family": "gpt2", "microbatches": 2, "mask": True},
+            {"family": "gpt_neox", "zero": 3, "microbatches": 2, "recompute": True}]
     _check(world, cfgs, {"data": 2, "tensor": 2, "pipe": 2})
 
 

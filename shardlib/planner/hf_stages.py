@@ -159,24 +159,31 @@ class CausalLMStages:
         return kwargs["inputs_embeds"].shape, meta
 
     # ---- plan-time checks -------------------------------------------------------------------------
+    def batch_problems(self, batch: Any, api: str, what: str) -> list[str]:
+        """What ``batch`` lacks to be fed to the stages: a dict of what ``model(**batch)`` takes,
+        with ``input_ids`` (the first stage's) and ``labels`` (the last stage's loss). Checked at
+        plan time on the example batch and by ``engine.step`` on every rank before any collective:
+        otherwise stage 0 fails in ``pre`` (or the last in ``post``) while its peers wait."""
+        name = type(self.model).__name__
+        if not isinstance(batch, Mapping):
+            return [f"{api}: the {what} of {name} is a {type(batch).__name__} — expected a dict of what "
+                    "model(**batch) takes ('input_ids', 'labels', optional 'attention_mask'): a pipelined "
+                    "transformers model is fed the keyword arguments of its forward. Give dicts."]
+        return [f"{api}: the {what} of {name} has no {key!r} — got {sorted(batch)}; expected 'input_ids' and "
+                "'labels' (the loss is the model's own, on the last stage). Add it."
+                for key in ("input_ids", "labels") if key not in batch]
+
     def check(self, batch: Any) -> tuple[list[str], list[str], list[str]]:
         """``(modules run before the stack, the others, problems)``: modules are those holding
         parameters directly, outside the stack (see the module doc for what is checked)."""
         name = type(self.model).__name__
-        problems: list[str] = []
         if batch is None:
             batch = {"input_ids": torch.zeros(1, 2, dtype=torch.long)}
-        elif not isinstance(batch, Mapping):
-            return [], [], [f"plan: the example batch of {name} is a {type(batch).__name__} — expected a dict of "
-                            "what model(**batch) takes ('input_ids', 'labels', optional 'attention_mask'): a "
-                            "pipelined transformers model is fed the keyword arguments of its forward. Give dicts."]
         else:
-            for key in ("input_ids", "labels"):
-                if key not in batch:
-                    problems.append(f"plan: the example batch of {name} has no {key!r} — got {sorted(batch)}; "
-                                    "expected 'input_ids' and 'labels' (the loss is the model's own). Add it.")
+            problems = self.batch_problems(batch, "plan", "example batch")
             if problems:
                 return [], [], problems
+        problems = []
         owners = {n: m for n, m in self.model.named_modules()
                   if m._parameters and not (n == self.stack or n.startswith(self.stack + "."))}
         ran: list[str] = []
@@ -328,10 +335,13 @@ class CausalLMStages:
 
     def _bound(self, i: int, call: tuple) -> tuple[Any, dict[str, Any]]:
         args, kwargs = call
-        kind = type(self.blocks[i])
-        sig = self._sigs.get(kind)
+        block = self.blocks[i]
+        cls = type(block)
+        sig = self._sigs.get(cls)
         if sig is None:
-            sig = self._sigs[kind] = inspect.signature(self.blocks[i].forward)
+            # the class's forward, bound: the instance's may be a wrapper (recompute's checkpoint,
+            # runtime/setup.py) whose signature is ``(*args, **kwargs)``
+            sig = self._sigs[cls] = inspect.signature(cls.forward.__get__(block))
         bound = sig.bind(*args, **kwargs).arguments
         names = list(sig.parameters)
         x = bound.pop(names[0])

@@ -163,6 +163,10 @@ class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
         """One optimizer step on ``batch`` (the global batch, or this rank's rows with ``local=True``);
         returns the mean loss of the whole batch."""
         self._refuse_before_load("step")
+        if self.pipe is not None and self.pipe.fns.kind == "transformers":    # every rank, before any collective
+            problems = self.pipe.fns.batch_problems(batch, "step", "batch")
+            if problems:
+                raise ShardingTypeError("\n".join(problems))
         micro, rows = split_batch(self, batch, local)    # validates before any collective
         with self._stepping():
             loss = self._step(micro)

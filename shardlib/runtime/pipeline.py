@@ -12,7 +12,9 @@ which walks the rank's lowered action list (``planner/schedules.py``) in order:
   ``model.pipeline_post`` (the loss) on the last; ``SEND_F`` sends the output. A transformers
   causal LM runs its own forward's parts instead (``planner/hf_stages.py``): each stage computes
   the blocks' keyword arguments (masks, rotary tables) from the micro-batch, once per micro-batch
-  for all the stages the rank holds, so only the hidden state is sent;
+  for all the stages the rank holds (dropped after the micro-batch's last forward on the rank:
+  backward, recomputed or not, reads what autograd and the checkpoint saved, not this context), so
+  only the hidden state is sent;
 * ``B`` back-propagates the stage (the loss times ``scale / (data · m)`` on the last stage, the
   received gradient elsewhere); ``SEND_B`` sends its input gradient with the micro-batch's loss
   behind it (``planner.pipeline.loss_words``: its fp32 bits), so every stage knows every
@@ -98,6 +100,8 @@ class PipelineRuntime:
         self.zero3 = engine.plan.states.params is not None
         self.per_step = engine.plan.pipe_unshard          # ZeRO-3's "step" gather policy
         self.actions = pp.lowered(self.coord, unshard=self.per_step)
+        # micro-batch -> the stage of its last forward on this rank, after which its context goes
+        self.last_forward = {a.mb: a.stage for a in self.actions if a.kind == "F"}
         self.stage_params = {i: self._params_of(s) for i, s in self.stages.items()}
         self.units_of: dict[int, list] = {i: [] for i in self.stages}
         if self.zero3:
@@ -180,7 +184,6 @@ class PipelineRuntime:
             if s.trainable and s.param.grad is not None:
                 s.used = True
         self.inputs = self.outputs = self.grad_in = {}
-        self.ctx = {}
         assert len(self.losses) == len(micro), f"rank {self.mesh.rank} knows {sorted(self.losses)} of the losses"
         total = torch.zeros((), dtype=torch.float32, device=self.mesh.device)
         for i in range(len(micro)):           # in micro-batch order, as one process adds them
@@ -316,6 +319,8 @@ class PipelineRuntime:
                                     f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}.")
             self.losses[i] = loss.detach().float()
             x = loss
+        if self.last_forward[i] == s:
+            del self.ctx[i]
         self.outputs[(s, i)] = x
         self.inputs[(s, i)] = inp
         if eng.tensor is not None:
