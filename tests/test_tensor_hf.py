@@ -15,6 +15,8 @@ and at data 2 x tensor 2 with the same values.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -36,20 +38,9 @@ def _loss(model, batch) -> torch.Tensor:
     return model(**batch).loss
 
 
-def _optimizer(params):
-    return torch.optim.AdamW(params, lr=LR, weight_decay=0.1, eps=1e-6)
-
-
 def reference(family: str) -> dict:
     model = hf_models.build(family, layers=LAYERS)
-    opt = _optimizer(list(model.parameters()))
-    losses = []
-    for batch in _batches(family):
-        opt.zero_grad(set_to_none=True)
-        loss = _loss(model, batch)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
+    losses = hf_models.train_alone(model, _batches(family), lr=LR)
     return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
@@ -62,7 +53,7 @@ def _engine(family: str, cfg: dict, shape: dict):
     sl.shard(table)(model)
     plan = sl.plan(model, mesh, zero=cfg.get("zero", 0), sequence_parallel=cfg.get("sp", False),
                    batch=_batches(family)[0])
-    return sl.parallelize(model, plan, optimizer=_optimizer, loss_fn=_loss), plan
+    return sl.parallelize(model, plan, optimizer=functools.partial(hf_models.adamw, lr=LR), loss_fn=_loss), plan
 
 
 def hf_run(family: str, cfg: dict, shape: dict) -> dict:

@@ -13,6 +13,8 @@ or a batch without labels is not touched.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -42,22 +44,9 @@ def _batches() -> list[dict]:
     return out
 
 
-def _optimizer(params):
-    return torch.optim.AdamW(params, lr=LR, weight_decay=0.1, eps=1e-6)
-
-
 def reference() -> list[float]:
     """One process, the whole batch: ``model(**batch).loss``."""
-    model = hf_models.build("llama")
-    opt = _optimizer(list(model.parameters()))
-    losses = []
-    for batch in _batches():
-        opt.zero_grad(set_to_none=True)
-        loss = model(**batch).loss
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
-    return losses
+    return hf_models.train_alone(hf_models.build("llama"), _batches(), lr=LR)
 
 
 def token_run(cfg: dict) -> dict:
@@ -70,7 +59,7 @@ def token_run(cfg: dict) -> dict:
     kw = {k: cfg[k] for k in ("zero", "microbatches", "schedule", "grad_accum") if k in cfg}
     rules = {"layers": "pipe"} if "pipe" in shape else None
     plan = sl.plan(model, mesh, rules=rules, batch=batches[0], **kw)
-    engine = sl.parallelize(model, plan, optimizer=_optimizer)
+    engine = sl.parallelize(model, plan, optimizer=functools.partial(hf_models.adamw, lr=LR))
     if not cfg.get("local"):
         losses, counts = train_counting(engine, plan, batches)
         return {"losses": losses, **counts}

@@ -176,14 +176,13 @@ class CausalLMStages:
     def check(self, batch: Any) -> tuple[list[str], list[str], list[str]]:
         """``(modules run before the stack, the others, problems)``: modules are those holding
         parameters directly, outside the stack (see the module doc for what is checked)."""
-        name = type(self.model).__name__
         if batch is None:
             batch = {"input_ids": torch.zeros(1, 2, dtype=torch.long)}
         else:
             problems = self.batch_problems(batch, "plan", "example batch")
             if problems:
                 return [], [], problems
-        problems = []
+        problems: list[str] = []
         owners = {n: m for n, m in self.model.named_modules()
                   if m._parameters and not (n == self.stack or n.startswith(self.stack + "."))}
         ran: list[str] = []
