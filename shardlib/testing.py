@@ -61,6 +61,30 @@ def progress() -> None:
         steps[_WORKER["rank"]] += 1
 
 
+def _status_bytes(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f) if k == key)
+
+
+def peak_rss_reset() -> int:
+    """Start a peak-memory measurement (Linux): freed heap pages handed back to the kernel
+    (``malloc_trim``, so a new allocation shows as a rise, not a reused hole), then the kernel's
+    high-water mark reset (``VmHWM := VmRSS``). Returns the resident bytes now."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    ctypes.CDLL(None).malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status_bytes("VmRSS")
+
+
+def peak_rss() -> int:
+    """The most resident bytes since the last ``peak_rss_reset`` (the kernel's ``VmHWM``)."""
+    return _status_bytes("VmHWM")
+
+
 def _heartbeat(cpu, rank: int, interval: float) -> None:
     """Publish the main thread's CPU time every ``interval`` seconds (the whole process's where a
     thread's clock cannot be read)."""

@@ -29,7 +29,7 @@ from llama import LLAMA_TP, tiny_config
 from shardlib.models.gpt import GPT, GPTConfig, token_batch
 from shardlib.planner.hf_tp import tp_table
 from shardlib.runtime.checkpoint_files import CheckpointError
-from shardlib.testing import get_mesh
+from shardlib.testing import get_mesh, peak_rss, peak_rss_reset
 from test_engine import max_rel
 
 STEPS, BATCH, LR = 4, 4, 1e-2
@@ -37,7 +37,7 @@ GPT_CFG = GPTConfig(vocab_size=67, seq_len=16, d_model=32, n_heads=4, n_layers=4
 
 
 def _opt(params):
-    return torch.optim.AdamW(params, lr=LR, weight_decay=0.1, eps=1e-6)
+    return hf_models.adamw(params, LR)
 
 
 def _batches() -> list[dict]:
@@ -52,15 +52,7 @@ def _from_pretrained(folder):
 def _reference(folder) -> tuple[list[float], torch.nn.Module]:
     """``from_pretrained`` trained ``STEPS`` steps in one process: its losses and the model."""
     model = _from_pretrained(folder)
-    opt = _opt(list(model.parameters()))
-    losses = []
-    for b in _batches():
-        opt.zero_grad(set_to_none=True)
-        loss = model(**b).loss
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
-    return losses, model
+    return hf_models.train_alone(model, _batches(), lr=LR), model
 
 
 def _write_sources(root, family: str = "llama") -> dict[str, tuple[str, str | None]]:
@@ -113,6 +105,11 @@ def load_train_save(cases: list[tuple], shape: dict, zero: int, bad: str | None)
     return out
 
 
+def layouts(runs: list[tuple[list[tuple], dict, int]]) -> list[dict]:
+    """``load_train_save`` for each ``(cases, shape, zero)`` in one world call."""
+    return [load_train_save(cases, shape, zero, None) for cases, shape, zero in runs]
+
+
 def load_bf16(src: str, shape: dict) -> dict:
     """precision="bf16" (fp32 masters, bf16 compute) on ``shape``, ZeRO-3: the masters right after the
     load (``full_state_dict``, rank 0) and the losses of 2 steps."""
@@ -127,12 +124,6 @@ def dp2tp2(cases: list[tuple], shape: dict, zero: int, bad: str, bf16_src: str) 
     return {"cases": load_train_save(cases, shape, zero, bad), "bf16": load_bf16(bf16_src, shape)}
 
 
-def _rss() -> dict[str, int]:
-    with open("/proc/self/status") as f:
-        return {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f)
-                if k in ("VmHWM", "VmRSS")}
-
-
 def load_peak(folder: str, shape: dict) -> dict:
     """The peak RSS a load adds to what the rank holds at rest (kernel high-water mark, reset first)."""
     mesh = get_mesh(shape)
@@ -142,11 +133,9 @@ def load_peak(folder: str, shape: dict) -> dict:
     sl.shard(LLAMA_TP)(model)
     engine = sl.parallelize(model, sl.plan(model, mesh, zero=3), optimizer=_opt, init=False)
     held = sum((s.hi - s.lo) * 4 for s in engine.states)          # this rank's fp32 pieces
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")                     # VmHWM := VmRSS now
-    before = _rss()["VmRSS"]
+    before = peak_rss_reset()
     engine.load_pretrained(folder)
-    peak = _rss()["VmHWM"] - before
+    peak = peak_rss() - before
     ids = torch.randint(0, 2048, (4, 16), generator=torch.Generator().manual_seed(0))
     loss = engine.step({"input_ids": ids, "labels": ids})
     return {"peak": peak, "held": held, "loss": loss}
@@ -232,10 +221,15 @@ def test_meta_build_loads_into_data2_tensor2_zero3_and_saves_back(world, tmp_pat
         assert max_rel(res["bf16"]["losses"], want) <= 2e-3, f"bf16: {res['bf16']['losses']} vs fp32 {want}"
 
 
-def test_round_trip_from_data2_zero3_and_one_process(world, tmp_path):
+def test_round_trip_from_data2_zero3_tensor2_and_one_process(world, tmp_path):
+    """The save_pretrained round trip from data 2 ZeRO-3 and from tensor 2 alone (one world call), and
+    from one process."""
     sources = {k: v for k, v in _write_sources(tmp_path).items() if k != "bf16"}
-    cases = [(folder, size, str(tmp_path / f"dp2-{case}")) for case, (folder, size) in sources.items()]
-    _check_round_trip(world(2, load_train_save, cases, {"data": 2}, 3, None), sources, tmp_path, "dp2")
+    runs = [([(folder, size, str(tmp_path / f"{tag}-{case}")) for case, (folder, size) in sources.items()],
+             shape, zero) for tag, shape, zero in (("dp2", {"data": 2}, 3), ("tp2", {"data": 1, "tensor": 2}, 0))]
+    per_rank = world(2, layouts, runs)
+    _check_round_trip([r[0] for r in per_rank], sources, tmp_path, "dp2")
+    _check_round_trip([r[1] for r in per_rank], sources, tmp_path, "tp2")
     cases = [(folder, size, str(tmp_path / f"one-{case}")) for case, (folder, size) in sources.items()]
     _check_round_trip([load_train_save(cases, {"data": 1}, 0, None)], sources, tmp_path, "one")
 
@@ -301,13 +295,7 @@ def test_meta_gpt_loads_under_pipe2(world, tmp_path):
     eng = sl.parallelize(source, sl.plan(source, sl.Mesh({"data": 1})), optimizer=_opt)
     eng.export(tmp_path / "gpt.safetensors")
     ref = GPT(GPT_CFG, seed=0)
-    opt, want = _opt(list(ref.parameters())), []
-    for b in _gpt_batches():
-        opt.zero_grad(set_to_none=True)
-        loss = ref(*b)
-        loss.backward()
-        opt.step()
-        want.append(float(loss.detach()))
+    want = hf_models.train_alone(ref, _gpt_batches(), lr=LR, loss=lambda m, b: m(*b))
     total = sum(p.numel() for p in ref.parameters())
     for shape, zero in (({"data": 1, "pipe": 2}, 0), ({"data": 2, "pipe": 2}, 3)):
         dst = tmp_path / f"out-{shape['data']}"
@@ -440,14 +428,9 @@ def test_families_and_tied_weights_round_trip_in_one_process(tmp_path, family, t
     engine = sl.parallelize(model, sl.plan(model, sl.Mesh({"data": 1}), zero=3), optimizer=_opt, init=False)
     engine.load_pretrained(tmp_path / "src")
     ref = _from_pretrained(tmp_path / "src")
-    opt = _opt(list(ref.parameters()))
-    for b in _batches()[:2]:
-        opt.zero_grad(set_to_none=True)
-        loss = ref(**b).loss
-        loss.backward()
-        opt.step()
-        got = engine.step(b)
-        assert abs(got - float(loss.detach())) <= 1e-5 * abs(float(loss.detach())), (family, got, float(loss))
+    want = hf_models.train_alone(ref, _batches()[:2], lr=LR)
+    got = [engine.step(b) for b in _batches()[:2]]
+    assert max_rel(got, want) <= 1e-5, (family, got, want)
     engine.save_pretrained(tmp_path / "ours")
     fresh = hf_models.build(family, seed=2, layers=2, tie=tie)
     fresh.load_state_dict(ref.state_dict())
@@ -459,3 +442,127 @@ def test_families_and_tied_weights_round_trip_in_one_process(tmp_path, family, t
     full = engine.full_state_dict()
     for k, v in _from_pretrained(tmp_path / "ours").state_dict().items():
         assert torch.equal(v, full[k]), f"{family}: {k}"
+
+
+class _Scaled(torch.nn.Module):
+    """A linear layer and a persistent buffer: on a meta build only a load can give the buffer a value."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("scale", torch.ones(4))
+
+    def forward(self, x):
+        return (self.lin(x) * self.scale).pow(2).mean()
+
+
+def test_a_persistent_buffer_missing_from_the_file_is_refused_on_a_meta_build(tmp_path):
+    """init=False zeroes a meta model's persistent buffers: a file without one is refused by name (not
+    loaded as zeros); with it, it is loaded. A model built normally keeps its own buffer."""
+    from safetensors.torch import save_file
+
+    weights = {"lin.weight": torch.randn(4, 4), "lin.bias": torch.randn(4)}
+    save_file(weights, tmp_path / "no-scale.safetensors")
+    save_file({**weights, "scale": torch.full((4,), 3.0)}, tmp_path / "scale.safetensors")
+    with torch.device("meta"):
+        model = _Scaled()
+    engine = sl.parallelize(model, sl.plan(model, sl.Mesh({"data": 1})), optimizer=_opt, init=False)
+    with pytest.raises(CheckpointError, match="holds no buffer 'scale'"):
+        engine.load_pretrained(tmp_path / "no-scale.safetensors")
+    engine.load_pretrained(tmp_path / "scale.safetensors")
+    assert torch.equal(engine.model.scale, torch.full((4,), 3.0))
+    assert torch.equal(engine.full_state_dict()["lin.weight"], weights["lin.weight"])
+    built = _Scaled()
+    engine = sl.parallelize(built, sl.plan(built, sl.Mesh({"data": 1})), optimizer=_opt)
+    engine.load_pretrained(tmp_path / "no-scale.safetensors")
+    assert torch.equal(engine.model.scale, torch.ones(4))
+
+
+# ---- failures on some ranks only: every rank raises, none hangs ------------------------------------
+
+class _DiskFills:
+    """A file whose third write finds the disk full."""
+
+    def __init__(self, file):
+        self.fh, self.writes = open(file, "wb"), 0
+
+    def write(self, data):
+        self.writes += 1
+        if self.writes > 2:
+            raise OSError(28, "No space left on device")
+        return self.fh.write(data)
+
+    def seek(self, at):
+        return self.fh.seek(at)
+
+    def close(self):
+        self.fh.close()
+
+
+def save_failing_on_rank0(src: str, dst: str, kind: str) -> dict:
+    """Data 2 ZeRO-3 (rank 1 sends its boxes): rank 0's writes fail as ``kind`` (no permission: the
+    first open; the disk full: the third write); then a save elsewhere (the ranks still in step)."""
+    from shardlib.runtime import pretrained
+
+    engine = _engine({"data": 2}, 3)
+    engine.load_pretrained(src)
+    if engine.mesh.rank == 0:
+        def refused(file, mode="r"):
+            raise PermissionError(13, "Permission denied", str(file))
+        pretrained.open = refused if kind == "permission" else lambda file, mode="r": _DiskFills(file)
+    try:
+        engine.save_pretrained(dst, max_shard_size="60KB")
+        got = "saved"
+    except CheckpointError as e:
+        got = str(e)
+    finally:
+        pretrained.__dict__.pop("open", None)
+    engine.save_pretrained(dst + "-again")
+    return {"error": got, "again": sorted(os.listdir(dst + "-again"))}
+
+
+@pytest.mark.parametrize("kind, words", [("full", "No space left on device"), ("permission", "Permission denied")])
+def test_save_pretrained_failing_on_rank0_raises_everywhere(world, tmp_path, kind, words):
+    """Rank 0 cannot write: it goes on receiving (the sends match), removes its temporary file, and
+    every rank raises a CheckpointError naming the file and the OS error — no rank hangs."""
+    src = tmp_path / "src"
+    hf_models.build("llama", seed=0).save_pretrained(src)
+    per_rank = world(2, save_failing_on_rank0, str(src), str(tmp_path / "out"), kind)
+    for r, res in enumerate(per_rank):
+        msg = res["error"]
+        assert "save_pretrained: cannot write" in msg and str(tmp_path / "out") in msg and words in msg, f"{r}: {msg}"
+        assert "model.safetensors" in res["again"]
+    assert not list((tmp_path / "out").glob(".*tmp-*")), os.listdir(tmp_path / "out")
+
+
+def load_apart(runs: list[list[str]]) -> list[str]:
+    """Data 2 ZeRO-3, each rank given its own path per run (``run[rank]``): what each load says."""
+    engine = _engine({"data": 2}, 3)
+    out = []
+    for paths in runs:
+        try:
+            engine.load_pretrained(paths[engine.mesh.rank])
+            out.append("loaded")
+        except CheckpointError as e:
+            out.append(str(e))
+    engine.step(_batches()[0])
+    return out
+
+
+def test_ranks_seeing_different_folders_all_raise(world, folder):
+    """Rank 1's folder does not exist or is truncated, rank 0's is whole: rank 1 raises its own problem,
+    rank 0 names rank 1's — neither waits for the other; then both load the same folder."""
+    import shutil
+
+    good = folder / "good4"
+    hf_models.build("llama", seed=0).save_pretrained(good)
+    shutil.copytree(good, folder / "truncated4")
+    f = folder / "truncated4" / "model.safetensors"
+    os.truncate(f, f.stat().st_size - 100)
+    runs = [[str(good), str(folder / "nowhere")], [str(good), str(folder / "truncated4")], [str(good)] * 2]
+    (nowhere0, trunc0, ok0), (nowhere1, trunc1, ok1) = world(2, load_apart, runs)
+    assert "does not exist" in nowhere1 and "truncated" in trunc1, (nowhere1, trunc1)
+    for mine, theirs in ((nowhere0, nowhere1), (trunc0, trunc1)):
+        assert mine.startswith(f"load_pretrained: another rank (rank 1) cannot read {good} — "), mine
+        assert theirs.splitlines()[0] in mine and mine.endswith("Give every node the same folder."), mine
+    assert ok0 == ok1 == "loaded"

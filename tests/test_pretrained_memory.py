@@ -17,36 +17,17 @@ worker that ran other tests.
 
 from __future__ import annotations
 
-import ctypes
-import gc
-
 import torch
 
 import shardlib as sl
 from llama import tiny_config
-from shardlib.testing import get_mesh
+from shardlib.testing import get_mesh, peak_rss, peak_rss_reset
 
 SLACK = 1 << 20           # the allocator's and Python's own bytes while building and loading
 
 
 def _cfg():
     return tiny_config(vocab=4096, hidden=256, intermediate=704, heads=8, kv_heads=4, layers=6)
-
-
-def _rss() -> dict[str, int]:
-    with open("/proc/self/status") as f:
-        return {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f)
-                if k in ("VmHWM", "VmRSS")}
-
-
-def _reset_peak() -> int:
-    """Free heap pages back to the kernel (so a new allocation shows as a rise, not a reused hole), then
-    VmHWM := VmRSS; returns VmRSS."""
-    gc.collect()
-    ctypes.CDLL(None).malloc_trim(0)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _rss()["VmRSS"]
 
 
 def _held(engine) -> dict[str, int]:
@@ -91,12 +72,12 @@ def load_peaks(folder: str, cases: list[tuple[dict, int]]) -> list[dict]:
             sl.shard({"model.layers": ("layers",)})(model)
             rules = {"rules": {"layers": "pipe"}, "microbatches": 2}
         plan = sl.plan(model, mesh, zero=zero, **rules)
-        before = _reset_peak()
+        before = peak_rss_reset()
         engine = sl.parallelize(model, plan, optimizer=_opt, init=False)
-        build_peak = _rss()["VmHWM"] - before
-        rest = _reset_peak()
+        build_peak = peak_rss() - before
+        rest = peak_rss_reset()
         engine.load_pretrained(folder)
-        load_peak = _rss()["VmHWM"] - rest
+        load_peak = peak_rss() - rest
         mine = sum((s.hi - s.lo) * 4 for s in engine.states)        # this rank's fp32 values
         ids = torch.randint(0, 4096, (4, 16), generator=torch.Generator().manual_seed(0))
         loss = engine.step({"input_ids": ids, "labels": ids})

@@ -44,8 +44,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..algebra.boxes import Box
-from .checkpoint import _gather, _pieces
+from ..algebra.boxes import Box, slices_in
+from .checkpoint import _gather, _one, _pieces
 from .checkpoint_files import CheckpointError
 from .pretrained_files import _DTYPES, _FLOATS, _RELOAD, CONFIG, _Entry, _header_bytes, _tidy, read_folder
 
@@ -58,7 +58,11 @@ _CHUNK = 64 << 20            # bytes: the most one read spans in a file
 # ---- building without values (sl.parallelize(..., init=False)) ---------------------------------------
 
 class EnginePretrained:
-    """Empty states and buffers for ``init=False`` (mixed into ``Engine``)."""
+    """Empty states and buffers for ``init=False`` (mixed into ``Engine``). ``_awaited`` names the
+    persistent buffers ``_fill_buffers`` zeroed: a load must bring each of them (a successful
+    ``load_pretrained`` empties it)."""
+
+    _awaited: frozenset[str] = frozenset()
 
     def _refuse_before_load(self, api: str) -> None:
         if self._needs_load:
@@ -94,7 +98,7 @@ class EnginePretrained:
         own ``_init_weights(module)`` for each module holding one (transformers recomputes rotary
         tables there); a float buffer it leaves unset is refused."""
         init = getattr(self.model, "_init_weights", None)
-        unset = []
+        unset, awaited = [], set()
         for mname, mod in self.model.named_modules():
             metas = [k for k, b in mod._buffers.items() if b is not None and b.is_meta]
             if not metas:
@@ -111,8 +115,10 @@ class EnginePretrained:
                     unset.append(f"{mname}.{k}" if mname else k)
                 elif k not in mod._non_persistent_buffers_set:
                     mod._buffers[k].zero_()
+                    awaited.add(f"{mname}.{k}" if mname else k)
             for k in metas:
                 mod._buffers[k] = mod._buffers[k].to(self.mesh.device)
+        self._awaited = frozenset(awaited)
         if unset:
             raise CheckpointError(
                 f"parallelize: init=False on a meta-device model whose non-persistent buffer(s) {unset[:6]} are not "
@@ -216,9 +222,9 @@ def _check(engine: Engine, path: Path, config: dict | None, entries: dict[str, _
         if name in entries:
             buffers[name] = name
             problems += _entry_problems(path, name, entries[name], tuple(b.shape), b.dtype)
-        elif b.is_meta:
+        elif engine._needs_load and name in engine._awaited:     # zeroed by init=False: a load must fill it
             problems.append(f"load_pretrained: {path} holds no buffer {name!r} — expected every persistent buffer "
-                            f"of a model built without values. {_RELOAD}")
+                            f"of a model built without values (init=False). {_RELOAD}")
     if strict:
         known = {n for names in _aliases(model).values() for n in names} | set(_persistent_buffers(model))
         ignore = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
@@ -251,8 +257,9 @@ def _entry_problems(path: Path, name: str, e: _Entry, shape: tuple[int, ...], dt
 
 # ---- load ---------------------------------------------------------------------------------------------
 
-def _slices(box: Box) -> tuple[slice, ...]:
-    return tuple(slice(s, s + n) for s, n in zip(*box))
+def _whole(box: Box) -> tuple[slice, ...]:
+    """Index of ``box`` in the whole tensor."""
+    return slices_in(box, ((0,) * len(box[0]), box[1]))
 
 
 def _rows(box: Box, i: int, n: int) -> Box:
@@ -275,9 +282,21 @@ def load_pretrained(engine: Engine, path: str | os.PathLike, *, strict: bool = T
                               "before the first step (the optimizer's state would belong to other weights). Load "
                               "pretrained weights into a fresh engine, or resume training with "
                               "engine.load(checkpoint).")
-    config, entries = read_folder(path)
-    entries = _renamed(engine.model, entries)
-    params, buffers = _check(engine, path, config, entries, strict)
+    # ranks may see different files (a folder on one node only): agreed before the collectives below
+    mine = None
+    try:
+        config, entries = read_folder(path)
+        entries = _renamed(engine.model, entries)
+        params, buffers = _check(engine, path, config, entries, strict)
+    except CheckpointError as e:
+        mine = e
+    theirs = [(r, m) for r, m in enumerate(_gather(engine, None if mine is None else str(mine))) if m]
+    if mine is not None:
+        raise mine
+    if theirs:
+        r, why = theirs[0]
+        raise CheckpointError(f"load_pretrained: another rank (rank {r}) cannot read {path} — {why} Give every node "
+                              "the same folder.")
     pieces, _ = _pieces(engine)
     # a read holds its bytes about three times (the file's mapped pages, safetensors' buffer, the
     # tensor it returns): reads span at most a quarter of the largest tensor (and _CHUNK)
@@ -298,7 +317,7 @@ def load_pretrained(engine: Engine, path: str | os.PathLike, *, strict: bool = T
                 for i in range(0, max(box[1][0], 1) if box[1] else 1, step):
                     part = _rows(box, i, step)
                     with safe_open(str(e.file), framework="pt") as f:       # mapped pages let go after
-                        got = f.get_slice(e.key)[_slices(part)]
+                        got = f.get_slice(e.key)[_whole(part)]
                     (dst[i:i + step] if box[1] else dst).copy_(got)
                     del got
         by_key = {p.key: p for p in pieces}
@@ -318,6 +337,7 @@ def load_pretrained(engine: Engine, path: str | os.PathLike, *, strict: bool = T
                               f"values and refuses to step. {_RELOAD}")
     engine._publish()
     engine._needs_load = False
+    engine._awaited = frozenset()
 
 
 # ---- save -----------------------------------------------------------------------------------------------
@@ -397,32 +417,79 @@ def save_pretrained(engine: Engine, path: str | os.PathLike, *, max_shard_size: 
     problem = _gather(engine, problem)[0]
     if problem:
         raise CheckpointError(problem)
-    sender = _Sender(engine)
-    src_of = dict(names)
+    sender, src_of = _Sender(engine), dict(names)
+    failed: str | None = None        # rank 0's write failure: it goes on receiving so every send matches
     for fname, tensors in split.filename_to_tensors.items():
         head, offsets = _header_bytes([(n, kinds[src_of[n]][1], kinds[src_of[n]][0]) for n in tensors])
         tmp = path / f".{fname}.tmp-{uuid.uuid4().hex[:8]}"
-        fh = open(tmp, "wb") if rank0 else None
+        out = _Out(tmp, head) if rank0 and failed is None else None
+        for n in sorted(tensors, key=lambda n: offsets[n]):
+            src = src_of[n]
+            t = sender.full(src) if src in shapes else buffers[src]
+            if out is not None and out.ok:
+                out.write(len(head) + offsets[n], t.detach().to(kinds[src][1]).contiguous().view(-1)
+                          .view(torch.uint8).numpy().data)
+            del t
+        if out is not None:
+            failed = out.install(path / fname)
+    if rank0 and failed is None:
         try:
-            if fh:
-                fh.write(head)
-            for n in sorted(tensors, key=lambda n: offsets[n]):
-                src = src_of[n]
-                t = sender.full(src) if src in shapes else buffers[src]
-                if fh:
-                    fh.seek(len(head) + offsets[n])
-                    fh.write(t.detach().to(kinds[src][1]).contiguous().view(-1).view(torch.uint8).numpy().data)
-                del t
-        finally:
-            if fh:
-                fh.close()
-        if rank0:
-            os.replace(tmp, path / fname)
-    if rank0:
-        _tidy(path, split, sum(p.numel for p in gplan.params), hf)
-    if engine.mesh.size > 1:
-        dist.barrier()
+            _tidy(path, split, sum(p.numel for p in gplan.params), hf)
+        except OSError as e:
+            failed = _cannot(path, e)
+    failed = _one(engine, failed)          # every rank learns rank 0's verdict (and waits for the files)
+    if failed:
+        raise CheckpointError(failed)
     return path
+
+
+def _cannot(path: Path, e: OSError) -> str:
+    return (f"save_pretrained: cannot write {path} — got {type(e).__name__}: {e.strerror or e}; expected a writable "
+            "folder with room for the model. Free space or fix the permissions, and save again (the folder is "
+            "incomplete; no temporary file is left).")
+
+
+class _Out:
+    """Rank 0's temporary file for one safetensors file: a failed write (disk full, permission) is
+    kept as ``error``, the file closed and removed; the rest of the writes are skipped."""
+
+    def __init__(self, tmp: Path, head: bytes):
+        self.tmp, self.fh, self.error = tmp, None, None
+        try:
+            self.fh = open(tmp, "wb")
+            self.fh.write(head)
+        except OSError as e:
+            self._fail(e)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def write(self, at: int, data) -> None:
+        try:
+            self.fh.seek(at)
+            self.fh.write(data)
+        except OSError as e:
+            self._fail(e)
+
+    def install(self, dst: Path) -> str | None:
+        """Close and move into place; the failure message (the temporary file gone) if any write failed."""
+        if self.ok:
+            try:
+                self.fh.close()
+                os.replace(self.tmp, dst)
+            except OSError as e:
+                self._fail(e)
+        return None if self.ok else _cannot(dst, self.error)
+
+    def _fail(self, e: OSError) -> None:
+        self.error = e
+        if self.fh is not None:
+            try:
+                self.fh.close()
+            except OSError:
+                pass                 # the close re-raises the write's failure; the file goes below
+        self.tmp.unlink(missing_ok=True)
 
 
 class _Sender:
@@ -452,7 +519,7 @@ class _Sender:
         local = {b: off for b, off in self.mine[name].boxes} if name in self.mine else {}
         for r, box in self.owner.get(name, []):
             if r == me == 0:
-                out[_slices(box)] = self.mine[name].box_tensor(box, local[box])
+                out[_whole(box)] = self.mine[name].box_tensor(box, local[box])
             elif me == 0:
                 buf = torch.empty(box[1], dtype=torch.float32)
                 recvs.append((dist.irecv(buf, src=r), box, buf))
@@ -460,7 +527,7 @@ class _Sender:
                 sends.append(dist.isend(self.mine[name].box_tensor(box, local[box]).contiguous(), dst=0))
         for w, box, buf in recvs:
             w.wait()
-            out[_slices(box)] = buf
+            out[_whole(box)] = buf
         for w in sends:
             w.wait()
         return out
