@@ -502,21 +502,21 @@ class _DiskFills:
 def save_failing_on_rank0(src: str, dst: str, kind: str) -> dict:
     """Data 2 ZeRO-3 (rank 1 sends its boxes): rank 0's writes fail as ``kind`` (no permission: the
     first open; the disk full: the third write); then a save elsewhere (the ranks still in step)."""
-    from shardlib.runtime import pretrained
+    from shardlib.runtime import pretrained_files
 
     engine = _engine({"data": 2}, 3)
     engine.load_pretrained(src)
     if engine.mesh.rank == 0:
         def refused(file, mode="r"):
             raise PermissionError(13, "Permission denied", str(file))
-        pretrained.open = refused if kind == "permission" else lambda file, mode="r": _DiskFills(file)
+        pretrained_files.open = refused if kind == "permission" else lambda file, mode="r": _DiskFills(file)
     try:
         engine.save_pretrained(dst, max_shard_size="60KB")
         got = "saved"
     except CheckpointError as e:
         got = str(e)
     finally:
-        pretrained.__dict__.pop("open", None)
+        pretrained_files.__dict__.pop("open", None)
     engine.save_pretrained(dst + "-again")
     return {"error": got, "again": sorted(os.listdir(dst + "-again"))}
 

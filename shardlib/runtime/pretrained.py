@@ -8,12 +8,14 @@ model; besides, the engine holds what it holds for a model built normally (zero=
 buckets as large as the parameters, allocated at set-up — on a ``from_pretrained`` model the
 parameters are the file's mapped pages, resident only once read, so its set-up RSS shows the
 buckets alone). Buffers the file does not carry (rotary ``inv_freq``) are recomputed by the
-model's own ``_init_weights``. A step before a load is refused.
+model's own ``_init_weights``; persistent ones are zeros the load must replace (a folder without
+one is refused by name). A step before a load is refused.
 
 **Load.** Every rank reads the safetensors headers (no tensor data) and checks, before writing any
-value and without a collective (every rank sees the same files, so all refuse alike): the
-architecture in ``config.json``, every parameter and persistent buffer present (under any of its
-tied names), its shape, a floating dtype, and every file whole (a tensor's bytes inside the file).
+value: the architecture in ``config.json``, every parameter and persistent buffer present (under
+any of its tied names), its shape, a floating dtype, and every file whole (a tensor's bytes inside
+the file). The ranks agree on the verdict in one gather (ranks of different nodes may see
+different files): a rank raises its own problem, the others name it and refuse too.
 Then each rank reads only its pieces — the boxes ``checkpoint._pieces`` gives in global
 coordinates — through ``safe_open(...).get_slice(name)[rows]``, cast to fp32 as it is copied in.
 A read holds its bytes about three times (the file's mapped pages, safetensors' buffer, the tensor
@@ -28,7 +30,9 @@ transformers' checkpoint renamings (GPT-NeoX's ``embed_out`` for ``lm_head``) ap
 huggingface_hub's own split (``max_shard_size``) with ``model.safetensors.index.json``, the same
 tensor names (a tied weight under the name transformers keeps). Each tensor is assembled on rank 0
 from the ranks' boxes (point-to-point, each element sent once) and written into its place in the
-file (the header is known up front), then freed: rank 0 holds one tensor at a time.
+file (the header is known up front), then freed: rank 0 holds one tensor at a time. A write rank 0
+cannot make (disk full, permission) removes its temporary file and stops its writing, not its
+receiving (every send is matched); one broadcast after the last tensor makes every rank raise it.
 """
 
 from __future__ import annotations
@@ -47,7 +51,8 @@ from torch import nn
 from ..algebra.boxes import Box, slices_in
 from .checkpoint import _gather, _one, _pieces
 from .checkpoint_files import CheckpointError
-from .pretrained_files import _DTYPES, _FLOATS, _RELOAD, CONFIG, _Entry, _header_bytes, _tidy, read_folder
+from .pretrained_files import (_DTYPES, _FLOATS, _RELOAD, CONFIG, _cannot, _Entry, _header_bytes, _Out, _tidy,
+                               read_folder)
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -441,55 +446,6 @@ def save_pretrained(engine: Engine, path: str | os.PathLike, *, max_shard_size: 
     if failed:
         raise CheckpointError(failed)
     return path
-
-
-def _cannot(path: Path, e: OSError) -> str:
-    return (f"save_pretrained: cannot write {path} — got {type(e).__name__}: {e.strerror or e}; expected a writable "
-            "folder with room for the model. Free space or fix the permissions, and save again (the folder is "
-            "incomplete; no temporary file is left).")
-
-
-class _Out:
-    """Rank 0's temporary file for one safetensors file: a failed write (disk full, permission) is
-    kept as ``error``, the file closed and removed; the rest of the writes are skipped."""
-
-    def __init__(self, tmp: Path, head: bytes):
-        self.tmp, self.fh, self.error = tmp, None, None
-        try:
-            self.fh = open(tmp, "wb")
-            self.fh.write(head)
-        except OSError as e:
-            self._fail(e)
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None
-
-    def write(self, at: int, data) -> None:
-        try:
-            self.fh.seek(at)
-            self.fh.write(data)
-        except OSError as e:
-            self._fail(e)
-
-    def install(self, dst: Path) -> str | None:
-        """Close and move into place; the failure message (the temporary file gone) if any write failed."""
-        if self.ok:
-            try:
-                self.fh.close()
-                os.replace(self.tmp, dst)
-            except OSError as e:
-                self._fail(e)
-        return None if self.ok else _cannot(dst, self.error)
-
-    def _fail(self, e: OSError) -> None:
-        self.error = e
-        if self.fh is not None:
-            try:
-                self.fh.close()
-            except OSError:
-                pass                 # the close re-raises the write's failure; the file goes below
-        self.tmp.unlink(missing_ok=True)
 
 
 class _Sender:

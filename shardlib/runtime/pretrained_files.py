@@ -1,11 +1,12 @@
 """A transformers folder on disk: the safetensors headers read and checked whole (no tensor data), a
-header written up front for a file filled tensor by tensor, and the index. No engine here:
-``pretrained.py`` decides who reads and writes what."""
+header written up front for a file filled tensor by tensor (a failed write leaving no temporary
+file), and the index. No engine here: ``pretrained.py`` decides who reads and writes what."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from pathlib import Path
 from typing import NamedTuple
@@ -134,3 +135,53 @@ def _tidy(path: Path, split, params: int, hf: bool) -> None:
         (path / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     elif (path / INDEX).is_file():
         (path / INDEX).unlink()
+
+
+def _cannot(path: Path, e: OSError) -> str:
+    """The message of a write the disk refused."""
+    return (f"save_pretrained: cannot write {path} — got {type(e).__name__}: {e.strerror or e}; expected a writable "
+            "folder with room for the model. Free space or fix the permissions, and save again (the folder is "
+            "incomplete; no temporary file is left).")
+
+
+class _Out:
+    """Rank 0's temporary file for one safetensors file: a failed write (disk full, permission) is
+    kept as ``error``, the file closed and removed; the rest of the writes are skipped."""
+
+    def __init__(self, tmp: Path, head: bytes):
+        self.tmp, self.fh, self.error = tmp, None, None
+        try:
+            self.fh = open(tmp, "wb")
+            self.fh.write(head)
+        except OSError as e:
+            self._fail(e)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def write(self, at: int, data) -> None:
+        try:
+            self.fh.seek(at)
+            self.fh.write(data)
+        except OSError as e:
+            self._fail(e)
+
+    def install(self, dst: Path) -> str | None:
+        """Close and move into place; the failure message (the temporary file gone) if any write failed."""
+        if self.ok:
+            try:
+                self.fh.close()
+                os.replace(self.tmp, dst)
+            except OSError as e:
+                self._fail(e)
+        return None if self.ok else _cannot(dst, self.error)
+
+    def _fail(self, e: OSError) -> None:
+        self.error = e
+        if self.fh is not None:
+            try:
+                self.fh.close()
+            except OSError:
+                pass                 # the close re-raises the write's failure; the file goes below
+        self.tmp.unlink(missing_ok=True)
