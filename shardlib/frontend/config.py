@@ -43,6 +43,10 @@ class ConfigError(ShardingError):
     """A configuration value is wrong; ``problems`` holds one message per bad key."""
 
 
+class DataError(ConfigError):
+    """The dataset cannot be read: missing, unreadable, too short, or not text."""
+
+
 @dataclass(frozen=True)
 class Link:
     """One mesh axis's interconnect, for planning estimates: bytes/s a rank sends, seconds per message."""

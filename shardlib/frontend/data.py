@@ -16,13 +16,9 @@ import sysconfig
 
 import torch
 
-from .config import ConfigError, DataConfig
+from .config import DataConfig, DataError
 
 VOCAB = 256          # byte-level
-
-
-class DataError(ConfigError):
-    """The dataset cannot be read: missing, unreadable, too short, or not text."""
 
 
 def _stdlib(limit: int) -> bytes:
@@ -63,7 +59,7 @@ def _file(path: str, limit: int) -> bytes:
 def _dataset(data: DataConfig, limit: int) -> bytes:
     """A local dataset's text (``frontend/tokens.py`` reads it) as UTF-8 bytes: documents end with a
     newline, a text file's lines keep theirs."""
-    from .tokens import dataset_texts
+    from .local_dataset import dataset_texts
     out, size = [], 0
     for text, _ in dataset_texts(data):
         out.append(text.encode("utf-8") + b"\n")

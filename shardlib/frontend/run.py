@@ -96,7 +96,7 @@ def _data_problems(run: RunConfig) -> list[str]:
     """The data read (a dataset: opened, its rows counted against the data ranks; its cache built here)."""
     try:
         if run.data.source == "dataset":
-            from .tokens import dataset_problems
+            from .local_dataset import dataset_problems
             found = dataset_problems(run.data, run.mesh.shape.get("data", 1))
             if found or run.model.kind == "hf":
                 return found
