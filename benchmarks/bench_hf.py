@@ -483,7 +483,7 @@ def main(argv=None) -> None:
         probe["errors"] = [p["error"] for p in per] if per is not None else [err]
         report["pipeline"] = probe
         hidden = BATCH // M * STEP_CFG.max_position_embeddings * STEP_CFG.hidden_size * 4
-        print(f"\ntorch pipeline(): values into stage 1 per micro-batch: "
+        print("\ntorch pipeline(): values into stage 1 per micro-batch: "
               + ", ".join(f"{c['name']} {c['shape']} {c['dtype']} {sl.format_bytes(c['bytes'])}"
                           for c in probe["crossing"])
               + f" = {sl.format_bytes(sum(c['bytes'] for c in probe['crossing']))} (shardlib: the hidden state, "

@@ -31,7 +31,7 @@ from torch import nn
 
 from ..algebra.mesh import Mesh
 from ..comm import core as comm
-from ..errors import ShardingError, ShardingTypeError
+from ..errors import ShardingTypeError
 from ..planner.plan import Plan
 from .access import EngineAccess
 from .batches import split_batch
