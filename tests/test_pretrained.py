@@ -8,11 +8,12 @@ losses of ``from_pretrained`` trained in one process, and ``engine.save_pretrain
 ``model.save_pretrained`` writes (same files, tensor names, index, config) — ``from_pretrained`` of
 it gives the one-process logits; GPT-2 too (Conv1D, the fused ``c_attn`` split by heads, tied
 embeddings replicated), and under precision="bf16" its loaded fp32 masters are the file's values
-bit for bit. The same round trip from data 2 ZeRO-3 and one process; the
+bit for bit. The same round trip from data 2 ZeRO-3, tensor 2 and one process; the
 reference GPT on pipe 2 (each rank allocating only its stage) from an exported safetensors file.
 Peak memory while loading is measured (the kernel's high-water mark of each rank's RSS, reset before
 the load) on a larger Llama: at most the largest tensor above what the rank holds at rest. Every bad
-folder is refused by name before a value is written.
+folder is refused by name before a value is written (a persistent buffer a meta build awaits too);
+a folder only one rank cannot read, and a save rank 0 cannot write, raise on every rank, none hangs.
 """
 
 from __future__ import annotations
