@@ -165,7 +165,7 @@ class Boundaries:
             in_sp = sp and bool(site.unit)
             if site.conv1d and site.kind in ("column", "logits"):
                 self._override(mod, _conv_column_forward)
-            region = site.module.rpartition(".")[0]
+            region = site.region
             if in_sp and site.kind == "column" and region != site.unit and region.startswith(site.unit + "."):
                 # SP: the sequence is gathered where the split region begins (the attention or MLP
                 # module holding the column projections), so the region's own code sees the whole

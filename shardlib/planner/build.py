@@ -18,6 +18,7 @@ from ..algebra.layout import Layout
 from ..algebra.mesh import AbstractMesh
 from ..algebra.spec import Fused, PartitionSpec
 from ..errors import ShardingError, ShardingTypeError
+from .peft import adapter_specs
 from .pipeline import PipelinePlan
 from .pipeline import derive as derive_pipeline
 from .plan import OPTIMIZER_STATE_BYTES, PRECISIONS, ParamPlan, Plan, UnitPlan
@@ -408,7 +409,8 @@ def _check(model: nn.Module, mesh: AbstractMesh, *, zero, states, precision, red
             add(m)
         spec_problems: list[str] = []
         specs = resolve_specs(model, mesh, rules, collect=spec_problems)
-        for m in spec_problems:
+        specs, adapter_problems = adapter_specs(model, specs, tensor_axis)
+        for m in spec_problems + adapter_problems:
             add(m)
         t = mesh.axis_sizes.get(tensor_axis, 1)
         if t > 1:       # with the spec problems: every problem at once

@@ -50,6 +50,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from ..errors import ShardingError
+from .peft import peft_base
 
 Context = list          # per block of the stack, in order: the keyword arguments it is called with
 PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
@@ -60,7 +61,8 @@ LOSS_KEYS = ("labels", "num_items_in_batch")
 
 def is_causal_lm(model: nn.Module) -> bool:
     """A transformers-style causal LM: a ``config`` with ``hidden_size`` and a ``forward`` taking
-    ``input_ids``, ``inputs_embeds`` and ``labels``."""
+    ``input_ids``, ``inputs_embeds`` and ``labels`` (a PEFT model: its base model is one)."""
+    model = peft_base(model)[0]
     try:
         params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
@@ -101,6 +103,10 @@ class CausalLMStages:
     kind = "transformers"
 
     def __init__(self, model: nn.Module, stack: str):
+        # a PEFT model runs its base model's forward (PEFT's LoRA layers sit inside it); names here
+        # are relative to that model, ``prefix`` leads back to the PEFT model's own
+        model, self.prefix = peft_base(model)
+        stack = stack[len(self.prefix):]
         self.model, self.stack = model, stack
         parent, _, self.attr = stack.rpartition(".")
         self.parent = model.get_submodule(parent) if parent else model
@@ -199,7 +205,8 @@ class CausalLMStages:
             for h in handles:
                 h.remove()
         pre = list(dict.fromkeys(ran))
-        post = [n for n in owners if n not in set(pre)]
+        post = [self.prefix + n for n in owners if n not in set(pre)]
+        pre = [self.prefix + n for n in pre]
         if problems:
             return pre, post, problems
         try:

@@ -24,7 +24,8 @@ gpt_neox    ``query_key_value`` is per-head interleaved (rows ``[head0: q k v][h
 ``vocab=True`` adds the vocab-parallel embedding and LM head (``P(t, None)`` each) where they are
 not tied; a tied pair stays replicated (splitting one table two ways is not supported). Only
 patterns that match a parameter of ``model`` are returned (a pattern matching nothing is an error
-in ``sl.shard``).
+in ``sl.shard``). On a PEFT model the table is the base model's (PEFT's wrappers are transparent to
+``sl.shard``; the adapters follow their base weights, ``planner/peft.py``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from torch import nn
 
 from ..algebra.spec import Fused, PartitionSpec
 from ..errors import ShardingError
+from .peft import base_name, is_peft
 
 P = PartitionSpec
 FAMILIES = ("llama", "qwen2", "mistral", "phi3", "gpt2", "gpt_neox")
@@ -84,11 +86,12 @@ def tp_table(model: nn.Module, *, vocab: bool = False, axis: str = "tensor") -> 
                             f"causal LM of one of {FAMILIES}. Write its table by hand: column projections "
                             "P('tensor', None), rows P(None, 'tensor'), fused ones P(Fused(parts, 'tensor'), None).")
     table = _TABLES[family](axis, model)
+    root = is_peft(model)           # a PEFT model: patterns are written against the base model's names
     if vocab:
         emb, head = model.get_input_embeddings(), model.get_output_embeddings()
         if emb is not None and head is not None and emb.weight is not head.weight:
-            names = {id(p): n for n, p in model.named_parameters()}
+            names = {id(p): base_name(n, root) for n, p in model.named_parameters()}
             table[names[id(emb.weight)]] = P(axis, None)
             table[names[id(head.weight)]] = P(axis, None)
-    names = [n for n, _ in model.named_parameters()]
+    names = [base_name(n, root) for n, _ in model.named_parameters()]
     return {k: v for k, v in table.items() if any(fnmatchcase(n, k) for n in names)}

@@ -38,6 +38,7 @@ from ..algebra.mesh import AbstractMesh, current_mesh, unknown_axis_message
 from ..algebra.spec import PartitionSpec
 from ..errors import MeshError, Problems, ShardingTypeError, SpecError
 from .names import closest, relative_names
+from .peft import base_name, is_adapter, is_peft
 
 RuleValue = str | tuple[str, ...] | None
 Logical = tuple[str | None, ...]
@@ -381,20 +382,28 @@ def resolve_specs(model: nn.Module, mesh: AbstractMesh | None = None,
     valid: set[tuple[PartitionSpec, int]] = set()      # (spec, rank) known to pass every check
     mapped: dict[Logical, PartitionSpec] = {}          # logical dims the rules map without a problem
     out: dict[str, PartitionSpec] = {}
+    peft_root = is_peft(model)
     for p, names in aliases.values():
         shape = tuple(p.shape)
         hits: list[tuple[PartitionSpec, _Entry, str]] = []
         strict_by: list[str] = ["resolve_specs(strict=True)"] if strict else []
+        if peft_root and is_adapter(names[0]):     # laid out from its base weight (planner/peft.py)
+            out[names[0]] = PartitionSpec()
+            continue
         for name in names:
             for cut in [-1] + [i for i, c in enumerate(name) if c == "."]:
                 tables = by_prefix.get(name[:cut] if cut >= 0 else "")
                 if not tables:
                     continue
                 rel = name[cut + 1:]
+                seen = base_name(rel, root=peft_root and cut < 0)     # PEFT's wrappers are transparent
                 for table, owner in tables:
                     if table.strict:
                         strict_by.append(owner)
-                    for e in table.match(rel):
+                    found = table.match(rel)
+                    if seen != rel:
+                        found += [e for e in table.match(seen) if e not in found]
+                    for e in found:
                         used.add((id(table), e.index))
                         spec = e.spec if e.spec is not None else mapped.get(e.logical)
                         if spec is None:

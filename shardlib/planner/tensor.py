@@ -76,6 +76,7 @@ from functools import cached_property
 from torch import nn
 
 from ..algebra.spec import Fused, PartitionSpec
+from .peft import adapted_layer, is_adapter
 
 COLUMN, ROW, VOCAB, LOGITS = "column", "row", "vocab", "logits"
 _HEADS = ("n_heads", "num_heads", "num_attention_heads")
@@ -98,6 +99,12 @@ class Site:
     unit: str
     fused: int = 1          # a column's feature blocks (``Fused(parts, axis)``); 1: plain
     conv1d: bool = False    # transformers' Conv1D: weight (in, out)
+    holder: str = ""        # the module holding the projection (its attention or MLP), through PEFT's wrappers
+
+    @property
+    def region(self) -> str:
+        """Where sequence parallelism gathers the sequence for this site: the module holding it."""
+        return self.holder or self.module.rpartition(".")[0]
 
 
 @dataclass(frozen=True)
@@ -194,7 +201,7 @@ def derive(model: nn.Module, specs: dict[str, PartitionSpec], *, axis: str, size
             if not (col or row):
                 problems.append(_combo(wq, wshape, w, axis, where, conv, in_dim, entries[in_dim]))
                 continue
-            projections.setdefault(mname.rpartition(".")[0], []).append(f"{wq} {wshape} {_fmt(w)}")
+            projections.setdefault(_parent(mname), []).append(f"{wq} {wshape} {_fmt(w)}")
             bias_spec = specs.get(qual.get("bias", ""), PartitionSpec()) if mod.bias is not None else None
             if col:
                 parts = entries[out_dim].parts if isinstance(entries[out_dim], Fused) else 1
@@ -210,7 +217,7 @@ def derive(model: nn.Module, specs: dict[str, PartitionSpec], *, axis: str, size
                                     f"features) is not {parts} equal blocks — expected Fused parts dividing the "
                                     f"width. Declare the blocks it holds, or split it plainly ({_fmt(_col_spec(conv, axis))}).")
                     continue
-                sites.append(Site(mname, COLUMN, wq, qual.get("bias"), out_features, unit, parts, conv))
+                sites.append(Site(mname, COLUMN, wq, qual.get("bias"), out_features, unit, parts, conv, _parent(mname)))
             else:
                 if bias_spec is not None and _uses(bias_spec, axis):
                     problems.append(f"plan: {qual['bias']} {tuple(mod.bias.shape)} of {where} is {_fmt(bias_spec)} but "
@@ -218,7 +225,7 @@ def derive(model: nn.Module, specs: dict[str, PartitionSpec], *, axis: str, size
                                     "over the full features, so the bias is added once, after the sum — expected "
                                     f"the bias replicated, P(). Drop it from the spec table.")
                     continue
-                sites.append(Site(mname, ROW, wq, qual.get("bias"), in_features, unit, 1, conv))
+                sites.append(Site(mname, ROW, wq, qual.get("bias"), in_features, unit, 1, conv, _parent(mname)))
                 if sequence_parallel and size > 1 and unit and mod.bias is not None:
                     sp_modules.append(mname)
         elif isinstance(mod, nn.Embedding):
@@ -248,23 +255,29 @@ def derive(model: nn.Module, specs: dict[str, PartitionSpec], *, axis: str, size
     local_attrs: list[LocalAttr] = []
     for site in sites:
         if site.fused > 1:
-            parent = site.module.rpartition(".")[0]
+            parent = _parent(site.module)
             found, why = _fused_attrs(parent, modules[parent], site)
             if why:
                 problems.append(f"plan: {site.weight} of {type(modules[site.module]).__name__} {site.module!r} is "
                                 f"{_fmt(specs[site.weight])}: {why}")
             local_attrs += [a for a in found if a not in local_attrs]
     # a column whose output no row of the same parent consumes ends the model: the LM head
-    row_parents = {s.module.rpartition(".")[0] for s in sites if s.kind == ROW}
+    row_parents = {_parent(s.module) for s in sites if s.kind == ROW}
     sites = [replace(s, kind=LOGITS)
-             if s.kind == COLUMN and s.module.rpartition(".")[0] not in row_parents and not s.unit else s
-             for s in sites]
+             if s.kind == COLUMN and _parent(s.module) not in row_parents and not s.unit and not is_adapter(s.module)
+             else s for s in sites]
     if sequence_parallel and size > 1 and not units:
         problems.append("plan: sequence_parallel=True splits the residual stream on the sequence dim inside the "
                         "layer stack — got a model with no layer-stack units (no nn.ModuleList of blocks, and "
                         "units= not given). Pass units=[...] naming the blocks, or sequence_parallel=False.")
     return TensorPlan(axis, size, bool(sequence_parallel), tuple(sites), tuple(sp_modules),
                       local_attrs=tuple(local_attrs)), problems
+
+
+def _parent(name: str) -> str:
+    """The module holding projection ``name``, seen through PEFT's wrapper: ``<layer>.base_layer`` and
+    the adapters ``<layer>.lora_A.<adapter>`` are held by ``<layer>``'s parent, as ``<layer>`` was."""
+    return adapted_layer(name).rpartition(".")[0]
 
 
 def _unit(name: str, units: set[str]) -> str:

@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 
 from ..comm import core as comm
 from ..errors import ShardingError, ShardingTypeError
+from ..planner.peft import peft_base
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -96,6 +97,7 @@ def counts_tokens(model: nn.Module, loss_fn: Callable | None, batch: Any) -> boo
 
 def _causal_lm_loss(model: nn.Module) -> bool:
     """A transformers model that takes ``num_items_in_batch`` and gives it to ``ForCausalLMLoss``."""
+    model = peft_base(model)[0]            # a PEFT model computes its base model's loss
     tf = sys.modules.get("transformers")
     if tf is None or not isinstance(model, tf.PreTrainedModel):
         return False
