@@ -1,0 +1,316 @@
+"""Group-wise packed int4 frozen weights: two 4-bit values per byte (GPTQ-style).
+
+Why our own type: torchao 0.18's ``Int4WeightOnlyConfig`` has no packed format that runs on a CPU build
+of torch 2.13 (``plain``/``preshuffled`` need the ``mslk`` kernel library, ``plain_int32`` refuses the
+CPU, ``tile_packed_to_4d`` needs CUDA and bf16), and ``IntxWeightOnlyConfig(torch.int4)`` stores one
+value per byte.
+
+The format. A weight ``w`` of ``[out, in]`` is cut into groups of ``G`` consecutive in-features; each
+group gets an asymmetric unsigned 4-bit code with its own scale and zero point::
+
+    lo, hi = min(min(group), 0), max(max(group), 0)      # 0 stays exactly representable (GPTQ)
+    scale  = (hi - lo) / 15                              # stored in the weight's float dtype
+    zero   = clamp(round(-lo / scale), 0, 15)            # uint8
+    q      = clamp(round(w / scale) + zero, 0, 15)       # |w - (q - zero) * scale| <= scale / 2
+
+Two codes share a byte: ``qdata[r, j] = q[r, 2j] | q[r, 2j + 1] << 4`` (low nibble = even column). The
+tensor holds ``out*in/2 + groups*(scale bytes + 1)`` bytes, about 1/8 of fp32 plus the scales.
+
+``Int4Tensor`` is a wrapper tensor subclass (outer shape and dtype are the float weight's) that stands in
+for a frozen ``nn.Linear`` weight: ``F.linear`` dequantizes per call (on CPU there is no int4 kernel to
+call, so we trade a transient float copy of one weight for the packed bytes at rest), autograd reaches
+the input and the bias, never the weight. ``__tensor_flatten__`` / ``__tensor_unflatten__`` and
+``component_blocks`` let a runtime move and slice the packed bytes without dequantizing them.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from shardlib.errors import Problems, ShardingError, ShardingTypeError
+
+aten = torch.ops.aten
+
+_INNER = ("qdata", "scale", "zero_point")
+_QMAX = 15
+
+
+def _check_group_size(group_size: Any, api: str) -> None:
+    if isinstance(group_size, bool) or not isinstance(group_size, int):
+        raise ShardingTypeError(f"{api}: group_size must be an int — got {group_size!r}; expected an even "
+                                f"positive int such as 32. Pass group_size=32.")
+    if group_size <= 0 or group_size % 2:
+        raise ShardingError(f"{api}: group_size must be even and positive (two 4-bit values share a byte) — "
+                            f"got {group_size}; expected an even group size such as 32 or 64. Pick an even one.")
+
+
+def _unsupported(what: str) -> NotImplementedError:
+    return NotImplementedError(f"Int4Tensor: {what} is not supported on a packed int4 weight — it supports "
+                               f"F.linear, detach, clone, .to(device or float dtype), copy_ from an Int4Tensor and "
+                               f"slices that keep groups whole. Call w.dequantize() for a float tensor and use that.")
+
+
+class Int4Tensor(torch.Tensor):
+    """A frozen ``[out, in]`` weight held as packed 4-bit codes with per-group scale and zero point.
+
+    Inner tensors: ``qdata`` uint8 ``[out, in // 2]``, ``scale`` ``[out, in // G]`` (the weight's float
+    dtype), ``zero_point`` uint8 ``[out, in // G]``. Build it with ``Int4Tensor.from_float(w, G)``.
+    """
+
+    qdata: torch.Tensor
+    scale: torch.Tensor
+    zero_point: torch.Tensor
+    group_size: int
+
+    @staticmethod
+    def __new__(cls, qdata: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, group_size: int,
+                shape: tuple[int, int] | None = None, dtype: torch.dtype | None = None) -> Int4Tensor:
+        shape = tuple(shape) if shape is not None else (qdata.shape[0], 2 * qdata.shape[1])
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype or scale.dtype, device=qdata.device,
+                                                   requires_grad=False)
+
+    def __init__(self, qdata: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, group_size: int,
+                 shape: tuple[int, int] | None = None, dtype: torch.dtype | None = None) -> None:
+        rows, cols = self.shape
+        want = {"qdata": (torch.uint8, (rows, cols // 2)), "scale": (self.dtype, (rows, cols // group_size)),
+                "zero_point": (torch.uint8, (rows, cols // group_size))}
+        got = {"qdata": qdata, "scale": scale, "zero_point": zero_point}
+        bad = [f"{n} {got[n].dtype} {list(got[n].shape)} (expected {d} {list(s)})" for n, (d, s) in want.items()
+               if got[n].dtype != d or tuple(got[n].shape) != s]
+        if cols % group_size or bad:
+            raise ShardingError(f"Int4Tensor: inner tensors do not fit a [{rows}, {cols}] weight in groups of "
+                                f"{group_size} — got {'; '.join(bad) or f'{cols} in-features'}; expected in-features "
+                                f"a multiple of group_size and the shapes above. Build it with Int4Tensor.from_float.")
+        self.qdata, self.scale, self.zero_point, self.group_size = qdata, scale, zero_point, group_size
+
+    # -- building and reading -------------------------------------------------------------------
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor, group_size: int = 32) -> Int4Tensor:
+        """Quantize a float ``[out, in]`` weight: min/max per group (0 included), round to nearest."""
+        _check_group_size(group_size, "Int4Tensor.from_float")
+        if not isinstance(w, torch.Tensor) or type(w) not in (torch.Tensor, nn.Parameter) or \
+                not w.dtype.is_floating_point or w.dim() != 2:
+            raise ShardingTypeError(f"Int4Tensor.from_float: expected a plain 2-D float weight — got "
+                                    f"{type(w).__name__} {getattr(w, 'dtype', None)} of shape "
+                                    f"{list(getattr(w, 'shape', []))}; expected a [out, in] float tensor. Pass "
+                                    f"the float weight (dequantize a quantized one first).")
+        out, cols = w.shape
+        if cols % group_size:
+            raise ShardingError(f"Int4Tensor.from_float: group_size {group_size} does not divide in-features — "
+                                f"got {cols} in-features; expected a multiple of {group_size}. Use a group size "
+                                f"that divides {cols}.")
+        g = w.detach().reshape(out, cols // group_size, group_size).float()
+        lo = g.amin(-1).clamp(max=0.0)
+        hi = g.amax(-1).clamp(min=0.0)
+        scale = ((hi - lo) / _QMAX).to(w.dtype)            # round the scale to its stored dtype first,
+        s = torch.where(scale > 0, scale, torch.ones_like(scale)).float()  # then quantize with that one
+        zero = torch.clamp(torch.round(-lo / s), 0, _QMAX)
+        q = torch.clamp(torch.round(g / s[..., None]) + zero[..., None], 0, _QMAX).to(torch.uint8)
+        q = q.reshape(out, cols // 2, 2)
+        qdata = (q[..., 0] | (q[..., 1] << 4)).contiguous()
+        return cls(qdata, scale.contiguous(), zero.to(torch.uint8).contiguous(), group_size, (out, cols), w.dtype)
+
+    def unpack(self) -> torch.Tensor:
+        """The 4-bit codes ``q`` as uint8 ``[out, in]`` (values 0..15)."""
+        q = torch.stack((self.qdata & 0xF, self.qdata >> 4), dim=-1)
+        return q.reshape(self.shape)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The float weight ``(q - zero) * scale`` as a plain tensor of ``dtype`` (default: ``self.dtype``)."""
+        dtype = dtype or self.dtype
+        if not dtype.is_floating_point:
+            raise ShardingTypeError(f"Int4Tensor.dequantize: dtype must be a float dtype — got {dtype}; expected "
+                                    f"e.g. torch.float32 or torch.bfloat16. Dequantize to a float dtype.")
+        rows, cols = self.shape
+        groups = cols // self.group_size
+        q = self.unpack().reshape(rows, groups, self.group_size).to(dtype)
+        w = (q - self.zero_point.to(dtype)[..., None]) * self.scale.to(dtype)[..., None]
+        return w.reshape(rows, cols)
+
+    def component_blocks(self) -> dict[str, tuple[int, int]]:
+        """Weight elements one entry of each inner tensor covers, per dim: slice ``[a:b]`` of the weight
+        along a dim is ``[a // k : b // k]`` of a component whose block is ``k`` there."""
+        return {"qdata": (1, 2), "scale": (1, self.group_size), "zero_point": (1, self.group_size)}
+
+    def packed_nbytes(self) -> int:
+        """Bytes held: ``out*in/2`` codes plus ``groups * (scale bytes + 1)``."""
+        return sum(getattr(self, n).nbytes for n in _INNER)
+
+    def slice(self, rows: slice = slice(None), cols: slice = slice(None)) -> Int4Tensor:
+        """``w[rows, cols]`` without dequantizing; ``cols`` must start and stop on group boundaries."""
+        out = self
+        for dim, s in ((0, rows), (1, cols)):
+            if s.step not in (None, 1):
+                raise _unsupported(f"a slice with step {s.step}")
+            out = out._slice_dim(dim, s.start, s.stop)
+        return out
+
+    def _slice_dim(self, dim: int, start: int | None, stop: int | None) -> Int4Tensor:
+        size = self.shape[dim]
+        start, stop, _ = slice(start, stop).indices(size)
+        stop = max(stop, start)
+        blocks = self.component_blocks()
+        unit = max(b[dim] for b in blocks.values())
+        if start % unit or stop % unit:
+            raise ShardingError(f"Int4Tensor.slice: the in-feature range cuts a quantization group — got "
+                                f"[{start}:{stop}]; expected bounds that are multiples of group_size "
+                                f"{self.group_size}. Slice at group boundaries, or dequantize first.")
+        parts = [getattr(self, n).narrow(dim, start // blocks[n][dim], (stop - start) // blocks[n][dim])
+                 for n in _INNER]
+        shape = list(self.shape)
+        shape[dim] = stop - start
+        return Int4Tensor(*parts, self.group_size, tuple(shape), self.dtype)
+
+    # -- the tensor-subclass protocol -----------------------------------------------------------
+
+    def __tensor_flatten__(self) -> tuple[list[str], dict[str, Any]]:
+        return list(_INNER), {"group_size": self.group_size, "shape": tuple(self.shape), "dtype": self.dtype}
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict[str, torch.Tensor], meta: dict[str, Any], outer_size: Any,
+                             outer_stride: Any) -> Int4Tensor:
+        """Rebuild from inner tensors. The shape comes from ``outer_size`` or, when it is ``None``, from
+        ``qdata`` (``[r, c]`` packs ``[r, 2c]``): shards rebuild with the meta of the whole weight."""
+        return Int4Tensor(inner["qdata"], inner["scale"], inner["zero_point"], meta["group_size"],
+                          tuple(outer_size) if outer_size is not None else None, meta["dtype"])
+
+    def _with(self, fn: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype | None = None) -> Int4Tensor:
+        dtype = dtype or self.dtype
+        return Int4Tensor(fn(self.qdata), fn(self.scale).to(dtype), fn(self.zero_point), self.group_size,
+                          tuple(self.shape), dtype)
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        return (f"Int4Tensor(shape={list(self.shape)}, group_size={self.group_size}, dtype={self.dtype}, "
+                f"device={self.device}, packed_nbytes={self.packed_nbytes()})")
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _FLOAT_FUNCS:
+            return _call_dequantized(func, args, kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        handler = _DISPATCH.get(func)
+        if handler is None:
+            raise _unsupported(f"operator {func}")
+        return handler(func, *args, **kwargs)
+
+
+# -- what the subclass does under torch functions and aten ops ----------------------------------
+
+_FLOAT_FUNCS = {F.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__}
+
+
+def _call_dequantized(func, args, kwargs):
+    """Run ``func`` with every ``Int4Tensor`` argument dequantized (a plain float with no grad)."""
+    def swap(a):
+        if not isinstance(a, Int4Tensor):
+            return a
+        if a.requires_grad and torch.is_grad_enabled():
+            raise ShardingError(f"Int4Tensor: a packed int4 weight cannot be trained — got requires_grad=True on "
+                                f"a {list(a.shape)} weight in {getattr(func, '__name__', func)}; expected a frozen "
+                                f"weight. Freeze it (w.requires_grad_(False); quantize_int4_ does) and train "
+                                f"adapters on top (PEFT LoRA).")
+        return a.dequantize()
+    return func(*tree_map(swap, args), **tree_map(swap, kwargs))
+
+
+def _alias(func, self, *args, **kwargs):
+    return self._with(lambda t: func(t, *args, **kwargs))
+
+
+def _to_copy(func, self, *, dtype=None, device=None, layout=None, memory_format=None, non_blocking=False,
+             pin_memory=None):
+    if dtype is not None and not dtype.is_floating_point:
+        raise ShardingTypeError(f"Int4Tensor.to: a packed int4 weight keeps a float dtype — got {dtype}; expected "
+                                f"a float dtype (it casts the scales). Call w.dequantize() and convert that.")
+    if layout not in (None, torch.strided):
+        raise _unsupported(f".to(layout={layout})")
+    return self._with(lambda t: t.to(device=device, non_blocking=non_blocking), dtype)
+
+
+def _copy_(func, self, src, non_blocking=False):
+    if not (isinstance(src, Int4Tensor) and src.group_size == self.group_size and src.shape == self.shape
+            and src.dtype == self.dtype):
+        got = (f"Int4Tensor {list(src.shape)} group {src.group_size} {src.dtype}" if isinstance(src, Int4Tensor)
+               else f"{type(src).__name__} {getattr(src, 'dtype', None)}")
+        raise ShardingTypeError(f"Int4Tensor.copy_: can copy only an Int4Tensor of the same shape, group size and "
+                                f"dtype — got {got}; expected Int4Tensor {list(self.shape)} group {self.group_size} "
+                                f"{self.dtype}. Quantize the source with Int4Tensor.from_float(w, "
+                                f"{self.group_size}) first.")
+    for n in _INNER:
+        getattr(self, n).copy_(getattr(src, n), non_blocking)
+    return self
+
+
+def _slice(func, self, dim=0, start=None, end=None, step=1):
+    if step != 1:
+        raise _unsupported(f"a slice with step {step}")
+    return self._slice_dim(dim % 2, start, end)
+
+
+_DISPATCH: dict[Any, Callable] = {
+    aten.detach.default: _alias,
+    aten.alias.default: _alias,
+    aten.clone.default: _alias,
+    aten._to_copy.default: _to_copy,
+    aten.copy_.default: _copy_,
+    aten.slice.Tensor: _slice,
+}
+
+
+# -- quantizing a model in place ----------------------------------------------------------------
+
+def quantize_int4_(model: nn.Module, group_size: int = 32,
+                   filter_fn: Callable[[nn.Module, str], bool] | None = None) -> nn.Module:
+    """Replace ``nn.Linear`` weights by frozen ``Int4Tensor`` parameters in place (like torchao's
+    ``quantize_``); returns ``model``. Call it before ``get_peft_model`` (QLoRA order).
+
+    ``filter_fn(module, fqn)`` is asked about every ``nn.Linear`` and selects the ones to quantize. The
+    default takes every Linear whose ``in_features`` is a multiple of ``group_size`` and leaves the
+    others float, as it leaves weights tied to another module and weights already quantized. A Linear
+    selected explicitly that cannot be quantized is an error (all of them are listed at once).
+    """
+    _check_group_size(group_size, "quantize_int4_")
+    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    chosen: list[nn.Linear] = []
+    with Problems("quantize_int4_") as problems:
+        for fqn, mod in model.named_modules():
+            if not isinstance(mod, nn.Linear):
+                continue
+            w = mod.weight
+            name = fqn or "<root>"
+            reasons = []                                    # (what is wrong, got, expected, fix)
+            if mod.in_features % group_size:
+                reasons.append(("its in-features do not split into whole groups", f"in_features "
+                                f"{mod.in_features}", f"a multiple of group_size {group_size}", f"Use a group size "
+                                f"that divides {mod.in_features}, or leave {name} out of filter_fn"))
+            if type(w) is not nn.Parameter or not w.dtype.is_floating_point:
+                reasons.append(("its weight is not a float Parameter", f"{type(w).__name__} {w.dtype}",
+                                "a float nn.Parameter", f"Leave {name} out of filter_fn"))
+            if uses[id(w)] > 1:
+                reasons.append(("its weight is tied to another module's", f"{uses[id(w)]} uses of one weight",
+                                "a weight of its own", f"Untie it, or leave {name} out of filter_fn"))
+            if filter_fn is None:
+                if not reasons:
+                    chosen.append(mod)
+            elif filter_fn(mod, fqn):
+                for what, got, expected, fix in reasons:
+                    problems.add(f"quantize_int4_: {name} cannot be quantized, {what} — got {got}; expected "
+                                 f"{expected}. {fix}.")
+                chosen.append(mod)
+    for mod in chosen:
+        mod.weight = nn.Parameter(Int4Tensor.from_float(mod.weight.detach(), group_size), requires_grad=False)
+    return model
