@@ -9,9 +9,11 @@
     python examples/train_gpt.py checkpoint.every=50 checkpoint.resume=auto    # stop any time; run again to continue
     python examples/train_gpt.py model=hf model.path=FOLDER mesh=dp2_tp2 parallel=tp data=dataset data.path=x.jsonl
                                                                     # a transformers folder on a local dataset
+    python examples/train_gpt.py model=hf model.path=FOLDER lora=r16 quant=int8 mesh=dp2 parallel=zero3
+                                                                    # LoRA adapters over its frozen int8 base
 
 Hydra composes ``conf/config.yaml`` (groups ``mesh`` = ``meshes/*.yaml``, ``parallel``, ``model``,
-``train``, ``data``); the configuration becomes the library's ``RunConfig`` at this edge and is checked
+``train``, ``data``, ``lora``, ``quant``); the configuration becomes the library's ``RunConfig`` at this edge and is checked
 whole before any process starts — an unknown preset or key, a preset naming an axis the mesh lacks, a
 model the layout cannot split, a missing or corrupt dataset, a mesh that is not the torchrun world:
 each is a short message naming the config key, exit code 2. Started plainly, the program spawns the
@@ -32,6 +34,10 @@ it with its parameters on the meta device, ``sl.parallelize(..., init=False)`` a
 rank's share of the text (the stdlib, a file, or ``data=dataset``: text, JSON lines or parquet
 through the ``datasets`` library); the loss is the model's own; at the end ``engine.save_pretrained``
 writes the trained model to ``hf/`` in the run directory (``from_pretrained`` loads it).
+With ``lora=r8``/``r16`` (and ``quant=int8``/``int4`` for a quantized frozen base) each rank loads the
+folder, quantizes it and wraps it in seeded PEFT LoRA adapters (``shardlib/frontend/finetune.py``);
+only the adapters train, and at the end ``engine.save_pretrained`` writes PEFT's adapter folder to
+``adapter/`` in the run directory (``PeftModel.from_pretrained(base, folder)`` loads it).
 
 Checkpoints: ``checkpoint.every=N`` saves the whole training state every N steps (and after the last)
 into ``checkpoint.dir`` (``step-000123`` folders, a ``latest`` pointer replaced atomically: a run killed
@@ -118,7 +124,12 @@ def rank_main(run: RunConfig, out: str) -> dict:
                 if lead:
                     print(f"saved {where}", flush=True)
     progress.close()
-    if trainer.hf and metrics:         # the trained model as a transformers folder: from_pretrained loads it
+    if trainer.tuned and metrics:      # the adapters as PEFT's folder: PeftModel.from_pretrained(base, folder)
+        engine.save_pretrained(out_dir / "adapter")
+        if lead:
+            print(f"saved the adapters to {out_dir / 'adapter'} (PeftModel.from_pretrained(base, that folder) loads "
+                  f"them onto the base in {run.model.path})", flush=True)
+    elif trainer.hf and metrics:       # the trained model as a transformers folder: from_pretrained loads it
         engine.save_pretrained(out_dir / "hf")
         if lead:
             print(f"saved the trained model to {out_dir / 'hf'} (AutoModelForCausalLM.from_pretrained loads it; "

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..frontend.config import ConfigError
 
-GROUPS = ("mesh", "parallel", "model", "train", "data")
+GROUPS = ("mesh", "parallel", "model", "train", "data", "lora", "quant")
 
 
 def conf_dir() -> Path:

@@ -17,7 +17,9 @@ The groups (``conf/config.yaml`` composes one file of each):
 * ``train``: steps, global batch, sequence, learning-rate schedule, precision, clipping,
   accumulation, recompute, seed;
 * ``data``: the text to train on (the stdlib's source, a file of yours, or a local dataset — text,
-  JSON lines, parquet — read through the ``datasets`` library).
+  JSON lines, parquet — read through the ``datasets`` library);
+* ``lora``, ``quant``: LoRA adapters over a frozen, optionally int8/int4 base (``frontend/finetune.py``;
+  ``none`` by default).
 """
 
 from __future__ import annotations
@@ -26,9 +28,12 @@ import difflib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ShardingError
+
+if TYPE_CHECKING:
+    from .finetune import AdapterConfig, QuantConfig
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
@@ -165,6 +170,8 @@ class RunConfig:
     train: TrainConfig
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    lora: AdapterConfig | None = None       # frontend/finetune.py: None is lora=none
+    quant: QuantConfig | None = None
 
     @property
     def seq(self) -> int:
@@ -408,19 +415,23 @@ def run_config(d: Mapping[str, Any]) -> RunConfig:
     """The ``RunConfig`` of a plain nested mapping, or a ``ConfigError`` listing every bad key (and
     the cross-group problems: a rule naming an axis the mesh lacks, a sequence longer than the
     model's positions, a batch that the data ranks and micro-batches do not divide)."""
+    from . import finetune          # its groups' dataclasses (finetune reads this module's checker)
     problems: list[str] = []
     if not isinstance(d, Mapping):
         raise ConfigError(f"config: expected a mapping with mesh, parallel, model, train, data — got {type(d).__name__}.")
     for key in d:
-        if key not in ("mesh", "parallel", "model", "train", "data", "checkpoint"):
-            problems.append(f"{key}: unknown config group — expected mesh, parallel, model, train, data, checkpoint.")
+        if key not in ("mesh", "parallel", "model", "train", "data", "checkpoint", "lora", "quant"):
+            problems.append(f"{key}: unknown config group — expected mesh, parallel, model, train, data, checkpoint, "
+                            "lora, quant.")
     for key in ("mesh", "parallel", "model", "train"):
         if key not in d:
             problems.append(f"{key}: missing — pick one (e.g. {key}=<preset>) or give its fields.")
     run = RunConfig(mesh=_mesh(d.get("mesh", {}), problems), parallel=_parallel(d.get("parallel", {}), problems),
                     model=_model(d.get("model", {}), problems), train=_train(d.get("train", {}), problems),
-                    data=_data(d.get("data"), problems), checkpoint=_checkpoint(d.get("checkpoint"), problems))
-    problems += _cross(run)
+                    data=_data(d.get("data"), problems), checkpoint=_checkpoint(d.get("checkpoint"), problems),
+                    lora=finetune.adapter_config(d.get("lora"), problems),
+                    quant=finetune.quant_config(d.get("quant"), problems))
+    problems += _cross(run) + finetune.cross_problems(run.lora, run.quant, run.model)
     if problems:
         raise ConfigError(problems, api="config")
     return run

@@ -113,6 +113,17 @@ def meta_model(run: RunConfig) -> nn.Module:
     return _annotated(model, run)
 
 
+def pretrained_model(run: RunConfig) -> nn.Module:
+    """The folder's model with its values (``from_pretrained``, fp32), its layout table attached: the
+    base a LoRA run quantizes and wraps on every rank (``frontend/finetune.py``)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils.logging import disable_progress_bar
+    disable_progress_bar()            # a bar per rank, on the job's own output
+    model = AutoModelForCausalLM.from_pretrained(run.model.path, dtype=torch.float32)
+    model.config.use_cache = False
+    return _annotated(model, run)
+
+
 def _annotated(model: nn.Module, run: RunConfig) -> nn.Module:
     from ..planner.specs import shard
     model.train()

@@ -9,7 +9,9 @@ and the parity matrix (``python -m shardlib.verify``).
   ``model.kind=hf``: on this data rank's rows of its own share of the text, tokenized by the folder's
   tokenizer — ``frontend/hf.py``, ``frontend/tokens.py``) and returns its metrics:
   loss, learning rate, gradient norm, step time, tokens/s, the bytes this rank sent per mesh axis
-  (counted), and every rank's peak resident memory (one small all-gather).
+  (counted), and every rank's peak resident memory (one small all-gather). With ``lora`` set, the
+  folder's model is quantized and wrapped in PEFT adapters first (``frontend/finetune.py``): checked
+  on the meta device, built from the folder's values on each rank.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 from ..algebra.mesh import AbstractMesh, Mesh
 from ..comm import core as comm
 from ..errors import ShardingError, ShardingTypeError
-from .config import LR_SCHEDULES, RunConfig, TrainConfig
+from .config import LR_SCHEDULES, ConfigError, RunConfig, TrainConfig
 from .data import VOCAB, batch_at, load_text
 
 
@@ -74,6 +76,9 @@ def check(run: RunConfig) -> list[str]:
     try:
         if hf:
             model = hf_folder.meta_model(run)
+            if run.lora is not None:
+                from .finetune import adapt
+                model = adapt(model, run)
         else:
             with torch.device("meta"):
                 model = GPT(run.model.gpt(), seed=None)
@@ -81,6 +86,8 @@ def check(run: RunConfig) -> list[str]:
             problems += resume_problems(run.checkpoint.resume, run.checkpoint.dir,
                                         {n: tuple(p.shape) for n, p in model.named_parameters()})
         make_plan(model, AbstractMesh(run.mesh.shape), run)
+    except ConfigError as e:                 # lora / quant against the model: named by key already
+        problems += e.problems
     except (ShardingError, ShardingTypeError) as e:
         found = getattr(e, "problems", None) or [str(e)]
         problems += [f"{_keys_of(p, run)}{where}: {p.removeprefix('plan: ')}" for p in collapse(found)]
@@ -107,7 +114,8 @@ def _data_problems(run: RunConfig) -> list[str]:
 
 
 # what a planner problem is about, in config keys (the message itself names the sizes and the fix)
-_KEYS = ((r"pipeline_pre|pipeline_post|\(tied\)", "mesh (its pipe axis)"),
+_KEYS = ((r"quantization group", "quant.group_size with the mesh's tensor axis"),
+         (r"pipeline_pre|pipeline_post|\(tied\)", "mesh (its pipe axis)"),
          (r"attention heads|KV heads", "model.n_heads with the mesh's tensor axis"),
          (r"blocks, fewer than the|layer stack", "model.n_layers with the mesh's pipe axis"),
          (r"schedule|micro-batches|microbatches", "parallel.schedule / parallel.microbatches"),
@@ -148,17 +156,19 @@ class Trainer:
         self.run, self.mesh = run, mesh
         t = run.train
         self.hf = run.model.kind == "hf"
+        self.tuned = self.hf and run.lora is not None      # LoRA over the folder's base: values built in
         self.model = self._model()
         self.plan = make_plan(self.model, mesh, run)
         self.engine = parallelize(
             self.model, self.plan,
             optimizer=lambda ps: torch.optim.AdamW(ps, lr=t.lr, weight_decay=t.weight_decay),
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda i: lr_factor(t, i)),
-            init=not self.hf)
+            init=not self.hf or self.tuned)
         if self.hf:       # the weights into the shards; this data rank's share of the text, in the folder's tokens
             from .hf import load_tokenizer
             from .tokens import load_tokens
-            self.engine.load_pretrained(run.model.path)
+            if not self.tuned:
+                self.engine.load_pretrained(run.model.path)
             self.tokenizer = load_tokenizer(run.model.path)
             self.text = text if text is not None else load_tokens(
                 run.data, self.tokenizer, run.seq, self.engine.data_index, self.engine.data_size)
@@ -167,6 +177,9 @@ class Trainer:
         self.tokens_per_step = t.batch * run.seq
 
     def _model(self) -> torch.nn.Module:
+        if self.tuned:
+            from .finetune import build
+            return build(self.run)
         if self.hf:
             from .hf import meta_model
             return meta_model(self.run)

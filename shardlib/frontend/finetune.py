@@ -1,0 +1,209 @@
+"""Fine-tuning a transformers folder with LoRA adapters, over a frozen (optionally quantized) base:
+the main job's ``lora`` and ``quant`` groups (``model=hf model.path=<folder> lora=r16 quant=int8``).
+
+Two small frozen dataclasses carry the groups: ``AdapterConfig`` (``lora``: rank, alpha, dropout,
+target modules — PEFT's ``LoraConfig`` fields) and ``QuantConfig`` (``quant``: ``int8``, torchao's
+``Int8WeightOnlyConfig``, per-row scales; or ``int4``, the project's packed group-wise int4,
+``shardlib.quant.quantize_int4_``). ``lora=none`` and ``quant=none`` (the defaults) are ``None``:
+the run is the plain transformers job and neither peft nor torchao is imported.
+
+The model is built in one order everywhere (``adapt``): the base with its layout table, every
+``nn.Linear`` but the output head quantized in place, then ``torch.manual_seed(train.seed)`` and
+``peft.get_peft_model`` — so every rank draws the same adapters, and the layouts set on the base carry
+over (the planner reads through PEFT's names). ``check`` (``frontend/run.py``) builds it on the meta
+device and plans it, so a bad target, a quantization the layout cannot split or a missing folder is
+named by config key before any process starts; each rank then builds it from the folder's values
+(``build``: ``from_pretrained`` whole, on every rank — the base is read, quantized and wrapped before
+the engine shards it) and the engine starts from those values. At the end the job writes the adapter
+folder with ``engine.save_pretrained`` (what ``peft_model.save_pretrained`` writes).
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .config import ConfigError, ModelConfig, RunConfig, _Checker
+
+METHODS = ("int8", "int4")
+ALL_LINEAR = "all-linear"
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    """``lora``: PEFT LoRA adapters of rank ``r`` scaled by ``alpha / r`` on ``target_modules`` (a list
+    of module names, matched as PEFT matches them — the name or its last components; one string, a
+    regular expression over the full names; or ``all-linear``, every linear layer but the output head)."""
+
+    name: str
+    r: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: str | tuple[str, ...] = ALL_LINEAR
+
+    def peft(self):
+        from peft import LoraConfig
+        targets = self.target_modules if isinstance(self.target_modules, str) else list(self.target_modules)
+        return LoraConfig(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout, target_modules=targets,
+                          task_type="CAUSAL_LM")
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """``quant``: the frozen base's linear weights as ``int8`` (per-row scales, torchao) or ``int4``
+    (two values a byte, a scale and zero point per ``group_size`` in-features)."""
+
+    name: str
+    method: str
+    group_size: int | None = None
+
+
+def adapter_config(raw: Any, problems: list[str]) -> AdapterConfig | None:
+    """The ``lora`` group (``None`` for ``lora=none``), every bad key noted in ``problems``."""
+    if raw is None or (isinstance(raw, dict) and raw.get("name") == "none" and set(raw) == {"name"}):
+        return None
+    c = _Checker("lora", raw, problems, ("name", "r", "alpha", "dropout", "target_modules"))
+    dropout = c.number("dropout", 0.0)
+    if dropout is not None and dropout >= 1:
+        c.bad("dropout", dropout, "a probability in [0, 1)")
+    targets = c.get("target_modules", ALL_LINEAR)
+    if isinstance(targets, (list, tuple)) and targets and all(isinstance(t, str) and t for t in targets):
+        targets = tuple(targets)
+    elif not (isinstance(targets, str) and targets):
+        c.bad("target_modules", targets, f"{ALL_LINEAR!r}, a list of module names (e.g. [q_proj, v_proj]) or "
+                                         "one regular expression over the full module names")
+        targets = ALL_LINEAR
+    return AdapterConfig(name=c.str("name", "lora"), r=c.int("r", 8), alpha=c.number("alpha", 16.0, strict=True),
+                         dropout=dropout if dropout is not None and dropout < 1 else 0.0, target_modules=targets)
+
+
+def quant_config(raw: Any, problems: list[str]) -> QuantConfig | None:
+    """The ``quant`` group (``None`` for ``quant=none``), every bad key noted in ``problems``."""
+    if raw is None or (isinstance(raw, dict) and raw.get("name") == "none" and set(raw) == {"name"}):
+        return None
+    c = _Checker("quant", raw, problems, ("name", "method", "group_size"))
+    method = c.get("method")
+    if method not in METHODS:
+        near = difflib.get_close_matches(str(method), METHODS, n=1)
+        problems.append(f"quant.method: {method!r} is unknown — expected one of {', '.join(METHODS)} (quant=int8: "
+                        f"torchao's Int8WeightOnlyConfig; quant=int4: packed group-wise int4)."
+                        + (f" Did you mean quant.method={near[0]}?" if near else ""))
+        method = "int8"
+    group = c.int("group_size", None, optional=True)
+    if method == "int4" and group is None:
+        c.bad("group_size", None, "an int >= 1 for quant.method=int4 (in-features per scale and zero point, e.g. 32)")
+    if method == "int8" and group is not None:
+        problems.append(f"quant.group_size: {group} is not used by quant.method=int8 (one scale per output row) — "
+                        "remove it, or use quant=int4.")
+    return QuantConfig(name=c.str("name", "quant"), method=method, group_size=group)
+
+
+def cross_problems(lora: AdapterConfig | None, quant: QuantConfig | None, model: ModelConfig) -> list[str]:
+    """What the groups need of each other and of the model, by config key."""
+    out = []
+    for key, cfg in (("lora", lora), ("quant", quant)):
+        if cfg is not None and model.kind != "hf":
+            out.append(f"{key}: {key}={cfg.name} fine-tunes a transformers folder — got model={model.name} (the "
+                       f"reference GPT); expected model=hf model.path=<folder>, or {key}=none.")
+    if quant is not None and lora is None:
+        out.append(f"quant: quant={quant.name} freezes the base in {quant.method}, and with lora=none nothing would "
+                   "train — expected adapters to train over it (e.g. lora=r16), or quant=none.")
+    return out
+
+
+def tuned(run: RunConfig) -> bool:
+    """Whether the run fine-tunes adapters (``lora`` is set; ``quant`` needs it)."""
+    return run.lora is not None
+
+
+# ---- building -----------------------------------------------------------------------------------
+
+def build(run: RunConfig) -> nn.Module:
+    """This rank's model: the folder's values (``from_pretrained``), quantized, with seeded adapters."""
+    from .hf import pretrained_model
+    return adapt(pretrained_model(run), run)
+
+
+def adapt(model: nn.Module, run: RunConfig) -> nn.Module:
+    """``model`` (the base, its layout table set; real or on the meta device) quantized by ``run.quant``
+    and wrapped by ``peft.get_peft_model`` with ``run.lora`` after seeding with ``train.seed``. A target
+    that matches no module, or a quantization with nothing to quantize, is a ``ConfigError`` by key."""
+    problems = target_problems(model, run)
+    if problems:
+        raise ConfigError(problems, api="config")
+    if run.quant is not None:
+        quantize(model, run.quant, run.model.path)
+    from peft import get_peft_model
+    torch.manual_seed(run.train.seed)        # every rank the same adapters
+    try:
+        with warnings.catch_warnings():      # PEFT's advice on merging a torchao base, transformers' renames
+            for noise in ("TorchaoLoraLinear was instantiated", "`is_gradient_checkpointing` is deprecated"):
+                warnings.filterwarnings("ignore", message=noise)
+            return get_peft_model(model, run.lora.peft())
+    except ValueError as e:                  # e.g. a target of a module type LoRA does not adapt
+        raise ConfigError(f"lora.target_modules: {run.lora.target_modules!r} — PEFT refuses it ({_first(e)}); "
+                          f"expected linear layers such as {', '.join(_linear_leaves(model)[:6])}.",
+                          api="config") from None
+
+
+def quantize(model: nn.Module, quant: QuantConfig, path: str | None) -> int:
+    """Quantize, in place, every ``nn.Linear`` of ``model`` but the output head; how many."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    names = [n for n, m in model.named_modules() if type(m) is nn.Linear and m is not head]
+    if not names:
+        kinds = sorted({type(m).__name__ for _, m in model.named_modules() if "Conv1D" in type(m).__name__})
+        raise ConfigError(f"quant: quant={quant.name} quantizes nn.Linear layers, and the model in model.path={path} "
+                          f"has none but its output head (its projections are {', '.join(kinds) or 'other modules'})"
+                          " — expected a model of nn.Linear projections (Llama, Qwen2, Mistral, ...), or quant=none.",
+                          api="config")
+    chosen = set(names)
+    if quant.method == "int8":
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+        quantize_(model, Int8WeightOnlyConfig(), filter_fn=lambda m, fqn: fqn in chosen)
+    else:
+        from ..quant import quantize_int4_
+        quantize_int4_(model, group_size=quant.group_size, filter_fn=lambda m, fqn: fqn in chosen)
+    return len(names)
+
+
+def target_problems(model: nn.Module, run: RunConfig) -> list[str]:
+    """Each of ``lora.target_modules`` that matches no module of ``model``, as PEFT matches them."""
+    targets = run.lora.target_modules
+    if targets == ALL_LINEAR:
+        return []
+    names = [n for n, _ in model.named_modules() if n]
+    leaves = _linear_leaves(model)
+    where = f"the model in model.path={run.model.path}"
+    if isinstance(targets, str):
+        if any(re.fullmatch(targets, n) for n in names):
+            return []
+        return [f"lora.target_modules: the pattern {targets!r} matches no module name of {where} (a single string is "
+                f"a regular expression over full names, e.g. model.layers.0.self_attn.q_proj) — expected a list of "
+                f"names such as [{', '.join(leaves[:4])}], or {ALL_LINEAR}."]
+    out = []
+    for t in targets:
+        if not any(n == t or n.endswith("." + t) for n in names):
+            near = difflib.get_close_matches(t, leaves, n=1)
+            out.append(f"lora.target_modules: {t!r} matches no module of {where} — expected names of its linear "
+                       f"layers ({', '.join(leaves)}) or {ALL_LINEAR}." + (f" Did you mean {near[0]}?" if near else ""))
+    return out
+
+
+def _linear_leaves(model: nn.Module) -> list[str]:
+    """The last name components of the model's linear layers (``q_proj``, ``down_proj``...), in order."""
+    seen: dict[str, None] = {}
+    for n, m in model.named_modules():
+        if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D":
+            seen.setdefault(n.rsplit(".", 1)[-1], None)
+    return list(seen)
+
+
+def _first(e: Exception) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
