@@ -22,6 +22,13 @@ previous checkpoint at ``path`` (``save_step``/``latest`` keep a series, the poi
 atomically). ``load`` checks the manifest and the files' SHA-256 before DCP reads anything (DCP
 unpickles its own ``.metadata``: only a file whose hash the manifest vouches for is read), and
 refuses a checkpoint of another model naming every missing or mis-shaped parameter.
+
+**Frozen weights left out.** ``save(path, frozen=False)`` writes no frozen parameter (a QLoRA job's
+base never changes: it is not rewritten every save); the manifest's ``absent`` lists them. ``load``
+of such a checkpoint restores everything else — trainable values, optimizer state, step, RNG — on
+any mesh, and keeps the frozen values the engine holds (from ``load_pretrained`` or its own
+initialisation). It is refused, naming the parameters, where the engine has no frozen values yet
+(``init=False`` and nothing loaded) or where a parameter absent from it is trainable here.
 """
 
 from __future__ import annotations
@@ -84,12 +91,14 @@ def _block(engine: Engine, s) -> tuple[tuple[int, ...], tuple[tuple[int, ...], t
     return shape, (tuple(fused.get(d, 1) for d in range(len(shape))), tuple(g.start for g in first))
 
 
-def _pieces(engine: Engine) -> tuple[list[_Piece], dict[str, torch.Tensor]]:
+def _pieces(engine: Engine, *, frozen: bool = True) -> tuple[list[_Piece], dict[str, torch.Tensor]]:
     """Every sharded tensor this rank holds (values, optimizer states) and its replicated ones
-    (per-parameter optimizer scalars, buffers)."""
+    (per-parameter optimizer scalars, buffers); ``frozen=False`` leaves frozen parameters out."""
     pieces, whole = [], {}
     opt_state = engine.optimizer.state
     for s in engine.states:
+        if not frozen and not s.trainable:
+            continue
         shape, block = _block(engine, s)
         local = tuple(s.plan.shape)
 
@@ -162,9 +171,10 @@ _DROP = object()
 
 # ---- save ---------------------------------------------------------------------------------------
 
-def save(engine: Engine, path: str | os.PathLike, *, extra: dict | None = None) -> Path:
-    """Write the engine's whole training state to the folder ``path`` (see the module doc). A
-    collective: every rank calls it with the same ``path``. Returns ``path``."""
+def save(engine: Engine, path: str | os.PathLike, *, extra: dict | None = None, frozen: bool = True) -> Path:
+    """Write the engine's whole training state to the folder ``path`` (see the module doc);
+    ``frozen=False`` leaves the frozen parameters' values out. A collective: every rank calls it
+    with the same ``path``. Returns ``path``."""
     import torch.distributed.checkpoint as dcp
 
     path = Path(path).absolute()
@@ -172,6 +182,9 @@ def save(engine: Engine, path: str | os.PathLike, *, extra: dict | None = None) 
         json.dumps(extra or {})
     except TypeError as e:
         raise CheckpointError(f"save: extra must be JSON data (ints, floats, strings, lists, dicts) — {e}.") from None
+    if not isinstance(frozen, bool):
+        raise CheckpointError(f"save: frozen must be True or False — got {frozen!r}; expected True (write the frozen "
+                              "parameters too) or False (leave them out).")
     token = _one(engine, uuid.uuid4().hex[:12])
     tmp = path.parent / f".{path.name}.tmp-{token}"
     problem = None
@@ -183,7 +196,7 @@ def save(engine: Engine, path: str | os.PathLike, *, extra: dict | None = None) 
     if rank_zero(engine):           # a save killed earlier left its temporary folder: clear it
         for stale in path.parent.glob(f".{path.name}.tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)
-    pieces, whole = _pieces(engine)
+    pieces, whole = _pieces(engine, frozen=frozen)
     state = {}
     index = {}
     for p in pieces:
@@ -226,7 +239,7 @@ def save(engine: Engine, path: str | os.PathLike, *, extra: dict | None = None) 
         for f in tmp.iterdir():
             if f.name not in files:
                 files[f.name] = _sha(f)
-        manifest = _manifest(engine, merged, files, extra)
+        manifest = _manifest(engine, merged, files, extra, frozen)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         _fsync_dir(tmp)
         _install(tmp, path)
@@ -235,7 +248,7 @@ def save(engine: Engine, path: str | os.PathLike, *, extra: dict | None = None) 
     return path
 
 
-def _manifest(engine: Engine, index: dict, files: dict, extra: dict | None) -> dict:
+def _manifest(engine: Engine, index: dict, files: dict, extra: dict | None, frozen: bool) -> dict:
     gplan, opt = engine.global_plan, engine.optimizer
     groups = [{k: _json_safe(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
     sched = engine.lr_scheduler
@@ -246,6 +259,7 @@ def _manifest(engine: Engine, index: dict, files: dict, extra: dict | None) -> d
         "plan": {"zero": gplan.zero, "precision": gplan.precision, "pipe": gplan.pipe_size,
                  "tensor": gplan.tensor_size, "replica": gplan.replica_size},
         "params": {p.name: {"shape": list(p.shape), "trainable": p.trainable} for p in gplan.params},
+        "absent": [] if frozen else [p.name for p in gplan.params if not p.trainable],
         "tensors": index, "files": files,
         "optimizer": {"class": type(opt).__name__, "param_groups": groups},
         "scheduler": None if sched is None else {"class": type(sched).__name__,
@@ -310,6 +324,16 @@ def check_model(engine: Engine, manifest: dict, path: Path) -> None:
     if opt != type(engine.optimizer).__name__:
         problems.append(f"load: {path} was saved with optimizer {opt}, this engine uses "
                         f"{type(engine.optimizer).__name__} — expected the same optimizer class.")
+    absent = manifest.get("absent", [])
+    trainable = sorted(p.name for p in engine.global_plan.params if p.trainable and p.name in absent)
+    if trainable:
+        problems.append(f"load: {path} was saved without its frozen parameters, and {len(trainable)} of them are "
+                        f"trainable in this engine — got {trainable[:4]}; expected their values in the checkpoint. "
+                        "Freeze them as when saving, or resume from a checkpoint saved with frozen=True.")
+    if absent and engine._needs_load:
+        problems.append(f"load: {path} holds no frozen parameters ({len(absent)} left out, e.g. {absent[:3]}), and "
+                        "this engine was built with init=False and has no values for them — expected them set "
+                        "first. Call engine.load_pretrained(base_folder) before engine.load, or build with init=True.")
     if problems:
         raise CheckpointError(problems[:20], api="load")
 
@@ -327,7 +351,9 @@ def load(engine: Engine, path: str | os.PathLike) -> dict:
     check_model(engine, manifest, path)
     check_files(engine, path, manifest)
     saved = manifest["tensors"]
+    kept = {f"param/{n}" for n in manifest.get("absent", [])}     # frozen values the engine keeps
     pieces, whole = _pieces(engine)
+    pieces = [p for p in pieces if p.key not in kept]
     by_key = {p.key: p for p in pieces}
     opt = engine.optimizer
     # optimizer state this engine has not created yet (no step taken): allocate it like the masters
@@ -395,7 +421,7 @@ def load(engine: Engine, path: str | os.PathLike) -> dict:
             t.copy_(request[k])
     _restore_optimizer(engine, manifest, fresh)
     for s in engine.states:          # frozen values go back into what the engine computes with
-        if not s.trainable:
+        if not s.trainable and f"param/{s.name}" in by_key:
             src = s.shard if s.shard is not None else s.local_piece(s.param.data)
             src.copy_(by_key[f"param/{s.name}"].flat.view_as(src))
     torch.set_rng_state(request[rng_key])

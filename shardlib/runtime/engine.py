@@ -174,12 +174,14 @@ class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
         return loss
 
     # ---- checkpoints (runtime/checkpoint.py) -------------------------------------------------------
-    def save(self, path, *, extra: dict | None = None):
+    def save(self, path, *, extra: dict | None = None, frozen: bool = True):
         """Write the whole training state (parameters, optimizer state, step, scheduler, loss scale,
         RNG, samples seen, ``extra``) to the folder ``path``: every rank its own pieces, in parallel
-        (DCP), moved into place once complete. Loadable on any mesh. A collective."""
+        (DCP), moved into place once complete. Loadable on any mesh. ``frozen=False`` leaves the
+        frozen parameters out (a fine-tune's base is not rewritten every save): ``load`` keeps the
+        engine's own frozen values then. A collective."""
         from .checkpoint import save
-        return save(self, path, extra=extra)
+        return save(self, path, extra=extra, frozen=frozen)
 
     def load(self, path) -> dict:
         """Restore the state ``save`` wrote — on any mesh, plan and world size; returns its ``extra``.
@@ -197,12 +199,18 @@ class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
         from .pretrained import load_pretrained
         load_pretrained(self, path, strict=strict)
 
-    def save_pretrained(self, path, *, max_shard_size: int | str = "50GB", dtype: torch.dtype = torch.float32):
+    def save_pretrained(self, path, *, max_shard_size: int | str = "50GB", dtype: torch.dtype = torch.float32,
+                        merged: bool = False):
         """Write what ``model.save_pretrained(path)`` writes in one process (config, generation config,
         safetensors sharded above ``max_shard_size`` with an index), tensors assembled on rank 0 one at a
-        time. A model with no transformers config gets the safetensors files only. A collective."""
+        time. A model with no transformers config gets the safetensors files only. A PEFT model: its
+        adapter folder, or with ``merged=True`` the plain base model with the adapters folded in
+        (``runtime/peft_export.py``). A collective."""
+        from .peft_export import is_peft_model, save_peft
         from .pretrained import save_pretrained
         self._refuse_before_load("save_pretrained")
+        if merged or is_peft_model(self.model):
+            return save_peft(self, path, merged=merged, max_shard_size=max_shard_size, dtype=dtype)
         return save_pretrained(self, path, max_shard_size=max_shard_size, dtype=dtype)
 
     def export(self, path):
