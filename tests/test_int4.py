@@ -78,21 +78,28 @@ def test_flatten_unflatten_rebuilds_whole_and_shards():
 
 
 def test_frozen_linear_weight_parity_and_grads():
-    w, b = _weight(), torch.randn(12)
+    w = _weight()
     q = Int4Tensor.from_float(w, 32)
     p = nn.Parameter(q, requires_grad=False)
     assert isinstance(p, Int4Tensor) and isinstance(p, nn.Parameter) and not p.requires_grad
     assert p.shape == (12, 64) and p.dtype == torch.float32 and p.device.type == "cpu"
-    x = torch.randn(5, 64, requires_grad=True)
-    x_ref = x.detach().clone().requires_grad_(True)
-    y = F.linear(x, p, b)
-    y_ref = F.linear(x_ref, q.dequantize(), b)
-    torch.testing.assert_close(y, y_ref, rtol=0, atol=0)
-    torch.testing.assert_close(x @ p.dequantize().T, y - b)
-    (y * y).sum().backward()
-    (y_ref * y_ref).sum().backward()
-    torch.testing.assert_close(x.grad, x_ref.grad, rtol=0, atol=0)
-    assert p.grad is None
+    g = torch.Generator().manual_seed(1)
+    for shape in ((5, 64), (2, 3, 64)):
+        x = torch.randn(*shape, generator=g).requires_grad_(True)
+        b = torch.randn(12, generator=g).requires_grad_(True)
+        x_ref, b_ref = x.detach().clone().requires_grad_(True), b.detach().clone().requires_grad_(True)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+            y = F.linear(x, p, b)
+        assert all(s.numel() != 12 * 64 for s in saved)     # backward dequantizes again: no float copy kept
+        y_ref = F.linear(x_ref, q.dequantize(), b_ref)
+        torch.testing.assert_close(y, y_ref, rtol=0, atol=0)
+        torch.testing.assert_close(x @ p.dequantize().T + b, y)
+        (y * y).sum().backward()
+        (y_ref * y_ref).sum().backward()
+        torch.testing.assert_close(x.grad, x_ref.grad, rtol=0, atol=0)
+        torch.testing.assert_close(b.grad, b_ref.grad)
+        assert p.grad is None
     with pytest.raises(ShardingError, match="cannot be trained"):
         F.linear(x, nn.Parameter(q))                                    # requires_grad=True: refused
 

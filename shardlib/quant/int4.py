@@ -19,7 +19,8 @@ tensor holds ``out*in/2 + groups*(scale bytes + 1)`` bytes, about 1/8 of fp32 pl
 ``Int4Tensor`` is a wrapper tensor subclass (outer shape and dtype are the float weight's) that stands in
 for a frozen ``nn.Linear`` weight: ``F.linear`` dequantizes per call (on CPU there is no int4 kernel to
 call, so we trade a transient float copy of one weight for the packed bytes at rest), autograd reaches
-the input and the bias, never the weight. ``__tensor_flatten__`` / ``__tensor_unflatten__`` and
+the input and the bias, never the weight. Like bitsandbytes' 4-bit matmul, backward dequantizes again
+rather than keeping each layer's float copy alive from forward to backward. ``__tensor_flatten__`` / ``__tensor_unflatten__`` and
 ``component_blocks`` let a runtime move and slice the packed bytes without dequantizing them.
 """
 
@@ -194,6 +195,8 @@ class Int4Tensor(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is F.linear:
+            return _linear(*args, **kwargs)
         if func in _FLOAT_FUNCS:
             return _call_dequantized(func, args, kwargs)
         with torch._C.DisableTorchFunctionSubclass():
@@ -210,7 +213,15 @@ class Int4Tensor(torch.Tensor):
 
 # -- what the subclass does under torch functions and aten ops ----------------------------------
 
-_FLOAT_FUNCS = {F.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__}
+_FLOAT_FUNCS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__}
+
+
+def _check_frozen(w: Int4Tensor, func: Any) -> None:
+    if w.requires_grad and torch.is_grad_enabled():
+        raise ShardingError(f"Int4Tensor: a packed int4 weight cannot be trained — got requires_grad=True on a "
+                            f"{list(w.shape)} weight in {getattr(func, '__name__', func)}; expected a frozen weight. "
+                            f"Freeze it (w.requires_grad_(False); quantize_int4_ does) and train adapters on top "
+                            f"(PEFT LoRA).")
 
 
 def _call_dequantized(func, args, kwargs):
@@ -218,13 +229,31 @@ def _call_dequantized(func, args, kwargs):
     def swap(a):
         if not isinstance(a, Int4Tensor):
             return a
-        if a.requires_grad and torch.is_grad_enabled():
-            raise ShardingError(f"Int4Tensor: a packed int4 weight cannot be trained — got requires_grad=True on "
-                                f"a {list(a.shape)} weight in {getattr(func, '__name__', func)}; expected a frozen "
-                                f"weight. Freeze it (w.requires_grad_(False); quantize_int4_ does) and train "
-                                f"adapters on top (PEFT LoRA).")
+        _check_frozen(a, func)
         return a.dequantize()
     return func(*tree_map(swap, args), **tree_map(swap, kwargs))
+
+
+class _FrozenInt4Linear(torch.autograd.Function):
+    """``y = x W^T + b`` with ``W`` packed: saves the packed weight, dequantizes again for ``dx = dy W``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: Int4Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        ctx.w, ctx.has_bias = w, b is not None
+        return F.linear(x, w.dequantize(), b)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        dx = dy @ ctx.w.dequantize().to(dy.dtype) if ctx.needs_input_grad[0] else None  # dy: autocast's dtype
+        db = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dx, None, db
+
+
+def _linear(input: torch.Tensor, weight: Any, bias: Any = None) -> torch.Tensor:
+    if isinstance(input, Int4Tensor) or isinstance(bias, Int4Tensor) or not isinstance(weight, Int4Tensor):
+        return _call_dequantized(F.linear, (input, weight, bias), {})
+    _check_frozen(weight, F.linear)
+    return _FrozenInt4Linear.apply(input, weight, bias)
 
 
 def _alias(func, self, *args, **kwargs):
