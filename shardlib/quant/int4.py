@@ -20,8 +20,9 @@ tensor holds ``out*in/2 + groups*(scale bytes + 1)`` bytes, about 1/8 of fp32 pl
 for a frozen ``nn.Linear`` weight: ``F.linear`` dequantizes per call (on CPU there is no int4 kernel to
 call, so we trade a transient float copy of one weight for the packed bytes at rest), autograd reaches
 the input and the bias, never the weight. Like bitsandbytes' 4-bit matmul, backward dequantizes again
-rather than keeping each layer's float copy alive from forward to backward. ``__tensor_flatten__`` / ``__tensor_unflatten__`` and
-``component_blocks`` let a runtime move and slice the packed bytes without dequantizing them.
+rather than keeping each layer's float copy alive from forward to backward. ``__tensor_flatten__`` /
+``__tensor_unflatten__`` and ``component_blocks`` let a runtime move and slice the packed bytes without
+dequantizing them.
 """
 
 from __future__ import annotations
