@@ -117,6 +117,11 @@ def test_detach_clone_to_copy_state_dict_deepcopy():
     m2 = quantize_int4_(nn.Sequential(nn.Linear(64, 12), nn.ReLU(), nn.Linear(12, 4)), 32)
     m2.load_state_dict(m.state_dict())
     assert all(torch.equal(a, b) for a, b in zip(_inner(m2[0].weight), _inner(w)))
+    with torch.device("meta"):
+        on_meta = quantize_int4_(nn.Sequential(nn.Linear(64, 12)), 32)
+    assert on_meta[0].weight.qdata.is_meta and on_meta[0].weight.packed_nbytes() == w.packed_nbytes()
+    on_meta.to_empty(device="cpu").load_state_dict(m[:1].state_dict())           # meta -> empty -> loaded
+    assert all(torch.equal(a, b) for a, b in zip(_inner(on_meta[0].weight), _inner(w)))
     half = m.to(torch.bfloat16)[0].weight
     assert half.dtype == torch.bfloat16 and half.scale.dtype == torch.bfloat16 and torch.equal(half.qdata, w.qdata)
 
@@ -134,8 +139,14 @@ def test_slices_by_component_blocks_equal_slices_of_floats():
             assert torch.equal(getattr(part, name), getattr(q, name)[r0 // br:r1 // br, c0 // bc:c1 // bc])
     assert torch.equal(q[2:7].dequantize(), full[2:7]) and torch.equal(q[:, 64:].dequantize(), full[:, 64:])
     assert torch.equal(Int4Tensor.from_float(_weight(12, 96)[5:9], 32).qdata, q[5:9].qdata)  # rows quantize alone
+    for dim in (0, 1):
+        for got, want in ((q.chunk(3, dim), full.chunk(3, dim)),
+                          (torch.split(q, [32, 64], 1), full.split([32, 64], 1))):
+            assert len(got) == len(want) and all(torch.equal(a.dequantize(), b) for a, b in zip(got, want))
     with pytest.raises(ShardingError, match="group_size 32"):
         q.slice(cols=slice(16, 96))
+    with pytest.raises(ShardingError, match=r"got \[0:16\]"):
+        q.chunk(6, dim=1)
 
 
 def test_unsupported_ops_name_the_op_and_the_way_out():

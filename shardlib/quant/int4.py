@@ -55,8 +55,9 @@ def _check_group_size(group_size: Any, api: str) -> None:
 
 def _unsupported(what: str) -> NotImplementedError:
     return NotImplementedError(f"Int4Tensor: {what} is not supported on a packed int4 weight — it supports "
-                               f"F.linear, detach, clone, .to(device or float dtype), copy_ from an Int4Tensor and "
-                               f"slices that keep groups whole. Call w.dequantize() for a float tensor and use that.")
+                               f"F.linear, detach, clone, .to(device or float dtype), empty_like, copy_ from an "
+                               f"Int4Tensor, and slices or splits that keep groups whole. Call w.dequantize() for a "
+                               f"float tensor and use that.")
 
 
 class Int4Tensor(torch.Tensor):
@@ -291,6 +292,21 @@ def _slice(func, self, dim=0, start=None, end=None, step=1):
     return self._slice_dim(dim % 2, start, end)
 
 
+def _split(func, self, split_size, dim=0):
+    """``split`` / ``split_with_sizes`` (and so ``chunk``): consecutive slices, each keeping groups whole."""
+    dim %= 2
+    size = self.shape[dim]
+    sizes = list(split_size) if isinstance(split_size, (list, tuple)) else \
+        [min(split_size, size - i) for i in range(0, size, split_size)]
+    bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    return [self._slice_dim(dim, a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def _empty_like(func, self, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    """Uninitialized inner tensors of the same shapes (``Module.to_empty`` materializes a meta model so)."""
+    return _to_copy(func, self._with(lambda t: torch.empty_like(t, device=device)), dtype=dtype, layout=layout)
+
+
 _DISPATCH: dict[Any, Callable] = {
     aten.detach.default: _alias,
     aten.alias.default: _alias,
@@ -298,6 +314,9 @@ _DISPATCH: dict[Any, Callable] = {
     aten._to_copy.default: _to_copy,
     aten.copy_.default: _copy_,
     aten.slice.Tensor: _slice,
+    aten.split.Tensor: _split,
+    aten.split_with_sizes.default: _split,
+    aten.empty_like.default: _empty_like,
 }
 
 
