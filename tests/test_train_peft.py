@@ -8,7 +8,8 @@ same PEFT model trained in one process on the same rows, and the adapter folder 
 the end (``engine.save_pretrained``) loads with ``PeftModel.from_pretrained`` onto the base, holding
 that process's trained adapters. The base folder is left as it was. The configuration errors — a
 LoRA run without a transformers folder, a rank of 0, a target that matches nothing, an unknown
-quantization, a quantized base with nothing to train — are named by config key in this process,
+quantization, an int4 group size that splits a layer's in-features, a quantized base with nothing to
+train — are named by config key in this process,
 before any rank starts.
 """
 
@@ -112,7 +113,7 @@ def test_lora_and_quant_errors_are_named_by_key(made, monkeypatch):
         assert len(got) == 1, got
         return got[0]
 
-    assert problems_of([*base, "lora=r16", "quant=int8"]) == []
+    assert problems_of([*base, "lora=r16", "quant=int8"]) == problems_of([*base, "lora=r8", "quant=int4"]) == []
     assert one("lora=r8", prefix=["mesh=dp2", "parallel=dp", "model=tiny"]) == (
         "lora: lora=r8 fine-tunes a transformers folder — got model=tiny (the reference GPT); expected model=hf "
         "model.path=<folder>, or lora=none.")
@@ -125,5 +126,9 @@ def test_lora_and_quant_errors_are_named_by_key(made, monkeypatch):
                           " — expected names of its linear layers (q_proj, ") and got.endswith("Did you mean q_proj?")
     assert one("lora=r8", "quant=int8", "quant.method=fp8").startswith("quant.method: 'fp8' is unknown — expected one "
                                                                        "of int8, int4")
+    assert one("lora=r8", "quant=int4", "quant.group_size=48") == (
+        "quant.group_size: 48 does not divide the in-features of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj "
+        "(32) and down_proj (64) — expected a divisor of every quantized layer's in-features. Use "
+        "quant.group_size=32 (or 16, 8).")
     assert one("lora=r8", "quant=int3").startswith("quant=int3: no such quant preset — expected one of int4, int8, "
                                                    "none")

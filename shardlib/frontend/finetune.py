@@ -21,6 +21,7 @@ folder with ``engine.save_pretrained`` (what ``peft_model.save_pretrained`` writ
 from __future__ import annotations
 
 import difflib
+import math
 import re
 import warnings
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import ShardingError
 from .config import ConfigError, ModelConfig, RunConfig, _Checker
 
 METHODS = ("int8", "int4")
@@ -168,8 +170,30 @@ def quantize(model: nn.Module, quant: QuantConfig, path: str | None) -> int:
         quantize_(model, Int8WeightOnlyConfig(), filter_fn=lambda m, fqn: fqn in chosen)
     else:
         from ..quant import quantize_int4_
-        quantize_int4_(model, group_size=quant.group_size, filter_fn=lambda m, fqn: fqn in chosen)
+        _check_groups(model, names, quant.group_size)
+        try:
+            quantize_int4_(model, group_size=quant.group_size, filter_fn=lambda m, fqn: fqn in chosen)
+        except ShardingError as e:           # in-features that are not whole groups, one line per layer
+            raise ConfigError([f"quant.group_size: {p}" for p in e.problems], api="config") from None
     return len(names)
+
+
+def _check_groups(model: nn.Module, names: list[str], group: int) -> None:
+    """Each quantized layer's in-features must be whole groups: one problem for all that are not."""
+    layers = dict(model.named_modules())
+    bad: dict[int, list[str]] = {}
+    for n in names:
+        if layers[n].in_features % group:
+            bad.setdefault(layers[n].in_features, []).append(n.rsplit(".", 1)[-1])
+    if not bad:
+        return
+    width = math.gcd(*(layers[n].in_features for n in names))
+    fits = [g for g in (128, 64, 32, 16, 8) if width % g == 0] or [width]
+    raise ConfigError(f"quant.group_size: {group} does not divide the in-features of "
+                      + " and ".join(f"{', '.join(dict.fromkeys(v))} ({k})" for k, v in sorted(bad.items()))
+                      + f" — expected a divisor of every quantized layer's in-features. Use quant.group_size="
+                      f"{fits[0]}" + (f" (or {', '.join(map(str, fits[1:]))})" if fits[1:] else "") + ".",
+                      api="config")
 
 
 def target_problems(model: nn.Module, run: RunConfig) -> list[str]:
