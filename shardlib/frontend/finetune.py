@@ -24,6 +24,7 @@ import difflib
 import math
 import re
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,7 +69,7 @@ class QuantConfig:
 
 def adapter_config(raw: Any, problems: list[str]) -> AdapterConfig | None:
     """The ``lora`` group (``None`` for ``lora=none``), every bad key noted in ``problems``."""
-    if raw is None or (isinstance(raw, dict) and raw.get("name") == "none" and set(raw) == {"name"}):
+    if raw is None or (isinstance(raw, Mapping) and raw.get("name") == "none" and set(raw) == {"name"}):
         return None
     c = _Checker("lora", raw, problems, ("name", "r", "alpha", "dropout", "target_modules"))
     dropout = c.number("dropout", 0.0)
@@ -87,7 +88,7 @@ def adapter_config(raw: Any, problems: list[str]) -> AdapterConfig | None:
 
 def quant_config(raw: Any, problems: list[str]) -> QuantConfig | None:
     """The ``quant`` group (``None`` for ``quant=none``), every bad key noted in ``problems``."""
-    if raw is None or (isinstance(raw, dict) and raw.get("name") == "none" and set(raw) == {"name"}):
+    if raw is None or (isinstance(raw, Mapping) and raw.get("name") == "none" and set(raw) == {"name"}):
         return None
     c = _Checker("quant", raw, problems, ("name", "method", "group_size"))
     method = c.get("method")
@@ -117,11 +118,6 @@ def cross_problems(lora: AdapterConfig | None, quant: QuantConfig | None, model:
         out.append(f"quant: quant={quant.name} freezes the base in {quant.method}, and with lora=none nothing would "
                    "train — expected adapters to train over it (e.g. lora=r16), or quant=none.")
     return out
-
-
-def tuned(run: RunConfig) -> bool:
-    """Whether the run fine-tunes adapters (``lora`` is set; ``quant`` needs it)."""
-    return run.lora is not None
 
 
 # ---- building -----------------------------------------------------------------------------------
