@@ -4,7 +4,8 @@ The boundary hooks that a step runs (``comm/boundaries.py``) are installed on th
 ``Ops`` that records instead of communicating, and one micro-batch's forward runs on the meta
 device (``torch.func.functional_call`` with meta tensors of each rank's shard shapes: nothing is
 allocated, the model is not touched). Each boundary records its forward collective and the
-transposed one its backward will run; a unit that recomputes records its forward collectives
+transposed one its backward will run (where what it moves requires a gradient: the values of
+trainable parameters are traced as requiring one); a unit that recomputes records its forward collectives
 again in backward. Traced once per tensor coordinate (uneven widths give uneven shards).
 """
 
@@ -54,7 +55,8 @@ class RecordingOps:
         return x.new_empty(shape)
 
     def f(self, x):
-        self._rec("backward", "all_reduce", self._bytes("all_reduce", x))
+        if x.requires_grad:           # autograd runs no backward for what needs no gradient
+            self._rec("backward", "all_reduce", self._bytes("all_reduce", x))
         return x
 
     def g(self, y):
@@ -63,28 +65,32 @@ class RecordingOps:
 
     def gather_seq(self, x):
         self._rec("forward", "all_gather", self._bytes("all_gather", x))
-        self._rec("backward", "reduce_scatter", self._bytes("reduce_scatter", x))
-        return self._seq(x, self.size)
+        if x.requires_grad:
+            self._rec("backward", "reduce_scatter", self._bytes("reduce_scatter", x))
+        return self._seq(x, self.size).requires_grad_(x.requires_grad)
 
     def scatter_seq(self, y):
         self._check(y)
         out = self._seq(y, 1 / self.size)
         self._rec("forward", "reduce_scatter", self._bytes("reduce_scatter", out))
-        self._rec("backward", "all_gather", self._bytes("all_gather", out))
-        return out
+        if y.requires_grad:
+            self._rec("backward", "all_gather", self._bytes("all_gather", out))
+        return out.requires_grad_(y.requires_grad)
 
     def slice_seq(self, x):
         self._check(x)
         out = self._seq(x, 1 / self.size)
-        self._rec("backward", "all_gather", self._bytes("all_gather", out))
-        return out
+        if x.requires_grad:
+            self._rec("backward", "all_gather", self._bytes("all_gather", out))
+        return out.requires_grad_(x.requires_grad)
 
     def unslice_seq(self, x):
         self._rec("forward", "all_gather", self._bytes("all_gather", x))
-        return self._seq(x, self.size)
+        return self._seq(x, self.size).requires_grad_(x.requires_grad)
 
     def param_f(self, p):
-        self._rec("backward", "all_reduce", self._bytes("all_reduce", p), what="sp-grads")
+        if p.requires_grad:
+            self._rec("backward", "all_reduce", self._bytes("all_reduce", p), what="sp-grads")
         return p
 
     def coord(self) -> int:
@@ -213,7 +219,7 @@ def _trace(model: nn.Module, plan: Plan, batch: Any, coord: int, device: str, *,
         if present is not None and p.name not in present:
             continue
         shape = tuple(Layout(mesh, p.spec).local_shape(p.shape, rank)) if p.shape else ()
-        values[p.name] = torch.zeros(shape, dtype=plan.compute_dtype, device=device)
+        values[p.name] = torch.zeros(shape, dtype=plan.compute_dtype, device=device, requires_grad=p.trainable)
     for name, b in model.named_buffers():
         dt = plan.compute_dtype if b.is_floating_point() and plan.mixed else b.dtype
         if device == "meta" or b.is_meta:      # a meta build's buffers (rotary tables) trace as zeros on the CPU
@@ -231,7 +237,10 @@ def _trace(model: nn.Module, plan: Plan, batch: Any, coord: int, device: str, *,
         return output.new_zeros((*output.shape[:-1], site.width))
     bounds = Boundaries(model, tp, ops, [u.name for u in plan.units], on_logits=logits, partial=partial)
     try:
-        with torch.no_grad():
+        # with autograd on (the values of trainable parameters require gradients): a backward
+        # collective is recorded only where the step's backward will run it — not for what needs no
+        # gradient (the stream before the first trainable parameter of a frozen base, say)
+        with torch.enable_grad():
             if isinstance(mb, dict):
                 args, kwargs = (), mb
             else:
