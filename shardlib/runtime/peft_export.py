@@ -26,6 +26,7 @@ another architecture. Saving again over the same adapter (or model) is allowed.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -118,8 +119,9 @@ def _folder_problems(model: nn.Module, path: Path, merged: bool) -> list[str]:
                 got = json.loads((path / CONFIG).read_text())
             except ValueError:
                 got = {}
-            want = (getattr(base.config, "model_type", None), [type(base).__name__])
-            if (got.get("model_type"), got.get("architectures")) != want:
+            want = (getattr(getattr(base, "config", None), "model_type", None), [type(base).__name__])
+            if hasattr(getattr(base, "config", None), "model_type") and \
+                    (got.get("model_type"), got.get("architectures")) != want:
                 out.append(f"save_pretrained: {path} holds another model's {CONFIG} — got model_type "
                            f"{got.get('model_type')!r}, architectures {got.get('architectures')}; expected {want[0]!r}, "
                            f"{want[1]}. {_AGAIN}")
@@ -256,15 +258,16 @@ def _save_merged(engine: Engine, path: Path, layers: dict, max_shard_size: int |
     split = split_torch_state_dict_into_shards(meta, filename_pattern="model{suffix}.safetensors",
                                                max_shard_size=size)
     del meta
-    base.config.dtype = str(dtype).split(".")[1]            # as save_pretrained: the saved dtype and class
-    base.config.architectures = [type(base).__name__]
+    hf = hasattr(getattr(base, "config", None), "save_pretrained")
     failed = None
     if rank0:
         try:
             path.mkdir(parents=True, exist_ok=True)
-            base.config.save_pretrained(path)
-            if base.can_generate() and getattr(base, "generation_config", None) is not None:
-                base.generation_config.save_pretrained(path)
+            if hf:
+                _plain_config(base, dtype).save_pretrained(path)
+                can = getattr(base, "can_generate", None)
+                if callable(can) and can() and getattr(base, "generation_config", None) is not None:
+                    base.generation_config.save_pretrained(path)
         except OSError as e:
             failed = _cannot(path, e)
     failed = _one(engine, failed)
@@ -289,13 +292,24 @@ def _save_merged(engine: Engine, path: Path, layers: dict, max_shard_size: int |
             failed = out.install(path / fname)
     if rank0 and failed is None:
         try:
-            _tidy(path, split, sum(math.prod(kinds[src][0]) for _, src in names if src not in buffers), True)
+            _tidy(path, split, sum(math.prod(kinds[src][0]) for _, src in names if src not in buffers), hf)
         except OSError as e:
             failed = _cannot(path, e)
     failed = _one(engine, failed)
     if failed:
         raise CheckpointError(failed)
     return path
+
+
+def _plain_config(base: nn.Module, dtype: torch.dtype):
+    """The base's config as ``save_pretrained`` writes it for the merged weights: the saved dtype, the
+    class, and no quantization (merged weights are floats)."""
+    cfg = copy.deepcopy(base.config)
+    cfg.dtype = str(dtype).split(".")[1]
+    cfg.architectures = [type(base).__name__]
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config
+    return cfg
 
 
 def _merge(sender: _Sender, first: dict[str, str], prefix: str, layer: str, mod: nn.Module,
