@@ -48,6 +48,7 @@ LAYOUTS = {
                                                                                           "zero": 3})],
     "gpt": [("data2-zero3", {"data": 2, "tensor": 1}, {"zero": 3}), ("tensor2", {"data": 1, "tensor": 2}, {})],
 }
+SHARDED = ("llama", "data2-zero3")      # also writes the merged folder sharded, and in bf16
 LAYOUT_3D = [("3d", {"data": 2, "pipe": 2, "tensor": 2}, {"zero": 3})]
 _REF: dict = {}
 
@@ -78,6 +79,8 @@ def reference(kind: str, root) -> dict:
         plain = model.merge_and_unload()
         if kind == "llama":
             plain.save_pretrained(root / f"ref-{kind}-merged")
+            plain.save_pretrained(root / f"ref-{kind}-merged-sharded", max_shard_size="40KB")
+            plain.to(torch.bfloat16).save_pretrained(root / f"ref-{kind}-merged-bf16")
         _REF[kind] = {"losses": losses, "logits": logits, "adapter": root / f"ref-{kind}-adapter",
                       "merged": root / f"ref-{kind}-merged", "state": {k: v.clone() for k, v in
                                                                        plain.state_dict().items()}}
@@ -94,6 +97,11 @@ def train_save(kind: str, runs: list[tuple[str, dict, dict]], root: str) -> dict
         losses = [engine.step(b) for b in peft_models.batches(kind)]
         engine.save_pretrained(os.path.join(root, f"{kind}-{tag}", "adapter"))
         engine.save_pretrained(os.path.join(root, f"{kind}-{tag}", "merged"), merged=True)
+        if (kind, tag) == SHARDED:
+            engine.save_pretrained(os.path.join(root, f"{kind}-{tag}", "merged-sharded"), merged=True,
+                                   max_shard_size="40KB")
+            engine.save_pretrained(os.path.join(root, f"{kind}-{tag}", "merged-bf16"), merged=True,
+                                   dtype=torch.bfloat16)
         full = engine.full_state_dict()
         out[tag] = {"losses": losses, "adapters": {k.replace(".default", ""): v for k, v in full.items()
                                                    if "lora_" in k} if engine.mesh.rank == 0 else None}
@@ -224,6 +232,25 @@ def _check_layouts(kind: str, root, runs: list, results: list[dict]) -> None:
         assert max_rel(losses[0], ref["losses"]) <= 1e-5, (tag, losses[0], ref["losses"])
         unmerged, logits = _check_adapter(kind, root / f"{kind}-{tag}" / "adapter", ref, results[0][tag]["adapters"])
         _check_merged(kind, root / f"{kind}-{tag}" / "merged", ref, unmerged, logits)
+        if (kind, tag) == SHARDED:
+            _check_sharded_bf16(root / f"{kind}-{tag}", root / f"ref-{kind}")
+
+
+def _check_sharded_bf16(folder, ref) -> None:
+    """``max_shard_size`` and ``dtype`` as ``save_pretrained`` has them: the same shard files, index and
+    config as the one-process model's, and bf16 tensors under the same names."""
+    from safetensors import safe_open
+
+    sharded, rsharded = folder / "merged-sharded", ref.parent / f"{ref.name}-merged-sharded"
+    assert sorted(os.listdir(sharded)) == sorted(os.listdir(rsharded)) and \
+        "model.safetensors.index.json" in os.listdir(sharded)
+    index, rindex = (json.loads((f / "model.safetensors.index.json").read_text()) for f in (sharded, rsharded))
+    assert index == rindex
+    bf16, rbf16 = folder / "merged-bf16", ref.parent / f"{ref.name}-merged-bf16"
+    assert json.loads((bf16 / "config.json").read_text()) == json.loads((rbf16 / "config.json").read_text())
+    for f in (bf16, rbf16):
+        with safe_open(str(f / "model.safetensors"), framework="pt") as h:
+            assert all(h.get_slice(k).get_dtype() == "BF16" for k in h.keys())
 
 
 def test_adapter_and_merged_from_every_layout(world, tmp_path):
