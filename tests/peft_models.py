@@ -32,15 +32,17 @@ def base(kind: str, quant: str | None = None):
         quantize_(model, Int8WeightOnlyConfig(), filter_fn=_adapted(kind))
     elif quant == "int4":
         from shardlib.quant import quantize_int4_
-        quantize_int4_(model, group_size=GROUP, filter_fn=_adapted(kind))
+        quantize_int4_(model, group_size=GROUP, filter_fn=_adapted(kind, GROUP))
     elif quant is not None:
         raise ValueError(quant)
     return model
 
 
-def _adapted(kind: str):
-    """Quantize the layers LoRA adapts only (the embeddings and the LM head stay float)."""
-    return lambda module, fqn: isinstance(module, torch.nn.Linear) and fqn.rpartition(".")[2] in TARGETS[kind]
+def _adapted(kind: str, group: int = 1):
+    """Quantize the layers LoRA adapts only (the embeddings and the LM head stay float), those whose
+    in-features hold whole groups of ``group`` (Llama's down_proj, 90 wide, stays float in int4)."""
+    return lambda module, fqn: (isinstance(module, torch.nn.Linear) and fqn.rpartition(".")[2] in TARGETS[kind]
+                                and module.in_features % group == 0)
 
 
 def lora(kind: str, quant: str | None = None, r: int = 4):

@@ -18,6 +18,7 @@ from ..algebra.layout import Layout
 from ..algebra.mesh import AbstractMesh
 from ..algebra.spec import Fused, PartitionSpec
 from ..errors import ShardingError, ShardingTypeError
+from ..quant.layout import QuantSpec, is_quantized, quantized_problems
 from .peft import adapter_specs
 from .pipeline import PipelinePlan
 from .pipeline import derive as derive_pipeline
@@ -204,7 +205,7 @@ def plan(model: nn.Module, mesh: AbstractMesh, zero: int | None = None, *, state
     specs = {k: _trim(v) for k, v in specs.items()}
     params = [ParamPlan(name, tuple(p.shape), unit_of[name], buckets.get(name), p.requires_grad,
                         *state_layouts(specs.get(name, PartitionSpec()) if p.dim() else PartitionSpec()),
-                        spec=specs.get(name, PartitionSpec()))
+                        spec=specs.get(name, PartitionSpec()), quant=QuantSpec.of(p) if is_quantized(p) else None)
               for name, p in named]
     members: dict[str, list[str]] = {}
     for pp in params:
@@ -410,7 +411,7 @@ def _check(model: nn.Module, mesh: AbstractMesh, *, zero, states, precision, red
         spec_problems: list[str] = []
         specs = resolve_specs(model, mesh, rules, collect=spec_problems)
         specs, adapter_problems = adapter_specs(model, specs, tensor_axis)
-        for m in spec_problems + adapter_problems:
+        for m in spec_problems + adapter_problems + quantized_problems(model, specs, mesh):
             add(m)
         t = mesh.axis_sizes.get(tensor_axis, 1)
         if t > 1:       # with the spec problems: every problem at once

@@ -110,6 +110,7 @@ def flat_layout(plan: Plan) -> FlatLayout:
     """The flat groups of ``plan``: its units when parameters are sharded at rest (ZeRO-3),
     else its gradient buckets. One pass over the parameters."""
     layout = Layout(plan.mesh, PartitionSpec(plan.data_axis))
+    c = plan.compute_dtype.itemsize
     if plan.states.params is not None:
         members = [(u.name, [plan.param(n) for n in u.params]) for u in plan.units]
     else:
@@ -120,9 +121,10 @@ def flat_layout(plan: Plan) -> FlatLayout:
         sizes = {TRAIN: 0, FROZEN: 0}
         for p in params:
             seg = TRAIN if p.trainable else FROZEN
-            slots[p.name] = FlatSlot(g, seg, sizes[seg], p.numel)
+            n = p.stored(c)          # a quantized weight: its packed bytes, as compute-dtype elements
+            slots[p.name] = FlatSlot(g, seg, sizes[seg], n)
             names[seg].append(p.name)
-            sizes[seg] += p.numel
+            sizes[seg] += n
         groups.append(FlatGroup(name, tuple(names[TRAIN]), tuple(names[FROZEN]),
                                 {k: Segment(v, layout) for k, v in sizes.items()}))
     return FlatLayout(tuple(groups), slots)

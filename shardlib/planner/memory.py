@@ -42,7 +42,9 @@ class MemoryAccounting:
         # this rank's elements of each flat group's segments (ZeRO's shards: flat.py)
         mine = [(grp.local_numel(rank, TRAIN), grp.local_numel(rank, FROZEN)) for grp in groups]
         mine_t = sum(t for t, _ in mine)
-        params = (sum(t + f for t, f in mine) if states.params is not None else psi) * c
+        params = (sum(t + f for t, f in mine) * c if states.params is not None else
+                  (psi - sum(p.numel for p in self.params if p.quant is not None)) * c
+                  + sum(p.quant.held_bytes(p.shape) for p in self.params if p.quant is not None))
         if states.keep_local_grads:
             grads = psi_t * c                             # full local gradients (compute dtype) persist
         else:

@@ -40,6 +40,7 @@ import torch
 from ..algebra.layout import Layout
 from ..algebra.mesh import AbstractMesh
 from ..algebra.spec import PartitionSpec
+from ..quant.layout import QuantSpec
 from .explain import Explain
 from .flat import FlatLayout, flat_layout
 from .memory import MemoryAccounting
@@ -97,10 +98,19 @@ class ParamPlan:
     # above are the data axis's over that shard
     spec: PartitionSpec = PartitionSpec()
     full_shape: tuple[int, ...] | None = None
+    # a quantized frozen weight (``quant/layout.py``): held as its packed bytes, not ``numel`` floats
+    quant: QuantSpec | None = None
 
     @functools.cached_property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    def stored(self, itemsize: int) -> int:
+        """Elements of ``itemsize`` bytes that hold the parameter at rest: ``numel``, or a quantized
+        weight's packed bytes (of this plan's shape: a tensor shard in a local plan) rounded up."""
+        if self.quant is None:
+            return self.numel
+        return -(-self.quant.packed_bytes(self.shape) // itemsize)
 
     def local_numel(self, layout: Layout, rank: int) -> int:
         return shard_numel(layout, self.flat_shape, rank)

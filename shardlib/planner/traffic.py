@@ -250,7 +250,7 @@ class TrafficAccounting:
         replica = Fraction(2 * g * (r - 1), r * n)    # per trainable element and reduction, over the replicas
         if self.states.params is not None:
             if self.pipe_unshard:     # a stage's units: one gather and one reduce-scatter per step
-                return int((c * sum(p.numel for p in self.params) + g * self.num_trainable) * f
+                return int((c * sum(p.stored(c) for p in self.params) + g * self.num_trainable) * f
                            + replica * self.num_trainable)
             once = self.pipe_size > 1            # the microbatch policy: the root once per step
             total = Fraction(0)
@@ -258,7 +258,7 @@ class TrafficAccounting:
                 k = 1 if once and u.name == "" else self.grad_accum
                 ps = self.unit_params(u.name)
                 trainable = sum(p.numel for p in ps if p.trainable)
-                total += k * (((2 if u.reshard_after_forward else 1) * c * sum(p.numel for p in ps) + g * trainable)
+                total += k * (((2 if u.reshard_after_forward else 1) * c * sum(p.stored(c) for p in ps) + g * trainable)
                               * f + replica * trainable)
             return int(total)
         if self.states.grads is None:            # all-reduce over every data-parallel rank

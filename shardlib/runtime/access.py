@@ -38,6 +38,7 @@ from ..algebra.spec import PartitionSpec
 from ..comm import core as comm
 from ..comm.redistribute import redistribute
 from ..errors import ShardingError
+from ..quant.layout import views
 from .sync import broadcast_coalesced
 
 _FIX = ("Read full values inside `with engine.gathered(): ...` (writable=True keeps edits), or take "
@@ -194,6 +195,9 @@ class EngineAccess:
         that element, exactly. One fused all-reduce for all such parameters."""
         out, parts = {}, []
         for s in self.states:
+            if s.plan.quant is not None:
+                out[s.name] = self._dequantized(s)
+                continue
             full = self._replicated(s)
             if full is not None:
                 out[s.name] = full.detach().to(torch.float32, copy=True).view(s.plan.shape)
@@ -211,11 +215,24 @@ class EngineAccess:
             comm.all_reduce(flat, self.mesh, self.plan.data_axis, inplace=True)
         return out
 
+    def _dequantized(self, s) -> torch.Tensor:
+        """A quantized weight's tensor shard in fp32: under ZeRO-3 its packed bytes are summed over
+        ``data`` into zeros as integers (each byte held by one rank: exact), then dequantized."""
+        if s.store is None:
+            return s.param.dequantize().to(torch.float32)
+        raw = torch.zeros(s.store.numel() * s.store.element_size(), dtype=torch.uint8, device=self.mesh.device)
+        s.local_piece(raw.view(s.store.dtype)).view(torch.uint8).copy_(s.shard.view(torch.uint8))
+        comm.all_reduce(raw, self.mesh, self.plan.data_axis, inplace=True)
+        return views(s.param, raw, tuple(s.plan.shape)).dequantize().to(torch.float32)
+
     @torch.no_grad()
     def _write_back(self, values: dict[str, torch.Tensor]) -> None:
-        """Store full fp32 ``values`` in every tensor that holds each parameter, in its dtype."""
+        """Store full fp32 ``values`` in every tensor that holds each parameter, in its dtype (a
+        quantized frozen weight is never rewritten: its codes are what it is)."""
         states = self.plan.states
         for s in self.states:
+            if s.plan.quant is not None:
+                continue
             f = values[s.name]
             if states.params is None or s.param.untyped_storage().nbytes() > 0:
                 s.param.data.copy_(f)                # full compute copy (or a ZeRO-3 unit left gathered)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from ..quant.layout import inner_tensors
+
 
 class EngineInspection:
     """The inspection half of ``Engine`` (mixed in)."""
@@ -29,7 +31,9 @@ class EngineInspection:
             out[kind] += st.nbytes()
 
         for s in self.states:
-            add("params", s.param)
+            # a quantized weight: its components (or, under ZeRO-3, the buffer they view)
+            for t in inner_tensors([s.param]) if s.plan.quant is not None and s.store is None else [s.storage]:
+                add("params", t)
             add("params", s.shard)
         if self.buckets is not None and self.buckets.views:
             for buf in self.buckets.buffers:

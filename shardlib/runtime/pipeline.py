@@ -74,7 +74,9 @@ def strip_to_stage(model: nn.Module, keep: set[str]) -> None:
             if p is None or id(p) in kept or p.is_meta:
                 continue
             if id(p) not in done:
-                done[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+                # shapes only (a quantized weight too: another stage's weight is never used here)
+                done[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
+                                           requires_grad=p.requires_grad)
             mod._parameters[attr] = done[id(p)]
 
 

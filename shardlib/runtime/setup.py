@@ -13,6 +13,7 @@ from ..algebra.mesh import Mesh
 from ..errors import ShardingError, ShardingTypeError
 from ..planner.build import param_owners
 from ..planner.plan import Plan
+from ..quant.layout import pack, slice_weight, views
 from .flat import flat_runs
 from .materialize import (agreed_rng_state, init_program, materialize, materialize_, partly_meta, put_buffers,
                           unit_groups)
@@ -108,6 +109,8 @@ class EngineSetup:
         else:
             lo, hi = slot.piece(flat.groups[slot.group].segments[slot.segment].bounds(mesh.rank))
         st = ParamState(i, pp, p, slot, lo, hi, owners)
+        if pp.quant is not None:
+            return self._quantized_state(st, full)
         if pp.full_shape is not None and tuple(full.shape) != pp.shape:   # split over tensor: keep this rank's shard
             full = Layout(mesh, pp.spec).local_part(full, mesh.rank).clone(   # a fused dim: its chunk of every block
                 memory_format=torch.contiguous_format)          # not a view: the full value is freed
@@ -139,6 +142,31 @@ class EngineSetup:
                                     requires_grad=pp.trainable)
                 full.untyped_storage().resize_(0)
                 st.param = full
+        return st
+
+    def _quantized_state(self, st: ParamState, full: torch.Tensor) -> ParamState:
+        """A quantized frozen weight: this rank's tensor shard of it (every component cut to match,
+        ``quant/layout.py``), held packed; under ZeRO-3 this rank keeps its piece of the shard's packed
+        bytes and the modules hold the shard rebuilt as views of a buffer filled while gathered."""
+        plan, mesh, pp = self.plan, self.mesh, st.plan
+        mine = full
+        if pp.full_shape is not None and tuple(full.shape) != pp.shape:
+            mine = slice_weight(full, Layout(mesh, pp.spec).local_slices(full.shape, mesh.rank))
+        mine = mine.to(mesh.device)
+        if plan.states.params is None:
+            st.param = nn.Parameter(mine, requires_grad=False)
+            for mod, attr in st.owners:
+                mod._parameters[attr] = st.param
+            return st
+        c = self.cdt.itemsize
+        packed = pack(mine)
+        store = torch.zeros(pp.stored(c) * c, dtype=torch.uint8, device=mesh.device)
+        store[:packed.numel()] = packed
+        store = store.view(self.cdt)
+        st.shard = st.local_piece(store).clone()
+        st.store = store
+        st.param = nn.Parameter(views(mine, store, tuple(mine.shape)), requires_grad=False)
+        store.untyped_storage().resize_(0)
         return st
 
     def _owners(self) -> dict[int, list[tuple[nn.Module, str]]]:

@@ -38,6 +38,14 @@ class ParamState:
     shard: torch.Tensor | None = None
     grad_shard: torch.Tensor | None = None
     used: bool = False
+    # ZeRO-3, a quantized weight: its packed bytes as compute-dtype elements, whose storage is filled
+    # while gathered; ``param`` is the weight rebuilt as views of it (``quant/layout.py``)
+    store: torch.Tensor | None = None
+
+    @property
+    def storage(self) -> torch.Tensor:
+        """The tensor whose storage holds the gathered parameter (ZeRO-3 fills and frees it)."""
+        return self.param if self.store is None else self.store
 
     @property
     def name(self) -> str:

@@ -21,6 +21,7 @@ from torch import nn
 
 from ..algebra.mesh import Mesh
 from ..comm import core as comm
+from ..quant.layout import inner_tensors
 
 
 def by_dtype(tensors: Sequence[torch.Tensor]) -> dict[torch.dtype, list[torch.Tensor]]:
@@ -51,7 +52,7 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], mesh: Mesh, axes: str |
 
 def module_tensors(model: nn.Module) -> list[torch.Tensor]:
     """Every parameter (frozen too, tied ones once), then every buffer: what set-up broadcasts."""
-    return [p for p in model.parameters()] + list(model.buffers())
+    return inner_tensors([p for p in model.parameters()]) + list(model.buffers())   # quantized: their bytes
 
 
 def broadcast_module(model: nn.Module, mesh: Mesh, axis: str) -> None:

@@ -75,7 +75,7 @@ class Unit:
 
     @property
     def gathered_bytes(self) -> int:
-        return sum(s.param.numel() * s.param.element_size() for s in self.states)
+        return sum(s.storage.numel() * s.storage.element_size() for s in self.states)
 
 
 class UnitRunner:
@@ -135,11 +135,11 @@ class UnitRunner:
         out = u.pending.wait()
         u.pending = None
         for s in u.states:
-            s.param.untyped_storage().resize_(s.param.numel() * s.param.element_size())
+            s.storage.untyped_storage().resize_(s.storage.numel() * s.storage.element_size())
         self._track(u.gathered_bytes)
         # through .data: autograd's version counters stay as they were, so tensors saved in
         # forward (the same values) remain valid for backward
-        u.flat.unpack(out, lambda s: s.param.data)
+        u.flat.unpack(out, lambda s: s.storage.data)
         del out
         self._track(-u.buffer_bytes)
         u.status = "gathered"
@@ -148,7 +148,7 @@ class UnitRunner:
         if u.status != "gathered":
             return
         for s in u.states:
-            s.param.untyped_storage().resize_(0)
+            s.storage.untyped_storage().resize_(0)
         self._track(-u.gathered_bytes)
         u.status = "free"
         self.events.append(f"F({u.name or '<root>'})")

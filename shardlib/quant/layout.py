@@ -1,0 +1,238 @@
+"""Quantized frozen weights as layouts: what a shard of one holds, in packed bytes.
+
+A quantized weight (torchao's ``Int8Tensor``, the project's ``Int4Tensor``: wrapper tensor subclasses
+with ``__tensor_flatten__``) is a float ``[out, in]`` weight stored as *components*: codes (``qdata``)
+and per-block scales and zero points. Each component entry covers a block of the weight — ``(1, 1)``
+for int8 codes, ``(1, 2)`` for packed int4 codes, ``(1, G)`` for group-wise scales, ``(1, in)`` for
+per-row (channel) scales — so a slice of the weight is a slice of every component:
+
+* rows (out-features: a column-parallel split, ZeRO's data axis on a tensor-local weight's rows) cut
+  every component on its rows: a row's scale goes with its values;
+* in-features (a row-parallel split) cut codes and group-wise scales at group boundaries; a
+  component with one entry across the in-features (a per-row scale) is kept whole on every slice:
+  each slice of a row keeps that row's scale. A slice boundary inside a group would cut it: refused
+  (``split_problems``), naming the group size and the tensor degrees that keep groups whole.
+
+``QuantSpec`` is the arithmetic of a weight's components (names, dtypes, blocks, whole dims), enough to
+give the packed bytes of any shard shape at plan time; ``slice_weight`` cuts a real weight;
+``pack``/``views`` lay a weight's components end to end in one byte buffer (aligned for each dtype)
+and rebuild the weight as views of such a buffer, so ZeRO-3 moves a quantized weight as its packed
+bytes, in the same all-gather as the unit's other parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import ShardingError
+
+_ALIGN = 8          # byte offsets of components in a packed buffer: every dtype's alignment
+
+
+def is_quantized(t: object) -> bool:
+    """A quantized weight: a tensor subclass with components (``__tensor_flatten__``) and codes (``qdata``)."""
+    return isinstance(t, torch.Tensor) and hasattr(type(t), "__tensor_flatten__") and hasattr(t, "qdata")
+
+
+def inner_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` with each quantized weight replaced by its components (plain tensors): what a
+    broadcast or a byte count moves for them."""
+    out = []
+    for t in tensors:
+        if is_quantized(t):
+            out += [c for c in (getattr(t, n) for n in t.__tensor_flatten__()[0]) if isinstance(c, torch.Tensor)]
+        else:
+            out.append(t)
+    return out
+
+
+def _blocks(t: torch.Tensor) -> dict[str, tuple[int, ...]]:
+    """Weight elements per component entry, per dim."""
+    names, meta = t.__tensor_flatten__()
+    own = getattr(t, "component_blocks", None)
+    if callable(own):
+        return {k: tuple(v) for k, v in own().items()}
+    out = {}
+    block = tuple(meta.get("block_size") or getattr(t, "block_size", ()) or ())
+    for n in names:
+        c = getattr(t, n)
+        if c is None:
+            continue
+        if tuple(c.shape) == tuple(t.shape):
+            out[n] = (1,) * t.dim()
+        elif block:
+            out[n] = tuple(block)
+        else:
+            out[n] = tuple(math.ceil(s / max(cs, 1)) for s, cs in zip(t.shape, c.shape))
+    return out
+
+
+@dataclass(frozen=True)
+class Component:
+    name: str
+    dtype: torch.dtype
+    block: tuple[int, ...]        # weight elements per entry, per dim
+    whole: tuple[bool, ...]       # one entry spans the whole dim (kept whole on every slice of it)
+
+    def shape(self, weight: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(1 if w else math.ceil(n / b) for n, b, w in zip(weight, self.block, self.whole))
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """The components of a quantized weight of global shape ``shape``, and its type's name."""
+
+    kind: str
+    shape: tuple[int, ...]
+    components: tuple[Component, ...]
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> QuantSpec:
+        blocks = _blocks(t)
+        comps = []
+        for n in t.__tensor_flatten__()[0]:
+            c = getattr(t, n)
+            if c is None:
+                continue
+            b = blocks[n]
+            whole = tuple(cs == 1 and b_ >= s > 1 for cs, b_, s in zip(c.shape, b, t.shape))
+            comps.append(Component(n, c.dtype, b, whole))
+        return cls(type(t).__name__, tuple(t.shape), tuple(comps))
+
+    def packed_bytes(self, shape: tuple[int, ...] | None = None) -> int:
+        """Bytes of a shard of ``shape`` (default: the whole weight) laid end to end (``pack``)."""
+        shape = self.shape if shape is None else shape
+        if not math.prod(shape):
+            return 0
+        return _round(sum(_round(math.prod(c.shape(shape)) * c.dtype.itemsize) for c in self.components))
+
+    def held_bytes(self, shape: tuple[int, ...] | None = None) -> int:
+        """Bytes of the components of a shard of ``shape`` held as separate tensors (no alignment)."""
+        shape = self.shape if shape is None else shape
+        return sum(math.prod(c.shape(shape)) * c.dtype.itemsize for c in self.components) if math.prod(shape) else 0
+
+    def group(self, dim: int) -> int:
+        """Weight elements of the largest block along ``dim`` that a slice must keep whole (1: any)."""
+        return max((c.block[dim] for c in self.components if not c.whole[dim]), default=1)
+
+
+def _round(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def split_problems(name: str, spec: QuantSpec, dims: list[tuple[int, int, str]]) -> list[str]:
+    """Problems of splitting quantized weight ``name`` on ``dims``: ``(dim, shards, axis)`` each. A
+    shard boundary must fall on a block boundary of every component cut there."""
+    out = []
+    for dim, k, axis in dims:
+        g = spec.group(dim)
+        n = spec.shape[dim]
+        chunk = math.ceil(n / k)
+        if g > 1 and (chunk % g or (n % g)):
+            ok = [d for d in range(1, n // g + 1) if (n // g) % d == 0 and n % g == 0]
+            what = "in-features" if dim == len(spec.shape) - 1 else f"dim {dim}"
+            out.append(f"plan: {name} {spec.shape} is a {spec.kind} quantized in groups of {g} along its {what}, "
+                       f"and {axis}={k} shards of {chunk} would cut a group — expected each shard to hold whole "
+                       f"groups ({n} = {n // g} groups of {g}). Use a {axis} degree among {ok}, keep this weight "
+                       f"unsplit on {axis!r}, or quantize with a group size dividing {chunk}.")
+    return out
+
+
+def quantized_problems(model, specs: dict, mesh) -> list[str]:
+    """Plan-time problems of the model's quantized weights under ``specs`` on ``mesh``: a quantized
+    weight marked trainable, a fused split of one, a split that cuts a quantization group."""
+    out = []
+    for name, p in model.named_parameters():
+        if not is_quantized(p):
+            continue
+        spec = QuantSpec.of(p)
+        if p.requires_grad:
+            out.append(f"plan: {name} {spec.shape} is a quantized {spec.kind} marked trainable (requires_grad=True) "
+                       "— expected quantized weights frozen: their codes cannot take a gradient step. Call "
+                       f"requires_grad_(False) on it and train adapters (PEFT LoRA) beside it, or keep it in float.")
+        entries = tuple(specs.get(name, ()))
+        dims = []
+        for d, e in enumerate(entries):
+            if e is None:
+                continue
+            if type(e).__name__ == "Fused":
+                out.append(f"plan: {name} {spec.shape} is a quantized {spec.kind} with spec {specs[name]} — expected "
+                           "plain splits of its dims (no Fused blocks). Quantize the fused projection's parts "
+                           "separately, or keep it replicated.")
+                continue
+            axes = (e,) if isinstance(e, str) else e
+            dims.append((d, math.prod(mesh.axis_sizes[a] for a in axes), "x".join(axes)))
+        out += split_problems(name, spec, dims)
+    return out
+
+
+def slice_weight(t: torch.Tensor, slices: tuple[slice, ...]) -> torch.Tensor:
+    """The quantized weight ``t`` cut to ``slices`` (one per dim, steps of 1, on block boundaries):
+    every component cut to match, a component kept whole where one entry spans the dim."""
+    spec = QuantSpec.of(t)
+    names, meta = t.__tensor_flatten__()
+    inner = {}
+    for c in spec.components:
+        comp = getattr(t, c.name)
+        idx = []
+        for d, s in enumerate(slices):
+            start, stop, _ = s.indices(t.shape[d])
+            if c.whole[d] or (start == 0 and stop == t.shape[d]):
+                idx.append(slice(None))
+                continue
+            b = c.block[d]
+            if start % b or (stop % b and stop != t.shape[d]):
+                raise ShardingError(f"slice_weight: {spec.kind} {tuple(t.shape)}: slice {start}:{stop} of dim {d} "
+                                    f"cuts a block of {b} — expected block boundaries.")
+            idx.append(slice(start // b, math.ceil(stop / b)))
+        inner[c.name] = comp[tuple(idx)].clone(memory_format=torch.contiguous_format)   # not a view: frees the rest
+    for n in names:
+        if n not in inner:
+            inner[n] = getattr(t, n)
+    shape = tuple(len(range(*s.indices(n))) for s, n in zip(slices, t.shape))
+    return _rebuild(t, inner, shape, meta)
+
+
+def _rebuild(like: torch.Tensor, inner: dict[str, Any], shape: tuple[int, ...], meta: dict[str, Any]) -> torch.Tensor:
+    meta = dict(meta)
+    if "shape" in meta:
+        meta["shape"] = shape
+    if meta.get("block_size"):          # torchao: a block spanning a whole dim spans the shard's
+        meta["block_size"] = [n if b == full else b for b, full, n in zip(meta["block_size"], like.shape, shape)]
+    stride = torch.empty(shape, device="meta").stride() if shape else ()
+    return type(like).__tensor_unflatten__(inner, meta, torch.Size(shape), stride)
+
+
+def pack(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s components laid end to end (each at an offset aligned to 8 bytes), as one uint8 tensor
+    of ``QuantSpec.of(t).packed_bytes(t.shape)`` bytes."""
+    spec = QuantSpec.of(t)
+    out = torch.zeros(spec.packed_bytes(tuple(t.shape)), dtype=torch.uint8, device=t.device)
+    pos = 0
+    for c in spec.components:
+        raw = getattr(t, c.name).contiguous().view(-1).view(torch.uint8)
+        out[pos:pos + raw.numel()] = raw
+        pos = _round(pos + raw.numel())
+    return out
+
+
+def views(like: torch.Tensor, buffer: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """A weight of ``shape`` whose components are views of ``buffer`` (laid out as ``pack`` does), of the
+    type and metadata of ``like``: refilling the buffer refills the weight, freeing its storage frees it."""
+    spec = QuantSpec.of(like)
+    raw = buffer.view(-1).view(torch.uint8)
+    names, meta = like.__tensor_flatten__()
+    inner: dict[str, Any] = {}
+    pos = 0
+    for c in spec.components:
+        cshape = c.shape(shape)
+        n = math.prod(cshape) * c.dtype.itemsize
+        inner[c.name] = raw[pos:pos + n].view(c.dtype).view(cshape)
+        pos = _round(pos + n)
+    for n in names:
+        inner.setdefault(n, getattr(like, n))
+    return _rebuild(like, inner, shape, meta)
