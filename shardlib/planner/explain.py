@@ -48,6 +48,7 @@ class Explain:
         if self.pipeline is not None:
             from .pipeline_report import pipeline_lines
             lines += pipeline_lines(self, full)
+        lines += self._frozen_lines(full)
         lines += _wrap("units: " + ", ".join(self._unit_words(full))
                        + ("   (* = recomputed in backward)" if any(u.recompute for u in self.units) else ""),
                        "  ", "    ")
@@ -133,6 +134,34 @@ class Explain:
                              f"{star(u)}")
         return words
 
+    def _frozen_lines(self, full: bool) -> list[str]:
+        """Frozen and quantized parameters, and each LoRA adapter's layout next to its base weight's."""
+        frozen = [p for p in self.params if not p.trainable]
+        if not frozen:
+            return []
+        quant = [p for p in frozen if p.quant is not None]
+        c = self.compute_dtype.itemsize
+        lines = [f"  frozen: {len(frozen)} parameters ({sum(p.numel for p in frozen):,} elements): no gradient, "
+                 "optimizer state or master copy"
+                 + (f"; {len(quant)} quantized ({', '.join(sorted({_quant_word(p.quant) for p in quant}))}), held "
+                    f"packed: {format_bytes(sum(p.quant.packed_bytes(p.shape) for p in quant))} for "
+                    f"{format_bytes(sum(p.numel for p in quant) * c)} in {self.precision}" if quant else "")]
+        by_name = {p.name: p for p in self.params}
+        rows: dict[tuple, list[str]] = {}
+        for p in self.params:
+            if ".lora_A." not in p.name or not p.name.endswith(".weight"):
+                continue
+            layer = p.name[:p.name.index(".lora_A.")]
+            adapter = p.name[len(layer) + len(".lora_A."):-len(".weight")]
+            base = by_name.get(f"{layer}.base_layer.weight")
+            b = by_name.get(f"{layer}.lora_B.{adapter}.weight")
+            key = (_dims(base.spec) if base is not None else "?", _dims(p.spec), _dims(b.spec) if b else "?")
+            rows.setdefault(key, []).append(layer)
+        for (base, a, b), layers in rows.items():
+            where = ", ".join(layers) if full else _collapse(layers, ranges=False)
+            lines += _wrap(f"LoRA {where}: base {base} -> lora_A {a}, lora_B {b}", "  ", "    ")
+        return lines
+
     def _param_table(self, max_rows: int, full: bool) -> list[str]:
         """A row per parameter (``full``) or per group of parameters of one name pattern, shape,
         unit pattern and layouts, with their count."""
@@ -146,7 +175,10 @@ class Explain:
             return s
 
         def cells(p) -> tuple[str, ...]:
-            return (str(list(p.shape)), short(p.rest), short(p.compute), short(p.grad), short(p.optim))
+            shape = str(list(p.shape)) + (f" {_quant_word(p.quant)}" if p.quant is not None else "")
+            if not p.trainable:          # no gradient, no optimizer state, no master: ``frozen``
+                return (shape, short(p.rest), short(p.compute), "frozen", "frozen")
+            return (shape, short(p.rest), short(p.compute), short(p.grad), short(p.optim))
         if full:
             rows = [(p.name, p.unit or "<root>", cells(p), 1) for p in self.params]
         else:
@@ -173,6 +205,11 @@ class Explain:
 
 
 # ---- grouping ----------------------------------------------------------------------------------
+
+def _quant_word(q) -> str:
+    """``int8`` for torchao's ``Int8Tensor``, ``int4`` for ``Int4Tensor``: the type's name, lowered."""
+    return q.kind.lower().removesuffix("tensor")
+
 
 def _pattern(name: str) -> str:
     """``name`` with each number between dots (or spaces) a wildcard: ``blocks.17.ln1`` -> ``blocks.*.ln1``."""
