@@ -11,6 +11,8 @@ the adapters then change nothing at the first step), the same on every rank.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 import hf_models
@@ -22,6 +24,8 @@ GPT_CFG = GPTConfig(vocab_size=67, seq_len=16, d_model=32, n_heads=4, n_layers=2
 TARGETS = {"llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
            "gpt": ["qkv", "proj", "fc", "out"]}
 GROUP = 16
+# torchao's import logs that its CUDA kernels do not load on this CPU-only machine: harmless noise here
+logging.getLogger("torchao").setLevel(logging.ERROR)
 
 
 def base(kind: str, quant: str | None = None):

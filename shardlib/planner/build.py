@@ -410,7 +410,7 @@ def _check(model: nn.Module, mesh: AbstractMesh, *, zero, states, precision, red
             add(m)
         spec_problems: list[str] = []
         specs = resolve_specs(model, mesh, rules, collect=spec_problems)
-        specs, adapter_problems = adapter_specs(model, specs, tensor_axis)
+        specs, adapter_problems = adapter_specs(model, specs, tensor_axis, mesh.axis_sizes.get(tensor_axis, 1))
         for m in spec_problems + adapter_problems + quantized_problems(model, specs, mesh):
             add(m)
         t = mesh.axis_sizes.get(tensor_axis, 1)

@@ -87,10 +87,11 @@ def is_adapter(name: str) -> bool:
     return bool(_OTHER_ADAPTER.search(name))
 
 
-def adapter_specs(model: nn.Module, specs: dict[str, PartitionSpec], axis: str
+def adapter_specs(model: nn.Module, specs: dict[str, PartitionSpec], axis: str, size: int = 2
                   ) -> tuple[dict[str, PartitionSpec], list[str]]:
     """``specs`` with every LoRA adapter parameter laid out from its base weight (the module doc's
-    table), and the problems found: adapters that cannot follow their base."""
+    table), and the problems found: adapters that cannot follow their base (on a ``tensor`` axis of
+    ``size`` > 1: at size 1 nothing is split)."""
     if not is_peft(model):
         return specs, []
     problems = method_problems(model)
@@ -104,7 +105,7 @@ def adapter_specs(model: nn.Module, specs: dict[str, PartitionSpec], axis: str
         base = modules.get(f"{layer}{BASE_LAYER}")
         base_w = f"{layer}{BASE_LAYER}.weight"
         wspec = specs.get(base_w, PartitionSpec())
-        if not _uses(wspec, axis):
+        if not _uses(wspec, axis) or size == 1:
             out[name] = PartitionSpec()
             continue
         where = f"plan: adapter {name} of {type(modules.get(layer)).__name__} {layer!r}"
