@@ -19,6 +19,11 @@ ZeRO-3; GPT: data 2 ZeRO-3, tensor 2), losses equal to one process's within 1e-5
   (ZeRO-1) and at tensor 2 keeps the engine's own frozen weights, and the next steps' losses equal the
   saver's.
 
+On an int8 (torchao) and an int4 (``Int4Tensor``) base, at data 2 ZeRO-3 and tensor 2: the adapter
+folder is the one-process model's, the merged folder the dequantized weights plus the adapters exactly,
+and a whole checkpoint (the quantized weights as their codes and scales) and one without frozen weights
+each resume on the other layout with the saver's losses.
+
 Refusals, on every rank before anything is written: an adapter save into a full model's folder or
 over another adapter's config, a merged export into an adapter folder, to an integer dtype, or of a
 model that is not a PEFT model; a frozen-less checkpoint loaded into an ``init=False`` engine with no
@@ -162,6 +167,41 @@ def load_frozenless(path: str, shape: dict, cfg: dict, refusals: bool) -> dict:
     return out
 
 
+QUANT_RUNS = [("int8", "data2-zero3", {"data": 2}, {"zero": 3}), ("int8", "tensor2", {"data": 1, "tensor": 2}, {}),
+              ("int4", "data2-zero3", {"data": 2}, {"zero": 3}), ("int4", "tensor2", {"data": 1, "tensor": 2}, {})]
+RESUME_ON = {"data2-zero3": "tensor2", "tensor2": "data2-zero3"}      # each checkpoint loaded on the other
+
+
+def quant_save(runs: list[tuple], root: str) -> dict:
+    """Per ``(quant, tag, shape, cfg)`` on a quantized base: 2 steps, a whole checkpoint and one without
+    frozen weights, 2 more steps, the adapter folder and the merged folder, under ``root/quant-tag``."""
+    out = {}
+    for quant, tag, shape, cfg in runs:
+        engine, _ = peft_models.engine("llama", cfg, shape, quant)
+        batches, d = peft_models.batches("llama"), os.path.join(root, f"{quant}-{tag}")
+        losses = [engine.step(b) for b in batches[:2]]
+        engine.save(os.path.join(d, "whole"))
+        engine.save(os.path.join(d, "lean"), frozen=False)
+        losses += [engine.step(b) for b in batches[2:]]
+        engine.save_pretrained(os.path.join(d, "adapter"))
+        engine.save_pretrained(os.path.join(d, "merged"), merged=True)
+        out[(quant, tag)] = losses
+    return out
+
+
+def quant_resume(runs: list[tuple], root: str) -> dict:
+    """Each checkpoint of ``quant_save`` loaded on the other layout (``RESUME_ON``), 2 steps."""
+    shapes = {tag: (shape, cfg) for _, tag, shape, cfg in runs}
+    out = {}
+    for quant, tag, _, _ in runs:
+        shape, cfg = shapes[RESUME_ON[tag]]
+        for kind in ("whole", "lean"):
+            engine, _ = peft_models.engine("llama", cfg, shape, quant)
+            engine.load(os.path.join(root, f"{quant}-{tag}", kind))
+            out[(quant, tag, kind)] = [engine.step(b) for b in peft_models.batches("llama")[2:]]
+    return out
+
+
 # ---- tests ----------------------------------------------------------------------------------------
 
 def _tensors(file) -> dict[str, torch.Tensor]:
@@ -301,3 +341,52 @@ def test_frozenless_checkpoint_across_meshes(world, tmp_path):
     for got in loads[0]:
         assert "init=False" in got["empty"] and "load_pretrained" in got["empty"]
         assert "trainable in this engine" in got["thawed"] and "q_proj.base_layer.weight" in got["thawed"]
+
+
+def _manual_merge(model) -> dict[str, torch.Tensor]:
+    """``W + scaling · (B @ A)`` of every LoRA Linear of ``model`` (a PEFT model on a quantized base,
+    which PEFT itself cannot merge without torchao's requantization config), W dequantized."""
+    out = {}
+    for name, mod in model.get_base_model().named_modules():
+        if hasattr(mod, "lora_A"):
+            w = mod.base_layer.weight
+            w = w.dequantize() if hasattr(w, "qdata") else w
+            out[f"{name}.weight"] = w.float() + (mod.lora_B["default"].weight @ mod.lora_A["default"].weight) \
+                * mod.scaling["default"]
+    return out
+
+
+def test_quantized_base_saves_and_resumes(world, tmp_path):
+    """int8 (torchao) and int4 (``Int4Tensor``) bases at data 2 ZeRO-3 and tensor 2: the adapter folder is
+    the one-process model's; the merged folder holds the dequantized weights plus the adapters (a plain
+    float Llama, no quantization config); a whole checkpoint (quantized weights as their codes and
+    scales, in their own dtypes) and one without frozen weights each resume on the other layout with
+    the saver's losses."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    saved = world(2, quant_save, QUANT_RUNS, str(tmp_path))[0]
+    resumed = world(2, quant_resume, QUANT_RUNS, str(tmp_path))
+    for quant, tag, _, _ in QUANT_RUNS:
+        d, where = tmp_path / f"{quant}-{tag}", f"{quant} {tag}"
+        ref = peft_models.reference("llama", quant)
+        assert max_rel(saved[(quant, tag)], ref["losses"]) <= 1e-5, where
+        got = _tensors(d / "adapter" / "adapter_model.safetensors")
+        assert sorted(got) == sorted(k.replace(".default", "") for k in ref["adapters"]), where
+        for k, want in ref["adapters"].items():
+            torch.testing.assert_close(got[k.replace(".default", "")], want, rtol=1e-5, atol=2e-5)
+        manifest = json.loads((d / "whole" / "manifest.json").read_text())
+        qkeys = [k for k in manifest["tensors"] if k.startswith("quant/")]
+        assert qkeys and not any(k.startswith("param/") and "q_proj.base_layer" in k for k in manifest["tensors"])
+        assert not any(k.startswith("quant/") for k in json.loads((d / "lean" / "manifest.json").read_text())["tensors"])
+        for kind in ("whole", "lean"):
+            for r in resumed:
+                assert max_rel(r[(quant, tag, kind)], saved[(quant, tag)][2:]) <= 1e-5, (where, kind)
+        peft = PeftModel.from_pretrained(peft_models.base("llama", quant), str(d / "adapter"))
+        merged = _tensors(d / "merged" / "model.safetensors")
+        assert not any("base_layer" in k or "lora_" in k for k in merged)
+        for k, want in _manual_merge(peft).items():
+            assert torch.equal(merged[k], want), (where, k)
+        assert "quantization_config" not in json.loads((d / "merged" / "config.json").read_text())
+        plain = AutoModelForCausalLM.from_pretrained(str(d / "merged"), dtype=torch.float32, attn_implementation="sdpa")
+        torch.testing.assert_close(_logits("llama", plain), _logits("llama", peft), rtol=1e-5, atol=1e-5)

@@ -23,6 +23,12 @@ atomically). ``load`` checks the manifest and the files' SHA-256 before DCP read
 unpickles its own ``.metadata``: only a file whose hash the manifest vouches for is read), and
 refuses a checkpoint of another model naming every missing or mis-shaped parameter.
 
+**Quantized frozen weights** (``quant/layout.py``) are saved as their components — codes, scales, zero
+points, each in its own dtype as a global tensor (``quant/<name>/<component>``) of which a tensor shard
+holds the box its block covers — so a load on another mesh or tensor degree gets the same codes; under
+ZeRO-3 a rank first rebuilds its tensor shards' packed bytes from the data group's pieces (one
+all-reduce each), and a load into ZeRO-3 puts each rank's piece of the bytes back.
+
 **Frozen weights left out.** ``save(path, frozen=False)`` writes no frozen parameter (a QLoRA job's
 base never changes: it is not rewritten every save); the manifest's ``absent`` lists them. ``load``
 of such a checkpoint restores everything else — trainable values, optimizer state, step, RNG — on
@@ -39,6 +45,7 @@ import os
 import shutil
 import uuid
 from pathlib import Path
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -46,6 +53,8 @@ import torch.distributed as dist
 
 from ..algebra.boxes import Box, overlap, piece_boxes, slices_in
 from ..algebra.layout import Layout
+from ..comm import core as comm
+from ..quant.layout import QuantSpec, views
 from .checkpoint_files import (FORMAT, LATEST, MANIFEST, VERSION, CheckpointError, _dcp_error, _fsync_dir, _install,
                                _sha, _why, _writable, params_problems,
                                read_manifest, resolve, safe_reader)
@@ -66,6 +75,7 @@ class _Piece:
     def __init__(self, key: str, shape: tuple[int, ...], block: tuple[tuple[int, ...], tuple[int, ...]],
                  local: tuple[int, ...], lo: int, hi: int, flat: torch.Tensor):
         self.key, self.shape, self.flat = key, shape, flat
+        self.refill: Callable[[], None] | None = None     # after a load wrote ``flat``: where it goes
         self.boxes: list[tuple[Box, int]] = []       # (global box, offset in flat)
         self._strides: dict[int, tuple[int, ...]] = {}
         parts, start = block
@@ -91,11 +101,15 @@ def _block(engine: Engine, s) -> tuple[tuple[int, ...], tuple[tuple[int, ...], t
     return shape, (tuple(fused.get(d, 1) for d in range(len(shape))), tuple(g.start for g in first))
 
 
-def _pieces(engine: Engine, *, frozen: bool = True) -> tuple[list[_Piece], dict[str, torch.Tensor]]:
+def _pieces(engine: Engine, *, frozen: bool = True, quantized: bool = False
+            ) -> tuple[list[_Piece], dict[str, torch.Tensor]]:
     """Every sharded tensor this rank holds (values, optimizer states) and its replicated ones
-    (per-parameter optimizer scalars, buffers); ``frozen=False`` leaves frozen parameters out."""
+    (per-parameter optimizer scalars, buffers); ``frozen=False`` leaves frozen parameters out.
+    Quantized weights only with ``quantized=True``, as their components (``_quant_pieces``: a
+    collective under ZeRO-3, each rank then holding its tensor shards' packed bytes whole)."""
     pieces, whole = [], {}
     opt_state = engine.optimizer.state
+    specs = {p.name: p.quant for p in engine.global_plan.params if p.quant is not None}
     for s in engine.states:
         if not frozen and not s.trainable:
             continue
@@ -105,7 +119,9 @@ def _pieces(engine: Engine, *, frozen: bool = True) -> tuple[list[_Piece], dict[
         def add(key: str, t: torch.Tensor) -> None:
             pieces.append(_Piece(key, shape, block, local, s.lo, s.hi, t.reshape(-1)))
 
-        if s.trainable:
+        if s.plan.quant is not None:
+            pieces += _quant_pieces(engine, s, specs[s.name]) if quantized else []
+        elif s.trainable:
             add(f"param/{s.name}", s.master.detach())
             for k, v in opt_state.get(s.master, {}).items():
                 if not isinstance(v, torch.Tensor):
@@ -121,6 +137,50 @@ def _pieces(engine: Engine, *, frozen: bool = True) -> tuple[list[_Piece], dict[
         if not b.is_meta:
             whole[f"buffer/{name}"] = b
     return pieces, whole
+
+
+def quant_shard(engine: Engine, s) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A quantized weight's tensor shard on this rank, and under ZeRO-3 the byte buffer its components
+    view: the ranks' pieces of its packed bytes summed over ``data`` into zeros (each byte held by one
+    rank: exact). A collective of the data group under ZeRO-3."""
+    if s.store is None:
+        return s.param.detach(), None
+    raw = torch.zeros(s.store.numel() * s.store.element_size(), dtype=torch.uint8, device=engine.mesh.device)
+    s.local_piece(raw.view(s.store.dtype)).view(torch.uint8).copy_(s.shard.view(torch.uint8))
+    comm.all_reduce(raw, engine.mesh, engine.plan.data_axis, inplace=True)
+    return views(s.param, raw, tuple(s.plan.shape)), raw
+
+
+def _quant_pieces(engine: Engine, s, spec: QuantSpec) -> list[_Piece]:
+    """A quantized frozen weight as its components (``quant/<name>/<component>``: codes, scales, zero
+    points), each a global tensor of which this rank's tensor shard holds one box — the entries
+    covering the shard's box of the weight, a component kept whole on a dim (a per-row scale under a
+    row split) held whole. Saved in their own dtypes: a load on any mesh gets the same codes. ``spec``
+    is the whole weight's (a shard's own may see a dim it cuts as one entry spanning it)."""
+    q, raw = quant_shard(engine, s)
+    shape, (_, start) = _block(engine, s)
+    out = []
+    for c in spec.components:
+        comp = getattr(q, c.name)
+        assert comp.is_contiguous(), (s.name, c.name)
+        first = tuple(0 if c.whole[d] else start[d] // c.block[d] for d in range(len(shape)))
+        p = _Piece(f"quant/{s.name}/{c.name}", c.shape(shape), ((1,) * len(shape), first), tuple(comp.shape),
+                   0, comp.numel(), comp.view(-1))
+        if raw is not None:          # ZeRO-3: the loaded bytes back into this rank's piece of them
+            p.refill = lambda s=s, raw=raw: s.shard.view(torch.uint8).copy_(
+                s.local_piece(raw.view(s.store.dtype)).view(torch.uint8))
+        out.append(p)
+    return out
+
+
+def _quantized_names(engine: Engine) -> list[str]:
+    return [p.name for p in engine.global_plan.params if p.quant is not None]
+
+
+def _param_of(key: str) -> str:
+    """The parameter a piece's key belongs to (``param/<name>``, ``quant/<name>/<component>``)."""
+    kind, _, rest = key.partition("/")
+    return rest.rpartition("/")[0] if kind == "quant" else rest
 
 
 def _box_key(key: str, box: Box) -> str:
@@ -196,7 +256,7 @@ def save(engine: Engine, path: str | os.PathLike, *, extra: dict | None = None, 
     if rank_zero(engine):           # a save killed earlier left its temporary folder: clear it
         for stale in path.parent.glob(f".{path.name}.tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)
-    pieces, whole = _pieces(engine, frozen=frozen)
+    pieces, whole = _pieces(engine, frozen=frozen, quantized=frozen)
     state = {}
     index = {}
     for p in pieces:
@@ -351,9 +411,9 @@ def load(engine: Engine, path: str | os.PathLike) -> dict:
     check_model(engine, manifest, path)
     check_files(engine, path, manifest)
     saved = manifest["tensors"]
-    kept = {f"param/{n}" for n in manifest.get("absent", [])}     # frozen values the engine keeps
-    pieces, whole = _pieces(engine)
-    pieces = [p for p in pieces if p.key not in kept]
+    kept = set(manifest.get("absent", []))          # frozen values the engine keeps
+    pieces, whole = _pieces(engine, quantized=not any(n in kept for n in _quantized_names(engine)))
+    pieces = [p for p in pieces if p.key.startswith("optim/") or _param_of(p.key) not in kept]
     by_key = {p.key: p for p in pieces}
     opt = engine.optimizer
     # optimizer state this engine has not created yet (no step taken): allocate it like the masters
@@ -385,7 +445,13 @@ def load(engine: Engine, path: str | os.PathLike) -> dict:
         entry = saved.get(p.key)
         if entry is None:
             if p.key.startswith("param/"):
-                raise CheckpointError(f"load: {path} holds no values for {p.key[6:]!r}.")
+                q = any(k.startswith(f"quant/{p.key[6:]}/") for k in saved)
+                raise CheckpointError(f"load: {path} holds no values for {p.key[6:]!r}"
+                                      + (" (it holds it quantized; this engine's is not)." if q else "."))
+            if p.key.startswith("quant/"):
+                raise CheckpointError(f"load: {path} holds no {p.key.rpartition('/')[2]!r} of quantized weight "
+                                      f"{_param_of(p.key)!r} — expected the checkpoint of a model quantized as this "
+                                      "one is. Quantize the model as when saving, or load a checkpoint saved from it.")
             continue           # optimizer state the checkpoint did not have (e.g. saved before any step)
         for box, off in p.boxes:
             for starts, sizes in entry["boxes"]:
@@ -393,7 +459,7 @@ def load(engine: Engine, path: str | os.PathLike) -> dict:
                 if overlap(box, sbox) is not None:
                     k = _box_key(p.key, sbox)
                     if k not in request:
-                        request[k] = torch.empty(sizes, dtype=torch.float32)
+                        request[k] = torch.empty(sizes, dtype=p.flat.dtype)
                     plans.append((p, box, off, k, sbox))
     for k, t in whole.items():
         if k in saved:
@@ -419,6 +485,9 @@ def load(engine: Engine, path: str | os.PathLike) -> dict:
     for k, t in whole.items():
         if k in request:
             t.copy_(request[k])
+    for p in pieces:
+        if p.refill is not None:
+            p.refill()
     _restore_optimizer(engine, manifest, fresh)
     for s in engine.states:          # frozen values go back into what the engine computes with
         if not s.trainable and f"param/{s.name}" in by_key:

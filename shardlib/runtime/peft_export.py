@@ -15,8 +15,10 @@ GPT-2's ``Conv1D``), computed as PEFT's ``merge`` does, for every active adapter
 already, written under the base model's own names (no ``base_model.model.``, no ``.base_layer``,
 no ``lora_*``) as ``model.save_pretrained`` of ``merge_and_unload()`` writes them: ``config.json``,
 safetensors sharded above ``max_shard_size`` with its index. Rank 0 holds one base weight at a time
-and its adapters. A weight's value comes from :func:`full_float` — the one place a quantized base
-is dequantized — so merged weights are floats: an integer ``dtype`` is refused.
+and its adapters. A weight's value comes from :func:`full_float` (``FloatSender``): a quantized base
+weight (torchao ``Int8Tensor``, ``Int4Tensor``) is dequantized tensor shard by tensor shard on the ranks
+holding it and its float boxes sent to rank 0 — so merged weights are floats, an integer ``dtype`` is
+refused, and the folder's ``config.json`` carries no quantization config.
 
 **A folder of another model** is refused before anything is written, on every rank (rank 0 looks,
 one broadcast): an adapter save into a full model's folder or over another adapter's config (other
@@ -37,7 +39,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from .checkpoint import _one
+from ..algebra.boxes import Box
+from .checkpoint import _block, _gather, _one, _Piece, quant_shard
 from .checkpoint_files import CheckpointError
 from .pretrained import _aliases, _persistent_buffers, _reverted, _saved_names, _Sender
 from .pretrained_files import CONFIG, INDEX, SAFE, _cannot, _header_bytes, _Out, _tidy
@@ -59,9 +62,46 @@ def is_peft_model(model: nn.Module) -> bool:
     return isinstance(model, PeftModel)
 
 
-def full_float(sender: _Sender, name: str) -> torch.Tensor | None:
-    """Parameter ``name``'s full value as floats on rank 0 (None elsewhere): what a merge reads. A
-    collective. A quantized base weight is dequantized here."""
+class FloatSender(_Sender):
+    """``_Sender`` (full fp32 parameters on rank 0, one at a time, box by box) that also sends quantized
+    weights: each rank holding one dequantizes its tensor shard (under ZeRO-3 rebuilt from the data
+    group's pieces of its packed bytes first, ``checkpoint.quant_shard``), and the shards' boxes go to
+    rank 0 as floats — one weight's shards at a time."""
+
+    def __init__(self, engine: Engine):
+        super().__init__(engine)
+        self.quant = {s.name: s for s in engine.states if s.plan.quant is not None}
+        self.quant_owner: dict[str, list[tuple[int, Box]]] = {}
+        mine = {}
+        for n, st in self.quant.items():
+            _, (_, start) = _block(engine, st)
+            mine[n] = (start, tuple(st.plan.shape))
+        for r, got in enumerate(_gather(engine, mine)):
+            for n, b in got.items():
+                have = self.quant_owner.setdefault(n, [])
+                if math.prod(b[1]) and all(b != x for _, x in have):
+                    have.append((r, b))
+
+    def full(self, name: str) -> torch.Tensor | None:
+        """Parameter ``name``'s full value as fp32 on rank 0 (None elsewhere), dequantized if quantized.
+        A collective."""
+        if name not in self.quant_owner:
+            return super().full(name)
+        st = self.quant.get(name)
+        if st is not None:
+            f = quant_shard(self.engine, st)[0].dequantize().to(torch.float32).contiguous()
+            shape, block = _block(self.engine, st)
+            self.mine[name] = _Piece(f"param/{name}", shape, block, tuple(st.plan.shape), 0, f.numel(), f.view(-1))
+        self.owner[name] = self.quant_owner[name]
+        try:
+            return super().full(name)
+        finally:
+            self.mine.pop(name, None)
+
+
+def full_float(sender: FloatSender, name: str) -> torch.Tensor | None:
+    """Parameter ``name``'s full value as floats on rank 0 (None elsewhere): what a merge reads, a
+    quantized base weight dequantized. A collective."""
     return sender.full(name)
 
 
@@ -274,7 +314,7 @@ def _save_merged(engine: Engine, path: Path, layers: dict, max_shard_size: int |
     if failed:
         raise CheckpointError(failed)
     merged_of = {f"{m}.base_layer.weight": m for m in layers}
-    sender, src_of = _Sender(engine), dict(names)
+    sender, src_of = FloatSender(engine), dict(names)
     for fname, tensors in split.filename_to_tensors.items():
         head, offsets = _header_bytes([(n, kinds[src_of[n]][1], kinds[src_of[n]][0]) for n in tensors])
         out = _Out(path / f".{fname}.tmp-{uuid.uuid4().hex[:8]}", head) if rank0 and failed is None else None
@@ -312,7 +352,7 @@ def _plain_config(base: nn.Module, dtype: torch.dtype):
     return cfg
 
 
-def _merge(sender: _Sender, first: dict[str, str], prefix: str, layer: str, mod: nn.Module,
+def _merge(sender: FloatSender, first: dict[str, str], prefix: str, layer: str, mod: nn.Module,
            adapters: list[str]) -> torch.Tensor | None:
     """The merged weight of adapted ``layer`` on rank 0: its base weight, then each adapter's
     ``scaling · (B @ A)`` (transposed where ``fan_in_fan_out``) added as PEFT's ``merge`` adds it."""
