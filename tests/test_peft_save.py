@@ -186,6 +186,8 @@ def quant_save(runs: list[tuple], root: str) -> dict:
         engine.save_pretrained(os.path.join(d, "adapter"))
         engine.save_pretrained(os.path.join(d, "merged"), merged=True)
         out[(quant, tag)] = losses
+        out[(quant, tag, "int8")] = _refused(lambda: engine.save_pretrained(os.path.join(d, "int"), merged=True,
+                                                                           dtype=torch.int8))
     return out
 
 
@@ -371,6 +373,9 @@ def test_quantized_base_saves_and_resumes(world, tmp_path):
         d, where = tmp_path / f"{quant}-{tag}", f"{quant} {tag}"
         ref = peft_models.reference("llama", quant)
         assert max_rel(saved[(quant, tag)], ref["losses"]) <= 1e-5, where
+        qtype = {"int8": "Int8Tensor", "int4": "Int4Tensor"}[quant]
+        assert f"merged export of a quantized ({qtype}) base to dtype torch.int8" in saved[(quant, tag, "int8")]
+        assert not (d / "int").exists()
         got = _tensors(d / "adapter" / "adapter_model.safetensors")
         assert sorted(got) == sorted(k.replace(".default", "") for k in ref["adapters"]), where
         for k, want in ref["adapters"].items():

@@ -15,7 +15,7 @@ GPT-2's ``Conv1D``), computed as PEFT's ``merge`` does, for every active adapter
 already, written under the base model's own names (no ``base_model.model.``, no ``.base_layer``,
 no ``lora_*``) as ``model.save_pretrained`` of ``merge_and_unload()`` writes them: ``config.json``,
 safetensors sharded above ``max_shard_size`` with its index. Rank 0 holds one base weight at a time
-and its adapters. A weight's value comes from :func:`full_float` (``FloatSender``): a quantized base
+and its adapters. A weight's value comes from ``FloatSender.full``: a quantized base
 weight (torchao ``Int8Tensor``, ``Int4Tensor``) is dequantized tensor shard by tensor shard on the ranks
 holding it and its float boxes sent to rank 0 — so merged weights are floats, an integer ``dtype`` is
 refused, and the folder's ``config.json`` carries no quantization config.
@@ -99,12 +99,6 @@ class FloatSender(_Sender):
             self.mine.pop(name, None)
 
 
-def full_float(sender: FloatSender, name: str) -> torch.Tensor | None:
-    """Parameter ``name``'s full value as floats on rank 0 (None elsewhere): what a merge reads, a
-    quantized base weight dequantized. A collective."""
-    return sender.full(name)
-
-
 @torch.no_grad()
 def save_peft(engine: Engine, path: str | os.PathLike, *, merged: bool, max_shard_size: int | str,
               dtype: torch.dtype) -> Path:
@@ -116,7 +110,9 @@ def save_peft(engine: Engine, path: str | os.PathLike, *, merged: bool, max_shar
                               f"{type(model).__name__}, not a peft PeftModel; expected a model wrapped by "
                               "peft.get_peft_model. Call save_pretrained(path) without merged=True.")
     if dtype not in _SAVEABLE:
-        what = "a merged export" if merged else "a PEFT adapter"
+        kinds = sorted({p.quant.kind for p in engine.global_plan.params if p.quant is not None})
+        what = ("a merged export" + (f" of a quantized ({', '.join(kinds)}) base" if kinds else "")) if merged \
+            else "a PEFT adapter"
         raise CheckpointError(f"save_pretrained: {what} to dtype {dtype} — merged weights and adapters are floats "
                               f"(an int8/int4 base is dequantized first); expected torch.float32, bfloat16 or "
                               "float16. Pass dtype=torch.bfloat16 (or torch.float32).")
@@ -323,7 +319,7 @@ def _save_merged(engine: Engine, path: Path, layers: dict, max_shard_size: int |
             if src in merged_of:
                 t = _merge(sender, first, prefix, merged_of[src], *layers[merged_of[src]])
             else:
-                t = full_float(sender, first[prefix + src]) if prefix + src in first else buffers[src]
+                t = sender.full(first[prefix + src]) if prefix + src in first else buffers[src]
             if out is not None and out.ok:
                 out.write(len(head) + offsets[n], t.to(kinds[src][1]).contiguous().view(-1).view(torch.uint8)
                           .numpy().data)
@@ -356,10 +352,10 @@ def _merge(sender: FloatSender, first: dict[str, str], prefix: str, layer: str, 
            adapters: list[str]) -> torch.Tensor | None:
     """The merged weight of adapted ``layer`` on rank 0: its base weight, then each adapter's
     ``scaling · (B @ A)`` (transposed where ``fan_in_fan_out``) added as PEFT's ``merge`` adds it."""
-    w = full_float(sender, first[f"{prefix}{layer}.base_layer.weight"])
+    w = sender.full(first[f"{prefix}{layer}.base_layer.weight"])
     for a in adapters:
-        wa = full_float(sender, first[f"{prefix}{layer}.lora_A.{a}.weight"])
-        wb = full_float(sender, first[f"{prefix}{layer}.lora_B.{a}.weight"])
+        wa = sender.full(first[f"{prefix}{layer}.lora_A.{a}.weight"])
+        wb = sender.full(first[f"{prefix}{layer}.lora_B.{a}.weight"])
         if w is not None:
             delta = wb @ wa
             w += (delta.T if mod.fan_in_fan_out else delta) * mod.scaling[a]
