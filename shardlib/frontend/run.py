@@ -238,35 +238,41 @@ class SavedActivations:
     activation memory, beside the plan's."""
 
     def __init__(self, model: torch.nn.Module):
+        from ..quant.layout import inner_tensors            # a quantized weight: its components' storages
         from ..runtime.access import ShardedParameter       # a ZeRO-3 parameter at rest: no storage here
-        self.own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]
-                    if not t.is_meta and not isinstance(t, ShardedParameter) and t.untyped_storage().nbytes()}
+        mine = [t for t in [*model.parameters(), *model.buffers()] if not isinstance(t, ShardedParameter)]
+        self.own = {t.untyped_storage().data_ptr() for t in inner_tensors(mine)
+                    if not t.is_meta and t.untyped_storage().nbytes()}
         self.live: dict[int, list] = {}          # storage pointer -> [bytes, references]
         self.bytes = self.peak = 0
 
     def _pack(self, t: torch.Tensor):
-        st = t.untyped_storage()
-        ptr = st.data_ptr()
-        if t.is_meta or ptr in self.own or isinstance(t, torch.nn.Parameter):
+        from ..quant.layout import inner_tensors
+        if t.is_meta or isinstance(t, torch.nn.Parameter):
             return t
-        entry = self.live.setdefault(ptr, [st.nbytes(), 0])
-        if entry[1] == 0:
-            self.bytes += entry[0]
-            self.peak = max(self.peak, self.bytes)
-        entry[1] += 1
-        return _Held(self, ptr, t)
+        stores = {s.data_ptr(): s.nbytes() for s in (c.untyped_storage() for c in inner_tensors([t]))}
+        if stores.keys() <= self.own:
+            return t
+        for ptr, nbytes in stores.items():
+            entry = self.live.setdefault(ptr, [nbytes, 0])
+            if entry[1] == 0:
+                self.bytes += entry[0]
+            entry[1] += 1
+        self.peak = max(self.peak, self.bytes)
+        return _Held(self, tuple(stores), t)
 
     def _unpack(self, h):
         return h.t if isinstance(h, _Held) else h
 
-    def release(self, ptr: int) -> None:
-        entry = self.live.get(ptr)
-        if entry is None:
-            return
-        entry[1] -= 1
-        if entry[1] == 0:
-            self.bytes -= entry[0]
-            del self.live[ptr]
+    def release(self, ptrs: tuple[int, ...]) -> None:
+        for ptr in ptrs:
+            entry = self.live.get(ptr)
+            if entry is None:
+                continue
+            entry[1] -= 1
+            if entry[1] == 0:
+                self.bytes -= entry[0]
+                del self.live[ptr]
 
     def __enter__(self) -> SavedActivations:
         self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -280,10 +286,10 @@ class SavedActivations:
 class _Held:
     """A saved tensor; when autograd drops it, its bytes leave the count."""
 
-    __slots__ = ("owner", "ptr", "t")
+    __slots__ = ("owner", "ptrs", "t")
 
-    def __init__(self, owner: SavedActivations, ptr: int, t: torch.Tensor):
-        self.owner, self.ptr, self.t = owner, ptr, t
+    def __init__(self, owner: SavedActivations, ptrs: tuple[int, ...], t: torch.Tensor):
+        self.owner, self.ptrs, self.t = owner, ptrs, t
 
     def __del__(self):
-        self.owner.release(self.ptr)
+        self.owner.release(self.ptrs)
