@@ -128,11 +128,12 @@ def _plain_engine(model, shape: dict, *, init: bool = True):
 def refusals(root: str) -> dict:
     """Each bad save, tried on every rank: the message (None where nothing was raised)."""
     engine, _ = peft_models.engine("llama", {"zero": 3}, {"data": 2})
-    d = {k: os.path.join(root, k) for k in ("full", "other", "adapter", "plain", "int8")}
+    d = {k: os.path.join(root, k) for k in ("full", "other", "adapter", "plain", "int8", "gpt2")}
     out = {
         "full": _refused(lambda: engine.save_pretrained(d["full"])),
         "other": _refused(lambda: engine.save_pretrained(d["other"])),
         "merged_into_adapter": _refused(lambda: engine.save_pretrained(d["adapter"], merged=True)),
+        "merged_into_gpt2": _refused(lambda: engine.save_pretrained(d["gpt2"], merged=True)),
         "int8": _refused(lambda: engine.save_pretrained(d["int8"], merged=True, dtype=torch.int8)),
     }
     plain = _plain_engine(peft_models.base("llama"), {"data": 2})
@@ -311,16 +312,20 @@ def test_refusals_before_writing(world, tmp_path):
     other = get_peft_model(hf_models.build("llama", layers=2), LoraConfig(r=4, target_modules=["q_proj"]))
     other.save_pretrained(tmp_path / "other")
     other.save_pretrained(tmp_path / "adapter")
-    before = {k: sorted(os.listdir(tmp_path / k)) for k in ("full", "other", "adapter")}
+    hf_models.build("gpt2", layers=1).save_pretrained(tmp_path / "gpt2")
+    before = {k: sorted(os.listdir(tmp_path / k)) for k in ("full", "other", "adapter", "gpt2")}
+    mtime = (tmp_path / "gpt2" / "model.safetensors").stat().st_mtime
     results = world(2, refusals, str(tmp_path))
     for r in results:
         assert all(v is not None for v in r.values()), r
         assert "full model's files (config.json, model.safetensors)" in r["full"] and "another folder" in r["full"]
         assert "another adapter's" in r["other"] and "target_modules" in r["other"] and "remove it" in r["other"]
         assert "holds a PEFT adapter" in r["merged_into_adapter"]
+        assert "another model's config.json — got model_type 'gpt2'" in r["merged_into_gpt2"]
         assert "merged export to dtype torch.int8" in r["int8"] and "dtype=torch.bfloat16" in r["int8"]
         assert "not a peft PeftModel" in r["not_peft"]
     assert {k: sorted(os.listdir(tmp_path / k)) for k in before} == before
+    assert (tmp_path / "gpt2" / "model.safetensors").stat().st_mtime == mtime
     assert not (tmp_path / "int8").exists() and not (tmp_path / "plain").exists()
 
 
