@@ -1,7 +1,7 @@
 """QLoRA on every axis (issue 19, deliverable 3): a Llama whose adapted projections are int8 (torchao
 ``Int8WeightOnlyConfig``: per-row scales) or packed int4 (``shardlib.quant.Int4Tensor``, groups of 16)
-trains its LoRA adapters like the same quantized PEFT model in one process, on data 2 (ZeRO 0 and 3),
-tensor 2, pipe 2 and data 2 x tensor 2 ZeRO-3: losses within 1e-5, adapters equal, the quantized base
+trains its LoRA adapters like the same quantized PEFT model in one process, on data 2 (ZeRO 0-3),
+tensor 2 (± SP), pipe 2 (ZeRO-3), data 2 x tensor 2 ZeRO-3 and 2 x 2 x 2 ZeRO-3: losses within 1e-5, adapters equal, the quantized base
 untouched, counted collectives = planned (ZeRO-3 gathers move the packed bytes), memory planned = held.
 A tensor split keeps each row's scale with its values (per-row scales ride every in-feature slice)
 and one that would cut an int4 group is refused at plan time.
@@ -17,15 +17,16 @@ import shardlib as sl
 from test_peft import LAYOUTS, check
 
 LAYOUTS.update({
-    "q_data2": ({"data": 2}, [{"zero": 0}, {"zero": 3}]),
+    "q_data2": ({"data": 2}, [{"zero": z} for z in (0, 1, 2, 3)]),
     "q_tensor2": ({"data": 1, "tensor": 2}, [{"sp": False}, {"sp": True}]),
     "q_pipe2": ({"data": 1, "pipe": 2}, [{"schedule": "1f1b", "zero": 3}]),
     "q_data2xtensor2": ({"data": 2, "tensor": 2}, [{"zero": 3}]),
+    "q_3d": ({"data": 2, "pipe": 2, "tensor": 2}, [{"zero": 3}]),
 })
 
 
 @pytest.mark.parametrize("quant", ["int8", "int4"])
-@pytest.mark.parametrize("layout", ["q_data2", "q_tensor2", "q_pipe2", "q_data2xtensor2"])
+@pytest.mark.parametrize("layout", ["q_data2", "q_tensor2", "q_pipe2", "q_data2xtensor2", "q_3d"])
 def test_quantized_base_trains_adapters_like_one_process(world, layout, quant):
     check(world, "llama", layout, quant)
 
