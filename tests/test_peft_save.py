@@ -25,9 +25,10 @@ and a whole checkpoint (the quantized weights as their codes and scales) and one
 each resume on the other layout with the saver's losses.
 
 Refusals, on every rank before anything is written: an adapter save into a full model's folder or
-over another adapter's config, a merged export into an adapter folder, to an integer dtype, or of a
-model that is not a PEFT model; a frozen-less checkpoint loaded into an ``init=False`` engine with no
-frozen values, or into one where a parameter it lacks is trainable.
+over another adapter's config, a merged export into an adapter folder or another architecture's, to an
+integer dtype, or of a model that is not a PEFT model; a plain save of a non-PEFT model with quantized
+weights; a frozen-less checkpoint loaded into an ``init=False`` engine with no frozen values, or into
+one where a parameter it lacks is trainable.
 """
 
 from __future__ import annotations
@@ -138,6 +139,8 @@ def refusals(root: str) -> dict:
     }
     plain = _plain_engine(peft_models.base("llama"), {"data": 2})
     out["not_peft"] = _refused(lambda: plain.save_pretrained(d["plain"], merged=True))
+    quantized = _plain_engine(peft_models.base("llama", "int8"), {"data": 2})
+    out["quantized"] = _refused(lambda: quantized.save_pretrained(d["plain"]))
     return out
 
 
@@ -324,6 +327,7 @@ def test_refusals_before_writing(world, tmp_path):
         assert "another model's config.json — got model_type 'gpt2'" in r["merged_into_gpt2"]
         assert "merged export to dtype torch.int8" in r["int8"] and "dtype=torch.bfloat16" in r["int8"]
         assert "not a peft PeftModel" in r["not_peft"]
+        assert "quantized weight(s)" in r["quantized"] and "peft.get_peft_model" in r["quantized"]
     assert {k: sorted(os.listdir(tmp_path / k)) for k in before} == before
     assert (tmp_path / "gpt2" / "model.safetensors").stat().st_mtime == mtime
     assert not (tmp_path / "int8").exists() and not (tmp_path / "plain").exists()

@@ -99,6 +99,18 @@ class FloatSender(_Sender):
             self.mine.pop(name, None)
 
 
+def refuse_quantized(engine: Engine) -> None:
+    """A model with quantized weights that is not a PEFT model cannot be written by
+    ``pretrained.save_pretrained`` (its sender assembles float parameters only): refused by name."""
+    names = [p.name for p in engine.global_plan.params if p.quant is not None]
+    if names:
+        raise CheckpointError(
+            f"save_pretrained: {type(engine.model).__name__} holds {len(names)} quantized weight(s) (e.g. "
+            f"{names[0]!r}) — expected float weights for a transformers folder. Wrap the model with "
+            "peft.get_peft_model and save the adapter folder (or merged=True: a float model with the adapters "
+            "folded in), or take engine.full_state_dict() (quantized weights dequantized).")
+
+
 @torch.no_grad()
 def save_peft(engine: Engine, path: str | os.PathLike, *, merged: bool, max_shard_size: int | str,
               dtype: torch.dtype) -> Path:
