@@ -72,6 +72,7 @@ def _reference(made) -> tuple[list[float], torch.nn.Module]:
 
 
 @pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:TorchaoLoraLinear was instantiated", "ignore:`is_gradient_checkpointing`")
 def test_main_job_trains_lora_over_an_int8_base_and_writes_the_adapter_folder(made):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
