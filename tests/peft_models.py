@@ -96,7 +96,8 @@ def reference(kind: str, quant: str | None = None) -> dict:
 
 
 def engine(kind: str, cfg: dict, shape: dict, quant: str | None = None):
-    """``(engine, plan)`` of the PEFT model on a ``shape`` mesh; ``cfg``: ``zero``, ``sp``, ``schedule``."""
+    """``(engine, plan)`` of the PEFT model on a ``shape`` mesh; ``cfg``: ``zero``, ``sp``, ``schedule``,
+    ``precision``."""
     from shardlib.planner.hf_tp import tp_table
     from shardlib.testing import get_mesh
 
@@ -112,7 +113,7 @@ def engine(kind: str, cfg: dict, shape: dict, quant: str | None = None):
     if shape.get("pipe", 1) > 1:
         kw.update(microbatches=2, schedule=cfg.get("schedule", "1f1b"))
     plan = sl.plan(model, mesh, zero=cfg.get("zero", 0), sequence_parallel=cfg.get("sp", False),
-                   batch=batches(kind)[0], **kw)
+                   precision=cfg.get("precision", "fp32"), batch=batches(kind)[0], **kw)
     loss_fn = None if kind == "llama" or shape.get("pipe", 1) > 1 else _loss
     return sl.parallelize(model, plan, optimizer=adamw, loss_fn=loss_fn), plan
 
@@ -126,13 +127,21 @@ def run(kind: str, cfg: dict, shape: dict, quant: str | None = None) -> dict:
     losses, counts = train_counting(eng, plan, batches(kind))
     state = eng.full_state_dict()
     fresh = lora(kind, quant).state_dict()
-    changed = [k for k, v in state.items() if "lora_" not in k and not torch.equal(_plain(v), _plain(fresh[k]))]
+    # mixed precision holds a frozen float weight in the compute dtype only (no fp32 master): compare so
+    held = plan.compute_dtype if cfg.get("precision", "fp32") != "fp32" else torch.float32
+    changed = [k for k, v in state.items() if "lora_" not in k
+               and not torch.equal(_plain(v), _plain(fresh[k]) if _quantized(fresh[k])
+                                   else fresh[k].to(held).to(v.dtype))]
     return {"losses": losses, "adapters": adapters(state), "changed": changed, **counts,
             "memory": plan.memory_per_rank(eng.mesh.rank), "held": eng.memory_held()}
 
 
+def _quantized(t: torch.Tensor) -> bool:
+    return hasattr(t, "qdata")
+
+
 def _plain(t: torch.Tensor) -> torch.Tensor:
-    return t.dequantize() if hasattr(t, "dequantize") and type(t) is not torch.Tensor else t
+    return t.dequantize() if _quantized(t) else t
 
 
 def runs(kind: str, cfgs: list[dict], shape: dict, quant: str | None = None) -> list[dict]:

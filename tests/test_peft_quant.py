@@ -22,6 +22,7 @@ LAYOUTS.update({
     "q_pipe2": ({"data": 1, "pipe": 2}, [{"schedule": "1f1b", "zero": 3}]),
     "q_data2xtensor2": ({"data": 2, "tensor": 2}, [{"zero": 3}]),
     "q_3d": ({"data": 2, "pipe": 2, "tensor": 2}, [{"zero": 3}]),
+    "q_bf16": ({"data": 2}, [{"zero": 0, "precision": "bf16"}, {"zero": 3, "precision": "bf16"}]),
 })
 
 
@@ -29,6 +30,13 @@ LAYOUTS.update({
 @pytest.mark.parametrize("layout", ["q_data2", "q_tensor2", "q_pipe2", "q_data2xtensor2", "q_3d"])
 def test_quantized_base_trains_adapters_like_one_process(world, layout, quant):
     check(world, "llama", layout, quant)
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_quantized_base_in_bf16(world, quant):
+    """Mixed precision: bf16 compute over an fp32-scaled quantized base (dequantized in the input's
+    dtype), fp32 masters of the adapters — within bf16 round-off of the fp32 one-process run."""
+    check(world, "llama", "q_bf16", quant, rel=1e-2)
 
 
 def test_packed_bytes_at_rest_and_in_gathers():

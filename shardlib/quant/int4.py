@@ -242,7 +242,8 @@ class _FrozenInt4Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: Int4Tensor, b: torch.Tensor | None) -> torch.Tensor:
         ctx.w, ctx.has_bias = w, b is not None
-        return F.linear(x, w.dequantize(), b)
+        # in the input's dtype: a bf16/fp16 forward of an fp32-scaled weight (mixed precision) runs in bf16
+        return F.linear(x, w.dequantize(x.dtype if x.is_floating_point() else None), b)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
