@@ -94,3 +94,14 @@ def test_a_peft_method_other_than_lora_is_refused_by_name():
                            IA3Config(target_modules=["k_proj", "down_proj"], feedforward_modules=["down_proj"]))
     with pytest.raises(sl.ShardingError, match=r"is IA3 \(IA3Config\) — expected LoRA"):
         sl.plan(model, sl.AbstractMesh({"data": 2}))
+
+
+@pytest.mark.parametrize("quant", [None, "int8"])
+def test_load_pretrained_into_a_peft_or_quantized_engine_is_refused(tmp_path, quant):
+    """A transformers folder holds the base model's names and floats: loading it into a PEFT model's
+    engine (or over packed weights) is refused by name, with the order that works."""
+    model = pm.lora("llama", quant)
+    engine = sl.parallelize(model, sl.plan(model, sl.Mesh({"data": 1})), optimizer=pm.adamw)
+    what = "quantized weights" if quant else "a PEFT model"
+    with pytest.raises(sl.CheckpointError, match=f"holds {what}.*Load the base with from_pretrained, quantize it"):
+        engine.load_pretrained(tmp_path)

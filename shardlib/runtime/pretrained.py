@@ -49,6 +49,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..algebra.boxes import Box, slices_in
+from ..planner.peft import is_peft
 from .checkpoint import _gather, _one, _pieces
 from .checkpoint_files import CheckpointError
 from .pretrained_files import (_DTYPES, _FLOATS, _RELOAD, CONFIG, _cannot, _Entry, _header_bytes, _Out, _tidy,
@@ -287,6 +288,14 @@ def load_pretrained(engine: Engine, path: str | os.PathLike, *, strict: bool = T
                               "before the first step (the optimizer's state would belong to other weights). Load "
                               "pretrained weights into a fresh engine, or resume training with "
                               "engine.load(checkpoint).")
+    held = [s.name for s in engine.states if s.plan.quant is not None]
+    if held or is_peft(engine.model):        # the same on every rank: decided by the model alone
+        what = (f"quantized weights ({', '.join(held[:2])}{', ...' if len(held) > 2 else ''})" if held
+                else "a PEFT model (its names are base_model.model.*, its adapters in no base folder)")
+        raise CheckpointError(f"load_pretrained: the engine holds {what} — expected a plain float model: a folder "
+                              "loads into the base model's own parameters. Load the base with from_pretrained, "
+                              "quantize it and wrap it with peft.get_peft_model before sl.plan; resume training "
+                              "with engine.load(checkpoint).")
     # ranks may see different files (a folder on one node only): agreed before the collectives below
     mine = None
     try:
