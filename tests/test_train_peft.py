@@ -8,8 +8,8 @@ same PEFT model trained in one process on the same rows, and the adapter folder 
 the end (``engine.save_pretrained``) loads with ``PeftModel.from_pretrained`` onto the base, holding
 that process's trained adapters. The base folder is left as it was. The configuration errors — a
 LoRA run without a transformers folder, a rank of 0, a target that matches nothing, an unknown
-quantization, an int4 group size that splits a layer's in-features, a quantized base with nothing to
-train — are named by config key in this process,
+quantization, an int4 group size that splits a layer's in-features, int8 on a model of Conv1D
+projections (GPT-2), a quantized base with nothing to train — are named by config key in this process,
 before any rank starts.
 """
 
@@ -103,7 +103,11 @@ def test_main_job_trains_lora_over_an_int8_base_and_writes_the_adapter_folder(ma
 
 # ---- configuration errors: named by key, in this process, before any rank starts --------------------
 
-def test_lora_and_quant_errors_are_named_by_key(made, monkeypatch):
+def test_lora_and_quant_errors_are_named_by_key(made, tmp_path, monkeypatch):
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     monkeypatch.setenv("HF_DATASETS_CACHE", made["env"]["HF_DATASETS_CACHE"])
     problems_of = _example("train_gpt").problems_of
     base = ["mesh=dp2", "parallel=zero3", *COMMON, f"model.path={made['folder']}",
@@ -131,5 +135,14 @@ def test_lora_and_quant_errors_are_named_by_key(made, monkeypatch):
         "quant.group_size: 48 does not divide the in-features of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj "
         "(32) and down_proj (64) — expected a divisor of every quantized layer's in-features. Use "
         "quant.group_size=32 (or 16, 8).")
+    gpt2 = tmp_path / "gpt2"                       # Conv1D projections: nothing for quant=int8 to quantize
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", vocab_size=300, n_embd=32, n_layer=1, n_head=4,
+                                                          n_positions=64)).save_pretrained(gpt2)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(made["folder"] / name, gpt2 / name)
+    assert one("lora=r8", "quant=int8", f"model.path={gpt2}") == (
+        f"quant: quant=int8 quantizes nn.Linear layers, and the model in model.path={gpt2} has none but its output "
+        "head (its projections are Conv1D) — expected a model of nn.Linear projections (Llama, Qwen2, Mistral, ...), "
+        "or quant=none.")
     assert one("lora=r8", "quant=int3").startswith("quant=int3: no such quant preset — expected one of int4, int8, "
                                                    "none")

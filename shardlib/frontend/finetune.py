@@ -140,8 +140,9 @@ def adapt(model: nn.Module, run: RunConfig) -> nn.Module:
     from peft import get_peft_model
     torch.manual_seed(run.train.seed)        # every rank the same adapters
     try:
-        with warnings.catch_warnings():      # PEFT's advice on merging a torchao base, transformers' renames
-            for noise in ("TorchaoLoraLinear was instantiated", "`is_gradient_checkpointing` is deprecated"):
+        with warnings.catch_warnings():      # PEFT's advice on merging a torchao base and its own Conv1D setting
+            for noise in ("TorchaoLoraLinear was instantiated", "fan_in_fan_out is set to False",
+                          "`is_gradient_checkpointing` is deprecated"):      # transformers' rename
                 warnings.filterwarnings("ignore", message=noise)
             return get_peft_model(model, run.lora.peft())
     except ValueError as e:                  # e.g. a target of a module type LoRA does not adapt
@@ -150,8 +151,8 @@ def adapt(model: nn.Module, run: RunConfig) -> nn.Module:
                           api="config") from None
 
 
-def quantize(model: nn.Module, quant: QuantConfig, path: str | None) -> int:
-    """Quantize, in place, every ``nn.Linear`` of ``model`` but the output head; how many."""
+def quantize(model: nn.Module, quant: QuantConfig, path: str | None) -> None:
+    """Quantize, in place, every ``nn.Linear`` of ``model`` but the output head."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     names = [n for n, m in model.named_modules() if type(m) is nn.Linear and m is not head]
     if not names:
@@ -169,9 +170,8 @@ def quantize(model: nn.Module, quant: QuantConfig, path: str | None) -> int:
         _check_groups(model, names, quant.group_size)
         try:
             quantize_int4_(model, group_size=quant.group_size, filter_fn=lambda m, fqn: fqn in chosen)
-        except ShardingError as e:           # in-features that are not whole groups, one line per layer
-            raise ConfigError([f"quant.group_size: {p}" for p in e.problems], api="config") from None
-    return len(names)
+        except ShardingError as e:           # a weight tied to another module's, or not a float Parameter
+            raise ConfigError([f"quant: {p}" for p in e.problems], api="config") from None
 
 
 def _check_groups(model: nn.Module, names: list[str], group: int) -> None:
