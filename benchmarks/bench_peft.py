@@ -19,7 +19,10 @@ from the same seeds and fed the same batches (each rank its ``BATCH`` rows of th
                      root, ``model(**rows).loss.backward()``, ``opt.step()``, ``opt.zero_grad()``;
 * ``shardlib-int8``  as ``shardlib``, over the int8 base;
 * ``fsdp2-int8``     as ``fsdp2``, over the int8 base. It fails in ``fully_shard`` (torchao's ``Int8Tensor``
-                     has no ``aten.split``, which FSDP2 uses to chunk a parameter); the error is the row.
+                     has no ``aten.split``, which FSDP2 uses to chunk a parameter); the error is the row;
+* ``local``          the compute floor: the whole fp32 PEFT model in every rank, stepped on the rank's rows
+                     with no collective at all — what both sharded sides would take with free communication
+                     and no framework overhead (its ratio is the best any side can reach here).
 
 After ``--warmup`` steps (the last one counted), the sides that built are stepped alternately (A B C, C B A,
 ...) after a barrier, so a change in machine load hits them alike; a step is the latest end minus the
@@ -56,7 +59,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import shardlib as sl
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-SIDES = ("shardlib", "fsdp2", "shardlib-int8", "fsdp2-int8")
+SIDES = ("shardlib", "fsdp2", "shardlib-int8", "fsdp2-int8", "local")
 LR, RANK = 1e-3, 16
 Batch = dict[str, torch.Tensor]
 
@@ -160,8 +163,26 @@ def run_fsdp2(s: Size, d: int, int8: bool) -> Built:
     return Built(step, groups={mesh.get_group().group_name: "data"})
 
 
+def run_local(s: Size, d: int, int8: bool) -> Built:
+    """The compute floor: the whole PEFT model in every rank, stepped on the rank's rows, no collective (each
+    rank trains its own copy; its losses are not the global batch's and are not compared)."""
+    model = peft_model(s, int8)
+    opt = make_optimizer(model.parameters())
+    rank = dist.get_rank()
+
+    def step(batch: Batch) -> float:
+        loss = model(**rows_of(batch, s, rank)).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    return Built(step)
+
+
 def build(side: str, s: Size, d: int) -> Built:
-    return (run_shardlib if side.startswith("shardlib") else run_fsdp2)(s, d, side.endswith("int8"))
+    run = run_local if side == "local" else run_shardlib if side.startswith("shardlib") else run_fsdp2
+    return run(s, d, side.endswith("int8"))
 
 
 def count(side: str, built: Built, batch: Batch) -> tuple[float, dict]:
@@ -228,6 +249,7 @@ def op_bytes(ops: dict[str, list[int]]) -> dict[str, int]:
 
 def run_data(s: Size, d: int, sides: list[str], warmup: int, steps: int, timeout: tuple[float, float],
              rss: bool, check: bool) -> dict:
+    t0 = time.time()
     row: dict[str, Any] = {"data": d, "results": {}, "failed": {}, "rss": {}, "load": [os.getloadavg()[0]]}
     per, err = launch(rank_main, d, s, d, sides, warmup, steps, timeout=timeout)
     if per is None:
@@ -245,7 +267,7 @@ def run_data(s: Size, d: int, sides: list[str], warmup: int, steps: int, timeout
             if any(side.endswith("int8") == int8 for side in row["results"]):
                 ref = reference_losses(s, d, int8, warmup)
                 for side, r in row["results"].items():
-                    if side.endswith("int8") == int8:
+                    if side.endswith("int8") == int8 and side != "local":
                         r["dloss_ref"] = _rel(r["losses"][:warmup], ref)
     res = row["results"]
     for side, r in res.items():
@@ -254,8 +276,9 @@ def run_data(s: Size, d: int, sides: list[str], warmup: int, steps: int, timeout
         twin = side.replace("shardlib", "fsdp2")
         if side.startswith("shardlib") and twin in res:
             r["dloss_fsdp2"] = _rel(r["losses"], res[twin]["losses"])
+    print(f"data {d}: timed world and references done in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
     if rss:
-        for side in list(res):
+        for side in [x for x in res if x != "local"]:
             out, _ = launch(rss_main, d, s, d, side, warmup + 2, timeout=timeout)
             if out is not None:
                 row["rss"][side] = out
@@ -286,6 +309,10 @@ def table(rows: list[dict]) -> str:
             ratio = f"**{r['ratio']:.2f}**" if "ratio" in r else "–"
             rss = " / ".join(f"{p:.0f} (+{q:.0f})" for p, q in zip(r["rss_mb"], r["rise_mb"])) if "rss_mb" in r else "–"
             ops = " / ".join(fb(r["ops"][k]) for k in ("all_gather", "reduce_scatter", "all_reduce"))
+            if side == "local":
+                lines.append(f"| {d} | local (no collective: the compute floor) | {r['ms'] / 1e3:.3f} "
+                             f"({r['p25'] / 1e3:.3f}-{r['p75'] / 1e3:.3f}) | {ratio} |" + " – |" * 6)
+                continue
             total = r["bytes"]["per_rank"][0]["total"]
             pl = r["planned"]
             planned = f" ({'=' if r['bytes']['counted_eq_planned'] else '≠'} planned)" if pl else ""
@@ -360,6 +387,8 @@ def main(argv=None) -> None:
     print("\n".join(gather_ratios(rows) + [f"- {base_bytes(s)}"]))
     for row in rows:
         for side, r in row["results"].items():
+            if side == "local":
+                continue
             ops = ", ".join(f"{k} x{n} {sl.format_bytes(b)}" for k, (n, b) in sorted(r["bytes"]["ops_rank0"].items()))
             print(f"- data {row['data']} {side}: {ops}")
     write_rows(rows, args.json)
