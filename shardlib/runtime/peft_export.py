@@ -40,7 +40,8 @@ import torch
 from torch import nn
 
 from ..algebra.boxes import Box
-from .checkpoint import _block, _gather, _one, _Piece, quant_shard
+from .checkpoint import _gather, _one
+from .checkpoint_pieces import _block, _Piece, quant_shard
 from .checkpoint_files import CheckpointError
 from .pretrained import _aliases, _persistent_buffers, _reverted, _saved_names, _Sender
 from .pretrained_files import CONFIG, INDEX, SAFE, _cannot, _header_bytes, _Out, _tidy

@@ -16,7 +16,7 @@ value: the architecture in ``config.json``, every parameter and persistent buffe
 any of its tied names), its shape, a floating dtype, and every file whole (a tensor's bytes inside
 the file). The ranks agree on the verdict in one gather (ranks of different nodes may see
 different files): a rank raises its own problem, the others name it and refuse too.
-Then each rank reads only its pieces — the boxes ``checkpoint._pieces`` gives in global
+Then each rank reads only its pieces — the boxes ``checkpoint_pieces._pieces`` gives in global
 coordinates — through ``safe_open(...).get_slice(name)[rows]``, cast to fp32 as it is copied in.
 A read holds its bytes about three times (the file's mapped pages, safetensors' buffer, the tensor
 it returns), so each spans at most a quarter of the largest tensor (and 64 MB), the file reopened
@@ -50,7 +50,8 @@ from torch import nn
 
 from ..algebra.boxes import Box, slices_in
 from ..planner.peft import is_peft
-from .checkpoint import _gather, _one, _pieces
+from .checkpoint import _gather, _one
+from .checkpoint_pieces import _pieces
 from .checkpoint_files import CheckpointError
 from .pretrained_files import (_DTYPES, _FLOATS, _RELOAD, CONFIG, _cannot, _Entry, _header_bytes, _Out, _tidy,
                                read_folder)
