@@ -24,16 +24,14 @@ The groups (``conf/config.yaml`` composes one file of each):
 
 from __future__ import annotations
 
-import difflib
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
-from ..errors import ShardingError
-
-if TYPE_CHECKING:
-    from .finetune import AdapterConfig, QuantConfig
+from .checking import ConfigError as ConfigError, DataError as DataError, _Checker, _keys
+from .finetune_config import AdapterConfig, QuantConfig, adapter_config, cross_problems, quant_config
+# ConfigError and DataError are this module's public names (the launcher and tests import them here)
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
@@ -42,14 +40,6 @@ SOURCES = ("stdlib", "file", "dataset")
 FORMATS = ("text", "json", "parquet")          # datasets.load_dataset's packaged builders
 MODEL_KINDS = ("gpt", "hf")
 _GPT_SIZES = ("vocab_size", "d_model", "n_heads", "n_layers", "mlp_ratio")
-
-
-class ConfigError(ShardingError):
-    """A configuration value is wrong; ``problems`` holds one message per bad key."""
-
-
-class DataError(ConfigError):
-    """The dataset cannot be read: missing, unreadable, too short, or not text."""
 
 
 @dataclass(frozen=True)
@@ -204,78 +194,6 @@ class RunConfig:
         return self.train.grad_accum
 
 
-# ---- checking ---------------------------------------------------------------------------------
-
-class _Checker:
-    """Reads one group's mapping field by field, noting every problem by its config key."""
-
-    def __init__(self, group: str, raw: Any, problems: list[str], known: tuple[str, ...]):
-        self.group, self.problems = group, problems
-        if not isinstance(raw, Mapping):
-            problems.append(f"{group}: expected a mapping of keys to values — got {type(raw).__name__} {raw!r}.")
-            raw = {}
-        self.raw = dict(raw)
-        for key in self.raw:
-            if key not in known:
-                near = difflib.get_close_matches(str(key), known, n=1)
-                hint = f" Did you mean {group}.{near[0]}?" if near else ""
-                problems.append(f"{group}.{key}: unknown key — expected one of {', '.join(known)}.{hint}")
-
-    def bad(self, key: str, got: Any, rule: str) -> None:
-        self.problems.append(f"{self.group}.{key}: got {got!r}; expected {rule}.")
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.raw.get(key, default)
-
-    def int(self, key: str, default: Any = None, *, low: int = 1, optional: bool = False) -> Any:
-        v = self.raw.get(key, default)
-        if v is None and optional:
-            return None
-        if isinstance(v, bool) or not isinstance(v, int) or v < low:
-            self.bad(key, v, f"an int >= {low}" + (" or null" if optional else ""))
-            return default if isinstance(default, int) else low
-        return v
-
-    def number(self, key: str, default: Any = None, *, low: float = 0.0, strict: bool = False,
-               optional: bool = False) -> Any:
-        v = self.raw.get(key, default)
-        if v is None and optional:
-            return None
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or (v <= low if strict else v < low):
-            self.bad(key, v, f"a number {'>' if strict else '>='} {low:g}" + (" or null" if optional else ""))
-            return default
-        return float(v)
-
-    def choice(self, key: str, default: Any, options: tuple, *, optional: bool = False) -> Any:
-        v = self.raw.get(key, default)
-        if v is None and optional:
-            return None
-        if v not in options:
-            self.bad(key, v, "one of " + ", ".join(map(str, options)) + (" or null" if optional else ""))
-            return default
-        return v
-
-    def bool(self, key: str, default: bool) -> bool:
-        v = self.raw.get(key, default)
-        if not isinstance(v, bool):
-            self.bad(key, v, "true or false")
-            return default
-        return v
-
-    def str(self, key: str, default: Any = None, *, optional: bool = False) -> Any:
-        v = self.raw.get(key, default)
-        if v is None and optional:
-            return None
-        if not isinstance(v, str) or not v:
-            self.bad(key, v, "a non-empty string" + (" or null" if optional else ""))
-            return default
-        return v
-
-
-def _keys(cls) -> tuple[str, ...]:
-    return tuple(f.name for f in fields(cls))
-
-
 def _mesh(raw: Any, problems: list[str]) -> MeshConfig:
     c = _Checker("mesh", raw, problems, _keys(MeshConfig))
     axes_raw = c.get("axes")
@@ -415,7 +333,6 @@ def run_config(d: Mapping[str, Any]) -> RunConfig:
     """The ``RunConfig`` of a plain nested mapping, or a ``ConfigError`` listing every bad key (and
     the cross-group problems: a rule naming an axis the mesh lacks, a sequence longer than the
     model's positions, a batch that the data ranks and micro-batches do not divide)."""
-    from . import finetune          # its groups' dataclasses (finetune reads this module's checker)
     problems: list[str] = []
     if not isinstance(d, Mapping):
         raise ConfigError(f"config: expected a mapping with mesh, parallel, model, train, data — got {type(d).__name__}.")
@@ -429,9 +346,9 @@ def run_config(d: Mapping[str, Any]) -> RunConfig:
     run = RunConfig(mesh=_mesh(d.get("mesh", {}), problems), parallel=_parallel(d.get("parallel", {}), problems),
                     model=_model(d.get("model", {}), problems), train=_train(d.get("train", {}), problems),
                     data=_data(d.get("data"), problems), checkpoint=_checkpoint(d.get("checkpoint"), problems),
-                    lora=finetune.adapter_config(d.get("lora"), problems),
-                    quant=finetune.quant_config(d.get("quant"), problems))
-    problems += _cross(run) + finetune.cross_problems(run.lora, run.quant, run.model)
+                    lora=adapter_config(d.get("lora"), problems),
+                    quant=quant_config(d.get("quant"), problems))
+    problems += _cross(run) + cross_problems(run.lora, run.quant, run.model)
     if problems:
         raise ConfigError(problems, api="config")
     return run
