@@ -359,7 +359,7 @@ def main(argv=None) -> None:
     ap.add_argument("--sides", nargs="*", default=list(SIDES), choices=list(SIDES))
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny model, 1 warm-up + 2 steps, no RSS worlds")
     ap.add_argument("--no-check", action="store_true", help="skip the one-process reference losses")
-    common_options(ap, steps=8)
+    common_options(ap, steps=10)
     args = ap.parse_args(argv)
     s = QUICK if args.quick else FULL
     data = args.data or ([2] if args.quick else [2, 4])
