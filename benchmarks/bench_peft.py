@@ -1,9 +1,9 @@
 """Fine-tuning with LoRA: shardlib ZeRO-3 vs PEFT + FSDP2 on the same PEFT model, with an int8 base beside them.
 
-    PYTHONPATH=. python3 benchmarks/bench_peft.py --json rows.json       # data 2 and 4, ~5 min on 2 busy cores
+    PYTHONPATH=. python3 benchmarks/bench_peft.py --json rows.json   # data 2 and 4: 2.5 min at load 2-3, 6.5 at 7-10
     PYTHONPATH=. python3 benchmarks/bench_peft.py --quick                # smoke run: tiny model, data 2, ~1 min
 
-**Model.** A transformers ``LlamaForCausalLM`` built from ``CFG`` (seed 0), wrapped by
+**Model.** A transformers ``LlamaForCausalLM`` built from ``FULL`` (``Size``; seed 0), wrapped by
 ``peft.get_peft_model`` with LoRA r = 16 (alpha 32, no dropout) on q/k/v/o/gate/up/down, adapters drawn after
 ``torch.manual_seed(1)`` with ``init_lora_weights=False`` (A and B random, so the adapters change the loss
 from the first step; PEFT's default zeroes B). The base is frozen (PEFT's doing); AdamW (lr 1e-3) over the
@@ -11,7 +11,7 @@ trainable parameters only. ``int8``: torchao ``quantize_(base, Int8WeightOnlyCon
 Linear layers LoRA adapts>)`` before ``get_peft_model`` (embeddings, norms and LM head stay fp32).
 
 **Sides**, one world per data size (``--data``: 2 and 4 gloo ranks, 1 thread each), every side built in it
-from the same seeds and fed the same batches (each rank its ``BATCH`` rows of the step's global batch):
+from the same seeds and fed the same global batches (``Size.batch`` rows per rank):
 
 * ``shardlib``       ``sl.plan(peft_model, Mesh({"data": d}), zero=3)``, ``sl.parallelize``,
                      ``engine.step(global_batch)`` (each rank takes its rows);
@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -307,7 +306,8 @@ def table(rows: list[dict]) -> str:
                 continue
             r = row["results"][side]
             ratio = f"**{r['ratio']:.2f}**" if "ratio" in r else "–"
-            rss = " / ".join(f"{p:.0f} (+{q:.0f})" for p, q in zip(r["rss_mb"], r["rise_mb"])) if "rss_mb" in r else "–"
+            rss = (" / ".join(f"{p:.0f} (+{q:.0f})" for p, q in zip(r["rss_mb"], r["rise_mb"]))
+                   if "rss_mb" in r else "–")
             ops = " / ".join(fb(r["ops"][k]) for k in ("all_gather", "reduce_scatter", "all_reduce"))
             if side == "local":
                 lines.append(f"| {d} | local (no collective: the compute floor) | {r['ms'] / 1e3:.3f} "
@@ -319,8 +319,8 @@ def table(rows: list[dict]) -> str:
             states = fb(pl["states"]) if pl else "–"
             ref = f"{r['dloss_ref']:.1e}" if "dloss_ref" in r else "–"
             vs = f"{r['dloss_fsdp2']:.1e}" if "dloss_fsdp2" in r else "–"
-            lines.append(f"| {d} | {side} | {r['ms'] / 1e3:.3f} ({r['p25'] / 1e3:.3f}-{r['p75'] / 1e3:.3f}) | {ratio} | "
-                         f"{rss} | {ops} | {fb(total)}{planned} | {states} | {ref} | {vs} |")
+            lines.append(f"| {d} | {side} | {r['ms'] / 1e3:.3f} ({r['p25'] / 1e3:.3f}-{r['p75'] / 1e3:.3f}) | "
+                         f"{ratio} | {rss} | {ops} | {fb(total)}{planned} | {states} | {ref} | {vs} |")
     return "\n".join(lines)
 
 
