@@ -149,23 +149,17 @@ def run_fsdp2(s: Size, d: int, int8: bool) -> Built:
     for layer in model.base_model.model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = make_optimizer(model.parameters())
-    rank = dist.get_rank()
-
-    def step(batch: Batch) -> float:
-        loss = model(**rows_of(batch, s, rank)).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return float(loss.detach())
-
-    return Built(step, groups={mesh.get_group().group_name: "data"})
+    return Built(_plain_step(model, s), groups={mesh.get_group().group_name: "data"})
 
 
 def run_local(s: Size, d: int, int8: bool) -> Built:
     """The compute floor: the whole PEFT model in every rank, stepped on the rank's rows, no collective (each
     rank trains its own copy; its losses are not the global batch's and are not compared)."""
-    model = peft_model(s, int8)
+    return Built(_plain_step(peft_model(s, int8), s))
+
+
+def _plain_step(model, s: Size):
+    """One optimizer step of ``model`` on this rank's rows of a batch (the torch-side loop): the loss."""
     opt = make_optimizer(model.parameters())
     rank = dist.get_rank()
 
@@ -176,7 +170,7 @@ def run_local(s: Size, d: int, int8: bool) -> Built:
         opt.zero_grad(set_to_none=True)
         return float(loss.detach())
 
-    return Built(step)
+    return step
 
 
 def build(side: str, s: Size, d: int) -> Built:
