@@ -11,6 +11,8 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
+import os
+
 import torch
 from torch import nn
 
@@ -19,6 +21,7 @@ from ..algebra.mesh import AbstractMesh
 from ..algebra.spec import Fused, PartitionSpec
 from ..errors import ShardingError, ShardingTypeError
 from ..quant.layout import QuantSpec, is_quantized, quantized_problems
+from .offload import disk_problems, offload_problems
 from .peft import adapter_specs
 from .pipeline import PipelinePlan
 from .pipeline import derive as derive_pipeline
@@ -102,7 +105,7 @@ def plan(model: nn.Module, mesh: AbstractMesh, zero: int | None = None, *, state
          rules: Any = None, sequence_parallel: bool = False, batch: Any = None, tensor_axis: str = "tensor",
          microbatches: int | None = None, schedule: str | None = None, virtual_stages: int | None = None,
          stages: Any = None, pipe_axis: str = "pipe", pipe_gather: str = "step",
-         replica_axis: str | None = None) -> Plan:
+         replica_axis: str | None = None, offload: Any = None, offload_dir: Any = None) -> Plan:
     """Plan training of ``model`` on ``mesh``: data parallel / ZeRO on ``data``, tensor parallel on ``tensor``.
 
     Each parameter's spec comes from the ``sl.shard`` tables on the model's modules, with logical
@@ -148,14 +151,14 @@ def plan(model: nn.Module, mesh: AbstractMesh, zero: int | None = None, *, state
         raise ShardingTypeError(f"plan: expected a Mesh or AbstractMesh — got {type(mesh).__name__}.")
     if data_axis == "data":          # a mesh without a data axis is one whose data size is 1
         mesh = mesh.with_axis(data_axis)
-    states, rdt, unit_names, rec, state_bytes, specs, tplan, pplan = _check(
+    states, rdt, unit_names, rec, state_bytes, specs, tplan, pplan, kinds = _check(
         model, mesh, zero=zero, states=states, precision=precision, reduce_dtype=reduce_dtype,
         grad_accum=grad_accum, clip_grad_norm=clip_grad_norm, recompute=recompute, units=units,
         bucket_mb=bucket_mb, optimizer=optimizer, reshard_after_forward=reshard_after_forward,
         data_axis=data_axis, broadcast_buffers=broadcast_buffers, rules=rules,
         sequence_parallel=sequence_parallel, tensor_axis=tensor_axis, microbatches=microbatches,
         schedule=schedule, virtual_stages=virtual_stages, stages=stages, pipe_axis=pipe_axis,
-        pipe_gather=pipe_gather, replica_axis=replica_axis, batch=batch)
+        pipe_gather=pipe_gather, replica_axis=replica_axis, batch=batch, offload=offload, offload_dir=offload_dir)
     replica_axis = _replica(mesh, replica_axis)
     if pplan is not None:
         grad_accum = pplan.microbatches
@@ -223,7 +226,12 @@ def plan(model: nn.Module, mesh: AbstractMesh, zero: int | None = None, *, state
                grad_accum=grad_accum, clip_grad_norm=clip_grad_norm, optimizer_state_bytes=state_bytes,
                bucket_bytes=bucket_bytes, params=tuple(params), units=tuple(unit_list), batch=layout(dp),
                broadcast_buffers=broadcast_buffers, buffer_sizes=fused_sizes(buffers),
-               setup_sizes=setup, meta_build=meta, tensor=tplan, pipeline=pplan, replica_axis=replica_axis)
+               setup_sizes=setup, meta_build=meta, tensor=tplan, pipeline=pplan, replica_axis=replica_axis,
+               offload=kinds, offload_dir=None if offload_dir is None else os.fspath(offload_dir))
+    if offload_dir is not None and any(k == "disk" for _, k in kinds) and getattr(mesh, "rank", None) is not None:
+        found = disk_problems(offload_dir, out.disk_bytes())      # a running mesh: this machine's disk
+        if found:
+            raise ShardingError(found, api="plan")
     if tplan is not None and batch is not None:
         from .trace import trace_activations
         out = replace(out, activations=trace_activations(model, out, batch))
@@ -288,8 +296,9 @@ def with_data(spec: PartitionSpec, axis: str | None) -> PartitionSpec:
 def _check(model: nn.Module, mesh: AbstractMesh, *, zero, states, precision, reduce_dtype, grad_accum,
            clip_grad_norm, recompute, units, bucket_mb, optimizer, reshard_after_forward, data_axis,
            broadcast_buffers, rules, sequence_parallel, tensor_axis, microbatches, schedule, virtual_stages,
-           stages, pipe_axis, pipe_gather="step", replica_axis=None, batch=None) -> tuple[StateLayouts, torch.dtype, list[str], set[str], int, dict[str, PartitionSpec],
-                                       TensorPlan | None, PipelinePlan | None]:
+           stages, pipe_axis, pipe_gather="step", replica_axis=None, batch=None, offload=None, offload_dir=None
+           ) -> tuple[StateLayouts, torch.dtype, list[str], set[str], int, dict[str, PartitionSpec], TensorPlan | None,
+                      PipelinePlan | None, tuple]:
     """Check every argument of ``plan`` and raise all problems at once; return what they resolve
     to: the state layouts, the reduction dtype, the unit names, the recomputed units and the
     optimizer's state bytes per parameter."""
@@ -398,6 +407,10 @@ def _check(model: nn.Module, mesh: AbstractMesh, *, zero, states, precision, red
                 add(f"plan: recompute names {_few(unknown)}, which are not units — expected some of "
                     f"{_few(unit_names)}.")
 
+    zero3 = states.params is not None if isinstance(states, StateLayouts) else zero == 3
+    kinds, offload_found = offload_problems(offload, offload_dir, zero3=zero3, recompute=bool(rec))
+    for m in offload_found:
+        add(m, m.startswith("plan: offload must be a mapping") or m.startswith("plan: offload_dir must be"))
     specs: dict[str, PartitionSpec] = {}
     tplan = pplan = None
     if not problems:
@@ -426,4 +439,4 @@ def _check(model: nn.Module, mesh: AbstractMesh, *, zero, states, precision, red
         raise ShardingError(messages, api="plan")
     if states is None:
         states = StateLayouts.zero(0 if zero is None else zero, data_axis)
-    return states, rdt, unit_names, rec, state_bytes, specs, tplan, pplan
+    return states, rdt, unit_names, rec, state_bytes, specs, tplan, pplan, kinds

@@ -53,10 +53,11 @@ class Explain:
                        + ("   (* = recomputed in backward)" if any(u.recompute for u in self.units) else ""),
                        "  ", "    ")
         lines += ["", *self._param_table(max_params, full)]
-        mem, formula = self.memory_per_rank(), self.zero_formula()
+        mem, formula = self.memory_per_rank(kind="all"), self.zero_formula()
         lines += ["", f"  model states per rank (Ψ = {self.num_params:,} parameters):"]
         for k in ("params", "grads", "optimizer", "total"):
             lines.append(f"    {k:<10} {format_bytes(mem[k]):>10}   (ZeRO formula {format_bytes(formula[k])})")
+        lines += self._offload_lines()
         pk = self.peak_per_rank()
         lines.append(f"    peak       {format_bytes(pk['peak']):>10}   (states + largest transient "
                      f"{format_bytes(pk['transient'])}, at the {max(('build', 'backward', 'update', 'publish'), key=pk.get)}; "
@@ -133,6 +134,18 @@ class Explain:
                 words.append(f"{_collapse([v.name for v in us])} ({len(us)} units x {len(u.params)} params)"
                              f"{star(u)}")
         return words
+
+    def _offload_lines(self) -> list[str]:
+        """Memory kinds (``planner/offload.py``): what each kind holds of this rank's model states."""
+        if not self.offload:
+            return []
+        kinds = {k: self.memory_per_rank(kind=k) for k in ("device", "host", "disk")}
+        where = ", ".join(f"{s} -> {k}" for s, k in self.offload)
+        disk = f" (files under {self.offload_dir!r})" if self.offload_dir else ""
+        return [f"    by memory kind ({where}{disk}): "
+                + ", ".join(f"{k} {format_bytes(v['total'])}" for k, v in kinds.items()),
+                "    (on a machine without an accelerator 'host' is the same memory as 'device'; the engine does "
+                "not run offload yet)"]
 
     def _frozen_lines(self, full: bool) -> list[str]:
         """Frozen and quantized parameters, and each LoRA adapter's layout next to its base weight's."""

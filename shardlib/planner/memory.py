@@ -9,13 +9,14 @@ import torch
 
 from ..errors import ShardingError
 from .flat import FROZEN, TRAIN
+from .offload import split_by_kind
 
 if TYPE_CHECKING:
     from .plan import UnitPlan
 
 
 class MemoryAccounting:
-    def memory_per_rank(self, rank: int | None = None, *, at: str = "rest") -> dict[str, int]:
+    def memory_per_rank(self, rank: int | None = None, *, at: str = "rest", kind: str = "device") -> dict[str, int]:
         """Model-state bytes this rank holds, by kind: ``params`` (compute-dtype copies),
         ``grads``, ``optimizer`` (fp32 master copy where it is not the parameter itself, plus
         optimizer state), and their ``total``; apart from them, ``buffers``: the slots of the
@@ -31,9 +32,15 @@ class MemoryAccounting:
 
         Sharded states are split as flat segments (``flat.py``): a rank holds ``ceil(T/N)`` or
         fewer of each segment's ``T`` elements, so every rank is within one element per segment
-        of the ZeRO formula. O(flat groups) per rank."""
+        of the ZeRO formula. O(flat groups) per rank.
+
+        ``kind``: the memory kind (``planner/offload.py``) whose part to give — ``"device"`` (the
+        default: what must fit the accelerator), ``"host"`` or ``"disk"``, where ``sl.plan(offload=...)``
+        puts states; ``"all"`` gives every kind together."""
         if at not in ("rest", "update"):
             raise ShardingError(f"memory_per_rank: at={at!r} — expected 'rest' or 'update'.")
+        if kind not in ("device", "host", "disk", "all"):
+            raise ShardingError(f"memory_per_rank: kind={kind!r} — expected 'device', 'host', 'disk' or 'all'.")
         rank = self._rank(rank)
         c = self.compute_dtype.itemsize
         g = self.reduce_dtype.itemsize
@@ -60,8 +67,11 @@ class MemoryAccounting:
                 # each bucket (padded), or a full all-reduced gradient kept apart from the local one
                 grads += (sum(grp.chunk(TRAIN) for grp in groups) if states.grads is not None else psi_t) * g
         buffers = 4 * self.scalars_per_step() if self.scalars_ride_gradients and self._grad_views else 0
-        return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim,
-                "buffers": buffers}
+        out = {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim,
+               "buffers": buffers}
+        if kind == "all" or not self.offload:
+            return out if kind in ("all", "device") else {k: 0 for k in out}
+        return split_by_kind(out, self.offload, kind, sharded_grads=states.grads is not None and not states.keep_local_grads)
 
     def peak_per_rank(self, rank: int | None = None, *, activation_bytes: int = 0, foreach: bool | None = None,
                       meta_build: bool | None = None) -> dict[str, int]:

@@ -169,6 +169,9 @@ class Plan(MemoryAccounting, TrafficAccounting, Explain):
     pipe_coord: int | None = None
     # HSDP: a second data axis over which the training states are replicated (``data`` shards them)
     replica_axis: str | None = None
+    # memory kinds (planner/offload.py): ((state, "host" | "disk"), ...) — states not named live on the device
+    offload: tuple[tuple[str, str], ...] = ()
+    offload_dir: str | None = None
 
     # ---- basics --------------------------------------------------------------------------------
     @property
@@ -279,10 +282,17 @@ class Plan(MemoryAccounting, TrafficAccounting, Explain):
         return {}
 
     # per-rank accounting of a split plan is that of the rank's tensor-local plan
-    def memory_per_rank(self, rank: int | None = None, *, at: str = "rest") -> dict[str, int]:
+    def memory_per_rank(self, rank: int | None = None, *, at: str = "rest", kind: str = "device") -> dict[str, int]:
         if self.split:
-            return self.local(rank).memory_per_rank(rank, at=at)
-        return super().memory_per_rank(rank, at=at)
+            return self.local(rank).memory_per_rank(rank, at=at, kind=kind)
+        return super().memory_per_rank(rank, at=at, kind=kind)
+
+    def disk_bytes(self) -> int:
+        """The bytes every rank's ``disk`` states take together (what ``offload_dir`` must hold when all
+        ranks share one machine): the largest rank's of a sample, times the ranks."""
+        n = self.mesh.size
+        sample = range(0, n, max(1, n // 64))
+        return max(self.memory_per_rank(r, kind="disk")["total"] for r in sample) * n
 
     def transient_per_rank(self, rank: int | None = None) -> dict[str, int]:
         if self.split:

@@ -1,0 +1,68 @@
+"""Memory kinds in the plan (issue 20, first part): ``sl.plan(..., offload=..., offload_dir=...)`` splits each
+rank's model states into ``device``, ``host`` and ``disk`` (``memory_per_rank(kind=...)``), explains them, and
+refuses bad input by key before any process starts. The engine does not run offloaded plans yet and says so."""
+
+from __future__ import annotations
+
+import pytest
+
+import shardlib as sl
+from shardlib.models.gpt import GPT, GPTConfig
+
+CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2)
+
+
+def _plan(**kw):
+    return sl.plan(GPT(CFG), sl.AbstractMesh({"data": 2}), **kw)
+
+
+CASES = [(z, o) for z in (0, 1, 2, 3) for o in ({"optimizer": "host"}, {"optimizer": "disk"})]
+CASES.append((3, {"optimizer": "host", "params": "disk"}))     # params offload needs ZeRO-3 (test_bad_input)
+
+
+@pytest.mark.parametrize("zero, offload", CASES)
+def test_kinds_split_the_states(zero, offload, tmp_path):
+    plan = _plan(zero=zero, offload=offload, offload_dir=tmp_path if "disk" in offload.values() else None)
+    whole = plan.memory_per_rank(0, kind="all")
+    kinds = {k: plan.memory_per_rank(0, kind=k) for k in ("device", "host", "disk")}
+    for key in ("params", "grads", "optimizer", "total"):
+        assert sum(kinds[k][key] for k in kinds) == whole[key], (key, kinds, whole)
+    opt = offload["optimizer"]
+    assert kinds[opt]["optimizer"] == whole["optimizer"] > 0 and kinds["device"]["optimizer"] == 0
+    # sharded gradients (ZeRO-2/3) persist with the update; ZeRO-0/1's full local ones stay on the device
+    assert kinds[opt if zero >= 2 else "device"]["grads"] == whole["grads"]
+    assert kinds[offload.get("params", "device")]["params"] == whole["params"]
+    assert plan.memory_per_rank(0) == kinds["device"]
+    assert "by memory kind" in plan.explain()
+
+
+def test_no_offload_is_all_device():
+    plan = _plan(zero=3)
+    assert plan.memory_per_rank(0) == plan.memory_per_rank(0, kind="all")
+    assert plan.memory_per_rank(0, kind="host")["total"] == plan.memory_per_rank(0, kind="disk")["total"] == 0
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"offload": {"optimiser": "host"}}, r"state 'optimiser' — expected one of optimizer, params, activations; the closest names are 'optimizer'"),
+    ({"offload": {"optimizer": "cpu"}}, r"offload\['optimizer'\] is 'cpu' — expected a memory kind among device, host, disk"),
+    ({"offload": {"optimizer": "disk"}}, r"on 'disk' but offload_dir is not given"),
+    ({"offload": {"params": "host"}, "zero": 2}, r"without zero=3 .* nothing at rest to move"),
+    ({"offload": {"activations": "host"}, "recompute": True}, r"with recompute .* nothing of it to move"),
+    ({"offload": {"optimizer": "host"}, "offload_dir": "/tmp"}, r"nothing is offloaded to 'disk'"),
+])
+def test_bad_input(kw, match):
+    with pytest.raises(sl.ShardingError, match=match):
+        _plan(**kw)
+    with pytest.raises(sl.ShardingTypeError, match="offload must be a mapping"):
+        _plan(offload="host")
+
+
+def test_disk_folder_checked_on_a_running_mesh(tmp_path):
+    model = GPT(CFG)
+    mesh = sl.Mesh({"data": 1})
+    with pytest.raises(sl.ShardingError, match="is not a folder"):
+        sl.plan(model, mesh, offload={"optimizer": "disk"}, offload_dir=tmp_path / "missing")
+    plan = sl.plan(model, mesh, offload={"optimizer": "disk"}, offload_dir=tmp_path)
+    assert 0 < plan.disk_bytes() == plan.memory_per_rank(0, kind="disk")["total"]
+    with pytest.raises(sl.ShardingError, match=r"does not run offloaded states yet"):
+        sl.parallelize(model, plan, optimizer=lambda ps: __import__("torch").optim.SGD(ps, lr=0.1))
