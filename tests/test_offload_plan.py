@@ -66,3 +66,37 @@ def test_disk_folder_checked_on_a_running_mesh(tmp_path):
     assert 0 < plan.disk_bytes() == plan.memory_per_rank(0, kind="disk")["total"]
     with pytest.raises(sl.ShardingError, match=r"does not run offloaded states yet"):
         sl.parallelize(model, plan, optimizer=lambda ps: __import__("torch").optim.SGD(ps, lr=0.1))
+
+
+# ---- the config groups and the dry run ------------------------------------------------------------
+
+def test_dry_run_shows_each_kind():
+    from shardlib.frontend.dryrun import dry_run, report
+    from test_dryrun import run_of
+
+    plain = dry_run(run_of("model=small", "mesh=dp2", "parallel=zero3"))
+    off = dry_run(run_of("model=small", "mesh=dp2", "parallel=zero3", "+parallel.offload.optimizer=host"))
+    assert off.plan.offload == (("optimizer", "host"),)
+    host = off.plan.memory_per_rank(off.worst_rank, kind="host")
+    assert off.memory["optimizer"] == 0 and host["optimizer"] == plain.memory["optimizer"] > 0
+    assert off.memory["total"] == plain.memory["total"] - plain.memory["optimizer"] - plain.memory["grads"]
+    text = report(off)
+    assert "(device)" in text and "offload: optimizer -> host" in text
+
+
+def test_config_keys_checked():
+    from shardlib.frontend.config import ConfigError
+    from test_dryrun import run_of
+
+    with pytest.raises(ConfigError, match=r"parallel.offload.optimiser: unknown state .* Did you mean parallel.offload.optimizer"):
+        run_of("model=small", "mesh=dp2", "parallel=zero3", "+parallel.offload.optimiser=host")
+    with pytest.raises(ConfigError, match=r"parallel.offload.optimizer: got 'cpu'; expected a memory kind"):
+        run_of("model=small", "mesh=dp2", "parallel=zero3", "+parallel.offload.optimizer=cpu")
+
+
+def test_main_job_refuses_offload_by_key():
+    from shardlib.frontend.run import check
+    from test_dryrun import run_of
+
+    found = check(run_of("model=tiny", "mesh=dp2", "parallel=zero3", "+parallel.offload.optimizer=host"))
+    assert any(p.startswith("parallel.offload:") and "does not run offloaded states yet" in p for p in found), found

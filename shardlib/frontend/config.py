@@ -24,6 +24,7 @@ The groups (``conf/config.yaml`` composes one file of each):
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -58,6 +59,7 @@ class MeshConfig:
     backend: str | None = None
     device_tflops: float | None = None      # sustained, per device (step-time estimates)
     memory_gib: float | None = None         # per device (does the plan fit?)
+    host_memory_gib: float | None = None    # per rank's share of its host (do offloaded 'host' states fit?)
     links: tuple[tuple[str, Link], ...] = ()
     shared_cores: int | None = None         # CPU meshes: every rank on one host of this many cores
 
@@ -94,6 +96,8 @@ class ParallelConfig:
     virtual_stages: int | None = None
     pipe_gather: str = "step"
     replica_axis: str | None = None
+    offload: tuple[tuple[str, str], ...] = ()   # memory kinds (planner/offload.py): ((state, kind), ...)
+    offload_dir: str | None = None
 
 
 @dataclass(frozen=True)
@@ -184,6 +188,8 @@ class RunConfig:
                 kw.pop("grad_accum")
         if p.replica_axis is not None:
             kw["replica_axis"] = p.replica_axis
+        if p.offload:
+            kw.update(offload=dict(p.offload), offload_dir=p.offload_dir)
         return kw
 
     @property
@@ -233,6 +239,7 @@ def _mesh(raw: Any, problems: list[str]) -> MeshConfig:
                       backend=c.choice("backend", None, ("gloo", "nccl"), optional=True),
                       device_tflops=c.number("device_tflops", None, strict=True, optional=True),
                       memory_gib=c.number("memory_gib", None, strict=True, optional=True), links=tuple(links),
+                      host_memory_gib=c.number("host_memory_gib", None, strict=True, optional=True),
                       shared_cores=c.int("shared_cores", None, optional=True))
 
 
@@ -267,7 +274,28 @@ def _parallel(raw: Any, problems: list[str]) -> ParallelConfig:
                           microbatches=c.int("microbatches", None, optional=True),
                           virtual_stages=c.int("virtual_stages", None, optional=True),
                           pipe_gather=c.choice("pipe_gather", "step", ("step", "microbatch")),
-                          replica_axis=c.str("replica_axis", None, optional=True))
+                          replica_axis=c.str("replica_axis", None, optional=True),
+                          offload=_offload(c), offload_dir=c.str("offload_dir", None, optional=True))
+
+
+def _offload(c: _Checker) -> tuple[tuple[str, str], ...]:
+    """``parallel.offload``: state -> memory kind, checked by key (``parallel.offload.<state>``)."""
+    from ..planner.offload import KINDS, STATES
+    raw = c.get("offload") or {}
+    if not isinstance(raw, Mapping):
+        c.bad("offload", raw, f"a mapping of state ({', '.join(STATES)}) to memory kind ({', '.join(KINDS)})")
+        return ()
+    out = []
+    for state, kind in raw.items():
+        if state not in STATES:
+            near = difflib.get_close_matches(str(state), STATES, n=1)
+            c.problems.append(f"parallel.offload.{state}: unknown state — expected one of {', '.join(STATES)}."
+                              + (f" Did you mean parallel.offload.{near[0]}?" if near else ""))
+        elif kind not in KINDS:
+            c.bad(f"offload.{state}", kind, f"a memory kind among {', '.join(KINDS)}")
+        else:
+            out.append((state, kind))
+    return tuple(out)
 
 
 def _model(raw: Any, problems: list[str]) -> ModelConfig:

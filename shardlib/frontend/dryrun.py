@@ -133,7 +133,16 @@ def report(d: DryRun) -> str:
         lines.append(f"  {k:<12}{format_bytes(mem[k]):>12}")
     fits = d.fits
     lines.append(f"  {'total':<12}{format_bytes(mem['total']):>12}"
-                 + ("" if fits is None else f"  of {mesh.memory_gib:g} GiB: {'fits' if fits else 'DOES NOT FIT'}"))
+                 + ("" if fits is None else f"  of {mesh.memory_gib:g} GiB: {'fits' if fits else 'DOES NOT FIT'}")
+                 + ("  (device)" if plan.offload else ""))
+    if plan.offload:                     # memory kinds: what the offloaded states take where they live
+        for kind in ("host", "disk"):
+            got = plan.memory_per_rank(d.worst_rank, kind=kind)["total"]
+            cap = mesh.host_memory_gib if kind == "host" else None
+            lines.append(f"  {kind:<12}{format_bytes(got):>12}"
+                         + ("" if cap is None or not got else f"  of {cap:g} GiB: "
+                            f"{'fits' if got <= cap * 2**30 else 'DOES NOT FIT'}"))
+        lines.append("  offload: " + ", ".join(f"{s} -> {k}" for s, k in plan.offload))
     lines += ["", "bytes sent per step by rank 0: " + (", ".join(f"{a} {format_bytes(b)}" for a, b in
                                                                d.bytes_per_axis.items()) or "none")]
     pp = plan.pipeline
