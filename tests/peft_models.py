@@ -133,7 +133,8 @@ def run(kind: str, cfg: dict, shape: dict, quant: str | None = None) -> dict:
                and not torch.equal(_plain(v), _plain(fresh[k]) if _quantized(fresh[k])
                                    else fresh[k].to(held).to(v.dtype))]
     return {"losses": losses, "adapters": adapters(state), "changed": changed, **counts,
-            "memory": plan.memory_per_rank(eng.mesh.rank), "held": eng.memory_held()}
+            "memory": plan.memory_per_rank(eng.mesh.rank), "held": eng.memory_held(),
+            "gathered": (plan.transient_per_rank(eng.mesh.rank)["gathered"], eng.peak_gathered_bytes)}
 
 
 def _quantized(t: torch.Tensor) -> bool:

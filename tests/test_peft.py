@@ -57,6 +57,9 @@ def check(world, kind: str, layout: str, quant: str | None = None, *, rel: float
             assert res["changed"] == [], f"{where}: base weights changed: {res['changed']}"
             assert res["counted"] == res["planned"], f"{where}: ran {res['counted']}, planned {res['planned']}"
             held, planned = res["held"], res["memory"]
+            planned_gather, gathered = res["gathered"]
+            if cfg.get("zero") == 3 and "pipe" not in shape:    # ZeRO-3's gathered units: planned = held
+                assert gathered == planned_gather, f"{where}: gathered {gathered}, planned {planned_gather}"
             assert {k: held[k] for k in ("params", "grads", "optimizer")} == \
                 {k: planned[k] for k in ("params", "grads", "optimizer")}, f"{where}: held {held}, planned {planned}"
     return per_rank

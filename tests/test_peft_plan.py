@@ -105,3 +105,15 @@ def test_load_pretrained_into_a_peft_or_quantized_engine_is_refused(tmp_path, qu
     what = "quantized weights" if quant else "a PEFT model"
     with pytest.raises(sl.CheckpointError, match=f"holds {what}.*Load the base with from_pretrained, quantize it"):
         engine.load_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_init_false_keeps_quantized_codes(zero):
+    """``init=False`` lays a quantized weight out from its own codes (a load overwrites them), never as
+    float zeros."""
+    model = pm.lora("llama", "int4")
+    want = model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight.dequantize().clone()
+    engine = sl.parallelize(model, sl.plan(model, sl.Mesh({"data": 1}), zero=zero), optimizer=pm.adamw, init=False)
+    state = engine.full_state_dict()
+    got = state["base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"]
+    assert torch.equal(got, want)

@@ -78,6 +78,8 @@ def quant_config(raw: Any, problems: list[str]) -> QuantConfig | None:
     group = c.int("group_size", None, optional=True)
     if method == "int4" and group is None:
         c.bad("group_size", None, "an int >= 1 for quant.method=int4 (in-features per scale and zero point, e.g. 32)")
+    elif method == "int4" and group % 2:
+        c.bad("group_size", group, "an even int (two 4-bit codes share a byte), e.g. 32")
     if method == "int8" and group is not None:
         problems.append(f"quant.group_size: {group} is not used by quant.method=int8 (one scale per output row) — "
                         "remove it, or use quant=int4.")

@@ -106,7 +106,7 @@ class CausalLMStages:
         # a PEFT model runs its base model's forward (PEFT's LoRA layers sit inside it); names here
         # are relative to that model, ``prefix`` leads back to the PEFT model's own
         model, self.prefix = peft_base(model)
-        stack = stack[len(self.prefix):]
+        stack = stack.removeprefix(self.prefix)
         self.model, self.stack = model, stack
         parent, _, self.attr = stack.rpartition(".")
         self.parent = model.get_submodule(parent) if parent else model

@@ -40,7 +40,8 @@ class MemoryAccounting:
         if at not in ("rest", "update"):
             raise ShardingError(f"memory_per_rank: at={at!r} — expected 'rest' or 'update'.")
         if kind not in ("device", "host", "disk", "all"):
-            raise ShardingError(f"memory_per_rank: kind={kind!r} — expected 'device', 'host', 'disk' or 'all'.")
+            raise ShardingError(f"memory_per_rank: got kind={kind!r}; expected 'device', 'host', 'disk' or 'all'. "
+                                "Pass one of them.")
         rank = self._rank(rank)
         c = self.compute_dtype.itemsize
         g = self.reduce_dtype.itemsize
@@ -222,7 +223,7 @@ class MemoryAccounting:
         if self.states.params is None:
             return {"gathered": 0}
         c, n = self.compute_dtype.itemsize, self.data_size
-        full = {u.name: sum(p.numel for p in self.unit_params(u.name)) * c for u in self.units}
+        full = {u.name: sum(p.stored(c) for p in self.unit_params(u.name)) * c for u in self.units}   # quantized: packed
         buf = {grp.name: (grp.chunk(TRAIN) + grp.chunk(FROZEN)) * n * c for grp in self.flat.groups}
         by_label = {(u.name or "<root>"): u.name for u in self.units}
         live = peak = 0

@@ -93,13 +93,16 @@ class QuantSpec:
     @classmethod
     def of(cls, t: torch.Tensor) -> QuantSpec:
         blocks = _blocks(t)
+        # a type that declares its blocks (Int4Tensor) keeps them fixed: a single group spanning a row is
+        # still a group of that size; torchao's block_size spanning a whole dim follows a shard's
+        fixed = callable(getattr(t, "component_blocks", None))
         comps = []
         for n in t.__tensor_flatten__()[0]:
             c = getattr(t, n)
             if c is None:
                 continue
             b = blocks[n]
-            whole = tuple(cs == 1 and b_ >= s > 1 for cs, b_, s in zip(c.shape, b, t.shape))
+            whole = tuple(not fixed and cs == 1 and b_ >= s > 1 for cs, b_, s in zip(c.shape, b, t.shape))
             comps.append(Component(n, c.dtype, b, whole))
         return cls(type(t).__name__, tuple(t.shape), tuple(comps))
 
@@ -160,9 +163,9 @@ def quantized_problems(model, specs: dict, mesh) -> list[str]:
             if e is None:
                 continue
             if type(e).__name__ == "Fused":
-                out.append(f"plan: {name} {spec.shape} is a quantized {spec.kind} with spec {specs[name]} — expected "
-                           "plain splits of its dims (no Fused blocks). Quantize the fused projection's parts "
-                           "separately, or keep it replicated.")
+                out.append(f"plan: {name} {spec.shape} is a quantized {spec.kind} — got the fused spec {specs[name]}; "
+                           "expected plain splits of its dims. Quantize the fused projection's parts separately, "
+                           "or keep it replicated.")
                 continue
             axes = (e,) if isinstance(e, str) else e
             dims.append((d, math.prod(mesh.axis_sizes[a] for a in axes), "x".join(axes)))
@@ -187,7 +190,8 @@ def slice_weight(t: torch.Tensor, slices: tuple[slice, ...]) -> torch.Tensor:
             b = c.block[d]
             if start % b or (stop % b and stop != t.shape[d]):
                 raise ShardingError(f"slice_weight: {spec.kind} {tuple(t.shape)}: slice {start}:{stop} of dim {d} "
-                                    f"cuts a block of {b} — expected block boundaries.")
+                                    f"cuts a block of {b} — got bounds inside a block; expected multiples of {b}. "
+                                    "Slice on block boundaries (the planner refuses such splits).")
             idx.append(slice(start // b, math.ceil(stop / b)))
         inner[c.name] = comp[tuple(idx)].clone(memory_format=torch.contiguous_format)   # not a view: frees the rest
     for n in names:

@@ -38,7 +38,7 @@ from ..algebra.spec import PartitionSpec
 from ..comm import core as comm
 from ..comm.redistribute import redistribute
 from ..errors import ShardingError
-from ..quant.layout import views
+from .checkpoint_pieces import quant_shard
 from .sync import broadcast_coalesced
 
 _FIX = ("Read full values inside `with engine.gathered(): ...` (writable=True keeps edits), or take "
@@ -218,12 +218,7 @@ class EngineAccess:
     def _dequantized(self, s) -> torch.Tensor:
         """A quantized weight's tensor shard in fp32: under ZeRO-3 its packed bytes are summed over
         ``data`` into zeros as integers (each byte held by one rank: exact), then dequantized."""
-        if s.store is None:
-            return s.param.dequantize().to(torch.float32)
-        raw = torch.zeros(s.store.numel() * s.store.element_size(), dtype=torch.uint8, device=self.mesh.device)
-        s.local_piece(raw.view(s.store.dtype)).view(torch.uint8).copy_(s.shard.view(torch.uint8))
-        comm.all_reduce(raw, self.mesh, self.plan.data_axis, inplace=True)
-        return views(s.param, raw, tuple(s.plan.shape)).dequantize().to(torch.float32)
+        return quant_shard(self, s)[0].dequantize().to(torch.float32)
 
     @torch.no_grad()
     def _write_back(self, values: dict[str, torch.Tensor]) -> None:

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from ..algebra.boxes import Box
+from ..planner.peft import is_adapter
 from .checkpoint import _gather, _one
 from .checkpoint_pieces import _block, _Piece, quant_shard
 from .checkpoint_files import CheckpointError
@@ -221,7 +222,9 @@ def _save_adapters(engine: Engine, path: Path, dtype: torch.dtype) -> Path:
     model, rank0 = engine.model, engine.mesh.rank == 0
     first = {n: f for f, names in _aliases(model).items() for n in names}
     buffers = _persistent_buffers(model)
-    sender, full = _Sender(engine), {}
+    # the base never leaves its ranks: only trainable pieces are read (a frozen adapter, if any, needs them all)
+    sender = _Sender(engine, frozen=not all(s.trainable for s in engine.states if is_adapter(s.name)))
+    full = {}
     for n in _adapter_names(engine):
         t = sender.full(first[n]) if n in first else buffers[n]
         if rank0:

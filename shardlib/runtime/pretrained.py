@@ -49,6 +49,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..algebra.boxes import Box, slices_in
+from ..errors import ShardingError
 from ..planner.peft import is_peft
 from .checkpoint import _gather, _one
 from .checkpoint_pieces import _pieces
@@ -88,6 +89,15 @@ class EnginePretrained:
             who = owners[id(p)]
             # ZeRO-3 keeps only its piece (cloned from this): one zero seen whole through strides of 0,
             # not a whole tensor allocated for a moment; kept whole, the zeros are the parameter itself
+            if pp.quant is not None:         # the codes' own layout (a load overwrites them, never a float)
+                if p.is_meta:
+                    raise ShardingError(f"parallelize: {pp.name} is a quantized {pp.quant.kind} on the meta device "
+                                        "with init=False — got no codes to lay out; expected a quantized weight with "
+                                        "values. Build the base, quantize it, then parallelize it.")
+                st = self._param_state(i, pp, p, p.detach(), who)
+                self._put(st)
+                states.append(st)
+                continue
             full = torch.zeros((), device=self.mesh.device).expand(pp.shape) if zero3 else \
                 torch.zeros(pp.shape, device=self.mesh.device)
             if p.is_meta and self.plan.states.params is None:      # kept whole: a real parameter first
@@ -462,10 +472,11 @@ class _Sender:
     """Full parameters on rank 0, one at a time: every rank tells once which boxes it holds; each box of
     each tensor is sent by the lowest rank holding it (replicas send nothing), point to point."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, *, frozen: bool = True):
+        """``frozen=False``: trainable parameters only (a PEFT adapter's save never reads the base)."""
         self.engine = engine
         self.shapes = {p.name: tuple(p.shape) for p in engine.global_plan.params}
-        pieces, _ = _pieces(engine)
+        pieces, _ = _pieces(engine, frozen=frozen)
         self.mine = {p.key[len("param/"):]: p for p in pieces if p.key.startswith("param/")}
         held = {k: [b for b, _ in p.boxes] for k, p in self.mine.items()}
         self.owner: dict[str, list[tuple[int, Box]]] = {}
