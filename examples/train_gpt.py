@@ -119,7 +119,8 @@ def rank_main(run: RunConfig, out: str) -> dict:
                 f.flush()
                 progress.update(m)
             if ck.every and ((i + 1) % ck.every == 0 or i + 1 == t.steps):
-                where = save_step(engine, ck.dir, i + 1, keep=ck.keep,
+                # a fine-tune's frozen base is rebuilt from its folder on resume: not rewritten every save
+                where = save_step(engine, ck.dir, i + 1, keep=ck.keep, frozen=not trainer.tuned,
                                   extra={"mesh": run.mesh.name, "parallel": run.parallel.name})
                 if lead:
                     print(f"saved {where}", flush=True)

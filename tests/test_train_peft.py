@@ -80,7 +80,8 @@ def test_main_job_trains_lora_over_an_int8_base_and_writes_the_adapter_folder(ma
     out = made["root"] / "lora-int8"
     before = _digests(made["folder"])
     proc = _run(made, out, "mesh=dp2", "parallel=zero3", "lora=r8", "quant=int8", f"train.steps={STEPS}",
-                f"data.path={made['root'] / 'docs.jsonl'}")
+                f"data.path={made['root'] / 'docs.jsonl'}", f"checkpoint.every={STEPS}",
+                f"checkpoint.dir={out / 'ckpt'}")
     want, trained = _reference(made)
     losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     rel = max(abs(a - b) / abs(b) for a, b in zip(losses, want, strict=True))
@@ -99,6 +100,10 @@ def test_main_job_trains_lora_over_an_int8_base_and_writes_the_adapter_folder(ma
         torch.testing.assert_close(mine[name], p, rtol=1e-4, atol=1e-6, msg=name)
     assert any(p.abs().sum() > 0 for n, p in mine.items() if "lora_B" in n)     # trained: lora_B starts at 0
     assert _digests(made["folder"]) == before                                   # the base folder untouched
+    # the step checkpoint leaves the frozen (quantized) base out: it is rebuilt from the folder on resume
+    manifest = json.loads((out / "ckpt" / f"step-{STEPS:06d}" / "manifest.json").read_text())
+    absent = set(manifest["absent"])
+    assert absent and all("lora_" not in n for n in absent) and any("q_proj.base_layer" in n for n in absent)
 
 
 # ---- configuration errors: named by key, in this process, before any rank starts --------------------

@@ -210,11 +210,12 @@ def _version() -> str:
 
 # ---- series: step folders and a `latest` pointer ---------------------------------------------
 
-def save_step(engine: Engine, folder: str | os.PathLike, step: int, *, extra: dict | None = None, keep: int = 2) -> Path:
+def save_step(engine: Engine, folder: str | os.PathLike, step: int, *, extra: dict | None = None, keep: int = 2,
+              frozen: bool = True) -> Path:
     """``folder/step-000123``, then ``folder/latest`` pointing at it (replaced atomically), then all
-    but the newest ``keep`` step folders removed."""
+    but the newest ``keep`` step folders removed. ``frozen=False``: as ``save``'s (the base left out)."""
     folder = Path(folder)
-    path = save(engine, folder / f"step-{step:06d}", extra=extra)
+    path = save(engine, folder / f"step-{step:06d}", extra=extra, frozen=frozen)
     if engine.mesh.rank == 0:
         tmp = folder / f".{LATEST}.tmp-{uuid.uuid4().hex[:8]}"
         tmp.write_text(path.name + "\n")
