@@ -105,7 +105,7 @@ def adapter_specs(model: nn.Module, specs: dict[str, PartitionSpec], axis: str, 
         base = modules.get(f"{layer}{BASE_LAYER}")
         base_w = f"{layer}{BASE_LAYER}.weight"
         wspec = specs.get(base_w, PartitionSpec())
-        if not _uses(wspec, axis) or size == 1:
+        if not uses_axis(wspec, axis) or size == 1:
             out[name] = PartitionSpec()
             continue
         where = f"plan: adapter {name} of {type(modules.get(layer)).__name__} {layer!r}"
@@ -145,7 +145,8 @@ def method_problems(model: nn.Module) -> list[str]:
     return out
 
 
-def _uses(spec: PartitionSpec, axis: str) -> bool:
+def uses_axis(spec: PartitionSpec, axis: str) -> bool:
+    """Some dim of ``spec`` is split over ``axis`` (alone or with others, plainly or fused)."""
     for e in tuple(spec):
         if e is not None and axis in (tuple(e) if not isinstance(e, str) else (e,)):
             return True

@@ -76,7 +76,7 @@ from functools import cached_property
 from torch import nn
 
 from ..algebra.spec import Fused, PartitionSpec
-from .peft import adapted_layer, is_adapter
+from .peft import adapted_layer, is_adapter, uses_axis
 
 COLUMN, ROW, VOCAB, LOGITS = "column", "row", "vocab", "logits"
 _HEADS = ("n_heads", "num_heads", "num_attention_heads")
@@ -143,18 +143,6 @@ class TensorPlan:
         return any(s.kind == LOGITS for s in self.sites)
 
 
-def _on(spec: PartitionSpec, dim: int, axis: str) -> bool:
-    entries = tuple(spec)
-    if dim >= len(entries) or entries[dim] is None:
-        return False
-    e = entries[dim]
-    return axis in (e if isinstance(e, tuple) else (e,))
-
-
-def _uses(spec: PartitionSpec, axis: str) -> bool:
-    return any(_on(spec, d, axis) for d in range(len(tuple(spec))))
-
-
 def _fmt(spec: PartitionSpec) -> str:
     return repr(spec)
 
@@ -175,7 +163,7 @@ def derive(model: nn.Module, specs: dict[str, PartitionSpec], *, axis: str, size
             continue
         qual = {a: f"{mname}.{a}" if mname else a for a, _ in own}
         split = {a: specs.get(qual[a], PartitionSpec()) for a, _ in own}
-        split = {a: s for a, s in split.items() if _uses(s, axis)}
+        split = {a: s for a, s in split.items() if uses_axis(s, axis)}
         unit = _unit(mname, unit_set)
         if not split:
             if sequence_parallel and size > 1 and unit:
@@ -219,7 +207,7 @@ def derive(model: nn.Module, specs: dict[str, PartitionSpec], *, axis: str, size
                     continue
                 sites.append(Site(mname, COLUMN, wq, qual.get("bias"), out_features, unit, parts, conv, _parent(mname)))
             else:
-                if bias_spec is not None and _uses(bias_spec, axis):
+                if bias_spec is not None and uses_axis(bias_spec, axis):
                     problems.append(f"plan: {qual['bias']} {tuple(mod.bias.shape)} of {where} is {_fmt(bias_spec)} but "
                                     f"its weight {wq} {wshape} is row-split {_fmt(w)}: the output is a partial sum "
                                     "over the full features, so the bias is added once, after the sum — expected "

@@ -206,10 +206,11 @@ class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
         time. A model with no transformers config gets the safetensors files only. A PEFT model: its
         adapter folder, or with ``merged=True`` the plain base model with the adapters folded in
         (``runtime/peft_export.py``). A collective."""
-        from .peft_export import is_peft_model, refuse_quantized, save_peft
+        from ..planner.peft import is_peft
+        from .peft_export import refuse_quantized, save_peft
         from .pretrained import save_pretrained
         self._refuse_before_load("save_pretrained")
-        if merged or is_peft_model(self.model):
+        if merged or is_peft(self.model):
             return save_peft(self, path, merged=merged, max_shard_size=max_shard_size, dtype=dtype)
         refuse_quantized(self)
         return save_pretrained(self, path, max_shard_size=max_shard_size, dtype=dtype)

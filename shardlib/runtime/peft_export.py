@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from ..algebra.boxes import Box
-from ..planner.peft import is_adapter
+from ..planner.peft import is_adapter, is_peft
 from .checkpoint import _gather, _one
 from .checkpoint_pieces import _block, _Piece, quant_shard
 from .checkpoint_files import CheckpointError
@@ -53,15 +53,6 @@ if TYPE_CHECKING:
 ADAPTER_CONFIG, ADAPTER_SAFE = "adapter_config.json", "adapter_model.safetensors"
 _SAVEABLE = (torch.float32, torch.float16, torch.bfloat16)
 _AGAIN = "Save into another folder, or remove it first."
-
-
-def is_peft_model(model: nn.Module) -> bool:
-    """``model`` is a ``peft.PeftModel`` (False where peft is not installed)."""
-    try:
-        from peft import PeftModel
-    except ImportError:
-        return False
-    return isinstance(model, PeftModel)
 
 
 class FloatSender(_Sender):
@@ -119,7 +110,7 @@ def save_peft(engine: Engine, path: str | os.PathLike, *, merged: bool, max_shar
     """The adapter folder (``merged=False``) or the merged plain model (see the module doc). A
     collective; a bad argument or folder is refused on every rank before anything is written."""
     model = engine.model
-    if not is_peft_model(model):
+    if not is_peft(model):
         raise CheckpointError(f"save_pretrained: merged=True folds PEFT adapters into their base weights — got a "
                               f"{type(model).__name__}, not a peft PeftModel; expected a model wrapped by "
                               "peft.get_peft_model. Call save_pretrained(path) without merged=True.")
