@@ -6,9 +6,10 @@
 ==============  ==========================================================================================
 state           what moves to its kind
 ==============  ==========================================================================================
-``optimizer``   the fp32 masters and the optimizer's moments (the update runs there), and the gradients
-                the update reads where they persist as shards (ZeRO-2/3); ZeRO-0/1's full local
-                gradients are accumulated by backward on the device and stay there
+``optimizer``   the fp32 masters (a copy of their own, in fp32 too) and the optimizer's moments (the update
+                runs there), and the gradients the update reads where they persist as shards (ZeRO-2/3;
+                on the host when the rest is on disk); ZeRO-0/1's local gradients are accumulated by
+                backward on the device and copied out for the update
 ``params``      ZeRO-3's at-rest shards (each unit's shard comes to the device before its gather);
                 without ZeRO-3 every rank computes with its whole parameters on the device: refused
 ``activations`` what each block saves for backward (not a model state: ``peak_per_rank``'s part);
@@ -19,9 +20,10 @@ state           what moves to its kind
 what must fit the accelerator. On a machine without an accelerator ``host`` is the same memory as
 ``device`` (the kinds are still planned apart); ``disk`` is files under ``offload_dir``, one set per rank.
 
-This module checks the arguments (every problem at once, by key) and holds the split; the engine does
-not run offloaded plans yet (``sl.parallelize`` refuses them by name): planning, ``explain()`` and dry
-runs see what fits where.
+This module checks the arguments (every problem at once, by key), holds the split and lists the copies
+a step makes between kinds (``copy_entries``, part of ``Plan.comm_per_step``). The engine runs the
+``optimizer`` kind (``runtime/offload.py``); ``params`` and ``activations`` are planned (``explain()``,
+dry runs) and refused by ``sl.parallelize`` by name.
 """
 
 from __future__ import annotations
@@ -103,8 +105,62 @@ def split_by_kind(mem: dict[str, int], offload: tuple, kind: str, *, sharded_gra
     ``kind`` under ``offload`` (see the module doc)."""
     where = dict(offload)
     opt = where.get("optimizer", "device")
+    # gradient shards go with the optimizer's states, but not to disk: the update reads them from the host
     at = {"params": where.get("params", "device"), "optimizer": opt,
-          "grads": opt if sharded_grads else "device", "buffers": "device"}
+          "grads": ("host" if opt == "disk" else opt) if sharded_grads else "device", "buffers": "device"}
     out = {k: (v if at[k] == kind else 0) for k, v in mem.items() if k in at}
     out["total"] = out["params"] + out["grads"] + out["optimizer"]
+    return out
+
+
+# the copies between memory kinds, entries of ``Plan.comm_per_step`` beside the collectives (no axis)
+COPY_OPS = ("d2h", "h2d", "disk_read", "disk_write")
+
+
+def copy_entries(plan, rank: int | None = None) -> list:
+    """The bytes one step moves between memory kinds on this rank (a stage- and tensor-local plan):
+
+    * ``d2h grads`` — the gradients the offloaded update reads, leaving the device in the reduce dtype:
+      ZeRO-3 each unit's reduced piece at every reduce (per micro-step, or once per step for a pipeline
+      stage's units), ZeRO-2 each bucket's once, ZeRO-0/1 every trainable gradient (its piece) at the
+      update;
+    * ``h2d params`` — every updated master back into the device's compute copy (its piece);
+    * ``disk_read`` / ``disk_write optimizer`` — the masters and moments read and written once a step
+      (the first step reads no moments: none exist yet).
+    """
+    from .flat import TRAIN
+    from .traffic import CommEntry
+
+    kind = dict(plan.offload).get("optimizer")
+    if kind is None:
+        return []
+    st = plan.states
+    rank = plan._rank(rank)
+    g, c = plan.reduce_dtype.itemsize, plan.compute_dtype.itemsize
+    groups = plan.flat.groups
+    out = []
+    if st.params is not None:
+        piped = plan.pipe_size > 1
+        for u, grp in zip(plan.units, groups):
+            mine = grp.local_numel(rank, TRAIN)
+            if mine:
+                once = piped and (plan.pipe_unshard or u.name == "")
+                out.append(CommEntry("backward", "grads", "d2h", (), mine * g, 1 if once else plan.grad_accum,
+                                     u.name or "<root>"))
+        n_opt = sum(grp.local_numel(rank, TRAIN) for grp in groups)
+    elif st.grads is not None and not st.keep_local_grads:
+        for i, grp in enumerate(groups):
+            mine = grp.local_numel(rank, TRAIN)
+            if mine:
+                out.append(CommEntry("backward", "grads", "d2h", (), mine * g, 1, f"bucket {i}"))
+        n_opt = sum(grp.local_numel(rank, TRAIN) for grp in groups)
+    else:
+        n_opt = (sum(grp.local_numel(rank, TRAIN) for grp in groups) if st.optim is not None
+                 else plan.num_trainable)
+        out.append(CommEntry("step", "grads", "d2h", (), n_opt * g, 1))
+    out.append(CommEntry("step", "params", "h2d", (), n_opt * c, 1))
+    if kind == "disk":
+        nbytes = n_opt * (4 + plan.optimizer_state_bytes)
+        out.append(CommEntry("step", "optimizer", "disk_read", (), nbytes, 1))
+        out.append(CommEntry("step", "optimizer", "disk_write", (), nbytes, 1))
     return out

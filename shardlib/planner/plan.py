@@ -321,8 +321,8 @@ class Plan(MemoryAccounting, TrafficAccounting, Explain):
 
     def comm_per_step(self, rank: int | None = None) -> list[CommEntry]:
         if self.split:
-            return self.local(rank).comm_per_step()
-        return super().comm_per_step()
+            return self.local(rank).comm_per_step(rank)
+        return super().comm_per_step(rank)
 
     # ---- indexes (built once, on first use; not fields: equality and repr ignore them) ----------
     @cached_property

@@ -11,6 +11,7 @@ import torch
 from ..comm import core as comm
 from ..comm.core import format_bytes
 from .flat import FROZEN, TRAIN
+from .offload import COPY_OPS, copy_entries
 
 
 @dataclass(frozen=True)
@@ -120,8 +121,10 @@ class TrafficAccounting:
         ``"microbatch"`` the units are gathered around every micro-batch, as without a pipeline."""
         return self.states.params is not None and self.pipe_size > 1 and self.pipeline.gather == "step"
 
-    def comm_per_step(self) -> list[CommEntry]:
-        """Every collective one ``step`` issues, with the bytes this rank sends (ring model). Under
+    def comm_per_step(self, rank: int | None = None) -> list[CommEntry]:
+        """Every collective one ``step`` issues, with the bytes this rank sends (ring model), then the
+        copies between memory kinds where states are offloaded (``planner/offload.py``'s
+        ``copy_entries``: ops ``d2h``, ``h2d``, ``disk_read``, ``disk_write``; no axes). Under
         HSDP the training states are sharded over ``data`` and each rank's gradient shard is then
         summed over the replica axis (one all-reduce per bucket or unit); replicated gradients (DP)
         are all-reduced over both at once."""
@@ -191,7 +194,7 @@ class TrafficAccounting:
             out.append(CommEntry("step", "scalars", "all_reduce", both,
                                  comm.all_reduce_bytes(self.scalars_per_step(), dpn * self.tensor_size, 4), 1))
             out += [replace(e, count=e.count * self.grad_accum) for e in self.activation_entries()]
-        return out
+        return out + copy_entries(self, rank)
 
     def _pipe_entries(self) -> list[CommEntry]:
         """The pipe axis's traffic of a stage-local plan: the step's scalars (``pipe_scalar_axes``),
@@ -226,6 +229,8 @@ class TrafficAccounting:
         ``scalars``); scalars riding in a gradient collective count as ``scalars``."""
         total = 0
         for e in self.comm_per_step():
+            if e.op in COPY_OPS:           # moved between memory kinds, not sent: copy_bytes_per_step
+                continue
             if what is None:
                 total += e.total
             elif what == "scalars":
@@ -233,6 +238,15 @@ class TrafficAccounting:
             elif e.what == what:
                 total += e.total - e.riders * e.count
         return total
+
+    def copy_bytes_per_step(self, rank: int | None = None) -> dict[str, int]:
+        """Bytes one step moves between memory kinds on this rank, by op (``d2h``, ``h2d``,
+        ``disk_read``, ``disk_write``): the offload entries of ``comm_per_step``."""
+        out = {op: 0 for op in COPY_OPS}
+        for e in self.comm_per_step(rank):
+            if e.op in COPY_OPS:
+                out[e.op] += e.total
+        return out
 
     def ring_minimum(self) -> int:
         """The ring-algorithm bound for parameter and gradient traffic per rank per step, bytes:

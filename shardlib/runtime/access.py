@@ -249,7 +249,8 @@ class EngineAccess:
             raise ShardingError("gathered: already inside `with engine.gathered():` — expected one at a time. "
                                 "Use the outer block.")
         previous = self._access_mode
-        values = self._full_params()
+        with self._offload_mapped():
+            values = self._full_params()
         params = {s.name: nn.Parameter(values[s.name], requires_grad=s.param.requires_grad) for s in self.states}
         self._install(params)
         self._access_mode = "gathered"
@@ -266,7 +267,8 @@ class EngineAccess:
                             f"{None if t is None else tuple(t.shape)} — expected a tensor of its shape "
                             f"{s.plan.shape}. Edit values in place (p.copy_(...)) or keep the shape.")
                     held[s.name] = t.detach().float().contiguous()
-                self._write_back(held)
+                with self._offload_mapped():
+                    self._write_back(held)
         finally:
             self._install({s.name: s.param for s in self.states})
             self._access_mode = "compute"

@@ -208,19 +208,24 @@ class GradBuckets:
                 self.results[b] = views
         elif self.into_shards:
             fl = self.flats[b]
+            off = self.engine.offload
             with torch.no_grad():
                 for s, piece in zip(fl.train, fl.reduced(reduced)):
-                    s.grad_shard.copy_(piece)
+                    if off is not None:          # to the host shard, as backward goes (runtime/offload.py)
+                        off.shard_in(s, piece, add=False)
+                    else:
+                        s.grad_shard.copy_(piece)
             self.results[b] = [s.grad_shard for s in fl.train]
         else:
             self.results[b] = self.flats[b].reduced(reduced)
 
     @torch.no_grad()
-    def publish(self, dtype: torch.dtype) -> None:
-        """After a sharded update: all-gather each bucket's updated fp32 pieces (the masters), in
-        ``dtype``, into the full parameters every rank computes with."""
+    def publish(self, dtype: torch.dtype, source=None) -> None:
+        """After a sharded update: all-gather each bucket's updated fp32 pieces (the masters, or
+        ``source(state)``), in ``dtype``, into the full parameters every rank computes with."""
+        source = source or (lambda s: s.master)
         for fl in self.flats:
-            out = comm.all_gather(fl.pack(lambda s: s.master, dtype, self.engine.mesh.device), self.mesh, self.axis)
+            out = comm.all_gather(fl.pack(source, dtype, self.engine.mesh.device), self.mesh, self.axis)
             fl.unpack(out, lambda s: s.param.data)
 
     def remove(self) -> None:

@@ -21,6 +21,7 @@ so the engine gives each micro-batch ``num_items_in_batch`` (the global batch's 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from collections.abc import Callable
@@ -38,6 +39,7 @@ from .batches import split_batch
 from .buckets import GradBuckets
 from .inspection import EngineInspection
 from .materialize import is_meta, materialize_stage_
+from .offload import Copies, DiskOptimizer, OptimizerOffload
 from .pipeline import PipelineRuntime, strip_to_stage
 from .pretrained import EnginePretrained
 from .scaler import LossScaler
@@ -117,6 +119,7 @@ class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
         self.samples_seen = 0           # rows of the global batches stepped on (a data position)
         self.grad_norm: float | None = None
         self.scaler = _scaler(loss_scale, plan)
+        self.copies = Copies()           # bytes moved between memory kinds in the last step
         warn_slow_precision(plan.precision, mesh.device)
         rng = None
         piped = self.global_plan.pipe_size > 1
@@ -153,6 +156,7 @@ class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
         # after the units: its unit hooks run after ZeRO-3's gathers
         self.tensor = TensorRuntime(self) if plan.tensor_size > 1 else None
         self.pipe = PipelineRuntime(self) if piped else None
+        self.offload = _offload(self)           # masters and moments to the host or to files (runtime/offload.py)
         self.optimizer = optimizer([s.master for s in trainable])
         _check_optimizer(self.optimizer, [s.master for s in trainable], plan, model)
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
@@ -181,13 +185,15 @@ class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
         frozen parameters out (a fine-tune's base is not rewritten every save): ``load`` keeps the
         engine's own frozen values then. A collective."""
         from .checkpoint import save
-        return save(self, path, extra=extra, frozen=frozen)
+        with self._offload_mapped():
+            return save(self, path, extra=extra, frozen=frozen)
 
     def load(self, path) -> dict:
         """Restore the state ``save`` wrote — on any mesh, plan and world size; returns its ``extra``.
         A collective."""
         from .checkpoint import load
-        extra = load(self, path)
+        with self._offload_mapped():
+            extra = load(self, path)
         self._needs_load = False
         return extra
 
@@ -197,7 +203,8 @@ class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
         the shards: each rank reads only its pieces. Everything is checked before any value is written;
         ``strict=False`` ignores tensors the model lacks. Before the first step. A collective."""
         from .pretrained import load_pretrained
-        load_pretrained(self, path, strict=strict)
+        with self._offload_mapped():
+            load_pretrained(self, path, strict=strict)
 
     def save_pretrained(self, path, *, max_shard_size: int | str = "50GB", dtype: torch.dtype = torch.float32,
                         merged: bool = False):
@@ -210,19 +217,32 @@ class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
         from .peft_export import refuse_quantized, save_peft
         from .pretrained import save_pretrained
         self._refuse_before_load("save_pretrained")
-        if merged or is_peft(self.model):
-            return save_peft(self, path, merged=merged, max_shard_size=max_shard_size, dtype=dtype)
-        refuse_quantized(self)
-        return save_pretrained(self, path, max_shard_size=max_shard_size, dtype=dtype)
+        with self._offload_mapped():
+            if merged or is_peft(self.model):
+                return save_peft(self, path, merged=merged, max_shard_size=max_shard_size, dtype=dtype)
+            refuse_quantized(self)
+            return save_pretrained(self, path, max_shard_size=max_shard_size, dtype=dtype)
 
     def export(self, path):
         """The full model (``full_state_dict()``) as one safetensors file, for a plain model."""
         from .checkpoint import export
-        return export(self, path)
+        with self._offload_mapped():
+            return export(self, path)
+
+    @contextlib.contextmanager
+    def _offload_mapped(self):
+        """Offloaded to disk: the masters and moments readable and writable in place (file-backed,
+        ``runtime/offload.py``) inside; otherwise nothing to do."""
+        if self.offload is None:
+            yield
+            return
+        with self.offload.mapped():
+            yield
 
     def _step(self, micro: list[Any]) -> float:
         plan = self.plan
         m = plan.grad_accum
+        self.copies.reset()
         self._begin_step()
         if plan.broadcast_buffers:                   # rank 0's buffers before the forward, as DDP
             broadcast_buffers(self.model, self.mesh, plan.dp_axes)
@@ -246,8 +266,9 @@ class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
         split = self.tensor is not None
         sharded = plan.states.grads is not None or split or self.pipe is not None
         found_inf = torch.zeros((), device=self.mesh.device)
-        if self.scaler:
-            found_inf = sum((~torch.isfinite(g)).sum() for g in grads).float() if grads else found_inf
+        if self.scaler:       # counted where the gradients are (the host, offloaded), reduced on the device
+            found_inf = (sum((~torch.isfinite(g)).sum() for g in grads).float().to(self.mesh.device) if grads
+                         else found_inf)
             if sharded:
                 scalars.append(found_inf)
         sumsq = None
@@ -255,6 +276,7 @@ class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
             sumsq = (self.tensor.sum_of_squares(grads) if split else
                      self.pipe.sum_of_squares(grads) if self.pipe is not None else
                      sum((g.double() ** 2).sum() for g in grads).float() if grads else torch.zeros(()))
+            sumsq = sumsq.to(self.mesh.device)
             if sharded and self.replica_coord != 0:
                 sumsq = torch.zeros_like(sumsq)           # HSDP: the first replica counts the shards
             if sharded:
@@ -301,14 +323,18 @@ class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
                 total = sumsq.double().sqrt()
                 coef = torch.clamp(plan.clip_grad_norm / (total + 1e-6), max=1.0)
                 for g in grads:
-                    g.mul_(coef.to(g.dtype))
-            self.optimizer.step()
+                    g.mul_(coef.to(device=g.device, dtype=g.dtype))
+            if self.offload is not None:       # the update where the masters are, then the device copies
+                self.offload.step(self.optimizer)
+            else:
+                self.optimizer.step()
             if self.lr_scheduler is not None:
                 if isinstance(self.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
                     self.lr_scheduler.step(float(loss))
                 else:
                     self.lr_scheduler.step()
-            self._publish()
+            if self.offload is None:
+                self._publish()
         if self.scaler:
             self.scaler.update(skip)
         self._release_master_grads()
@@ -394,14 +420,21 @@ class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
                 g = s.grad_shard
             else:
                 g = by_name[s.name]                             # DP: full; ZeRO-1: this rank's rows
-                if g.numel() != s.master.numel():               # replicated grads, sharded optimizer
+                if g.numel() != s.hi - s.lo:                     # replicated grads, sharded optimizer
                     g = s.local_piece(g)
+                if self.offload is not None:                    # read by the update on the host
+                    mg = self.offload.to_host(g).view(s.master_shape)
+                    if scale != 1.0:
+                        mg.div_(scale)
+                    s.master.grad = mg
+                    out.append(mg)
+                    continue
             if plan.mixed or g.dtype != torch.float32:
-                mg = g.float().view(s.master.shape)
+                mg = g.float().view(s.master_shape)
                 if scale != 1.0:
                     mg.div_(scale)
             else:
-                mg = g.view(s.master.shape)
+                mg = g.view(s.master_shape)
             s.master.grad = mg
             out.append(mg)
         return out
@@ -427,6 +460,10 @@ class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
         """After the update: bring the compute-dtype copies up to date with the masters."""
         plan = self.plan
         trainable = [s for s in self.states if s.trainable]
+        if self.offload is not None:
+            with self._offload_mapped():
+                self.offload.publish_all()
+            return
         if plan.states.params is not None:
             if plan.mixed:
                 for s in trainable:
@@ -438,6 +475,15 @@ class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
                     s.param.data.copy_(s.master.view(s.param.shape))
             return
         self.buckets.publish(self.cdt)           # all-gather the updated pieces, bucket by bucket
+
+
+def _offload(engine: Engine) -> OptimizerOffload | None:
+    kind = dict(engine.plan.offload).get("optimizer")
+    if kind == "host":
+        return OptimizerOffload(engine)
+    if kind == "disk":
+        return DiskOptimizer(engine, engine.plan.offload_dir)
+    return None
 
 
 # ---- what the machine can do -------------------------------------------------------------------

@@ -11,14 +11,21 @@ from ..quant.layout import inner_tensors
 class EngineInspection:
     """The inspection half of ``Engine`` (mixed in)."""
 
-    def memory_held(self) -> dict[str, int]:
+    def memory_held(self, kind: str = "device") -> dict[str, int]:
         """Bytes of storage this rank holds for model states, by kind (as ``Plan.memory_per_rank``):
         ``params`` (compute-dtype copies, gathered or not), ``grads`` (kept gradients, and the
         gradients the optimizer reads while it steps), ``optimizer`` (fp32 masters that are not
         the parameters themselves, and per-element optimizer state; step counters excluded).
         Shared storage is counted once. Between steps it equals ``plan.memory_per_rank()``;
-        inside ``optimizer.step`` (e.g. from a step pre-hook), ``plan.memory_per_rank(at="update")``."""
+        inside ``optimizer.step`` (e.g. from a step pre-hook), ``plan.memory_per_rank(at="update")``.
+
+        ``kind``: with offloaded states, the part in one memory kind (as ``memory_per_rank(kind=)``):
+        the tensors are put in their kind by what they hold (on a machine without an accelerator host
+        and device are one memory), and ``disk`` is the bytes of this rank's current file generation."""
+        from ..planner.offload import split_by_kind
         seen: set[int] = set()
+        if getattr(self.offload, "placeholder", None) is not None:    # offloaded masters at rest: no values
+            seen.add(self.offload.placeholder.untyped_storage().data_ptr())
         out = {"params": 0, "grads": 0, "optimizer": 0, "buffers": 0}
 
         def add(kind: str, t: torch.Tensor | None) -> None:
@@ -53,7 +60,20 @@ class EngineInspection:
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
                     add("optimizer", v)
         out["total"] = out["params"] + out["grads"] + out["optimizer"]
-        return out
+        offload = self.plan.offload
+        if not offload:
+            return out if kind in ("device", "all") else {k: 0 for k in out}
+        on_disk = self.offload.held() if self.offload is not None else 0
+        if kind == "all":
+            out["optimizer"] += on_disk
+            out["total"] += on_disk
+            return out
+        st = self.plan.states
+        part = split_by_kind(out, offload, kind, sharded_grads=st.grads is not None and not st.keep_local_grads)
+        if kind == "disk":
+            part["optimizer"] += on_disk
+            part["total"] += on_disk
+        return part
 
     @property
     def peak_gathered_bytes(self) -> int:

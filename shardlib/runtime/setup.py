@@ -220,10 +220,11 @@ def _validate(model, plan, optimizer, mesh, loss_fn) -> None:
     if not isinstance(mesh, Mesh):
         raise ShardingTypeError("parallelize: the plan's mesh is an AbstractMesh — training needs a Mesh over "
                                 "running processes: plan with sl.Mesh(...) or pass mesh=.")
-    if plan.offload:
-        raise ShardingError(f"parallelize: the plan offloads {dict(plan.offload)} — the engine does not run offloaded "
-                            "states yet: the memory kinds are planned (memory_per_rank(kind=...), explain(), dry "
-                            "runs) but not executed. Plan without offload= to train.")
+    unrun = {k: v for k, v in plan.offload if k != "optimizer"}
+    if unrun:
+        raise ShardingError(f"parallelize: the plan offloads {unrun} — the engine does not run those offloaded "
+                            "states yet: they are planned (memory_per_rank(kind=...), explain(), dry runs) but not "
+                            "executed. Offload only 'optimizer' to train.")
     if mesh.abstract() != plan.mesh.abstract():
         raise ShardingError(f"parallelize: mesh {mesh.axis_sizes} differs from the plan's {plan.mesh.axis_sizes}.")
     names = [n for n, _ in model.named_parameters()]

@@ -48,6 +48,12 @@ class ParamState:
         return self.param if self.store is None else self.store
 
     @property
+    def master_shape(self) -> tuple[int, ...]:
+        """The master's shape: the parameter's where it is whole, its 1-D piece where ZeRO shards it
+        (known while an offloaded master's values are on disk)."""
+        return tuple(self.plan.shape) if self.slot is None else (self.hi - self.lo,)
+
+    @property
     def name(self) -> str:
         return self.plan.name
 

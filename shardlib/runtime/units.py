@@ -267,8 +267,11 @@ class UnitRunner:
             chunk = comm.all_reduce(chunk, self.mesh, self.replica, inplace=True)
         pieces = u.flat.reduced(chunk)
         del chunk
+        off = self.engine.offload
         for s, r in zip(u.flat.train, pieces):
-            if u.fresh:
+            if off is not None:                  # to the host shard, as backward goes (runtime/offload.py)
+                off.shard_in(s, r, add=not u.fresh)
+            elif u.fresh:
                 s.grad_shard.copy_(r)
             else:
                 s.grad_shard.add_(r)
