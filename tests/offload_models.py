@@ -91,18 +91,21 @@ def train(kind: str, cfg: dict, shape: dict, offload: dict | None, offload_dir: 
            "copies": copies, "planned_copies": plan.copy_bytes_per_step(rank) if offload else {},
            "held": {k: eng.memory_held(kind=k) for k in kinds},
            "memory": {k: plan.memory_per_rank(rank, kind=k) for k in kinds}}
-    if eng.offload is not None:
-        eng.offload.close()
+    for off in (eng.offload, eng.params_offload):
+        if off is not None:
+            off.close()
     return out
 
 
-def run(kind: str, cfgs: list[dict], shape: dict, kinds: tuple[str, ...] = ("host", "disk")) -> list[dict]:
-    """Per configuration: the plain run and one run per offload kind (``{kind: results}``)."""
+def run(kind: str, cfgs: list[dict], shape: dict, offloads: tuple = ("host", "disk")) -> list[dict]:
+    """Per configuration: the plain run and one run per offload (``{name: results}``); an offload is a
+    kind for the optimizer (``"host"``) or ``"optimizer=disk,params=host"``."""
     out = []
     for cfg in cfgs:
         res = {"none": train(kind, cfg, shape, None)}
-        for k in kinds:
+        for name in offloads:
+            off = dict(p.split("=") for p in name.split(",")) if "=" in name else {"optimizer": name}
             with tempfile.TemporaryDirectory() as d:
-                res[k] = train(kind, cfg, shape, {"optimizer": k}, d if k == "disk" else None)
+                res[name] = train(kind, cfg, shape, off, d if "disk" in off.values() else None)
         out.append(res)
     return out

@@ -58,8 +58,8 @@ class MemoryAccounting:
         else:
             grads = (mine_t if states.grads is not None else psi_t) * g   # only the reduced shard persists
         n_opt = mine_t if states.optim is not None else psi_t
-        # in fp32 the parameter is the master, unless the optimizer's states are offloaded (a host copy)
-        master = 4 * n_opt if self.mixed or dict(self.offload).get("optimizer") else 0
+        # in fp32 the parameter is the master, unless offloaded: the master and the compute copy are apart
+        master = 4 * n_opt if self.mixed or {"optimizer", "params"} & set(dict(self.offload)) else 0
         optim = master + self.optimizer_state_bytes * n_opt
         if at == "update":
             if self.reduce_dtype != torch.float32:

@@ -40,6 +40,7 @@ from .buckets import GradBuckets
 from .inspection import EngineInspection
 from .materialize import is_meta, materialize_stage_
 from .offload import Copies, DiskOptimizer, OptimizerOffload
+from .offload_params import params_offload
 from .pipeline import PipelineRuntime, strip_to_stage
 from .pretrained import EnginePretrained
 from .scaler import LossScaler
@@ -156,6 +157,7 @@ class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
         # after the units: its unit hooks run after ZeRO-3's gathers
         self.tensor = TensorRuntime(self) if plan.tensor_size > 1 else None
         self.pipe = PipelineRuntime(self) if piped else None
+        self.params_offload = params_offload(self)   # ZeRO-3's shards to the host or to files (offload_params.py)
         self.offload = _offload(self)           # masters and moments to the host or to files (runtime/offload.py)
         self.optimizer = optimizer([s.master for s in trainable])
         _check_optimizer(self.optimizer, [s.master for s in trainable], plan, model)
@@ -233,10 +235,10 @@ class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
     def _offload_mapped(self):
         """Offloaded to disk: the masters and moments readable and writable in place (file-backed,
         ``runtime/offload.py``) inside; otherwise nothing to do."""
-        if self.offload is None:
-            yield
-            return
-        with self.offload.mapped():
+        with contextlib.ExitStack() as stack:
+            for off in (self.params_offload, self.offload):
+                if off is not None:
+                    stack.enter_context(off.mapped())
             yield
 
     def _step(self, micro: list[Any]) -> float:
@@ -463,6 +465,11 @@ class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
         if self.offload is not None:
             with self._offload_mapped():
                 self.offload.publish_all()
+            return
+        if self.params_offload is not None:        # the masters (on the device) into the offloaded shards
+            for s in trainable:
+                self.params_offload.publish(s, s.master.detach().view(-1), 0, "device")
+            self.params_offload.commit()
             return
         if plan.states.params is not None:
             if plan.mixed:

@@ -24,8 +24,9 @@ class EngineInspection:
         and device are one memory), and ``disk`` is the bytes of this rank's current file generation."""
         from ..planner.offload import split_by_kind
         seen: set[int] = set()
-        if getattr(self.offload, "placeholder", None) is not None:    # offloaded masters at rest: no values
-            seen.add(self.offload.placeholder.untyped_storage().data_ptr())
+        for off in (self.offload, self.params_offload):      # offloaded to disk, at rest: no values
+            if getattr(off, "placeholder", None) is not None:
+                seen.add(off.placeholder.untyped_storage().data_ptr())
         out = {"params": 0, "grads": 0, "optimizer": 0, "buffers": 0}
 
         def add(kind: str, t: torch.Tensor | None) -> None:
@@ -64,15 +65,18 @@ class EngineInspection:
         if not offload:
             return out if kind in ("device", "all") else {k: 0 for k in out}
         on_disk = self.offload.held() if self.offload is not None else 0
+        params_disk = self.params_offload.held() if self.params_offload is not None else 0
         if kind == "all":
             out["optimizer"] += on_disk
-            out["total"] += on_disk
+            out["params"] += params_disk
+            out["total"] += on_disk + params_disk
             return out
         st = self.plan.states
         part = split_by_kind(out, offload, kind, sharded_grads=st.grads is not None and not st.keep_local_grads)
         if kind == "disk":
             part["optimizer"] += on_disk
-            part["total"] += on_disk
+            part["params"] += params_disk
+            part["total"] += on_disk + params_disk
         return part
 
     @property

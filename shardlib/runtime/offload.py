@@ -134,6 +134,8 @@ class OptimizerOffload:
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()
         self.publish_all()
+        if self.engine.params_offload is not None:
+            self.engine.params_offload.commit()
 
     @torch.no_grad()
     def publish_all(self) -> None:
@@ -149,7 +151,11 @@ class OptimizerOffload:
         return s.local_piece(s.param.data)
 
     def _publish(self, s: ParamState, values: torch.Tensor, lo: int) -> None:
-        """Elements ``[lo, lo + len(values))`` of ``s``'s master into its device copy (h2d)."""
+        """Elements ``[lo, lo + len(values))`` of ``s``'s master into its device copy (h2d), or into its
+        offloaded shard (``offload_params.py``)."""
+        if self.engine.params_offload is not None:
+            self.engine.params_offload.publish(s, values, lo, "host")
+            return
         dst = self._device_piece(s)[lo:lo + values.numel()]
         dst.copy_(values)
         self.copies.add("h2d", "params", dst.numel() * dst.element_size())
@@ -306,7 +312,10 @@ class DiskOptimizer(OptimizerOffload):
                     f.result()
                 except OSError:
                     pass
-            self._roll_back(old, published)
+            if self.engine.params_offload is not None:
+                self.engine.params_offload.abort()        # the device holds no shards at rest: nothing to put back
+            else:
+                self._roll_back(old, published)
             for i, g in grads.items():
                 states[i].master.grad = g
             raise OffloadError(
@@ -316,6 +325,8 @@ class DiskOptimizer(OptimizerOffload):
                 "again (or resume from the last checkpoint).") from None
         self.scalars.update(after)
         self.store.current = new
+        if self.engine.params_offload is not None:
+            self.engine.params_offload.commit()
         for i, g in grads.items():
             states[i].master.grad = g                # the engine releases them as without offload
         self._finish_publish()
@@ -391,20 +402,22 @@ class DiskOptimizer(OptimizerOffload):
 
 
 class DiskStore:
-    """One rank's offload files: ``<offload_dir>/shardlib-offload-<pid>/rank<r>.{0,1}.bin``, each
-    ``sizes[i] * slots`` fp32 elements per state ``i`` (slot 0 the master, then the moments),
-    preallocated so a step never needs new space. Removed when the engine goes."""
+    """One rank's offload files: ``<offload_dir>/shardlib-offload-<pid>-<id>/rank<r>.<name>.{0,1}.bin``,
+    each ``sizes[i] * slots`` elements of ``dtype`` per entry ``i`` (the optimizer's: slot 0 the master,
+    then the moments), preallocated so a step never needs new space. Removed when the engine goes."""
 
-    def __init__(self, offload_dir: str, rank: int, sizes: list[int], slots: int):
+    def __init__(self, offload_dir: str, rank: int, sizes: list[int], slots: int, *,
+                 dtype: torch.dtype = torch.float32, name: str = "optimizer"):
         self.folder = Path(offload_dir) / f"shardlib-offload-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.folder.mkdir(parents=True, exist_ok=True)
-        self.sizes, self.slots = sizes, slots
+        self.sizes, self.slots, self.dtype = sizes, slots, dtype
+        self.item = dtype.itemsize
         self.offsets, off = [], 0
         for n in sizes:
             self.offsets.append(off)
-            off += n * slots * 4
+            off += n * slots * self.item
         self.gen_bytes = off
-        self.paths = [self.folder / f"rank{rank}.{g}.bin" for g in (0, 1)]
+        self.paths = [self.folder / f"rank{rank}.{name}.{g}.bin" for g in (0, 1)]
         self.fds = []
         for p in self.paths:
             fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -415,14 +428,14 @@ class DiskStore:
                 except OSError as e:
                     self.close()
                     raise OffloadError(f"parallelize: could not reserve {off / 2**30:.2f} GiB for the offloaded "
-                                       f"optimizer state in {p} — {e}. Free space under offload_dir, or offload "
+                                       f"{name} state in {p} — {e}. Free space under offload_dir, or offload "
                                        "less to 'disk'.") from None
         self.current = 0
         # the files go with the engine (or the process): fds closed, files and folder removed
         self._finalizer = weakref.finalize(self, _remove, list(self.fds), list(self.paths), self.folder)
 
     def _pos(self, i: int, slot: int, lo: int) -> int:
-        return self.offsets[i] + (slot * self.sizes[i] + lo) * 4
+        return self.offsets[i] + (slot * self.sizes[i] + lo) * self.item
 
     def read(self, gen: int, i: int, slot: int, lo: int, out: torch.Tensor) -> None:
         view = memoryview(out.view(torch.uint8).numpy())
@@ -440,11 +453,11 @@ class DiskStore:
             done += n
 
     def map(self, gen: int) -> torch.Tensor:
-        """The whole generation file as one file-backed fp32 tensor (``MAP_SHARED``)."""
-        return torch.from_file(str(self.paths[gen]), shared=True, size=self.gen_bytes // 4, dtype=torch.float32)
+        """The whole generation file as one file-backed tensor (``MAP_SHARED``)."""
+        return torch.from_file(str(self.paths[gen]), shared=True, size=self.gen_bytes // self.item, dtype=self.dtype)
 
     def view(self, data: torch.Tensor, i: int, slot: int) -> torch.Tensor:
-        start = self._pos(i, slot, 0) // 4
+        start = self._pos(i, slot, 0) // self.item
         return data[start:start + self.sizes[i]]
 
     def close(self) -> None:

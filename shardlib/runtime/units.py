@@ -118,8 +118,10 @@ class UnitRunner:
         """Start gathering ``u`` (async) unless it is gathered or on its way."""
         if u.status != "free":
             return
-        with torch.no_grad():
-            flat = u.flat.pack(lambda s: s.shard, self.cdt, self.engine.mesh.device)
+        off = self.engine.params_offload
+        with torch.no_grad():     # offloaded shards: brought to the device (offload_params.py)
+            flat = (u.flat.pack(lambda s: s.shard, self.cdt, self.engine.mesh.device) if off is None
+                    else off.packed(u, self.engine.mesh.device))
         u.pending = comm.all_gather(flat, self.mesh, self.axis, async_op=True)
         u.buffer_bytes = flat.numel() * flat.element_size() * self.engine.plan.data_size
         self._track(u.buffer_bytes)
