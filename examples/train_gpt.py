@@ -139,7 +139,9 @@ def rank_main(run: RunConfig, out: str) -> dict:
         return {"losses": [], "agree": True, "out": str(out_dir)}
     # whole-run claims are checked across ranks, under torchrun too: every rank's losses and memory
     held = {k: v for k, v in engine.memory_held().items() if k != "buffers"}
-    mine = {"losses": [m["loss"] for m in metrics], "held": {**held, "activations": saved}, "timeline": timeline}
+    kinds = {k: engine.memory_held(kind=k)["total"] for k in ("device", "host", "disk")} if plan.offload else None
+    mine = {"losses": [m["loss"] for m in metrics], "held": {**held, "activations": saved}, "timeline": timeline,
+            "kinds": kinds}
     everyone = [None] * mesh.size
     if mesh.size > 1:
         import torch.distributed as dist
@@ -190,11 +192,18 @@ def _report(run: RunConfig, plan, metrics: list[dict], everyone: list[dict], agr
                       compare={"formula": bubble_formula(pp.schedule, pp.size, pp.microbatches, pp.virtual)})
     lines = summary_lines(metrics)
     lines.append(f"the same loss on all {len(everyone)} ranks: {'yes' if agree else 'NO'}")
+    if plan.offload:        # memory kinds: each kind's model-state bytes on rank 0, planned and held
+        from shardlib.comm.core import format_bytes
+        want = {k: plan.memory_per_rank(0, kind=k)["total"] for k in ("device", "host", "disk")}
+        lines.append("model states by memory kind on rank 0 (" + ", ".join(f"{s} -> {k}" for s, k in plan.offload)
+                     + "): " + ", ".join(f"{k} {format_bytes(everyone[0]['kinds'][k])} (planned {format_bytes(v)})"
+                                         for k, v in want.items()))
     summary = {"config": {"mesh": run.mesh.name, "parallel": run.parallel.name, "model": run.model.name,
                           **({"model_path": run.model.path} if run.model.kind == "hf" else {})},
                "summary": lines, "first_loss": metrics[0]["loss"], "last_loss": metrics[-1]["loss"],
                "ranks_agree": agree, "steps": len(metrics),
-               "memory": {"planned": planned, "measured": [e["held"] for e in everyone]}}
+               "memory": {"planned": planned, "measured": [e["held"] for e in everyone],
+                          "kinds": [e["kinds"] for e in everyone]}}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print("\n" + "\n".join(lines) + f"\nwrote {', '.join(sorted(p.name for p in out_dir.iterdir()))} to {out_dir}",
           flush=True)

@@ -80,7 +80,9 @@ def train(kind: str, cfg: dict, shape: dict, offload: dict | None, offload_dir: 
             for r in c.records:
                 counted[(r.op, r.axes)] += r.bytes
                 counted[(r.op, r.axes, "n")] += 1
-            copies = {op: sum(v[0] for (o, _), v in eng.copies.step.items() if o == op) for op in COPY_OPS}
+            copies = {op: sum(v[0] for (o, w), v in eng.copies.step.items() if o == op and w != "activations")
+                      for op in COPY_OPS}
+            copies["activations"] = {o: v[0] for (o, w), v in eng.copies.step.items() if w == "activations"}
     planned = collections.Counter()
     for e in plan.comm_per_step(rank):
         if e.op not in COPY_OPS:
@@ -90,8 +92,8 @@ def train(kind: str, cfg: dict, shape: dict, offload: dict | None, offload_dir: 
     out = {"losses": losses, "state": eng.full_state_dict(), "counted": dict(counted), "planned": dict(planned),
            "copies": copies, "planned_copies": plan.copy_bytes_per_step(rank) if offload else {},
            "held": {k: eng.memory_held(kind=k) for k in kinds},
-           "memory": {k: plan.memory_per_rank(rank, kind=k) for k in kinds}}
-    for off in (eng.offload, eng.params_offload):
+           "memory": {k: plan.memory_per_rank(rank, kind=k) for k in kinds + ("all",)}}
+    for off in (eng.offload, eng.params_offload, eng.act_offload):
         if off is not None:
             off.close()
     return out
@@ -109,3 +111,83 @@ def run(kind: str, cfgs: list[dict], shape: dict, offloads: tuple = ("host", "di
                 res[name] = train(kind, cfg, shape, off, d if "disk" in off.values() else None)
         out.append(res)
     return out
+
+
+def reference(kind: str) -> list[float]:
+    """The one-process run: losses of the same model, batches and AdamW."""
+    m = model(kind)
+    opt = hf_models.adamw([p for p in m.parameters() if p.requires_grad], LR)
+    out = []
+    for b in batches(kind):
+        opt.zero_grad(set_to_none=True)
+        loss = _loss(m, b)
+        loss.backward()
+        opt.step()
+        out.append(float(loss.detach()))
+    return out
+
+
+def failed_write(cfg: dict, shape: dict, offload: dict) -> dict:
+    """Step once, then make the second step's disk writes fail (as a full disk would): the step must
+    raise ``OffloadError`` and leave the parameters and the offloaded states as they were; stepping the
+    same batch again once the disk is back continues exactly as a run that never failed."""
+    from shardlib.runtime.offload import DiskStore, OffloadError
+
+    bs = batches("gpt")
+    with tempfile.TemporaryDirectory() as d:
+        eng, _ = engine("gpt", cfg, shape, offload, d)
+        losses = [eng.step(bs[0])]
+        before = eng.full_state_dict()
+        real = DiskStore.write
+
+        def full(self, gen, i, slot, lo, values):
+            raise OSError(28, "No space left on device")
+
+        DiskStore.write = full
+        try:
+            eng.step(bs[1])
+            error = None
+        except OffloadError as e:
+            error = str(e)
+        finally:
+            DiskStore.write = real
+        if "optimizer" not in offload:      # the device optimizer had stepped: refused until a load
+            try:
+                eng.step(bs[1])
+                refused = None
+            except sl.CheckpointError as e:
+                refused = str(e)
+            return {"error": error, "refused": refused}
+        after = eng.full_state_dict()
+        unchanged = [k for k in before if isinstance(before[k], torch.Tensor) and not torch.equal(before[k], after[k])]
+        steps = eng.step_count
+        losses += [eng.step(b) for b in bs[1:]]
+        for off in (eng.offload, eng.params_offload, eng.act_offload):
+            if off is not None:
+                off.close()
+    plain, _ = engine("gpt", cfg, shape, None)
+    return {"error": error, "changed": unchanged, "step_count": steps, "losses": losses,
+            "plain": [plain.step(b) for b in bs]}
+
+
+def checkpoint_round(folder: str, save_cfg: dict, save_shape: dict, save_off: dict | None,
+                     load_cfg: dict, load_shape: dict, load_off: dict | None, part: str) -> list[float]:
+    """``part="save"``: step once on the saving layout and save; ``"load"``: load on the loading layout
+    and step the remaining batches; ``"whole"``: the run without a break (no offload), for reference."""
+    bs = batches("gpt")
+    with tempfile.TemporaryDirectory() as d:
+        if part == "whole":
+            eng, _ = engine("gpt", load_cfg, load_shape, None)
+            return [eng.step(b) for b in bs]
+        cfg, shape, off = (save_cfg, save_shape, save_off) if part == "save" else (load_cfg, load_shape, load_off)
+        eng, _ = engine("gpt", cfg, shape, off, d if off and "disk" in off.values() else None)
+        if part == "save":
+            losses = [eng.step(bs[0])]
+            eng.save(folder)
+        else:
+            eng.load(folder)
+            losses = [eng.step(b) for b in bs[1:]]
+        for o in (eng.offload, eng.params_offload, eng.act_offload):
+            if o is not None:
+                o.close()
+        return losses

@@ -1,6 +1,7 @@
-"""Memory kinds in the plan (issue 20, first part): ``sl.plan(..., offload=..., offload_dir=...)`` splits each
-rank's model states into ``device``, ``host`` and ``disk`` (``memory_per_rank(kind=...)``), explains them, and
-refuses bad input by key before any process starts. The engine does not run offloaded plans yet and says so."""
+"""Memory kinds in the plan (issue 20): ``sl.plan(..., offload=..., offload_dir=...)`` splits each rank's model
+states into ``device``, ``host`` and ``disk`` (``memory_per_rank(kind=...)``), lists the copies between kinds
+among the step's entries, explains them, and refuses bad input by key before any process starts. The runs
+themselves: ``test_offload.py``."""
 
 from __future__ import annotations
 
@@ -29,8 +30,12 @@ def test_kinds_split_the_states(zero, offload, tmp_path):
         assert sum(kinds[k][key] for k in kinds) == whole[key], (key, kinds, whole)
     opt = offload["optimizer"]
     assert kinds[opt]["optimizer"] == whole["optimizer"] > 0 and kinds["device"]["optimizer"] == 0
-    # sharded gradients (ZeRO-2/3) persist with the update; ZeRO-0/1's full local ones stay on the device
-    assert kinds[opt if zero >= 2 else "device"]["grads"] == whole["grads"]
+    # sharded gradients (ZeRO-2/3) persist with the update (on the host when it reads from disk); ZeRO-0/1's
+    # full local ones stay on the device
+    assert kinds[("host" if opt == "disk" else opt) if zero >= 2 else "device"]["grads"] == whole["grads"]
+    # in fp32 too the offloaded master is a copy of its own (4 bytes per trainable element more)
+    plain = _plan(zero=zero).memory_per_rank(0, kind="all")
+    assert whole["optimizer"] == plain["optimizer"] + 4 * (plain["optimizer"] // 8)
     assert kinds[offload.get("params", "device")]["params"] == whole["params"]
     assert plan.memory_per_rank(0) == kinds["device"]
     assert "by memory kind" in plan.explain()
@@ -63,9 +68,8 @@ def test_disk_folder_checked_on_a_running_mesh(tmp_path):
     with pytest.raises(sl.ShardingError, match="is not a folder"):
         sl.plan(model, mesh, offload={"optimizer": "disk"}, offload_dir=tmp_path / "missing")
     plan = sl.plan(model, mesh, offload={"optimizer": "disk"}, offload_dir=tmp_path)
-    assert 0 < plan.disk_bytes() == plan.memory_per_rank(0, kind="disk")["total"]
-    with pytest.raises(sl.ShardingError, match=r"does not run offloaded states yet"):
-        sl.parallelize(model, plan, optimizer=lambda ps: __import__("torch").optim.SGD(ps, lr=0.1))
+    # two generations per rank: a step writes the next while the last stays whole
+    assert 0 < plan.disk_bytes() == 2 * plan.memory_per_rank(0, kind="disk")["total"]
 
 
 # ---- the config groups and the dry run ------------------------------------------------------------
@@ -78,7 +82,8 @@ def test_dry_run_shows_each_kind():
     off = dry_run(run_of("model=small", "mesh=dp2", "parallel=zero3", "+parallel.offload.optimizer=host"))
     assert off.plan.offload == (("optimizer", "host"),)
     host = off.plan.memory_per_rank(off.worst_rank, kind="host")
-    assert off.memory["optimizer"] == 0 and host["optimizer"] == plain.memory["optimizer"] > 0
+    # (fp32 Adam: the moments' 8 bytes per element, and 4 of the master's own copy once offloaded)
+    assert off.memory["optimizer"] == 0 and host["optimizer"] == plain.memory["optimizer"] * 3 // 2 > 0
     assert off.memory["total"] == plain.memory["total"] - plain.memory["optimizer"] - plain.memory["grads"]
     text = report(off)
     assert "(device)" in text and "offload: optimizer -> host" in text
@@ -94,9 +99,14 @@ def test_config_keys_checked():
         run_of("model=small", "mesh=dp2", "parallel=zero3", "+parallel.offload.optimizer=cpu")
 
 
-def test_main_job_refuses_offload_by_key():
-    from shardlib.frontend.run import check
-    from test_dryrun import run_of
-
-    found = check(run_of("model=tiny", "mesh=dp2", "parallel=zero3", "+parallel.offload.optimizer=host"))
-    assert any(p.startswith("parallel.offload:") and "does not run offloaded states yet" in p for p in found), found
+def test_copies_are_entries_of_the_step():
+    """Offload adds the copies between kinds to ``comm_per_step`` (no axes), apart from the bytes sent."""
+    plain = _plan(zero=3)
+    off = _plan(zero=3, offload={"optimizer": "host", "params": "host"})
+    copies = [e for e in off.comm_per_step(0) if not e.axes]
+    assert {e.op for e in copies} == {"d2h", "h2d"} and off.comm_bytes_per_step() == plain.comm_bytes_per_step()
+    got = off.copy_bytes_per_step(0)
+    n_opt = plain.memory_per_rank(0)["grads"] // 4          # this rank's trainable elements (fp32 grads)
+    assert got["d2h"] == 4 * n_opt                          # each reduced gradient piece to the host, fp32
+    assert got["disk_read"] == got["disk_write"] == 0 and got["h2d"] > 4 * plain.memory_per_rank(0)["params"] // 4
+    assert plain.copy_bytes_per_step(0) == {"d2h": 0, "h2d": 0, "disk_read": 0, "disk_write": 0}

@@ -60,6 +60,9 @@ class MeshConfig:
     device_tflops: float | None = None      # sustained, per device (step-time estimates)
     memory_gib: float | None = None         # per device (does the plan fit?)
     host_memory_gib: float | None = None    # per rank's share of its host (do offloaded 'host' states fit?)
+    host_gbps: float | None = None          # device <-> host copies, per rank (PCIe), GB/s
+    disk_gbps: float | None = None          # host <-> disk under offload_dir, per rank's share, GB/s
+    host_update_gbps: float | None = None   # the host's AdamW, per rank, GB/s at 28 B/element moved
     links: tuple[tuple[str, Link], ...] = ()
     shared_cores: int | None = None         # CPU meshes: every rank on one host of this many cores
 
@@ -240,6 +243,9 @@ def _mesh(raw: Any, problems: list[str]) -> MeshConfig:
                       device_tflops=c.number("device_tflops", None, strict=True, optional=True),
                       memory_gib=c.number("memory_gib", None, strict=True, optional=True), links=tuple(links),
                       host_memory_gib=c.number("host_memory_gib", None, strict=True, optional=True),
+                      host_gbps=c.number("host_gbps", None, strict=True, optional=True),
+                      disk_gbps=c.number("disk_gbps", None, strict=True, optional=True),
+                      host_update_gbps=c.number("host_update_gbps", None, strict=True, optional=True),
                       shared_cores=c.int("shared_cores", None, optional=True))
 
 

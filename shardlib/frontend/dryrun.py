@@ -115,7 +115,12 @@ def dry_run(run: RunConfig) -> DryRun:
         flops = transformer_flops(layers=m.n_layers, d_model=m.d_model, seq=run.seq, vocab=m.vocab_size,
                                   tokens=tokens, mlp_ratio=m.mlp_ratio, recompute=t.recompute)
         links = {a: (lk.bandwidth, lk.latency) for a, lk in run.mesh.links}
-        est = estimate_step(plan, flops=flops, tokens=tokens, device_flops=run.mesh.rank_tflops * 1e12, links=links)
+        mc = run.mesh
+        est = estimate_step(plan, flops=flops, tokens=tokens, device_flops=mc.rank_tflops * 1e12, links=links,
+                            **{k: getattr(mc, f"{k}_gbps") * 1e9 for k in ("host", "disk", "host_update")
+                               if getattr(mc, f"{k}_gbps") is not None})
+        if plan.offload and (mc.host_gbps is None or (plan.disk_bytes() and mc.disk_gbps is None)):
+            notes.append("offload copies: not priced — the mesh preset gives no host_gbps / disk_gbps")
     else:
         notes.append("step time: not estimated — the mesh preset gives no device_tflops or links")
     n = sum(p.numel for p in plan.params)
@@ -139,6 +144,12 @@ def report(d: DryRun) -> str:
         for kind in ("host", "disk"):
             got = plan.memory_per_rank(d.worst_rank, kind=kind)["total"]
             cap = mesh.host_memory_gib if kind == "host" else None
+            if kind == "disk" and got:
+                cap = None
+                lines.append(f"  {kind:<12}{format_bytes(got):>12}  (x2 generations x {mesh.size} ranks = "
+                             f"{format_bytes(plan.disk_bytes())} under offload_dir"
+                             + (f"; {mesh.disk_gbps:g} GB/s per rank)" if mesh.disk_gbps else ")"))
+                continue
             lines.append(f"  {kind:<12}{format_bytes(got):>12}"
                          + ("" if cap is None or not got else f"  of {cap:g} GiB: "
                             f"{'fits' if got <= cap * 2**30 else 'DOES NOT FIT'}"))
@@ -156,6 +167,9 @@ def report(d: DryRun) -> str:
                       f"{mesh.rank_tflops:g} TFLOP/s sustained per rank)"
                       + (f" / (1 - bubble {e.idle:.3f}) = {e.compute_with_bubble_s * 1e3:.1f} ms" if e.idle else ""),
                   f"  + communication {sum(e.comm_s.values()) * 1e3:.1f} ms ({comm or 'none'})",
+                  *([f"  + offload: " + ", ".join(f"{k} copies {s * 1e3:.1f} ms" for k, s in e.copy_s)
+                     + (f", host update {e.update_s * 1e3:.1f} ms" if e.update_s else "")]
+                    if e.copy_s or e.update_s else []),
                   f"  = {e.total_s * 1e3:.1f} ms without overlap, {e.overlapped_s * 1e3:.1f} ms with full overlap; "
                   f"{e.tokens_per_s:,.0f} to {e.tokens / e.overlapped_s:,.0f} tokens/s"]
     lines += [f"note: {n}" for n in d.notes]

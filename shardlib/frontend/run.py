@@ -93,10 +93,6 @@ def check(run: RunConfig) -> list[str]:
         problems += [f"{_keys_of(p, run)}{where}: {p.removeprefix('plan: ')}" for p in collapse(found)]
     except ValueError as e:
         problems.append(f"model: {e}")
-    if run.parallel.offload:
-        problems.append(f"parallel.offload: {dict(run.parallel.offload)} is planned (python -m shardlib.explain shows "
-                        "each memory kind) but the engine does not run offloaded states yet — expected no offload "
-                        "to train. Drop parallel.offload.")
     if not hf and run.model.vocab_size < VOCAB:
         problems.append(f"model.vocab_size: {run.model.vocab_size} is smaller than the data's {VOCAB} byte values — "
                         f"expected model.vocab_size >= {VOCAB}.")

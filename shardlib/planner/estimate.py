@@ -15,8 +15,14 @@ Communication. Each collective of ``plan.comm_per_step(rank)`` takes ``bytes / b
 latency`` on the slowest link of its axes (ring hops: all-reduce ``2(k-1)``, all-gather and
 reduce-scatter ``k-1``, broadcast ``k-1``, a point-to-point send 1).
 
-The estimate adds the two (no overlap: an upper bound) and gives ``max`` of them beside it (perfect
-overlap: a lower bound).
+Copies between memory kinds (offload). The plan's ``d2h``/``h2d`` entries take ``bytes / host``
+(the device-host link, PCIe), its ``disk_read``/``disk_write`` ``bytes / disk`` (a rank's share of the
+disk's bandwidth); an offloaded optimizer's update runs on the host at ``host_update`` bytes/s, 28 bytes
+moved per element (AdamW: reads parameter, gradient and two moments, writes three).
+
+The estimate adds them all (no overlap: an upper bound) and beside it gives the lower bound of perfect
+overlap: the largest of compute, communication, host copies and disk traffic, plus the host update,
+which the step waits for (the next forward needs its parameters).
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ class StepEstimate:
     idle: float                   # the pipeline's bubble (0 without one)
     comm_s: dict[str, float]      # seconds of the step's collectives by axes ("data", "tensor", "data+tensor", ...)
     tokens: int
+    copy_s: tuple[tuple[str, float], ...] = ()    # ("host" | "disk", seconds of the step's copies)
+    update_s: float = 0.0         # the offloaded optimizer's update on the host
 
     @property
     def compute_with_bubble_s(self) -> float:
@@ -48,12 +56,12 @@ class StepEstimate:
     @property
     def total_s(self) -> float:
         """No overlap of communication with compute: an upper bound."""
-        return self.compute_with_bubble_s + sum(self.comm_s.values())
+        return self.compute_with_bubble_s + sum(self.comm_s.values()) + sum(s for _, s in self.copy_s) + self.update_s
 
     @property
     def overlapped_s(self) -> float:
         """Perfect overlap: a lower bound."""
-        return max(self.compute_with_bubble_s, sum(self.comm_s.values()))
+        return max(self.compute_with_bubble_s, sum(self.comm_s.values()), *(s for _, s in self.copy_s)) + self.update_s
 
     @property
     def tokens_per_s(self) -> float:
@@ -68,9 +76,12 @@ def transformer_flops(*, layers: int, d_model: int, seq: int, vocab: int, tokens
 
 
 def estimate_step(plan: Plan, *, flops: float, tokens: int, device_flops: float,
-                  links: Mapping[str, tuple[float, float]], rank: int = 0) -> StepEstimate:
+                  links: Mapping[str, tuple[float, float]], rank: int = 0, host: float | None = None,
+                  disk: float | None = None, host_update: float | None = None) -> StepEstimate:
     """``flops`` of a step over ``tokens`` tokens; ``device_flops`` per second; ``links[axis] =
-    (bytes/s, seconds per hop)`` (an axis missing from ``links`` takes ``links["default"]``)."""
+    (bytes/s, seconds per hop)`` (an axis missing from ``links`` takes ``links["default"]``); with
+    offload, ``host``, ``disk`` and ``host_update`` in bytes/s (the module doc; a figure not given
+    leaves its part out of the estimate)."""
     from .simulate import bubble_formula
 
     ranks = plan.mesh.size
@@ -78,8 +89,12 @@ def estimate_step(plan: Plan, *, flops: float, tokens: int, device_flops: float,
     pp = plan.pipeline
     idle = bubble_formula(pp.schedule, pp.size, pp.microbatches, pp.virtual) if pp is not None else 0.0
     comm: dict[str, float] = {}
+    copies = {"host": 0.0, "disk": 0.0}
     for e in plan.comm_per_step(rank):
-        if not e.axes:
+        if not e.axes:          # a copy between memory kinds (planner/offload.py)
+            link, rate = ("host", host) if e.op in ("d2h", "h2d") else ("disk", disk)
+            if rate:
+                copies[link] += e.total / rate
             continue
         k = math.prod(plan.mesh.axis_size(a) for a in e.axes)
         figs = [links.get(a, links.get("default")) for a in e.axes]
@@ -89,4 +104,9 @@ def estimate_step(plan: Plan, *, flops: float, tokens: int, device_flops: float,
         bandwidth, latency = min(f[0] for f in figs), max(f[1] for f in figs)
         key = "+".join(e.axes)
         comm[key] = comm.get(key, 0.0) + e.count * (e.bytes / bandwidth + HOPS[e.op](k) * latency)
-    return StepEstimate(flops, per_rank, per_rank / device_flops, idle, comm, tokens)
+    update = 0.0
+    if dict(plan.offload).get("optimizer") and host_update:
+        n_opt = plan.memory_per_rank(rank, kind="all")["optimizer"] / (4 + plan.optimizer_state_bytes)
+        update = 28 * n_opt / host_update
+    return StepEstimate(flops, per_rank, per_rank / device_flops, idle, comm, tokens,
+                        tuple((k, v) for k, v in copies.items() if v), update)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import re
 import textwrap
 
+import torch
+
 from ..algebra.spec import Fused
 from ..comm.core import format_bytes
 
@@ -142,10 +144,16 @@ class Explain:
         kinds = {k: self.memory_per_rank(kind=k) for k in ("device", "host", "disk")}
         where = ", ".join(f"{s} -> {k}" for s, k in self.offload)
         disk = f" (files under {self.offload_dir!r})" if self.offload_dir else ""
+        copies = self.copy_bytes_per_step()
+        moved = ", ".join(f"{op} {format_bytes(b)}" for op, b in copies.items() if b)
+        cpu = getattr(self.mesh, "device", None)
+        same = (" — on this machine (no accelerator) 'host' is the same memory as 'device': the copies run, "
+                "nothing is saved" if cpu is not None and torch.device(cpu).type == "cpu" else "")
         return [f"    by memory kind ({where}{disk}): "
                 + ", ".join(f"{k} {format_bytes(v['total'])}" for k, v in kinds.items()),
-                "    (on a machine without an accelerator 'host' is the same memory as 'device'; the engine does "
-                "not run offload yet)"]
+                f"    copies per step between kinds: {moved or 'none'}"
+                + (f"; offload_dir holds {format_bytes(self.disk_bytes())} (two generations, every rank)"
+                   if kinds["disk"]["total"] else "") + same]
 
     def _frozen_lines(self, full: bool) -> list[str]:
         """Frozen and quantized parameters, and each LoRA adapter's layout next to its base weight's."""

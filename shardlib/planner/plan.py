@@ -288,11 +288,13 @@ class Plan(MemoryAccounting, TrafficAccounting, Explain):
         return super().memory_per_rank(rank, at=at, kind=kind)
 
     def disk_bytes(self) -> int:
-        """The bytes every rank's ``disk`` states take together (what ``offload_dir`` must hold when all
-        ranks share one machine): the largest rank's of a sample, times the ranks."""
+        """The bytes ``offload_dir`` must hold when all ranks share one machine: every rank's ``disk``
+        states, twice — each rank keeps two generations (a step writes the next while the last stays
+        whole, ``runtime/offload.py``) — the largest rank's of a sample, times the ranks. (Offloaded
+        activations come on top: their bytes depend on the forward.)"""
         n = self.mesh.size
         sample = range(0, n, max(1, n // 64))
-        return max(self.memory_per_rank(r, kind="disk")["total"] for r in sample) * n
+        return 2 * max(self.memory_per_rank(r, kind="disk")["total"] for r in sample) * n
 
     def transient_per_rank(self, rank: int | None = None) -> dict[str, int]:
         if self.split:

@@ -33,7 +33,8 @@ class CommEntry:
 
     def __str__(self) -> str:
         times = f" x{self.count}" if self.count > 1 else ""
-        return (f"{self.phase:<8} {self.what:<7} {self.op}({', '.join(self.axes)}){times} "
+        where = f"({', '.join(self.axes)})" if self.axes else ""      # a copy between memory kinds: no axes
+        return (f"{self.phase:<8} {self.what:<7} {self.op}{where}{times} "
                 f"{format_bytes(self.total)}" + (f"  [{self.where}]" if self.where else ""))
 
 

@@ -39,7 +39,8 @@ from .batches import split_batch
 from .buckets import GradBuckets
 from .inspection import EngineInspection
 from .materialize import is_meta, materialize_stage_
-from .offload import Copies, DiskOptimizer, OptimizerOffload
+from .offload import Copies, DiskOptimizer, OffloadError, OptimizerOffload
+from .offload_activations import activation_offload
 from .offload_params import params_offload
 from .pipeline import PipelineRuntime, strip_to_stage
 from .pretrained import EnginePretrained
@@ -144,6 +145,7 @@ class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
         if plan.mixed:
             cast_buffers(model, self.cdt)
         self._apply_recompute()
+        self.act_offload = activation_offload(self)     # saved activations to the host or a file
         trainable = [s for s in self.states if s.trainable]
         if plan.states.params is None:
             by_name = {s.name: s for s in trainable}
@@ -261,6 +263,8 @@ class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
             loss_sum += self.pipe.run(micro, factor)
         else:
             self._accumulate(micro, factor, loss_sum)
+        if self.act_offload is not None:
+            self.act_offload.end_step()           # (a failed activation write stops the step here)
         reduced = self.buckets.finish() if self.buckets is not None else None
         trainable = [s for s in self.states if s.trainable]
         grads = self._master_grads(reduced, scale)
@@ -327,7 +331,12 @@ class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
                 for g in grads:
                     g.mul_(coef.to(device=g.device, dtype=g.dtype))
             if self.offload is not None:       # the update where the masters are, then the device copies
-                self.offload.step(self.optimizer)
+                try:
+                    self.offload.step(self.optimizer)
+                except OffloadError:            # nothing of the step was applied (runtime/offload.py)
+                    self.step_count -= 1
+                    self._release_master_grads()
+                    raise
             else:
                 self.optimizer.step()
             if self.lr_scheduler is not None:
@@ -467,9 +476,19 @@ class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
                 self.offload.publish_all()
             return
         if self.params_offload is not None:        # the masters (on the device) into the offloaded shards
-            for s in trainable:
-                self.params_offload.publish(s, s.master.detach().view(-1), 0, "device")
-            self.params_offload.commit()
+            try:
+                for s in trainable:
+                    self.params_offload.publish(s, s.master.detach().view(-1), 0, "device")
+                self.params_offload.commit()
+            except OSError as e:
+                self.params_offload.abort()
+                self._needs_load = (
+                    f"the new parameters of step {self.step_count} could not be written under {plan.offload_dir} "
+                    f"({e}), after the optimizer on the device had updated its states: the engine holds no one "
+                    "step's state. Load the last checkpoint (engine.load(path)) to go on — or offload the "
+                    "optimizer too (offload={'optimizer': 'disk', 'params': 'disk'}), whose failed writes leave "
+                    "the step undone.")
+                raise OffloadError(f"step: {self._needs_load}") from None
             return
         if plan.states.params is not None:
             if plan.mixed:

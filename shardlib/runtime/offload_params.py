@@ -130,7 +130,7 @@ class ParamsOffload:
             s.shard[lo:lo + n].copy_(values)              # the host tensor, or the mapped current generation
             return
         k, pos = self.where[id(s)]
-        self.store.write(1 - self.store.current, k, 0, pos + lo, values.to(self.cdt))
+        self.store.write(1 - self.store.current, k, 0, pos + lo, values.to(device=HOST, dtype=self.cdt))
         self.copies.add("disk_write", "params", nbytes)
         self.written.add(id(s))
 

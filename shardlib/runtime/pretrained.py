@@ -73,6 +73,8 @@ class EnginePretrained:
     _awaited: frozenset[str] = frozenset()
 
     def _refuse_before_load(self, api: str) -> None:
+        if isinstance(self._needs_load, str):       # a failure left it without one step's state
+            raise CheckpointError(f"{api}: {self._needs_load}")
         if self._needs_load:
             raise CheckpointError(f"{api}: the engine was built with init=False and its parameters have no values "
                                   "yet — expected a load first. Call engine.load_pretrained(folder) (or "

@@ -220,11 +220,6 @@ def _validate(model, plan, optimizer, mesh, loss_fn) -> None:
     if not isinstance(mesh, Mesh):
         raise ShardingTypeError("parallelize: the plan's mesh is an AbstractMesh — training needs a Mesh over "
                                 "running processes: plan with sl.Mesh(...) or pass mesh=.")
-    unrun = {k: v for k, v in plan.offload if k == "activations"}
-    if unrun:
-        raise ShardingError(f"parallelize: the plan offloads {unrun} — the engine does not run those offloaded "
-                            "states yet: they are planned (memory_per_rank(kind=...), explain(), dry runs) but not "
-                            "executed. Offload 'optimizer' and 'params' only to train.")
     if mesh.abstract() != plan.mesh.abstract():
         raise ShardingError(f"parallelize: mesh {mesh.axis_sizes} differs from the plan's {plan.mesh.axis_sizes}.")
     names = [n for n, _ in model.named_parameters()]
