@@ -247,6 +247,9 @@ class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
         plan = self.plan
         m = plan.grad_accum
         self.copies.reset()
+        for off in (self.params_offload, self.act_offload):      # their timelines: this step's
+            if off is not None:
+                off.timeline = []
         self._begin_step()
         if plan.broadcast_buffers:                   # rank 0's buffers before the forward, as DDP
             broadcast_buffers(self.model, self.mesh, plan.dp_axes)

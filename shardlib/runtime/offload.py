@@ -20,12 +20,12 @@ into this rank's piece of the full parameter, which the bucket all-gather then s
 is done, so a failed write leaves the state of the previous step, and the device copies are put
 back from it). The update streams: the masters and moments are cut into chunks of at most
 ``chunk_elems`` elements (a parameter's piece may span several), a reader thread reads chunk ``i+1``
-while chunk ``i`` is updated (read-ahead), a writer thread writes chunk ``i`` while ``i+1`` is
-(write-behind): at most three chunks are resident, never the whole state. The optimizer is stepped
+and ``i+2`` while chunk ``i`` is updated (read-ahead), a writer thread writes chunk ``i`` while ``i+1`` is
+(write-behind): at most five chunks are resident (of 64 or more), never the whole state. The optimizer is stepped
 on one chunk at a time, its tensors swapped in; an elementwise optimizer gives the same values as
 one step over the whole tensor — its per-parameter scalars (Adam's step count) are taken from before
 the step for every chunk of a parameter. ``timeline`` records each chunk's read, update and write
-(``perf_counter`` seconds) for the benchmark. Outside the step (checkpoints, ``gathered()``,
+and how long the update waited for each read (``perf_counter`` seconds) for the benchmark. Outside the step (checkpoints, ``gathered()``,
 ``load_pretrained``) ``engine._offload_mapped()`` maps the current generation: the masters and
 moments become file-backed tensors (page cache, not the process's anonymous memory), read and
 written in place.
@@ -241,7 +241,7 @@ class DiskOptimizer(OptimizerOffload):
                 self.store.read(gen, i, k, lo, b)
             self.copies.add("disk_read", "optimizer", slots * (hi - lo) * 4)
             out.append(bufs)
-        self.timeline.append(("read", c, start - t0, time.perf_counter() - t0))
+        self.timeline.append(("read", c, start, time.perf_counter()))
         return out
 
     def _write(self, gen: int, chunk, bufs, t0: float, c: int) -> None:
@@ -250,7 +250,7 @@ class DiskOptimizer(OptimizerOffload):
             for k, b in enumerate(bs):
                 self.store.write(gen, i, k, lo, b)
             self.copies.add("disk_write", "optimizer", sum(b.numel() for b in bs) * 4)
-        self.timeline.append(("write", c, start - t0, time.perf_counter() - t0))
+        self.timeline.append(("write", c, start, time.perf_counter()))
 
     @torch.no_grad()
     def step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -267,15 +267,19 @@ class DiskOptimizer(OptimizerOffload):
                   for i in live}
         after: dict[int, dict] = {}
         known = dict(self.keys)           # the element state that exists before this step (none before the first)
-        reads = [self.reader.submit(self._read, old, chunks[0], known, t0, 0)] if chunks else []
+        # read-ahead two chunks deep: the reader thread always has the next read queued
+        reads = [self.reader.submit(self._read, old, chunks[c], known, t0, c) for c in range(min(2, len(chunks)))]
         writes = []
         published: list[tuple[int, int, int]] = []
         failure = None
         try:
             for c, chunk in enumerate(chunks):
+                waited = time.perf_counter()
                 bufs = reads[c].result()
-                if c + 1 < len(chunks):
-                    reads.append(self.reader.submit(self._read, old, chunks[c + 1], known, t0, c + 1))
+                reads[c] = None                   # (a done future keeps its result: the chunk would stay)
+                self.timeline.append(("wait", c, waited, time.perf_counter()))
+                if c + 2 < len(chunks):
+                    reads.append(self.reader.submit(self._read, old, chunks[c + 2], known, t0, c + 2))
                 start = time.perf_counter()
                 for (i, lo, hi), bs in zip(chunk, bufs):
                     s = states[i]
@@ -297,7 +301,7 @@ class DiskOptimizer(OptimizerOffload):
                     published.append((i, lo, hi))
                     s.master.grad = None
                     self._rest(i)
-                self.timeline.append(("update", c, start - t0, time.perf_counter() - t0))
+                self.timeline.append(("update", c, start, time.perf_counter()))
                 writes.append(self.writer.submit(self._write, new, chunk, bufs, t0, c))
                 del bufs
                 if len(writes) > 1:
@@ -307,7 +311,7 @@ class DiskOptimizer(OptimizerOffload):
         except OSError as e:
             failure = e
         if failure is not None:
-            for f in reads + writes:          # let the threads settle before putting anything back
+            for f in [f for f in reads + writes if f is not None]:   # the threads settle before anything goes back
                 try:
                     f.result()
                 except OSError:

@@ -89,7 +89,9 @@ class ParamsOffload:
             return out
         k = self.index[id(u)]
         fut = self.pending.pop(k, None)
+        waited = time.perf_counter()
         host = fut.result() if fut is not None else self._read(k)
+        self.timeline.append(("wait params", k, waited, time.perf_counter()))
         # read-ahead in the direction of travel (forward up the units, backward down; the same unit again
         # turns it: backward begins where forward ended); never the root, gathered once from forward's
         # start to backward's end
