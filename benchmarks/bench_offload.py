@@ -20,7 +20,10 @@ Reported per configuration (rank 0; the other rank alike):
 * the disk traffic per step (counted copies) and, from the offload timelines of the last step, the
   seconds the reader thread spent reading (optimizer chunks and parameter units) against the seconds the
   step waited for those reads: the part of the disk time the read-ahead hid is ``1 - waited / read``.
-  ``--plot PATH`` draws that step's timeline.
+  ``--plot PATH`` draws that step's timeline;
+* a checkpoint of the trained state saved and loaded back: how far ``RssAnon`` rose above its level
+  before each (offloaded states are read from and written to their files in place, and a load's reads
+  come in batches: not the whole state in memory at once).
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ import argparse
 import ctypes
 import gc
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -105,6 +107,13 @@ def worker(name: str, steps: int, folder: str) -> dict:
             times.append(time.perf_counter() - t0)
     trim()
     after = rss_anon()
+    ckpt = {}                                 # a checkpoint's save and load: the rise of RssAnon above rest
+    for what in ("save", "load"):
+        trim()
+        base = rss_anon()
+        with Sampler() as peak_ck:
+            engine.save(f"{folder}/ckpt-{name}") if what == "save" else engine.load(f"{folder}/ckpt-{name}")
+        ckpt[what] = peak_ck.peak - base
     kinds = {k: plan.memory_per_rank(mesh.rank, kind=k) for k in ("device", "host", "disk")}
     timeline = []
     for off in (engine.offload, engine.params_offload):
@@ -116,7 +125,7 @@ def worker(name: str, steps: int, folder: str) -> dict:
     return {"name": name, "losses": losses, "times": times, "rss_rest": rest, "rss_after": after,
             "rss_peak": peak.peak, "in_memory": {s: kinds["device"][s] + kinds["host"][s]
                                                  for s in ("params", "grads", "optimizer", "total")},
-            "disk": kinds["disk"]["total"], "copies": copies, "timeline": timeline,
+            "disk": kinds["disk"]["total"], "copies": copies, "timeline": timeline, "checkpoint": ckpt,
             "params": sum(p.numel for p in plan.params)}
 
 
@@ -183,6 +192,11 @@ def main() -> None:
               f"{saved / mib:.0f} / {saved_peak / mib:.0f} | {frac} | {r['disk'] / mib:.0f} | "
               f"{statistics.median(r['times']):.2f} ({q[0]:.2f}-{q[2]:.2f}) | "
               f"{statistics.median(r['times']) / med0:.2f} | {disk / mib:.0f} |")
+    print("\ncheckpoint of the trained state (rank 0): the most RssAnon rose above its level before, while")
+    for r in rows:
+        print(f"  {r['name']}: saving {r['checkpoint']['save'] / mib:.0f} MiB, loading {r['checkpoint']['load'] / mib:.0f} "
+              f"MiB (the model states it holds in memory: {r['in_memory']['total'] / mib:.0f} MiB, on disk "
+              f"{r['disk'] / mib:.0f} MiB)")
     disk_row = rows[-1]
     h = hidden(disk_row["timeline"])
     print("\nread-ahead, last step of optimizer=disk,params=disk (rank 0):")

@@ -10,7 +10,6 @@ against ``memory_per_rank(kind=)``.
 
 from __future__ import annotations
 
-import collections
 import logging
 import tempfile
 
@@ -23,6 +22,7 @@ from shardlib.planner.offload import COPY_OPS
 
 STEPS, ROWS, LR = 3, 4, 1e-2
 GPT_CFG = GPTConfig(vocab_size=67, seq_len=16, d_model=32, n_heads=4, n_layers=2, mlp_width=90)
+GPT4_CFG = GPTConfig(vocab_size=67, seq_len=16, d_model=32, n_heads=4, n_layers=4, mlp_width=90)
 logging.getLogger("torchao").setLevel(logging.ERROR)
 
 
@@ -31,6 +31,8 @@ def model(kind: str):
         return hf_models.build("llama", layers=2)
     if kind == "gpt":
         return GPT(GPT_CFG, seed=0)
+    if kind == "gpt4":                         # four blocks: interleaved stages at pipe 2
+        return GPT(GPT4_CFG, seed=0)
     if kind == "lora":                         # LoRA over an int8 Llama (QLoRA): frozen, quantized base
         import peft_models as pm
         return pm.lora("llama", "int8")
@@ -40,7 +42,7 @@ def model(kind: str):
 def batches(kind: str) -> list:
     if kind in ("llama", "lora"):
         return [hf_models.batch("llama", ROWS, 300 + s, mask=s % 2 == 1) for s in range(STEPS)]
-    return [token_batch(GPT_CFG, ROWS, seed=100 + s) for s in range(STEPS)]
+    return [token_batch(GPT_CFG, ROWS, seed=100 + s) for s in range(STEPS)]     # (GPT4_CFG: the same shapes)
 
 
 def _loss(m, batch) -> torch.Tensor:
@@ -59,7 +61,9 @@ def engine(kind: str, cfg: dict, shape: dict, offload: dict | None, offload_dir:
     rules = {"heads": "tensor", "mlp": "tensor"} if kind == "gpt" and "tensor" in shape else {}
     if shape.get("pipe", 1) > 1:
         rules["layers"] = "pipe"
-        kw.update(microbatches=2, schedule=cfg.get("schedule", "1f1b"))
+        kw.update(microbatches=cfg.get("microbatches", 2), schedule=cfg.get("schedule", "1f1b"))
+        if "virtual" in cfg:
+            kw["virtual_stages"] = cfg["virtual"]
     plan = sl.plan(m, mesh, zero=cfg.get("zero", 0), sequence_parallel=cfg.get("sp", False),
                    precision=cfg.get("precision", "fp32"), batch=batches(kind)[0], rules=rules,
                    clip_grad_norm=cfg.get("clip"), grad_accum=cfg.get("accum", 1), offload=offload,
@@ -69,27 +73,19 @@ def engine(kind: str, cfg: dict, shape: dict, offload: dict | None, offload_dir:
 
 
 def train(kind: str, cfg: dict, shape: dict, offload: dict | None, offload_dir: str | None = None) -> dict:
+    from test_tensor import train_counting
+
     eng, plan = engine(kind, cfg, shape, offload, offload_dir)
     rank = eng.mesh.rank
-    losses = []
-    counted, copies = collections.Counter(), {}
-    for i, b in enumerate(batches(kind)):
-        with sl.count_collectives() as c:
-            losses.append(eng.step(b))
-        if i == 1:
-            for r in c.records:
-                counted[(r.op, r.axes)] += r.bytes
-                counted[(r.op, r.axes, "n")] += 1
-            copies = {op: sum(v[0] for (o, w), v in eng.copies.step.items() if o == op and w != "activations")
-                      for op in COPY_OPS}
-            copies["activations"] = {o: v[0] for (o, w), v in eng.copies.step.items() if w == "activations"}
-    planned = collections.Counter()
-    for e in plan.comm_per_step(rank):
-        if e.op not in COPY_OPS:
-            planned[(e.op, e.axes)] += e.total
-            planned[(e.op, e.axes, "n")] += e.count
+    losses, counts = train_counting(eng, plan, batches(kind))
+    # the copies of the last step (a steady one: the moments exist); the plan lists them beside the
+    # collectives, which count_collectives does not see
+    planned = {k: v for k, v in counts["planned"].items() if k[0] not in COPY_OPS}
+    copies = {op: sum(v[0] for (o, w), v in eng.copies.step.items() if o == op and w != "activations")
+              for op in COPY_OPS}
+    copies["activations"] = {o: v[0] for (o, w), v in eng.copies.step.items() if w == "activations"}
     kinds = ("device", "host", "disk")
-    out = {"losses": losses, "state": eng.full_state_dict(), "counted": dict(counted), "planned": dict(planned),
+    out = {"losses": losses, "state": eng.full_state_dict(), "counted": counts["counted"], "planned": planned,
            "copies": copies, "planned_copies": plan.copy_bytes_per_step(rank) if offload else {},
            "held": {k: eng.memory_held(kind=k) for k in kinds},
            "memory": {k: plan.memory_per_rank(rank, kind=k) for k in kinds + ("all",)}}
@@ -115,16 +111,7 @@ def run(kind: str, cfgs: list[dict], shape: dict, offloads: tuple = ("host", "di
 
 def reference(kind: str) -> list[float]:
     """The one-process run: losses of the same model, batches and AdamW."""
-    m = model(kind)
-    opt = hf_models.adamw([p for p in m.parameters() if p.requires_grad], LR)
-    out = []
-    for b in batches(kind):
-        opt.zero_grad(set_to_none=True)
-        loss = _loss(m, b)
-        loss.backward()
-        opt.step()
-        out.append(float(loss.detach()))
-    return out
+    return hf_models.train_alone(model(kind), batches(kind), lr=LR, loss=_loss)
 
 
 def failed_write(cfg: dict, shape: dict, offload: dict) -> dict:

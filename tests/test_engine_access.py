@@ -34,7 +34,7 @@ from test_engine import (
 )
 
 import shardlib as sl
-from shardlib.runtime import engine as engine_module
+from shardlib.runtime import machine as engine_module
 from shardlib.testing import get_mesh
 
 # ---------------------------------------------------------------------------------------------

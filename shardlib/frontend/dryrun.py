@@ -167,7 +167,7 @@ def report(d: DryRun) -> str:
                       f"{mesh.rank_tflops:g} TFLOP/s sustained per rank)"
                       + (f" / (1 - bubble {e.idle:.3f}) = {e.compute_with_bubble_s * 1e3:.1f} ms" if e.idle else ""),
                   f"  + communication {sum(e.comm_s.values()) * 1e3:.1f} ms ({comm or 'none'})",
-                  *([f"  + offload: " + ", ".join(f"{k} copies {s * 1e3:.1f} ms" for k, s in e.copy_s)
+                  *(["  + offload: " + ", ".join(f"{k} copies {s * 1e3:.1f} ms" for k, s in e.copy_s)
                      + (f", host update {e.update_s * 1e3:.1f} ms" if e.update_s else "")]
                     if e.copy_s or e.update_s else []),
                   f"  = {e.total_s * 1e3:.1f} ms without overlap, {e.overlapped_s * 1e3:.1f} ms with full overlap; "

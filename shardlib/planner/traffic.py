@@ -11,7 +11,7 @@ import torch
 from ..comm import core as comm
 from ..comm.core import format_bytes
 from .flat import FROZEN, TRAIN
-from .offload import COPY_OPS, copy_entries
+from .offload import COPY_OPS
 
 
 @dataclass(frozen=True)
@@ -284,3 +284,68 @@ class TrafficAccounting:
         # sharded optimizer the all-gather of the updated parameters (1)
         per = g * f + replica + (c * f if self.states.optim is not None else 0)
         return int(per * self.num_trainable)
+
+
+def copy_entries(plan, rank: int | None = None) -> list:
+    """The bytes one step moves between memory kinds on this rank (a stage- and tensor-local plan):
+
+    * ``d2h grads`` — the gradients an offloaded update reads, leaving the device in the reduce dtype:
+      ZeRO-3 each unit's reduced piece at every reduce (per micro-step, or once per step for a pipeline
+      stage's units), ZeRO-2 each bucket's once, ZeRO-0/1 every trainable gradient (its piece) at the
+      update;
+    * ``h2d params`` — every updated master back into the device's compute copy (its piece); with
+      ``params`` offloaded instead, each unit's shard to the device at every gather (``host``: its
+      pieces; ``disk``: its packed chunk, padding included, read first: ``disk_read params``), and the
+      new pieces into the shards' kind after the update (``d2h params`` from a device optimizer,
+      ``disk_write params``);
+    * ``disk_read`` / ``disk_write optimizer`` — the masters and moments read and written once a step
+      (the first step reads no moments: none exist yet).
+    """
+    where = dict(plan.offload)
+    kind, pkind = where.get("optimizer"), where.get("params")
+    if kind is None and pkind is None:
+        return []
+    st = plan.states
+    rank = plan._rank(rank)
+    g, c = plan.reduce_dtype.itemsize, plan.compute_dtype.itemsize
+    groups = plan.flat.groups
+    out = []
+    n_opt = (sum(grp.local_numel(rank, TRAIN) for grp in groups) if st.optim is not None
+             else plan.num_trainable)
+    if st.params is not None:
+        piped = plan.pipe_size > 1
+        for u, grp in zip(plan.units, groups):
+            once = piped and (plan.pipe_unshard or u.name == "")
+            k = 1 if once else plan.grad_accum
+            name = u.name or "<root>"
+            if pkind is not None:
+                gathers = k * (2 if u.reshard_after_forward and not once else 1)
+                if pkind == "host":
+                    held = grp.local_numel(rank, TRAIN) + grp.local_numel(rank, FROZEN)
+                    out.append(CommEntry("forward", "params", "h2d", (), held * c, gathers, name))
+                else:
+                    chunk = grp.chunk(TRAIN) + grp.chunk(FROZEN)
+                    out.append(CommEntry("forward", "params", "disk_read", (), chunk * c, gathers, name))
+                    out.append(CommEntry("forward", "params", "h2d", (), chunk * c, gathers, name))
+            mine = grp.local_numel(rank, TRAIN)
+            if kind is not None and mine:
+                out.append(CommEntry("backward", "grads", "d2h", (), mine * g, k, name))
+    elif kind is not None and st.grads is not None and not st.keep_local_grads:
+        for i, grp in enumerate(groups):
+            mine = grp.local_numel(rank, TRAIN)
+            if mine:
+                out.append(CommEntry("backward", "grads", "d2h", (), mine * g, 1, f"bucket {i}"))
+    elif kind is not None:
+        out.append(CommEntry("step", "grads", "d2h", (), n_opt * g, 1))
+    if pkind is None:
+        out.append(CommEntry("step", "params", "h2d", (), n_opt * c, 1))
+    else:
+        if kind is None:
+            out.append(CommEntry("step", "params", "d2h", (), n_opt * c, 1))
+        if pkind == "disk":
+            out.append(CommEntry("step", "params", "disk_write", (), n_opt * c, 1))
+    if kind == "disk":
+        nbytes = n_opt * (4 + plan.optimizer_state_bytes)
+        out.append(CommEntry("step", "optimizer", "disk_read", (), nbytes, 1))
+        out.append(CommEntry("step", "optimizer", "disk_write", (), nbytes, 1))
+    return out

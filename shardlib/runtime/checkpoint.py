@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from ..algebra.boxes import Box, overlap, slices_in
+from ..algebra.boxes import overlap, slices_in
 from .checkpoint_files import (FORMAT, LATEST, MANIFEST, VERSION, CheckpointError, _dcp_error, _fsync_dir, _install,
                                _sha, _why, _writable, params_problems,
                                read_manifest, resolve, safe_reader)
@@ -302,8 +302,9 @@ def load(engine: Engine, path: str | os.PathLike) -> dict:
             k, _, pname = name.partition("/")
             if pname != s.name or key in by_key or key in whole:
                 continue
-            if saved[key]["boxes"] is not None:
-                t = torch.zeros_like(s.master, dtype=torch.float32)
+            if saved[key]["boxes"] is not None:      # (offloaded to disk: a zeroed view of the state's file)
+                t = engine.offload.fresh(s, k) if engine.offload is not None else None
+                t = torch.zeros_like(s.master, dtype=torch.float32) if t is None else t
                 fresh.setdefault(s.name, {})[k] = t
                 shape, block = _block(engine, s)
                 p = _Piece(key, shape, block, tuple(s.plan.shape), s.lo, s.hi, t.reshape(-1))
@@ -313,46 +314,53 @@ def load(engine: Engine, path: str | os.PathLike) -> dict:
                 t = torch.zeros(saved[key]["shape"], dtype=torch.float32)
                 fresh.setdefault(s.name, {})[k] = t
                 whole[key] = t
-    request: dict[str, torch.Tensor] = {}
-    plans: list[tuple[_Piece, Box, int, str, list]] = []
-    for p in pieces:
-        entry = saved.get(p.key)
-        if entry is None:
-            if p.key.startswith("param/"):
-                q = any(k.startswith(f"quant/{p.key[6:]}/") for k in saved)
-                raise CheckpointError(f"load: {path} holds no values for {p.key[6:]!r}"
-                                      + (" (it holds it quantized; this engine's is not)." if q else "."))
-            if p.key.startswith("quant/"):
-                raise CheckpointError(f"load: {path} holds no {p.key.rpartition('/')[2]!r} of quantized weight "
-                                      f"{_param_of(p.key)!r} — expected the checkpoint of a model quantized as this "
-                                      "one is. Quantize the model as when saving, or load a checkpoint saved from it.")
-            continue           # optimizer state the checkpoint did not have (e.g. saved before any step)
-        for box, off in p.boxes:
-            for starts, sizes in entry["boxes"]:
-                sbox = (tuple(starts), tuple(sizes))
-                if overlap(box, sbox) is not None:
-                    k = _box_key(p.key, sbox)
-                    if k not in request:
-                        request[k] = torch.empty(sizes, dtype=p.flat.dtype)
-                    plans.append((p, box, off, k, sbox))
-    for k, t in whole.items():
-        if k in saved:
-            request[k] = torch.empty(saved[k]["shape"], dtype=t.dtype if t.is_floating_point() else t.dtype)
-    world_saved = manifest["world"]
-    rng_key = f"rng/cpu/{engine.mesh.rank % world_saved}"
-    request[rng_key] = torch.empty_like(torch.get_rng_state())
-    cuda_key = f"rng/cuda/{engine.mesh.rank % world_saved}"
-    if torch.cuda.is_available() and cuda_key in manifest["tensors"]:
-        request[cuda_key] = torch.empty_like(torch.cuda.get_rng_state())
-    try:
-        dcp.load(request, storage_reader=safe_reader(path), no_dist=_world(engine) == 1)
-    except (Exception, _dcp_error()) as e:
-        raise CheckpointError(f"load: reading {path} failed — {_why(e)}.") from None
+    # with states offloaded to disk the pieces are file-backed views: read them in batches, so what DCP
+    # reads into (this process's memory) is never all of them at once; every rank reads as many batches
+    batches = _BATCHES if _on_disk(engine) else 1
+    groups = [pieces[b::batches] for b in range(batches)]
     covered: dict[int, int] = {}
-    for p, box, off, k, sbox in plans:
-        inter = overlap(box, sbox)
-        p.box_tensor(box, off)[slices_in(inter, box)].copy_(request[k][slices_in(inter, sbox)])
-        covered[id(p)] = covered.get(id(p), 0) + math.prod(inter[1])
+    request: dict[str, torch.Tensor] = {}
+    for b, group in enumerate(groups):
+        request, plans = {}, []
+        for p in group:
+            entry = saved.get(p.key)
+            if entry is None:
+                if p.key.startswith("param/"):
+                    q = any(k.startswith(f"quant/{p.key[6:]}/") for k in saved)
+                    raise CheckpointError(f"load: {path} holds no values for {p.key[6:]!r}"
+                                          + (" (it holds it quantized; this engine's is not)." if q else "."))
+                if p.key.startswith("quant/"):
+                    raise CheckpointError(f"load: {path} holds no {p.key.rpartition('/')[2]!r} of quantized weight "
+                                          f"{_param_of(p.key)!r} — expected the checkpoint of a model quantized as "
+                                          "this one is. Quantize the model as when saving, or load a checkpoint saved "
+                                          "from it.")
+                continue           # optimizer state the checkpoint did not have (e.g. saved before any step)
+            for box, off in p.boxes:
+                for starts, sizes in entry["boxes"]:
+                    sbox = (tuple(starts), tuple(sizes))
+                    if overlap(box, sbox) is not None:
+                        k = _box_key(p.key, sbox)
+                        if k not in request:
+                            request[k] = torch.empty(sizes, dtype=p.flat.dtype)
+                        plans.append((p, box, off, k, sbox))
+        if b == batches - 1:                # the last batch: the whole tensors and the RNG states
+            for k, t in whole.items():
+                if k in saved:
+                    request[k] = torch.empty(saved[k]["shape"], dtype=t.dtype)
+            world_saved = manifest["world"]
+            rng_key = f"rng/cpu/{engine.mesh.rank % world_saved}"
+            request[rng_key] = torch.empty_like(torch.get_rng_state())
+            cuda_key = f"rng/cuda/{engine.mesh.rank % world_saved}"
+            if torch.cuda.is_available() and cuda_key in manifest["tensors"]:
+                request[cuda_key] = torch.empty_like(torch.cuda.get_rng_state())
+        try:
+            dcp.load(request, storage_reader=safe_reader(path), no_dist=_world(engine) == 1)
+        except (Exception, _dcp_error()) as e:
+            raise CheckpointError(f"load: reading {path} failed — {_why(e)}.") from None
+        for p, box, off, k, sbox in plans:
+            inter = overlap(box, sbox)
+            p.box_tensor(box, off)[slices_in(inter, box)].copy_(request[k][slices_in(inter, sbox)])
+            covered[id(p)] = covered.get(id(p), 0) + math.prod(inter[1])
     short = [p.key for p in pieces if p.key in saved and covered.get(id(p), 0) != p.flat.numel()]
     if short:
         raise CheckpointError(f"load: {path} does not cover every element of {short[:3]} — the checkpoint is incomplete.")
@@ -379,6 +387,13 @@ def load(engine: Engine, path: str | os.PathLike) -> dict:
     engine.step_count, engine.samples_seen = manifest["step"], manifest["samples"]
     engine._publish()                  # the compute copies (and ZeRO-1/2's full parameters) from the masters
     return manifest["extra"]
+
+
+_BATCHES = 8          # DCP reads per load where the states are offloaded to disk
+
+
+def _on_disk(engine: Engine) -> bool:
+    return "disk" in dict(engine.plan.offload).values()
 
 
 def _restore_optimizer(engine: Engine, manifest: dict, fresh: dict[str, dict[str, torch.Tensor]]) -> None:

@@ -174,6 +174,10 @@ class OptimizerOffload:
     def held(self) -> int:
         return 0
 
+    def fresh(self, s: ParamState, key: str) -> torch.Tensor | None:
+        """Where a load puts optimizer state this engine has not created yet: None (allocate it)."""
+        return None
+
     def close(self) -> None:
         pass
 
@@ -197,6 +201,7 @@ class DiskOptimizer(OptimizerOffload):
         self.scalars: dict[int, dict] = {}            # per state: its per-parameter scalars (step counts)
         self.timeline: list[tuple[str, int, float, float]] = []
         self._depth = 0
+        self._data: torch.Tensor | None = None
         self.reader = ThreadPoolExecutor(1, thread_name_prefix="shardlib-offload-read")
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="shardlib-offload-write")
         # at rest a master holds no values: its shape over one shared element (gradients can be set on it)
@@ -369,6 +374,7 @@ class DiskOptimizer(OptimizerOffload):
         opt = self.engine.optimizer
         gen = self.store.current
         data = self.store.map(gen)
+        self._data = data
         self._depth += 1
         try:
             for i, s in enumerate(self.states):
@@ -397,7 +403,23 @@ class DiskOptimizer(OptimizerOffload):
                         dst.copy_(v.view(shape))
                 self.scalars[i] = {k: v for k, v in st.items() if k not in self.keys.get(i, ())}
                 self._rest(i)
+            self._data = None
             del data
+
+    def fresh(self, s: ParamState, key: str) -> torch.Tensor | None:
+        """Inside ``mapped()``: state ``key`` of ``s`` that does not exist yet, as a zeroed file-backed view
+        of its slot (a checkpoint load fills it in place: nothing of it in the process's memory)."""
+        if not self._depth or self._data is None:
+            return None
+        i = self.states.index(s)
+        keys = self.keys.get(i, [])
+        if key not in keys:
+            if 1 + len(keys) + 1 > self.slots:
+                return None                       # more state than reserved: the caller's tensor, checked on exit
+            self.keys[i] = keys = keys + [key]
+        view = self.store.view(self._data, i, 1 + keys.index(key)).view(self.shapes[i])
+        view.zero_()
+        return view
 
     def close(self) -> None:
         self.reader.shutdown()
