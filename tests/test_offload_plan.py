@@ -70,6 +70,8 @@ def test_disk_folder_checked_on_a_running_mesh(tmp_path):
     plan = sl.plan(model, mesh, offload={"optimizer": "disk"}, offload_dir=tmp_path)
     # two generations per rank: a step writes the next while the last stays whole
     assert 0 < plan.disk_bytes() == 2 * plan.memory_per_rank(0, kind="disk")["total"]
+    # a CPU mesh: explain says the host is the device's memory here
+    assert "'host' is the same memory as 'device'" in plan.explain()
 
 
 # ---- the config groups and the dry run ------------------------------------------------------------

@@ -152,6 +152,8 @@ def peak_per_rank(plan: Plan, rank: int | None = None, *, activation_bytes: int 
     masters = _master_pieces(plan, rank)
     temps = 4 * (sum(masters) if foreach else 2 * max(masters, default=0))
     at_step = at_update + temps
+    if dict(plan.offload).get("optimizer"):       # the update runs on the host: nothing more on the device
+        at_update = at_step = states
     publish = 0
     if st.params is None and st.optim is not None:
         publish = at_update + max(((1 + n) * ct * c for _, _, ct, _ in groups), default=0)

@@ -1,0 +1,525 @@
+"""``sl.autoplan``: from a model, a device count and a machine to the fastest plans that fit.
+
+The search has two stages.
+
+1. **Analytic, over the whole space.** Every mesh shape ``data x pipe x tensor`` (x ``replica`` for HSDP)
+   of the device count, with every ZeRO stage, sequence parallel, pipeline schedule (with virtual stages),
+   micro-batch count, recompute and optimizer offload, is priced in closed form (``Costs``): model states
+   per rank as ``memory_per_rank`` counts them, activations from one block's saved bytes measured once on
+   the meta device (Korthikanti et al.'s split: with sequence parallel all of it divides by the tensor
+   degree, without it 10 of its 34 parts stay whole), the worst pipeline stage's micro-batches in flight
+   per schedule, ZeRO-3's two gathered units; the step from ``transformer_flops`` at the machine's rate
+   stretched by the schedule's bubble (``bubble_formula``), plus each axis's traffic over its link, plus
+   offload copies and the host update (``planner/estimate.py``'s figures).
+   **Pruning.** A shape whose most frugal configuration (ZeRO-3, recompute, sequence parallel, the
+   optimizer offloaded, one sequence per micro-batch) does not fit is dropped whole: memory only falls
+   along each of those (monotone). A shape whose lower bound — the compute with no bubble and no
+   recompute, against its unavoidable traffic (the tensor axis's and the data axis's gradient bytes) —
+   cannot beat the ``keep``-th best found so far is dropped unpriced.
+2. **Exact, for the best.** The ``keep`` best are planned for real (``frontend/dryrun.py``: the model on
+   the meta device, ``sl.plan`` on an ``AbstractMesh``) and re-ranked by the plan's own memory and
+   estimate; a candidate the planner refuses is dropped with its reason. Each result carries the Hydra
+   overrides that run it (``python examples/train_gpt.py <overrides>``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ..errors import ShardingError
+from .simulate import bubble_formula
+
+SCHEDULES = ("1f1b", "interleaved_1f1b", "zb_h1", "gpipe")
+KORTHIKANTI_WHOLE = 10 / 34        # the part of a block's activations a tensor split leaves whole without SP
+
+
+@dataclass(frozen=True)
+class Candidate:
+    data: int
+    pipe: int
+    tensor: int
+    replica: int = 1              # HSDP: data = replica x shard, the states sharded over the shard part
+    zero: int = 0
+    sp: bool = False
+    schedule: str | None = None
+    virtual: int = 1
+    microbatches: int = 1         # per data rank: pipeline micro-batches, or gradient accumulation steps
+    recompute: bool = False
+    offload: bool = False         # the optimizer's states on the host
+
+    @property
+    def axes(self) -> dict[str, int]:
+        out = {"replica": self.replica} if self.replica > 1 else {}
+        out["data"] = self.data // self.replica
+        if self.pipe > 1:
+            out["pipe"] = self.pipe
+        if self.tensor > 1:
+            out["tensor"] = self.tensor
+        return out
+
+
+@dataclass
+class Priced:
+    cand: Candidate
+    memory: dict[str, float]      # bytes per rank (the worst stage): params, grads, optimizer, gathered, activations, total
+    step_s: float                 # the predicted step (see Costs.step)
+    no_overlap_s: float
+    full_overlap_s: float
+    fits: bool
+    exact: bool = False           # planned by sl.plan (numbers are the plan's own)
+    notes: list[str] = field(default_factory=list)
+
+
+def divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the analytic costs need of a GPT: its sizes, parameters per block and outside them, and one
+    block's saved activation bytes per sequence (fp32, measured on the meta device), and the rest's."""
+
+    layers: int
+    d_model: int
+    heads: int
+    vocab: int
+    seq: int
+    mlp_ratio: int
+    block_params: int
+    pre_params: int               # embeddings (the first stage)
+    post_params: int              # final norm and head (the last stage)
+    block_act: int                # bytes per sequence, fp32
+    post_act: int                 # embeddings, head and loss: bytes per sequence, fp32
+
+    @staticmethod
+    def of_gpt(cfg, seq: int) -> ModelShape:
+        import torch
+
+        from ..models.gpt import GPT, GPTConfig
+        from .peak import activation_bytes
+
+        h, v, r = cfg.d_model, cfg.vocab_size, cfg.mlp_ratio
+        hidden = cfg.hidden
+        block = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * hidden + hidden) + (hidden * h + h)
+        pre, post = v * h + cfg.seq_len * h, 2 * h + h * v
+        acts = []
+        for n in (1, 2):
+            with torch.device("meta"):
+                m = GPT(GPTConfig(vocab_size=v, seq_len=cfg.seq_len, d_model=h, n_heads=cfg.n_heads, n_layers=n,
+                                  mlp_ratio=r, mlp_width=cfg.mlp_width), seed=None)
+            ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
+            acts.append(activation_bytes(m, (ids, ids)))
+        return ModelShape(cfg.n_layers, h, cfg.n_heads, v, seq, r, block, pre, post, acts[1] - acts[0],
+                          2 * acts[0] - acts[1])
+
+    @property
+    def params(self) -> int:
+        return self.layers * self.block_params + self.pre_params + self.post_params
+
+
+@dataclass(frozen=True)
+class Machine:
+    """A machine's figures (a ``mesh=`` preset's, its axes ignored): per device sustained FLOP/s and
+    memory, per axis link ``(bytes/s, seconds per hop)`` (``default`` for the others), host copies,
+    disk and host update rates (bytes/s, or None), and the fraction of communication that overlaps
+    compute (0: none, 1: all)."""
+
+    name: str
+    flops: float
+    memory: float
+    links: dict[str, tuple[float, float]]
+    host: float | None = None
+    host_update: float | None = None
+    host_memory: float | None = None
+    overlap: float = 0.0
+
+    @staticmethod
+    def of_mesh(mesh) -> Machine:
+        missing = [k for k in ("device_tflops", "memory_gib") if getattr(mesh, k) is None]
+        if missing or not mesh.links:
+            raise ShardingError(
+                f"autoplan: mesh={mesh.name} gives no {', '.join(missing + ([] if mesh.links else ['links']))} — "
+                "expected the machine's figures (device_tflops, memory_gib, links: the per-axis bandwidth and "
+                "latency). Add them to meshes/<name>.yaml, or measure them with python -m shardlib.calibrate.",
+                api="autoplan")
+        links = {a: (lk.bandwidth, lk.latency) for a, lk in mesh.links}
+        gb = lambda x: None if x is None else x * 1e9        # noqa: E731
+        return Machine(mesh.name, mesh.device_tflops * 1e12, mesh.memory_gib * 2**30, links, gb(mesh.host_gbps),
+                       gb(mesh.host_update_gbps), None if mesh.host_memory_gib is None else mesh.host_memory_gib * 2**30,
+                       getattr(mesh, "overlap", None) or 0.0)
+
+    def link(self, axis: str) -> tuple[float, float]:
+        got = self.links.get(axis, self.links.get("default"))
+        if got is None:
+            raise ShardingError(f"autoplan: no link figures for axis {axis!r} on mesh={self.name} — expected the "
+                                "axis or 'default' under links.", api="autoplan")
+        return got
+
+
+class Costs:
+    """The closed-form price of a candidate (module doc, stage 1)."""
+
+    def __init__(self, model: ModelShape, machine: Machine, *, batch: int, precision: str):
+        self.m, self.mc, self.batch = model, machine, batch
+        self.c = 2 if precision in ("bf16", "fp16") else 4
+        self.mixed = self.c == 2
+        from .estimate import transformer_flops
+        self._flops = {rc: transformer_flops(layers=model.layers, d_model=model.d_model, seq=model.seq,
+                                             vocab=model.vocab, tokens=batch * model.seq, mlp_ratio=model.mlp_ratio,
+                                             recompute=rc) for rc in (False, True)}
+
+    # ---- memory ------------------------------------------------------------------------------------
+    def states(self, k: Candidate, stage_params: float) -> dict[str, float]:
+        shard = k.data // k.replica
+        c, g = self.c, self.c
+        p = stage_params / k.tensor
+        params = c * p / (shard if k.zero >= 3 else 1)
+        grads = g * p / (shard if k.zero >= 2 else 1)
+        master = 4 if self.mixed or k.offload else 0
+        optim = (master + 8) * p / (shard if k.zero >= 1 else 1)
+        if k.offload:                   # on the host: the masters, moments and sharded gradients
+            host = optim + (grads if k.zero >= 2 else 0)
+            optim, grads = 0.0, grads if k.zero < 2 else 0.0
+        else:
+            host = 0.0
+        return {"params": params, "grads": grads, "optimizer": optim, "host": host}
+
+    def inflight(self, k: Candidate) -> float:
+        """Micro-batches' activations the first stage holds at once (in units of its own layers')."""
+        if k.pipe == 1:
+            return 1.0
+        m, p, v = k.microbatches, k.pipe, k.virtual
+        if k.schedule == "gpipe":
+            return float(m)
+        if k.schedule == "interleaved_1f1b":
+            return min(m, p) * (1 + (p - 1) / (p * v))
+        return float(min(m, p))
+
+    def activations(self, k: Candidate) -> tuple[float, float]:
+        """(bytes the worst stage holds for backward, of which the last stage's head and loss)."""
+        b = self.batch // (k.data * k.microbatches)
+        scale = self.c / 4
+        t = k.tensor
+        per = self.m.block_act * b * scale
+        if k.recompute:
+            per = 2 * self.m.seq * b * self.m.d_model * self.c       # the block's input only (x2: its output)
+            per = per / t if k.sp else per
+        elif t > 1:
+            per = per / t if k.sp else per * (KORTHIKANTI_WHOLE + (1 - KORTHIKANTI_WHOLE) / t)
+        layers = self.m.layers / k.pipe
+        post = self.m.post_act * b * scale / t                         # vocab-parallel logits and loss
+        first = per * layers * self.inflight(k)
+        last = per * layers + post
+        return max(first, last), post
+
+    def memory(self, k: Candidate) -> dict[str, float]:
+        stage = self.m.layers / k.pipe * self.m.block_params
+        worst = stage + max(self.m.pre_params, self.m.post_params) if k.pipe > 1 else self.m.params
+        st = self.states(k, worst)
+        gathered = 2 * self.c * self.m.block_params / k.tensor if k.zero >= 3 else 0.0
+        acts, _ = self.activations(k)
+        out = {"params": st["params"], "grads": st["grads"], "optimizer": st["optimizer"], "gathered": gathered,
+               "activations": acts}
+        out["total"] = sum(out.values())
+        out["host"] = st["host"]
+        return out
+
+    # ---- time --------------------------------------------------------------------------------------
+    def compute_s(self, k: Candidate, *, bubble: bool = True) -> float:
+        per_rank = self._flops[k.recompute] / (k.data * k.pipe * k.tensor) / self.mc.flops
+        if not bubble or k.pipe == 1:
+            return per_rank
+        return per_rank / (1 - bubble_formula(k.schedule, k.pipe, k.microbatches, k.virtual))
+
+    def comm_s(self, k: Candidate) -> dict[str, float]:
+        m, c = self.m, self.c
+        tokens = self.batch * m.seq / k.data                           # this rank's tokens per step
+        out: dict[str, float] = {}
+        if k.tensor > 1:        # per layer: 2 all-reduces forward, 2 backward (or RS + AG each with SP: same bytes)
+            t = k.tensor
+            bw, lat = self.mc.link("tensor")
+            nbytes = 4 * 2 * (t - 1) / t * tokens * m.d_model * c * m.layers / k.pipe
+            out["tensor"] = nbytes / bw + 4 * 2 * (t - 1) * lat * m.layers / k.pipe * k.microbatches
+        if k.data > 1:
+            shard, rep = k.data // k.replica, k.replica
+            bw, lat = self.mc.link("data")
+            p = (m.layers / k.pipe * m.block_params + max(m.pre_params, m.post_params)) / k.tensor
+            reps = k.microbatches if k.zero >= 3 and k.pipe == 1 else 1
+            if shard > 1:
+                ring = (shard - 1) / shard * p * c
+                nbytes = ring * (2 if k.zero < 3 else 3 * reps)
+                out["data"] = nbytes / bw + 2 * (shard - 1) * lat * 8
+            if rep > 1:
+                bwr, latr = self.mc.link("replica")
+                out["replica"] = 2 * (rep - 1) / rep * p * c / (shard if k.zero else 1) / bwr + 2 * (rep - 1) * latr
+        if k.pipe > 1:
+            bw, lat = self.mc.link("pipe")
+            b = self.batch // (k.data * k.microbatches)
+            msg = b * m.seq * m.d_model * c / (k.tensor if k.sp else 1)
+            sends = 2 * k.microbatches * k.virtual
+            out["pipe"] = sends * (msg / bw + lat)
+        return out
+
+    def host_s(self, k: Candidate) -> tuple[float, float]:
+        """(seconds of device-host copies, of the host update) with the optimizer offloaded."""
+        if not k.offload:
+            return 0.0, 0.0
+        n_opt = self.m.params / k.pipe / k.tensor / ((k.data // k.replica) if k.zero >= 1 else 1)
+        copies = (self.c + self.c) * n_opt / self.mc.host if self.mc.host else 0.0
+        update = 28 * n_opt / self.mc.host_update if self.mc.host_update else 0.0
+        return copies, update
+
+    def price(self, k: Candidate) -> Priced:
+        mem = self.memory(k)
+        compute = self.compute_s(k)
+        comm = sum(self.comm_s(k).values())
+        copies, update = self.host_s(k)
+        no = compute + comm + copies + update
+        full = max(compute, comm, copies) + update
+        step = no - self.mc.overlap * (no - full)
+        fits = mem["total"] <= self.mc.memory and (self.mc.host_memory is None or mem["host"] <= self.mc.host_memory)
+        return Priced(k, mem, step, no, full, fits)
+
+    def lower_bound(self, data: int, pipe: int, tensor: int) -> float:
+        """No configuration of this shape is faster: the compute with no bubble and no recompute, against
+        the tensor axis's traffic and the data axis's gradient all-reduce (ZeRO 0-2's bytes, the least)."""
+        k = Candidate(data, pipe, tensor, zero=0, schedule="1f1b" if pipe > 1 else None,
+                      microbatches=max(1, self.batch // data))
+        compute = self.compute_s(k, bubble=False)
+        comm = self.comm_s(k)
+        unavoidable = comm.get("tensor", 0.0) + comm.get("data", 0.0)
+        return max(compute, unavoidable) if self.mc.overlap >= 1 else compute + (1 - self.mc.overlap) * unavoidable
+
+
+# ---- the space -------------------------------------------------------------------------------------
+
+def shapes(n: int, model: ModelShape, *, max_tensor: int = 8) -> Iterator[tuple[int, int, int]]:
+    """``(data, pipe, tensor)`` with ``data·pipe·tensor = n``: tensor divides the heads (and d, the
+    vocabulary's rows), pipe the layers."""
+    for t in divisors(n):
+        if t > max_tensor or model.heads % t or model.d_model % t or model.vocab % t:
+            continue
+        for p in divisors(n // t):
+            if model.layers % p:
+                continue
+            yield n // (t * p), p, t
+
+
+def configs(data: int, pipe: int, tensor: int, model: ModelShape, batch: int, *, hsdp: bool = True,
+            offload: bool = True) -> Iterator[Candidate]:
+    """Every configuration of one shape."""
+    if batch % data:
+        return
+    per_rank = batch // data
+    replicas = [r for r in divisors(data) if 1 < r < data] if hsdp else []
+    schedules = [None] if pipe == 1 else list(SCHEDULES)
+    for zero in ((0, 1, 2, 3) if data > 1 else (0,)):          # one data rank: nothing to shard
+        for rep in [1] + (replicas if zero >= 1 else []):
+            for sp in ((False, True) if tensor > 1 else (False,)):
+                for sched in schedules:
+                    virtuals = (2,) if sched == "interleaved_1f1b" else (1,)
+                    for v in virtuals:
+                        if model.layers % (pipe * v):
+                            continue
+                        for m in divisors(per_rank):
+                            if sched == "interleaved_1f1b" and m % pipe:
+                                continue
+                            for rc in (False, True):
+                                for off in ((False, True) if offload else (False,)):
+                                    yield Candidate(data, pipe, tensor, rep, zero, sp, sched, v, m, rc, off)
+
+
+def frugal(data: int, pipe: int, tensor: int, batch: int) -> Candidate:
+    """The shape's least memory: what its pruning tests."""
+    return Candidate(data, pipe, tensor, 1, 3 if data > 1 else 0, tensor > 1, "1f1b" if pipe > 1 else None, 1,
+                     max(1, batch // data), True, True)
+
+
+def search(costs: Costs, n: int, *, keep: int = 8, prune: bool = True, hsdp: bool = True,
+           offload: bool = True) -> tuple[list[Priced], int]:
+    """The ``keep`` fastest candidates that fit (analytic), and how many were priced."""
+    best: list[Priced] = []
+    priced = 0
+    shape_list = list(shapes(n, costs.m))
+    if prune:                          # the most promising shapes first: their results prune the others
+        shape_list.sort(key=lambda s: costs.lower_bound(*s))
+    for d, p, t in shape_list:
+        if costs.batch % d:
+            continue
+        if prune:
+            if not costs.price(frugal(d, p, t, costs.batch)).fits:
+                continue
+            if len(best) >= keep and costs.lower_bound(d, p, t) >= best[-1].step_s:
+                continue
+        for k in configs(d, p, t, costs.m, costs.batch, hsdp=hsdp, offload=offload):
+            got = costs.price(k)
+            priced += 1
+            if not got.fits:
+                continue
+            if len(best) < keep or got.step_s < best[-1].step_s:
+                best.append(got)
+                best.sort(key=lambda x: (x.step_s, _tiebreak(x.cand)))
+                del best[keep:]
+    return best, priced
+
+
+def _tiebreak(k: Candidate) -> tuple:
+    """Equal predicted steps: the simpler plan first (less sharding, no offload, no recompute)."""
+    return (k.offload, k.recompute, k.zero, k.replica, k.sp, k.pipe, k.virtual, k.microbatches)
+
+
+# ---- the overrides that run a candidate --------------------------------------------------------------
+
+def overrides(k: Candidate, *, model: str, mesh: str, batch: int, precision: str) -> list[str]:
+    axes = ",".join(f"{a}:{s}" for a, s in k.axes.items())
+    rules = {}
+    if k.pipe > 1:
+        rules["layers"] = "pipe"
+    if k.tensor > 1:
+        rules.update(heads="tensor", mlp="tensor", vocab="tensor")
+    out = [f"model={model}", f"mesh={mesh}", f"mesh.axes={{{axes}}}", "parallel=zero3",
+           f"parallel.zero={k.zero}", f"parallel.rules={{{','.join(f'{a}:{b}' for a, b in rules.items())}}}",
+           f"train.batch={batch}", f"train.precision={precision}"]
+    if k.sp:
+        out.append("parallel.sequence_parallel=true")
+    if k.replica > 1:
+        out.append("parallel.replica_axis=replica")
+    if k.pipe > 1:
+        out += [f"parallel.schedule={k.schedule}", f"parallel.microbatches={k.microbatches}"]
+        if k.virtual > 1:
+            out.append(f"parallel.virtual_stages={k.virtual}")
+    elif k.microbatches > 1:
+        out.append(f"train.grad_accum={k.microbatches}")
+    if k.recompute:
+        out.append("train.recompute=true")
+    if k.offload:
+        out.append("+parallel.offload.optimizer=host")
+    return out
+
+
+def _describe(k: Candidate) -> dict[str, Any]:
+    return {"zero": k.zero, "sequence_parallel": k.sp, "schedule": k.schedule, "virtual_stages": k.virtual,
+            "microbatches": k.microbatches, "replica": k.replica, "recompute": k.recompute,
+            "offload": {"optimizer": "host"} if k.offload else {}}
+
+
+def exact(priced: Priced, run, overlap: float) -> Priced:
+    """``priced`` planned by the real planner (``frontend/dryrun.py``): the plan's memory and estimate
+    (its step between the estimate's bounds by the machine's ``overlap``)."""
+    from ..frontend.dryrun import dry_run
+    d = dry_run(run)
+    mem = dict(d.memory)
+    mem["host"] = d.plan.memory_per_rank(d.worst_rank, kind="host")["total"] if d.plan.offload else 0
+    est = d.estimate
+    if est is None:
+        return replace(priced, exact=True, notes=priced.notes + ["no estimate: the mesh lacks figures"])
+    no, full = est.total_s, est.overlapped_s
+    fits = d.fits if d.fits is not None else priced.fits
+    return Priced(priced.cand, mem, no - overlap * (no - full), no, full, bool(fits), exact=True, notes=list(d.notes))
+
+
+def autoplan(*, model: str = "1b", devices: int, mesh: str = "h100_64", batch: int | None = None,
+             seq: int | None = None, precision: str = "bf16", top: int = 5, memory_gib: float | None = None,
+             keep: int | None = None, prune: bool = True, verify: bool = True, overrides_extra: tuple = ()) -> dict:
+    """Search the plans of ``model`` (a ``model=`` preset) on ``devices`` devices of ``mesh``'s machine
+    (its figures; its axes ignored) for a global ``batch`` of ``seq``-token sequences in ``precision``;
+    return ``{"candidates": [...], "searched": n, "seconds": s}``, the ``top`` fastest that fit
+    ``memory_gib`` (default: the machine's) with their predicted step, memory and Hydra overrides."""
+    from ..cli.compose import check_overrides
+    from ..frontend.config import run_config
+
+    t0 = time.perf_counter()
+    if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
+        raise ShardingError(f"autoplan: devices must be a positive int — got {devices!r}.", api="autoplan")
+    base = [f"model={model}", f"mesh={mesh}", "parallel=zero3", f"train.precision={precision}", *overrides_extra]
+    if batch is not None:
+        base.append(f"train.batch={batch}")
+    if seq is not None:
+        base.append(f"train.seq={seq}")
+    cfg = check_overrides(base)
+    # the machine's figures; its axes are the search's (every axis a link may name kept, of size 1)
+    cfg["mesh"]["axes"] = {"data": devices, **{a: 1 for a in cfg["mesh"].get("links") or {} if a not in ("data", "default")}}
+    run = run_config(cfg)
+    machine = Machine.of_mesh(run.mesh)
+    if memory_gib is not None:
+        machine = replace(machine, memory=memory_gib * 2**30)
+    shape = ModelShape.of_gpt(run.model.gpt(), run.seq)
+    costs = Costs(shape, machine, batch=run.train.batch, precision=precision)
+    usable = [s for s in shapes(devices, shape) if run.train.batch % s[0] == 0]
+    if not list(shapes(devices, shape)):
+        raise ShardingError(f"autoplan: no mesh of {devices} devices suits model={model}: the tensor degree must "
+                            f"divide its {shape.heads} heads (at most 8, one node), the pipe degree its {shape.layers} "
+                            f"layers — expected a device count such as {_near_counts(devices, shape)}.", api="autoplan")
+    if not usable:
+        datas = sorted({s[0] for s in shapes(devices, shape)})
+        raise ShardingError(f"autoplan: the global batch {run.train.batch} does not split over any data degree "
+                            f"these {devices} devices allow ({', '.join(map(str, datas))}) — expected a batch "
+                            f"divisible by one of them, e.g. train.batch={_lcm_batch(run.train.batch, datas)}.",
+                            api="autoplan")
+    keep = keep or max(2 * top, 8)
+    best, priced = search(costs, devices, keep=keep, prune=prune)
+    if not best:
+        need = _smallest_memory(costs, devices)
+        raise ShardingError(f"autoplan: nothing fits {machine.memory / 2**30:.0f} GiB per device — the most frugal "
+                            f"plan needs {need[0] / 2**30:.1f} GiB ({_words(need[1])}). Use more devices, a machine "
+                            f"with at least {math.ceil(need[0] / 2**30)} GiB, or a smaller global batch.",
+                            api="autoplan")
+    results = []
+    for got in best:
+        ov = overrides(got.cand, model=model, mesh=mesh, batch=run.train.batch, precision=precision)
+        ov += [o for o in overrides_extra if o not in ov]
+        if seq is not None:
+            ov.append(f"train.seq={seq}")
+        if verify:
+            try:
+                got = exact(got, run_config(check_overrides(ov)), machine.overlap)
+            except ShardingError as e:
+                got.notes.append(f"the planner refused it: {e.problems[0] if getattr(e, 'problems', None) else e}")
+                continue
+            if memory_gib is not None:
+                got.fits = got.memory["total"] <= memory_gib * 2**30
+            if not got.fits:
+                continue
+        results.append((got, ov))
+    results.sort(key=lambda x: (x[0].step_s, _tiebreak(x[0].cand)))
+    out = []
+    for got, ov in results[:top]:
+        k = got.cand
+        out.append({"mesh": k.axes, "parallel": _describe(k),
+                    "train": {"batch": run.train.batch, "precision": precision, "recompute": k.recompute,
+                              **({"grad_accum": k.microbatches} if k.pipe == 1 else {})},
+                    "overrides": ov, "step_ms": 1e3 * got.step_s,
+                    "step_ms_bounds": {"no_overlap": 1e3 * got.no_overlap_s, "full_overlap": 1e3 * got.full_overlap_s},
+                    "memory_gib": got.memory["total"] / 2**30, "fits": got.fits, "exact": got.exact,
+                    "tokens_per_s": run.train.batch * run.seq / got.step_s})
+    return {"candidates": out, "searched": priced, "seconds": time.perf_counter() - t0}
+
+
+def _smallest_memory(costs: Costs, n: int) -> tuple[float, Candidate]:
+    best = None
+    for d, p, t in shapes(n, costs.m):
+        if costs.batch % d:
+            continue
+        k = frugal(d, p, t, costs.batch)
+        mem = costs.memory(k)["total"]
+        if best is None or mem < best[0]:
+            best = (mem, k)
+    return best
+
+
+def _words(k: Candidate) -> str:
+    return (f"mesh {k.axes}, ZeRO-{k.zero}, recompute, {'sequence parallel, ' if k.sp else ''}"
+            f"{k.microbatches} micro-batches, the optimizer on the host")
+
+
+def _near_counts(n: int, shape: ModelShape) -> str:
+    good = [k for k in range(max(1, n - 8), n + 9) if list(shapes(k, shape))]
+    return ", ".join(map(str, good[:4])) or "a power of two"
+
+
+def _lcm_batch(batch: int, datas: list[int]) -> int:
+    return min(math.lcm(batch, d) for d in datas)
