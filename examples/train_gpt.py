@@ -59,7 +59,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 import shardlib as sl
-from shardlib.cli.compose import check_overrides
+from shardlib.cli.compose import check_overrides, whole_axes
 from shardlib.frontend.config import ConfigError, RunConfig, run_config
 from shardlib.frontend.launcher import WorkerError
 from shardlib.frontend.report import Progress, plot_loss, plot_memory, summary_lines
@@ -254,6 +254,7 @@ def problems_of(argv: list[str]) -> list[str]:
 def main() -> None:
     """Check the whole configuration here, in one process, then hand over to Hydra (run directory)."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")     # its advice on inputs we build is noise here
+    sys.argv[1:] = whole_axes(sys.argv[1:])      # mesh.axes={...} replaces the preset's axes whole
     problems = problems_of(sys.argv[1:])
     if problems:
         print(f"{NAME}: " + (problems[0] if len(problems) == 1 else f"{len(problems)} problems in the configuration:\n"

@@ -42,6 +42,7 @@ from .planner.build import plan as plan
 from .planner.plan import Plan as Plan
 from .planner.states import StateLayouts as StateLayouts
 from .planner.traffic import CommEntry as CommEntry
+from .cli.autoplan import autoplan as autoplan
 from .runtime.engine import Engine as Engine
 from .runtime.checkpoint_files import CheckpointError as CheckpointError
 from .runtime.engine import NonFiniteLossError as NonFiniteLossError
@@ -51,7 +52,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AbstractMesh", "AxisRules", "CheckpointError", "CollectiveCounter", "CommEntry", "Engine", "Fused", "NonFiniteLossError", "Plan", "StateLayouts",
-    "parallelize", "plan", "CollectiveError", "CollectiveRecord", "Layout", "Mesh", "MeshError",
+    "parallelize", "plan", "autoplan", "CollectiveError", "CollectiveRecord", "Layout", "Mesh", "MeshError",
     "P", "PartitionSpec", "RedistributePlan", "ShardingError", "ShardingTypeError", "SpecError", "Step",
     "WorkerError", "all_gather", "all_to_all", "axis_index", "count_collectives", "current_mesh",
     "format_bytes", "from_dtensor", "launch", "pbroadcast", "plan_redistribute", "ppermute", "psum",

@@ -16,7 +16,161 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+import time
+from dataclasses import replace
+
+from ..errors import ShardingError
+from ..planner.autoplan import (Costs, Machine, ModelShape, Priced, _describe, _lcm_batch, _near_counts,
+                                _smallest_memory, _tiebreak, _words, overrides, search, shapes)
+
+
+def model_shape(cfg, seq: int, dtype=None) -> ModelShape:
+    """A reference GPT's ``ModelShape``: its parameters per block and outside them counted, and what the
+    embeddings, head and loss save for backward per sequence, measured on the meta device in ``dtype``
+    (a one-block model against a two-block one)."""
+    import torch
+
+    from ..models.gpt import GPT, GPTConfig
+    from ..planner.peak import activation_bytes
+
+    h, v, r = cfg.d_model, cfg.vocab_size, cfg.mlp_ratio
+    hidden = cfg.hidden
+    block = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * hidden + hidden) + (hidden * h + h)
+    pre, post = v * h + cfg.seq_len * h, 2 * h + h * v
+    acts = []
+    for n in (1, 2):
+        with torch.device("meta"):
+            m = GPT(GPTConfig(vocab_size=v, seq_len=cfg.seq_len, d_model=h, n_heads=cfg.n_heads, n_layers=n,
+                              mlp_ratio=r, mlp_width=cfg.mlp_width), seed=None)
+        if dtype is not None:
+            m = m.to(dtype)
+        ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
+        acts.append(activation_bytes(m, (ids, ids)))
+    return ModelShape(cfg.n_layers, h, cfg.n_heads, v, seq, r, block, pre, post, acts[1] - acts[0],
+                      2 * acts[0] - acts[1])
+
+
+def block_probe(cfg, seq: int, precision: str):
+    """``(t, sp) -> bytes``: one block's saved bytes for one sequence on a tensor-``t`` shard, as the
+    planner measures them (``pipeline_report.block_saved_bytes``): a two-block model of the same widths
+    planned on ``pipe 2 x tensor t``."""
+    import torch
+
+    from ..algebra.mesh import AbstractMesh
+    from ..models.gpt import GPT
+    from ..planner.build import plan
+
+    def probe(t: int, sp: bool) -> float:
+        with torch.device("meta"):
+            model = GPT(replace(cfg, n_layers=2), seed=None)
+        axes = {"pipe": 2, **({"tensor": t} if t > 1 else {})}
+        rules = {"layers": "pipe", **({"heads": "tensor", "mlp": "tensor", "vocab": "tensor"} if t > 1 else {})}
+        ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
+        got = plan(model, AbstractMesh(axes), rules=rules, batch=(ids, ids), microbatches=1, precision=precision,
+                   sequence_parallel=sp and t > 1)
+        return float(got.pipeline.block_saved[-1])
+    return probe
+
+
+def exact(priced: Priced, run, overlap: float) -> Priced:
+    """``priced`` planned by the real planner (``frontend/dryrun.py``): the plan's memory and estimate
+    (its step between the estimate's bounds by the machine's ``overlap``)."""
+    from ..frontend.dryrun import dry_run
+    d = dry_run(run)
+    mem = dict(d.memory)
+    mem["host"] = d.plan.memory_per_rank(d.worst_rank, kind="host")["total"] if d.plan.offload else 0
+    est = d.estimate
+    if est is None:
+        return replace(priced, exact=True, notes=priced.notes + ["no estimate: the mesh lacks figures"])
+    no, full = est.total_s, est.overlapped_s
+    fits = d.fits if d.fits is not None else priced.fits
+    return Priced(priced.cand, mem, no - overlap * (no - full), no, full, bool(fits), exact=True, notes=list(d.notes))
+
+
+def autoplan(*, model: str = "1b", devices: int, mesh: str = "h100_64", batch: int | None = None,
+             seq: int | None = None, precision: str = "bf16", top: int = 5, memory_gib: float | None = None,
+             keep: int | None = None, prune: bool = True, verify: bool = True, overrides_extra: tuple = ()) -> dict:
+    """Search the plans of ``model`` (a ``model=`` preset) on ``devices`` devices of ``mesh``'s machine
+    (its figures; its axes ignored) for a global ``batch`` of ``seq``-token sequences in ``precision``;
+    return ``{"candidates": [...], "searched": n, "seconds": s}``, the ``top`` fastest that fit
+    ``memory_gib`` (default: the machine's) with their predicted step, memory and Hydra overrides."""
+    from ..frontend.config import run_config
+    from .compose import check_overrides
+
+    t0 = time.perf_counter()
+    if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
+        raise ShardingError(f"autoplan: devices must be a positive int — got {devices!r}.", api="autoplan")
+    base = [f"model={model}", f"mesh={mesh}", "parallel=zero3", f"train.precision={precision}", *overrides_extra]
+    if batch is not None:
+        base.append(f"train.batch={batch}")
+    if seq is not None:
+        base.append(f"train.seq={seq}")
+    cfg = check_overrides(base)
+    # the machine's figures; its axes are the search's (every axis a link may name kept, of size 1)
+    cfg["mesh"]["axes"] = {"data": 1, **{a: 1 for a in cfg["mesh"].get("links") or {} if a not in ("data", "default")}}
+    run = run_config(cfg)
+    machine = Machine.of_mesh(run.mesh)
+    if memory_gib is not None:
+        machine = replace(machine, memory=memory_gib * 2**30)
+    import torch
+    shape = model_shape(run.model.gpt(), run.seq, {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision))
+    costs = Costs(shape, machine, batch=run.train.batch, precision=precision,
+                  block_fn=block_probe(run.model.gpt(), run.seq, precision))
+    usable = [s for s in shapes(devices, shape) if run.train.batch % s[0] == 0]
+    if not list(shapes(devices, shape)):
+        raise ShardingError(f"autoplan: no mesh of {devices} devices suits model={model}: the tensor degree must "
+                            f"divide its {shape.heads} heads (at most 8, one node), the pipe degree its {shape.layers} "
+                            f"layers — expected a device count such as {_near_counts(devices, shape)}.", api="autoplan")
+    if not usable:
+        datas = sorted({s[0] for s in shapes(devices, shape)})
+        raise ShardingError(f"autoplan: the global batch {run.train.batch} does not split over any data degree "
+                            f"these {devices} devices allow ({', '.join(map(str, datas))}) — expected a batch "
+                            f"divisible by one of them, e.g. train.batch={_lcm_batch(run.train.batch, datas)}.",
+                            api="autoplan")
+    keep = keep or max(2 * top, 8)
+    best, priced = search(costs, devices, keep=keep, prune=prune)
+    if not best:
+        need = _smallest_memory(costs, devices)
+        raise ShardingError(f"autoplan: nothing fits {machine.memory / 2**30:.0f} GiB per device — the most frugal "
+                            f"plan needs {need[0] / 2**30:.1f} GiB ({_words(need[1])}). Use more devices, a machine "
+                            f"with at least {math.ceil(need[0] / 2**30)} GiB, or a smaller global batch.",
+                            api="autoplan")
+    results = []
+    for got in best:
+        if verify and len(results) >= top:
+            break
+        ov = overrides(got.cand, model=model, mesh=mesh, batch=run.train.batch, precision=precision)
+        ov += [o for o in overrides_extra if o not in ov]
+        if seq is not None:
+            ov.append(f"train.seq={seq}")
+        if verify:
+            try:
+                got = exact(got, run_config(check_overrides(ov)), machine.overlap)
+            except ShardingError as e:
+                got.notes.append(f"the planner refused it: {e.problems[0] if getattr(e, 'problems', None) else e}")
+                continue
+            if memory_gib is not None:
+                got.fits = got.memory["total"] <= memory_gib * 2**30
+            if not got.fits:
+                continue
+        results.append((got, ov))
+    results.sort(key=lambda x: (x[0].step_s, _tiebreak(x[0].cand)))
+    out = []
+    for got, ov in results[:top]:
+        k = got.cand
+        out.append({"mesh": k.axes, "parallel": _describe(k),
+                    "train": {"batch": run.train.batch, "precision": precision, "recompute": k.recompute,
+                              **({"grad_accum": k.microbatches} if k.pipe == 1 else {})},
+                    "overrides": ov, "step_ms": 1e3 * got.step_s,
+                    "step_ms_bounds": {"no_overlap": 1e3 * got.no_overlap_s, "full_overlap": 1e3 * got.full_overlap_s},
+                    "memory_gib": got.memory["total"] / 2**30, "fits": got.fits, "exact": got.exact,
+                    "tokens_per_s": run.train.batch * run.seq / got.step_s})
+    return {"candidates": out, "searched": priced, "seconds": time.perf_counter() - t0}
+
+
+
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,9 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     import torch._dynamo  # noqa: F401  (meta tensors' decompositions import it once per process)
 
-    from ..errors import ShardingError
     from ..frontend.config import ConfigError
-    from ..planner.autoplan import autoplan
 
     pick = {k: v for k, v in (o.split("=", 1) for o in args.overrides if "=" in o and not o.startswith(("+", "~")))}
     rest = [o for o in args.overrides if o.split("=", 1)[0] not in ("model", "mesh", "train.batch", "train.seq",
@@ -47,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         print("autoplan: " + str(e).removeprefix("autoplan: "), file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(got, indent=1))
+        print(json.dumps(got))                     # one object, one line
         return 0
     print(f"searched {got['searched']:,} plans in {got['seconds']:.1f} s; the {len(got['candidates'])} fastest that fit:")
     for i, c in enumerate(got["candidates"], 1):

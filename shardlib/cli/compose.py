@@ -41,6 +41,19 @@ def _split(overrides: list[str]) -> tuple[list[str], list[str]]:
     return own, [o for o in overrides if o not in own]
 
 
+def whole_axes(overrides: list[str]) -> list[str]:
+    """``mesh.axes={data:1,pipe:8,tensor:8}`` replaces the preset's axes whole, in the given order
+    (Hydra alone refuses a new key in it, and ``++`` would merge the two): it becomes ``~mesh.axes``
+    then ``+mesh.axes=...``."""
+    out = []
+    for o in overrides:
+        if o.startswith("mesh.axes="):
+            out += ["~mesh.axes", "+" + o]
+        else:
+            out.append(o)
+    return out
+
+
 def check_overrides(overrides: list[str], root: Path | None = None) -> dict[str, Any]:
     """Compose with ``overrides``; return the plain config (groups only) or raise a ``ConfigError``
     naming every bad override: an unknown preset (with the presets there are), an unknown key
@@ -49,11 +62,13 @@ def check_overrides(overrides: list[str], root: Path | None = None) -> dict[str,
     from omegaconf import OmegaConf
 
     root = root or conf_dir()
-    _, mine = _split(overrides)
+    _, mine = _split(whole_axes(overrides))
     # the rules are an open table: a new logical dim is added, a mapping changed, null unmaps one
     mine = [f"++{o}" if o.startswith(("parallel.rules=", "parallel.rules.")) else o for o in mine]
     problems = []
     for o in mine:
+        if o.startswith("~"):         # a deletion (whole_axes)
+            continue
         if "=" not in o:
             problems.append(f"{o}: not an override — expected key=value (e.g. train.steps=50) or group=preset "
                             f"(e.g. mesh=dp2).")
@@ -70,7 +85,7 @@ def check_overrides(overrides: list[str], root: Path | None = None) -> dict[str,
         base = OmegaConf.to_container(compose(config_name="config", overrides=picks), resolve=False)
         for o in mine:
             key = o.lstrip("+~").split("=", 1)[0]
-            if key in GROUPS or o.startswith("+"):      # a group pick, or an addition (++parallel.rules...)
+            if key in GROUPS or o.startswith(("+", "~")):      # a group pick, an addition, a deletion
                 continue
             *path, last = key.split(".")
             node, where = base, []

@@ -16,18 +16,18 @@ The search has two stages.
    along each of those (monotone). A shape whose lower bound — the compute with no bubble and no
    recompute, against its unavoidable traffic (the tensor axis's and the data axis's gradient bytes) —
    cannot beat the ``keep``-th best found so far is dropped unpriced.
-2. **Exact, for the best.** The ``keep`` best are planned for real (``frontend/dryrun.py``: the model on
-   the meta device, ``sl.plan`` on an ``AbstractMesh``) and re-ranked by the plan's own memory and
-   estimate; a candidate the planner refuses is dropped with its reason. Each result carries the Hydra
-   overrides that run it (``python examples/train_gpt.py <overrides>``).
+2. **Exact, for the best** (``cli/autoplan.py``). The best are planned for real (``frontend/dryrun.py``:
+   the model on the meta device, ``sl.plan`` on an ``AbstractMesh``) and re-ranked by the plan's own
+   memory and estimate; a candidate the planner refuses is dropped with its reason. Each result carries
+   the Hydra overrides that run it (``python examples/train_gpt.py <overrides>``).
 """
 
 from __future__ import annotations
 
+import functools
 import math
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ShardingError
@@ -74,6 +74,15 @@ class Priced:
     notes: list[str] = field(default_factory=list)
 
 
+@functools.cache
+def _peaks(schedule: str, p: int, m: int, v: int) -> tuple[float, float]:
+    from .pipeline_report import rank_peak
+    from .schedules import schedule_actions
+    acts = schedule_actions(schedule, p, m, v)
+    weight = {stage: 1.0 / v for stage in range(p * v)}
+    return float(rank_peak(acts[0], weight)), float(rank_peak(acts[p - 1], weight))
+
+
 def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
@@ -92,29 +101,8 @@ class ModelShape:
     block_params: int
     pre_params: int               # embeddings (the first stage)
     post_params: int              # final norm and head (the last stage)
-    block_act: int                # bytes per sequence, fp32
-    post_act: int                 # embeddings, head and loss: bytes per sequence, fp32
-
-    @staticmethod
-    def of_gpt(cfg, seq: int) -> ModelShape:
-        import torch
-
-        from ..models.gpt import GPT, GPTConfig
-        from .peak import activation_bytes
-
-        h, v, r = cfg.d_model, cfg.vocab_size, cfg.mlp_ratio
-        hidden = cfg.hidden
-        block = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * hidden + hidden) + (hidden * h + h)
-        pre, post = v * h + cfg.seq_len * h, 2 * h + h * v
-        acts = []
-        for n in (1, 2):
-            with torch.device("meta"):
-                m = GPT(GPTConfig(vocab_size=v, seq_len=cfg.seq_len, d_model=h, n_heads=cfg.n_heads, n_layers=n,
-                                  mlp_ratio=r, mlp_width=cfg.mlp_width), seed=None)
-            ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
-            acts.append(activation_bytes(m, (ids, ids)))
-        return ModelShape(cfg.n_layers, h, cfg.n_heads, v, seq, r, block, pre, post, acts[1] - acts[0],
-                          2 * acts[0] - acts[1])
+    block_act: int                # bytes per sequence, in the compute dtype
+    post_act: int                 # embeddings, head and loss: bytes per sequence, in the compute dtype
 
     @property
     def params(self) -> int:
@@ -136,6 +124,11 @@ class Machine:
     host_update: float | None = None
     host_memory: float | None = None
     overlap: float = 0.0
+    shared_cores: int | None = None   # CPU machines: every rank on one host of this many cores
+
+    def rank_flops(self, n: int) -> float:
+        """A rank's sustained rate when ``n`` ranks run: ranks beyond the cores share them."""
+        return self.flops * (1.0 if self.shared_cores is None else min(1.0, self.shared_cores / n))
 
     @staticmethod
     def of_mesh(mesh) -> Machine:
@@ -150,7 +143,7 @@ class Machine:
         gb = lambda x: None if x is None else x * 1e9        # noqa: E731
         return Machine(mesh.name, mesh.device_tflops * 1e12, mesh.memory_gib * 2**30, links, gb(mesh.host_gbps),
                        gb(mesh.host_update_gbps), None if mesh.host_memory_gib is None else mesh.host_memory_gib * 2**30,
-                       getattr(mesh, "overlap", None) or 0.0)
+                       getattr(mesh, "overlap", None) or 0.0, mesh.shared_cores)
 
     def link(self, axis: str) -> tuple[float, float]:
         got = self.links.get(axis, self.links.get("default"))
@@ -163,10 +156,14 @@ class Machine:
 class Costs:
     """The closed-form price of a candidate (module doc, stage 1)."""
 
-    def __init__(self, model: ModelShape, machine: Machine, *, batch: int, precision: str):
+    def __init__(self, model: ModelShape, machine: Machine, *, batch: int, precision: str, block_fn=None):
+        """``block_fn(t, sp)``: one block's saved bytes per sequence on a tensor-``t`` shard, as the
+        planner measures them; without it, Korthikanti's formula."""
         self.m, self.mc, self.batch = model, machine, batch
         self.c = 2 if precision in ("bf16", "fp16") else 4
         self.mixed = self.c == 2
+        self.precision, self.block_fn = precision, block_fn
+        self._block: dict[tuple[int, bool], float] = {}
         from .estimate import transformer_flops
         self._flops = {rc: transformer_flops(layers=model.layers, d_model=model.d_model, seq=model.seq,
                                              vocab=model.vocab, tokens=batch * model.seq, mlp_ratio=model.mlp_ratio,
@@ -188,33 +185,46 @@ class Costs:
             host = 0.0
         return {"params": params, "grads": grads, "optimizer": optim, "host": host}
 
-    def inflight(self, k: Candidate) -> float:
-        """Micro-batches' activations the first stage holds at once (in units of its own layers')."""
+    def inflight(self, k: Candidate) -> tuple[float, float]:
+        """Micro-batches' activations the first and the last pipe rank hold at once (in units of the
+        rank's own layers'): the planner's ``rank_peak`` over the schedule's actions. The peak is reached
+        in the warm-up, so a long schedule is walked at ``2p`` micro-batches (cached)."""
         if k.pipe == 1:
-            return 1.0
-        m, p, v = k.microbatches, k.pipe, k.virtual
-        if k.schedule == "gpipe":
-            return float(m)
+            return 1.0, 1.0
+        p, v = k.pipe, k.virtual
+        m = k.microbatches if k.schedule == "gpipe" else min(k.microbatches, 2 * p * v)
         if k.schedule == "interleaved_1f1b":
-            return min(m, p) * (1 + (p - 1) / (p * v))
-        return float(min(m, p))
+            m = -(-m // p) * p
+        return _peaks(k.schedule, p, m, v)
 
     def activations(self, k: Candidate) -> tuple[float, float]:
-        """(bytes the worst stage holds for backward, of which the last stage's head and loss)."""
+        """(bytes the worst stage holds for backward, of which the last stage's head and loss). A block
+        saves Korthikanti et al.'s ``s·b·h·(10 + 24/t + 5·a·s/(h·t))`` bytes in 16-bit, ``/t`` whole with
+        sequence parallel (what the planner measures on the shards: ``pipeline_report.block_saved_bytes``);
+        recomputed, its input only."""
+        m = self.m
         b = self.batch // (k.data * k.microbatches)
-        scale = self.c / 4
         t = k.tensor
-        per = self.m.block_act * b * scale
+        sbh = m.seq * b * m.d_model
+        scores = 5 * m.heads * m.seq / m.d_model
         if k.recompute:
-            per = 2 * self.m.seq * b * self.m.d_model * self.c       # the block's input only (x2: its output)
-            per = per / t if k.sp else per
-        elif t > 1:
-            per = per / t if k.sp else per * (KORTHIKANTI_WHOLE + (1 - KORTHIKANTI_WHOLE) / t)
-        layers = self.m.layers / k.pipe
-        post = self.m.post_act * b * scale / t                         # vocab-parallel logits and loss
-        first = per * layers * self.inflight(k)
-        last = per * layers + post
+            per = sbh * self.c / (t if k.sp else 1)
+        elif self.block_fn is not None:     # the planner's own measurement of a block, per sequence
+            per = self.block(t, k.sp) * b
+        else:
+            per = sbh * (34 / t + scores / t if k.sp else 10 + 24 / t + scores / t) * self.c / 2
+        layers = m.layers / k.pipe
+        post = m.post_act * b / t          # vocab-parallel logits and loss (measured in the compute dtype)
+        in_first, in_last = self.inflight(k)
+        first = per * layers * in_first
+        last = (per * layers + post) * in_last
         return max(first, last), post
+
+    def block(self, t: int, sp: bool) -> float:
+        """One block's saved bytes for one sequence on a tensor-``t`` shard (``block_fn``, cached)."""
+        if (t, sp) not in self._block:
+            self._block[(t, sp)] = float(self.block_fn(t, sp))
+        return self._block[(t, sp)]
 
     def memory(self, k: Candidate) -> dict[str, float]:
         stage = self.m.layers / k.pipe * self.m.block_params
@@ -230,7 +240,8 @@ class Costs:
 
     # ---- time --------------------------------------------------------------------------------------
     def compute_s(self, k: Candidate, *, bubble: bool = True) -> float:
-        per_rank = self._flops[k.recompute] / (k.data * k.pipe * k.tensor) / self.mc.flops
+        n = k.data * k.pipe * k.tensor
+        per_rank = self._flops[k.recompute] / n / self.mc.rank_flops(n)
         if not bubble or k.pipe == 1:
             return per_rank
         return per_rank / (1 - bubble_formula(k.schedule, k.pipe, k.microbatches, k.virtual))
@@ -328,7 +339,7 @@ def configs(data: int, pipe: int, tensor: int, model: ModelShape, batch: int, *,
                         for m in divisors(per_rank):
                             if sched == "interleaved_1f1b" and m % pipe:
                                 continue
-                            for rc in (False, True):
+                            for rc in ((False,) if sched == "zb_h1" else (False, True)):   # (W cannot split from a recompute)
                                 for off in ((False, True) if offload else (False,)):
                                     yield Candidate(data, pipe, tensor, rep, zero, sp, sched, v, m, rc, off)
 
@@ -405,98 +416,6 @@ def _describe(k: Candidate) -> dict[str, Any]:
     return {"zero": k.zero, "sequence_parallel": k.sp, "schedule": k.schedule, "virtual_stages": k.virtual,
             "microbatches": k.microbatches, "replica": k.replica, "recompute": k.recompute,
             "offload": {"optimizer": "host"} if k.offload else {}}
-
-
-def exact(priced: Priced, run, overlap: float) -> Priced:
-    """``priced`` planned by the real planner (``frontend/dryrun.py``): the plan's memory and estimate
-    (its step between the estimate's bounds by the machine's ``overlap``)."""
-    from ..frontend.dryrun import dry_run
-    d = dry_run(run)
-    mem = dict(d.memory)
-    mem["host"] = d.plan.memory_per_rank(d.worst_rank, kind="host")["total"] if d.plan.offload else 0
-    est = d.estimate
-    if est is None:
-        return replace(priced, exact=True, notes=priced.notes + ["no estimate: the mesh lacks figures"])
-    no, full = est.total_s, est.overlapped_s
-    fits = d.fits if d.fits is not None else priced.fits
-    return Priced(priced.cand, mem, no - overlap * (no - full), no, full, bool(fits), exact=True, notes=list(d.notes))
-
-
-def autoplan(*, model: str = "1b", devices: int, mesh: str = "h100_64", batch: int | None = None,
-             seq: int | None = None, precision: str = "bf16", top: int = 5, memory_gib: float | None = None,
-             keep: int | None = None, prune: bool = True, verify: bool = True, overrides_extra: tuple = ()) -> dict:
-    """Search the plans of ``model`` (a ``model=`` preset) on ``devices`` devices of ``mesh``'s machine
-    (its figures; its axes ignored) for a global ``batch`` of ``seq``-token sequences in ``precision``;
-    return ``{"candidates": [...], "searched": n, "seconds": s}``, the ``top`` fastest that fit
-    ``memory_gib`` (default: the machine's) with their predicted step, memory and Hydra overrides."""
-    from ..cli.compose import check_overrides
-    from ..frontend.config import run_config
-
-    t0 = time.perf_counter()
-    if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
-        raise ShardingError(f"autoplan: devices must be a positive int — got {devices!r}.", api="autoplan")
-    base = [f"model={model}", f"mesh={mesh}", "parallel=zero3", f"train.precision={precision}", *overrides_extra]
-    if batch is not None:
-        base.append(f"train.batch={batch}")
-    if seq is not None:
-        base.append(f"train.seq={seq}")
-    cfg = check_overrides(base)
-    # the machine's figures; its axes are the search's (every axis a link may name kept, of size 1)
-    cfg["mesh"]["axes"] = {"data": devices, **{a: 1 for a in cfg["mesh"].get("links") or {} if a not in ("data", "default")}}
-    run = run_config(cfg)
-    machine = Machine.of_mesh(run.mesh)
-    if memory_gib is not None:
-        machine = replace(machine, memory=memory_gib * 2**30)
-    shape = ModelShape.of_gpt(run.model.gpt(), run.seq)
-    costs = Costs(shape, machine, batch=run.train.batch, precision=precision)
-    usable = [s for s in shapes(devices, shape) if run.train.batch % s[0] == 0]
-    if not list(shapes(devices, shape)):
-        raise ShardingError(f"autoplan: no mesh of {devices} devices suits model={model}: the tensor degree must "
-                            f"divide its {shape.heads} heads (at most 8, one node), the pipe degree its {shape.layers} "
-                            f"layers — expected a device count such as {_near_counts(devices, shape)}.", api="autoplan")
-    if not usable:
-        datas = sorted({s[0] for s in shapes(devices, shape)})
-        raise ShardingError(f"autoplan: the global batch {run.train.batch} does not split over any data degree "
-                            f"these {devices} devices allow ({', '.join(map(str, datas))}) — expected a batch "
-                            f"divisible by one of them, e.g. train.batch={_lcm_batch(run.train.batch, datas)}.",
-                            api="autoplan")
-    keep = keep or max(2 * top, 8)
-    best, priced = search(costs, devices, keep=keep, prune=prune)
-    if not best:
-        need = _smallest_memory(costs, devices)
-        raise ShardingError(f"autoplan: nothing fits {machine.memory / 2**30:.0f} GiB per device — the most frugal "
-                            f"plan needs {need[0] / 2**30:.1f} GiB ({_words(need[1])}). Use more devices, a machine "
-                            f"with at least {math.ceil(need[0] / 2**30)} GiB, or a smaller global batch.",
-                            api="autoplan")
-    results = []
-    for got in best:
-        ov = overrides(got.cand, model=model, mesh=mesh, batch=run.train.batch, precision=precision)
-        ov += [o for o in overrides_extra if o not in ov]
-        if seq is not None:
-            ov.append(f"train.seq={seq}")
-        if verify:
-            try:
-                got = exact(got, run_config(check_overrides(ov)), machine.overlap)
-            except ShardingError as e:
-                got.notes.append(f"the planner refused it: {e.problems[0] if getattr(e, 'problems', None) else e}")
-                continue
-            if memory_gib is not None:
-                got.fits = got.memory["total"] <= memory_gib * 2**30
-            if not got.fits:
-                continue
-        results.append((got, ov))
-    results.sort(key=lambda x: (x[0].step_s, _tiebreak(x[0].cand)))
-    out = []
-    for got, ov in results[:top]:
-        k = got.cand
-        out.append({"mesh": k.axes, "parallel": _describe(k),
-                    "train": {"batch": run.train.batch, "precision": precision, "recompute": k.recompute,
-                              **({"grad_accum": k.microbatches} if k.pipe == 1 else {})},
-                    "overrides": ov, "step_ms": 1e3 * got.step_s,
-                    "step_ms_bounds": {"no_overlap": 1e3 * got.no_overlap_s, "full_overlap": 1e3 * got.full_overlap_s},
-                    "memory_gib": got.memory["total"] / 2**30, "fits": got.fits, "exact": got.exact,
-                    "tokens_per_s": run.train.batch * run.seq / got.step_s})
-    return {"candidates": out, "searched": priced, "seconds": time.perf_counter() - t0}
 
 
 def _smallest_memory(costs: Costs, n: int) -> tuple[float, Candidate]:
