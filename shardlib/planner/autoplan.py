@@ -11,9 +11,10 @@ The search has two stages.
    per schedule, ZeRO-3's two gathered units; the step from ``transformer_flops`` at the machine's rate
    stretched by the schedule's bubble (``bubble_formula``), plus each axis's traffic over its link, plus
    offload copies and the host update (``planner/estimate.py``'s figures).
-   **Pruning.** A shape whose most frugal configuration (ZeRO-3, recompute, sequence parallel, the
-   optimizer offloaded, one sequence per micro-batch) does not fit is dropped whole: memory only falls
-   along each of those (monotone). A shape whose lower bound — the compute with no bubble and no
+   **Pruning.** A shape whose most frugal configurations (ZeRO-2 and ZeRO-3, recompute, sequence
+   parallel, the optimizer offloaded, one sequence per micro-batch; ``frugal``) do not fit is dropped
+   whole: memory only falls along each of those (monotone; ZeRO-3 against ZeRO-2 is not, its gathered
+   units can outweigh what it shards, so both are tried). A shape whose lower bound — the compute with no bubble and no
    recompute, against its unavoidable traffic (the tensor axis's and the data axis's gradient bytes) —
    cannot beat the ``keep``-th best found so far is dropped unpriced.
 2. **Exact, for the best** (``cli/autoplan.py``). The best are planned for real (``frontend/dryrun.py``:
@@ -27,7 +28,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..errors import ShardingError
@@ -298,11 +299,13 @@ class Costs:
     def lower_bound(self, data: int, pipe: int, tensor: int) -> float:
         """No configuration of this shape is faster: the compute with no bubble and no recompute, against
         the tensor axis's traffic and the data axis's gradient all-reduce (ZeRO 0-2's bytes, the least)."""
-        k = Candidate(data, pipe, tensor, zero=0, schedule="1f1b" if pipe > 1 else None,
-                      microbatches=max(1, self.batch // data))
+        k = Candidate(data, pipe, tensor, zero=0, schedule="1f1b" if pipe > 1 else None, microbatches=1)
         compute = self.compute_s(k, bubble=False)
         comm = self.comm_s(k)
-        unavoidable = comm.get("tensor", 0.0) + comm.get("data", 0.0)
+        # the gradients' traffic at its least: ZeRO 0-2's bytes, over the cheapest replica split (HSDP)
+        grads = min(sum(v for a, v in self.comm_s(replace(k, replica=r, zero=1 if r > 1 else 0)).items()
+                        if a in ("data", "replica")) for r in divisors(data) if r < data or r == 1)
+        unavoidable = comm.get("tensor", 0.0) + grads
         return max(compute, unavoidable) if self.mc.overlap >= 1 else compute + (1 - self.mc.overlap) * unavoidable
 
 
@@ -344,10 +347,13 @@ def configs(data: int, pipe: int, tensor: int, model: ModelShape, batch: int, *,
                                     yield Candidate(data, pipe, tensor, rep, zero, sp, sched, v, m, rc, off)
 
 
-def frugal(data: int, pipe: int, tensor: int, batch: int) -> Candidate:
-    """The shape's least memory: what its pruning tests."""
-    return Candidate(data, pipe, tensor, 1, 3 if data > 1 else 0, tensor > 1, "1f1b" if pipe > 1 else None, 1,
-                     max(1, batch // data), True, True)
+def frugal(data: int, pipe: int, tensor: int, batch: int) -> list[Candidate]:
+    """The shape's least memory is one of these: recompute, sequence parallel, the optimizer on the
+    host, one sequence per micro-batch, and ZeRO-2 or ZeRO-3 (ZeRO-3 shards the parameters but holds
+    two gathered units: on a small model or few data ranks ZeRO-2 holds less)."""
+    sched = "1f1b" if pipe > 1 else None
+    zeros = (2, 3) if data > 1 else (0,)
+    return [Candidate(data, pipe, tensor, 1, z, tensor > 1, sched, 1, max(1, batch // data), True, True) for z in zeros]
 
 
 def search(costs: Costs, n: int, *, keep: int = 8, prune: bool = True, hsdp: bool = True,
@@ -362,7 +368,7 @@ def search(costs: Costs, n: int, *, keep: int = 8, prune: bool = True, hsdp: boo
         if costs.batch % d:
             continue
         if prune:
-            if not costs.price(frugal(d, p, t, costs.batch)).fits:
+            if not any(costs.price(k).fits for k in frugal(d, p, t, costs.batch)):
                 continue
             if len(best) >= keep and costs.lower_bound(d, p, t) >= best[-1].step_s:
                 continue
@@ -423,10 +429,10 @@ def _smallest_memory(costs: Costs, n: int) -> tuple[float, Candidate]:
     for d, p, t in shapes(n, costs.m):
         if costs.batch % d:
             continue
-        k = frugal(d, p, t, costs.batch)
-        mem = costs.memory(k)["total"]
-        if best is None or mem < best[0]:
-            best = (mem, k)
+        for k in frugal(d, p, t, costs.batch):
+            mem = costs.memory(k)["total"]
+            if best is None or mem < best[0]:
+                best = (mem, k)
     return best
 
 

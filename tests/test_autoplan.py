@@ -1,0 +1,105 @@
+"""The auto-planner (issue 21): the pruned search finds what brute force over the same space finds, every
+plan it returns is one ``sl.plan`` accepts and, at 4 and 8 CPU processes, one that trains; bad input is
+named with its fix. ``mesh.axes={...}`` on the command line replaces a preset's axes whole, and
+``python -m shardlib.explain --json`` prints one JSON object."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import shardlib as sl
+from shardlib.cli.autoplan import block_probe, model_shape
+from shardlib.cli.compose import check_overrides
+from shardlib.frontend.config import run_config
+from shardlib.planner import autoplan as ap
+
+
+def _costs(model: str, mesh: str, devices: int, batch: int, precision: str = "fp32"):
+    cfg = check_overrides([f"model={model}", f"mesh={mesh}", "parallel=zero3", f"train.batch={batch}"])
+    cfg["mesh"]["axes"] = {"data": 1}
+    cfg["mesh"]["links"] = {"default": cfg["mesh"]["links"]["default"]}
+    run = run_config(cfg)
+    dtype = {"bf16": torch.bfloat16}.get(precision)
+    shape = model_shape(run.model.gpt(), run.seq, dtype)
+    return ap.Costs(shape, ap.Machine.of_mesh(run.mesh), batch=batch, precision=precision,
+                    block_fn=block_probe(run.model.gpt(), run.seq, precision))
+
+
+@pytest.mark.parametrize("model, mesh, devices, batch, precision", [
+    ("tiny", "dp4", 4, 16, "fp32"), ("tiny", "2x2x2", 8, 16, "fp32"), ("small", "dp4", 8, 32, "fp32"),
+    ("1b", "h100_64", 64, 256, "bf16")])
+def test_pruned_search_finds_what_brute_force_finds(model, mesh, devices, batch, precision):
+    costs = _costs(model, mesh, devices, batch, precision)
+    pruned, n_pruned = ap.search(costs, devices, keep=6)
+    brute, n_brute = ap.search(costs, devices, keep=6, prune=False)
+    assert pruned and [(p.cand, p.step_s) for p in pruned] == [(b.cand, b.step_s) for b in brute]
+    assert n_pruned <= n_brute
+
+
+def test_search_bounds_are_admissible():
+    """The lower bound of a shape is at most the step of every configuration of it; the frugal
+    configurations hold the least memory of their shape."""
+    costs = _costs("small", "dp4", 8, 32)
+    for d, p, t in ap.shapes(8, costs.m):
+        bound = costs.lower_bound(d, p, t)
+        priced = [costs.price(k) for k in ap.configs(d, p, t, costs.m, 32)]
+        assert priced and all(bound <= x.step_s * (1 + 1e-12) for x in priced), (d, p, t)
+        least = min(costs.memory(k)["total"] for k in ap.frugal(d, p, t, 32))
+        assert least <= min(x.memory["total"] for x in priced) * (1 + 1e-12), (d, p, t)
+
+
+def test_every_plan_returned_plans():
+    from shardlib.frontend.run import check
+    for devices, mesh in ((4, "dp4"), (8, "2x2x2")):
+        got = sl.autoplan(model="tiny", mesh=mesh, devices=devices, top=4)
+        assert got["candidates"] and got["searched"] > 0
+        for c in got["candidates"]:
+            run = run_config(check_overrides(c["overrides"]))
+            assert run.mesh.size == devices and check(run) == [], c["overrides"]
+            assert c["exact"] and c["fits"] and c["step_ms"] > 0
+
+
+def _train(overrides: list[str]) -> list[float]:
+    from shardlib.frontend.run import Trainer
+    from shardlib.testing import get_mesh
+    run = run_config(check_overrides(overrides + ["data.megabytes=0.2"]))
+    trainer = Trainer(run, get_mesh(run.mesh.shape))
+    return [trainer.step(i, record=False)["loss"] for i in range(2)]
+
+
+def test_the_plans_run(world):
+    for devices, mesh in ((4, "dp4"), (8, "2x2x2")):
+        for c in sl.autoplan(model="tiny", mesh=mesh, devices=devices, top=1)["candidates"]:
+            losses = world(devices, _train, c["overrides"])
+            assert all(r == losses[0] for r in losses) and all(torch.isfinite(torch.tensor(r)).all() for r in losses)
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"devices": 7}, r"global batch 16 does not split over any data degree these 7 devices allow \(7\).*train.batch=112"),
+    ({"devices": 4, "memory_gib": 1e-6}, r"nothing fits 0 GiB per device — the most frugal plan needs .* GiB \(mesh"),
+    ({"devices": 0}, r"devices must be a positive int"),
+    ({"devices": 4, "overrides_extra": ("mesh.device_tflops=null",)}, r"gives no device_tflops .* python -m shardlib"),
+])
+def test_bad_input_is_named(kw, match):
+    with pytest.raises(sl.ShardingError, match=match):
+        sl.autoplan(model="tiny", mesh="dp4", **kw)
+
+
+def test_a_mesh_preset_axes_are_replaced_whole():
+    run = run_config(check_overrides(["model=175b", "mesh=h100_64", "mesh.axes={data:1,pipe:8,tensor:8}", "parallel=3d",
+                                      "train.batch=64"]))
+    assert list(run.mesh.shape.items()) == [("data", 1), ("pipe", 8), ("tensor", 8)]
+    run = run_config(check_overrides(["mesh=dp2_tp2", "mesh.axes={data:4}", "parallel=zero3"]))
+    assert run.mesh.shape == {"data": 4}                 # replaced, not merged
+
+
+def test_explain_json(capsys):
+    from shardlib.cli.explain import main
+    assert main(["model=tiny", "mesh=2x2x2", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(got) >= {"memory_per_rank", "fits", "bytes_per_axis", "bubble", "step_ms", "tokens_per_s"}
+    assert got["memory_per_rank"]["total"] > 0 and set(got["step_ms"]) == {"no_overlap", "full_overlap"}
+    assert got["step_ms"]["full_overlap"] <= got["step_ms"]["no_overlap"] and 0 < got["bubble"] < 1
