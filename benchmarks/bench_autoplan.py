@@ -75,7 +75,7 @@ def candidates(model: str, devices: int, batch: int, plans: int) -> list[tuple[a
     cfg["mesh"]["axes"] = {"data": 1}
     cfg["mesh"]["links"] = {"default": cfg["mesh"]["links"]["default"]}
     run = run_config(cfg)
-    costs = ap.Costs(model_shape(run.model.gpt(), run.seq), ap.Machine.of_mesh(run.mesh), batch=batch,
+    costs = ap.Costs(model_shape(run.model.gpt(), run.seq), ap.Machine.of_mesh(run.mesh, devices), batch=batch,
                      precision="fp32", block_fn=block_probe(run.model.gpt(), run.seq, "fp32"))
     ranked, _ = ap.search(costs, devices, keep=100000)
     # one plan per mesh shape and policy mix: drop candidates whose prediction equals a kept one's

@@ -81,7 +81,8 @@ def test_the_plans_run(world):
     ({"devices": 7}, r"global batch 16 does not split over any data degree these 7 devices allow \(7\).*train.batch=112"),
     ({"devices": 4, "memory_gib": 1e-6}, r"nothing fits 0 GiB per device — the most frugal plan needs .* GiB \(mesh"),
     ({"devices": 0}, r"devices must be a positive int"),
-    ({"devices": 4, "overrides_extra": ("mesh.device_tflops=null",)}, r"gives no device_tflops .* python -m shardlib"),
+    ({"devices": 4, "overrides_extra": ("mesh.device_tflops=null", "mesh.calibrated=null")},
+     r"gives no device_tflops .* python -m shardlib.calibrate"),
 ])
 def test_bad_input_is_named(kw, match):
     with pytest.raises(sl.ShardingError, match=match):
@@ -103,3 +104,18 @@ def test_explain_json(capsys):
     assert set(got) >= {"memory_per_rank", "fits", "bytes_per_axis", "bubble", "step_ms", "tokens_per_s"}
     assert got["memory_per_rank"]["total"] > 0 and set(got["step_ms"]) == {"no_overlap", "full_overlap"}
     assert got["step_ms"]["full_overlap"] <= got["step_ms"]["no_overlap"] and 0 < got["bubble"] < 1
+
+
+def test_calibration_measures_and_reads_back(world):
+    """``python -m shardlib.calibrate``'s measurement at 2 ranks gives positive figures; a mesh preset's
+    ``calibrated`` table replaces the figures for its own rank count, and a bad entry is named."""
+    from shardlib.cli.calibrate import measure
+    got = world(2, measure, 2)[0]
+    assert got["tflops"] > 0 and got["gbps"] > 0 and got["latency_us"] >= 0 and got["layer_us"] >= 0
+    raw = check_overrides(["mesh=dp4", "parallel=zero3"])
+    raw["mesh"]["calibrated"] = {4: {"tflops": 0.5, "gbps": 2.0, "latency_us": 100, "layer_us": 10}}
+    mc = run_config(raw).mesh
+    assert mc.at(4).rank_tflops == 0.5 and mc.at(4).link("data").latency == pytest.approx(1e-4) and mc.at(2) == mc
+    raw["mesh"]["calibrated"] = {4: {"tflops": 0.5}}
+    with pytest.raises(sl.frontend.config.ConfigError, match=r"mesh.calibrated.4: .* expected \{tflops, gbps"):
+        run_config(raw)

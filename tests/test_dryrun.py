@@ -48,8 +48,9 @@ def test_flops_formula_by_hand():
 
 
 def test_estimate_is_the_stated_arithmetic():
-    """compute = flops / ranks / device rate, stretched by the bubble formula; each collective costs
-    bytes / bandwidth + hops x latency on the slowest of its axes."""
+    """compute = flops / ranks / device rate (+ the calibrated cost per layer and micro-batch), stretched
+    by the bubble formula; each collective costs bytes / bandwidth + hops x latency on the slowest of its
+    axes. The CPU presets carry figures measured per rank count (``calibrated``): 8 ranks use theirs."""
     run = run_of("mesh=2x2x2")
     d = dry_run(run)
     e, plan = d.estimate, d.plan
@@ -57,12 +58,17 @@ def test_estimate_is_the_stated_arithmetic():
     flops = transformer_flops(layers=m.n_layers, d_model=m.d_model, seq=run.seq, vocab=m.vocab_size,
                               tokens=run.train.batch * run.seq)
     assert e.flops == flops and e.flops_per_rank == flops / 8
-    # 8 ranks on a host of 2 cores share them: each sustains a quarter of a core's rate
+    # uncalibrated, 8 ranks on a host of 2 cores share them: each sustains a quarter of a core's rate
     assert run.mesh.shared_cores == 2 and run.mesh.rank_tflops == run.mesh.device_tflops / 4
-    assert e.compute_s == pytest.approx(flops / 8 / (run.mesh.device_tflops / 4 * 1e12))
+    cal = dict(run.mesh.calibrated)[8]
+    mc = run.mesh.at(8)
+    assert (mc.device_tflops, mc.rank_tflops, mc.layer_us) == (cal.tflops, cal.tflops, cal.layer_us)
     pp = plan.pipeline
+    passes = m.n_layers / pp.size * pp.microbatches
+    assert e.compute_s == pytest.approx(flops / 8 / (cal.tflops * 1e12) + cal.layer_us * 1e-6 * passes)
     assert e.idle == bubble_formula(pp.schedule, pp.size, pp.microbatches, pp.virtual) == pytest.approx(1 / 3)
-    link = run.mesh.link("data")
+    link = mc.link("data")
+    assert (link.bandwidth, link.latency) == (cal.gbps * 1e9, pytest.approx(cal.latency_us * 1e-6))
     want: dict[str, float] = {}
     for entry in plan.comm_per_step(0):
         k = math.prod(plan.mesh.axis_size(a) for a in entry.axes)

@@ -13,7 +13,7 @@ ROOT = Path(shardlib.__file__).parent
 # front ends (5) include the reference models their runs build; the command-line edges (6, where Hydra
 # is composed: ``cli``, and the ``python -m shardlib.explain`` / ``shardlib.verify`` / ``shardlib.autoplan`` entry points) sit on top
 LAYERS = {"errors": 0, "algebra": 1, "comm": 2, "planner": 3, "runtime": 4, "frontend": 5, "testing": 5,
-          "models": 5, "allocator": 0, "cli": 6, "explain": 6, "verify": 6, "autoplan": 6, "quant": 1}
+          "models": 5, "allocator": 0, "cli": 6, "explain": 6, "verify": 6, "autoplan": 6, "calibrate": 6, "quant": 1}
 
 
 def _module(path: Path) -> str:

@@ -111,7 +111,7 @@ def autoplan(*, model: str = "1b", devices: int, mesh: str = "h100_64", batch: i
     # the machine's figures; its axes are the search's (every axis a link may name kept, of size 1)
     cfg["mesh"]["axes"] = {"data": 1, **{a: 1 for a in cfg["mesh"].get("links") or {} if a not in ("data", "default")}}
     run = run_config(cfg)
-    machine = Machine.of_mesh(run.mesh)
+    machine = Machine.of_mesh(run.mesh, devices)
     if memory_gib is not None:
         machine = replace(machine, memory=memory_gib * 2**30)
     import torch

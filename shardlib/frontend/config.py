@@ -27,7 +27,7 @@ from __future__ import annotations
 import difflib
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .checking import ConfigError as ConfigError, DataError as DataError, _Checker, _keys
@@ -52,6 +52,18 @@ class Link:
 
 
 @dataclass(frozen=True)
+class Calibration:
+    """Figures measured with ``ranks`` ranks running (``python -m shardlib.calibrate``): a rank's sustained
+    TFLOP/s, an all-reduce's bandwidth (GB/s) and latency per ring hop (µs), and the fixed cost of one
+    layer's forward and backward for one micro-batch (µs: Python and kernel launches)."""
+
+    tflops: float
+    gbps: float
+    latency_us: float
+    layer_us: float
+
+
+@dataclass(frozen=True)
 class MeshConfig:
     name: str
     axes: tuple[tuple[str, int], ...]
@@ -63,8 +75,21 @@ class MeshConfig:
     host_gbps: float | None = None          # device <-> host copies, per rank (PCIe), GB/s
     disk_gbps: float | None = None          # host <-> disk under offload_dir, per rank's share, GB/s
     host_update_gbps: float | None = None   # the host's AdamW, per rank, GB/s at 28 B/element moved
+    # measured per rank count (python -m shardlib.calibrate): ((ranks, Calibration), ...); the entry for
+    # the mesh's own size replaces device_tflops, shared_cores and the default link (``at``)
+    calibrated: tuple = ()
+    layer_us: float | None = None           # a fixed cost per layer and micro-batch (forward + backward)
     links: tuple[tuple[str, Link], ...] = ()
     shared_cores: int | None = None         # CPU meshes: every rank on one host of this many cores
+
+    def at(self, ranks: int) -> MeshConfig:
+        """These figures as ``ranks`` ranks see them: the calibrated entry for that many ranks, if any
+        (its rate is already per rank, shared cores included; its link is every axis's)."""
+        got = dict(self.calibrated).get(ranks)
+        if got is None:
+            return self
+        links = (("default", Link(got.gbps * 1e9, got.latency_us * 1e-6)),) if got.gbps > 0 else self.links
+        return replace(self, device_tflops=got.tflops, shared_cores=None, layer_us=got.layer_us, links=links)
 
     @property
     def rank_tflops(self) -> float | None:
@@ -246,7 +271,30 @@ def _mesh(raw: Any, problems: list[str]) -> MeshConfig:
                       host_gbps=c.number("host_gbps", None, strict=True, optional=True),
                       disk_gbps=c.number("disk_gbps", None, strict=True, optional=True),
                       host_update_gbps=c.number("host_update_gbps", None, strict=True, optional=True),
-                      shared_cores=c.int("shared_cores", None, optional=True))
+                      shared_cores=c.int("shared_cores", None, optional=True),
+                      layer_us=c.number("layer_us", None, strict=True, optional=True),
+                      calibrated=_calibrated(c.get("calibrated"), problems))
+
+
+def _calibrated(raw: Any, problems: list[str]) -> tuple:
+    """``mesh.calibrated``: ``{ranks: {tflops, gbps, latency_us, layer_us}}``."""
+    if not raw:
+        return ()
+    if not isinstance(raw, Mapping):
+        problems.append(f"mesh.calibrated: got {raw!r}; expected {{ranks: {{tflops, gbps, latency_us, layer_us}}}} "
+                        "as python -m shardlib.calibrate prints it.")
+        return ()
+    out = []
+    for ranks, spec in raw.items():
+        fields = ("tflops", "gbps", "latency_us", "layer_us")
+        if not (isinstance(ranks, int) and ranks > 0 and isinstance(spec, Mapping) and set(spec) == set(fields)
+                and all(isinstance(spec[f], (int, float)) and not isinstance(spec[f], bool) and spec[f] >= 0
+                        for f in fields)):
+            problems.append(f"mesh.calibrated.{ranks}: got {spec!r}; expected {{tflops, gbps, latency_us, layer_us}}, "
+                            "non-negative numbers, under a positive rank count.")
+            continue
+        out.append((ranks, Calibration(*(float(spec[f]) for f in fields))))
+    return tuple(sorted(out))
 
 
 def _rules(raw: Any, problems: list[str]) -> tuple[tuple[str, Any], ...]:

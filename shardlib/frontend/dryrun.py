@@ -114,9 +114,13 @@ def dry_run(run: RunConfig) -> DryRun:
     if run.mesh.device_tflops is not None and (run.mesh.links or run.mesh.size == 1):
         flops = transformer_flops(layers=m.n_layers, d_model=m.d_model, seq=run.seq, vocab=m.vocab_size,
                                   tokens=tokens, mlp_ratio=m.mlp_ratio, recompute=t.recompute)
-        links = {a: (lk.bandwidth, lk.latency) for a, lk in run.mesh.links}
-        mc = run.mesh
+        mc = run.mesh.at(run.mesh.size)          # calibrated figures for this many ranks, where measured
+        links = {a: (lk.bandwidth, lk.latency) for a, lk in mc.links}
+        pp = plan.pipeline
+        micro = pp.microbatches if pp is not None else run.train.grad_accum
+        passes = m.n_layers / plan.pipe_size * micro * (1.5 if t.recompute else 1.0)
         est = estimate_step(plan, flops=flops, tokens=tokens, device_flops=mc.rank_tflops * 1e12, links=links,
+                            layer_s=(mc.layer_us or 0.0) * 1e-6, layer_passes=passes,
                             **{k: getattr(mc, f"{k}_gbps") * 1e9 for k in ("host", "disk", "host_update")
                                if getattr(mc, f"{k}_gbps") is not None})
         if plan.offload and (mc.host_gbps is None or (plan.disk_bytes() and mc.disk_gbps is None)):

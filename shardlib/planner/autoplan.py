@@ -126,13 +126,17 @@ class Machine:
     host_memory: float | None = None
     overlap: float = 0.0
     shared_cores: int | None = None   # CPU machines: every rank on one host of this many cores
+    layer_s: float = 0.0              # a fixed cost per layer and micro-batch, forward and backward (calibrated)
 
     def rank_flops(self, n: int) -> float:
         """A rank's sustained rate when ``n`` ranks run: ranks beyond the cores share them."""
         return self.flops * (1.0 if self.shared_cores is None else min(1.0, self.shared_cores / n))
 
     @staticmethod
-    def of_mesh(mesh) -> Machine:
+    def of_mesh(mesh, devices: int | None = None) -> Machine:
+        """``mesh``'s figures, as ``devices`` ranks see them where the mesh is calibrated for that many."""
+        if devices is not None:
+            mesh = mesh.at(devices)
         missing = [k for k in ("device_tflops", "memory_gib") if getattr(mesh, k) is None]
         if missing or not mesh.links:
             raise ShardingError(
@@ -144,7 +148,7 @@ class Machine:
         gb = lambda x: None if x is None else x * 1e9        # noqa: E731
         return Machine(mesh.name, mesh.device_tflops * 1e12, mesh.memory_gib * 2**30, links, gb(mesh.host_gbps),
                        gb(mesh.host_update_gbps), None if mesh.host_memory_gib is None else mesh.host_memory_gib * 2**30,
-                       getattr(mesh, "overlap", None) or 0.0, mesh.shared_cores)
+                       getattr(mesh, "overlap", None) or 0.0, mesh.shared_cores, (mesh.layer_us or 0.0) * 1e-6)
 
     def link(self, axis: str) -> tuple[float, float]:
         got = self.links.get(axis, self.links.get("default"))
@@ -243,6 +247,7 @@ class Costs:
     def compute_s(self, k: Candidate, *, bubble: bool = True) -> float:
         n = k.data * k.pipe * k.tensor
         per_rank = self._flops[k.recompute] / n / self.mc.rank_flops(n)
+        per_rank += self.mc.layer_s * self.m.layers / k.pipe * k.microbatches * (1.5 if k.recompute else 1.0)
         if not bubble or k.pipe == 1:
             return per_rank
         return per_rank / (1 - bubble_formula(k.schedule, k.pipe, k.microbatches, k.virtual))

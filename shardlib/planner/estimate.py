@@ -8,7 +8,8 @@ and layer the forward multiplies ``(4 + 2r)·d²`` weights (attention's q, k, v,
     F = tokens · (3 + rc) · L · (2(4+2r)d² + 4sd) + 3 · tokens · 2dV           (rc = 1 with recompute)
 
 Every rank computes ``F / ranks`` (the data axis splits the tokens, tensor and pipe the layers'
-work), at the mesh's sustained ``device_tflops``; a pipeline stretches it by its bubble,
+work), at the mesh's sustained ``device_tflops``, plus a fixed cost per layer and micro-batch where the
+mesh is calibrated (``layer_us``: what many small micro-batches pay beyond their FLOPs); a pipeline stretches it by its bubble,
 ``compute / (1 - idle)`` with the schedule's formula ``(p-1)/(m+p-1)`` (``planner/simulate.py``).
 
 Communication. Each collective of ``plan.comm_per_step(rank)`` takes ``bytes / bandwidth + hops ·
@@ -77,11 +78,14 @@ def transformer_flops(*, layers: int, d_model: int, seq: int, vocab: int, tokens
 
 def estimate_step(plan: Plan, *, flops: float, tokens: int, device_flops: float,
                   links: Mapping[str, tuple[float, float]], rank: int = 0, host: float | None = None,
-                  disk: float | None = None, host_update: float | None = None) -> StepEstimate:
+                  disk: float | None = None, host_update: float | None = None,
+                  layer_s: float = 0.0, layer_passes: float = 0.0) -> StepEstimate:
     """``flops`` of a step over ``tokens`` tokens; ``device_flops`` per second; ``links[axis] =
     (bytes/s, seconds per hop)`` (an axis missing from ``links`` takes ``links["default"]``); with
     offload, ``host``, ``disk`` and ``host_update`` in bytes/s (the module doc; a figure not given
-    leaves its part out of the estimate)."""
+    leaves its part out of the estimate); ``layer_s`` a fixed cost per layer and micro-batch (forward and
+    backward: Python and kernel launches, measured by ``python -m shardlib.calibrate``) times this rank's
+    ``layer_passes``."""
     from .simulate import bubble_formula
 
     ranks = plan.mesh.size
@@ -108,5 +112,6 @@ def estimate_step(plan: Plan, *, flops: float, tokens: int, device_flops: float,
     if dict(plan.offload).get("optimizer") and host_update:
         n_opt = plan.memory_per_rank(rank, kind="all")["optimizer"] / (4 + plan.optimizer_state_bytes)
         update = 28 * n_opt / host_update
-    return StepEstimate(flops, per_rank, per_rank / device_flops, idle, comm, tokens,
+    compute = per_rank / device_flops + layer_s * layer_passes      # + a fixed cost per layer and micro-batch
+    return StepEstimate(flops, per_rank, compute, idle, comm, tokens,
                         tuple((k, v) for k, v in copies.items() if v), update)

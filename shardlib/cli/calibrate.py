@@ -1,0 +1,111 @@
+"""``python -m shardlib.calibrate [--ranks 1 2 4 8]``: measure the figures the estimator and the auto-planner
+price a step with, on the machine at hand, for each rank count, and print them as a mesh preset's
+``calibrated:`` table (paste it into ``meshes/<name>.yaml``):
+
+* ``tflops`` — a rank's sustained rate in a transformer block's forward and backward (d 256), every
+  rank computing at once (so ranks sharing cores share them);
+* ``layer_us`` — what one block's forward and backward costs beyond its FLOPs (Python and kernel
+  launches, which many small micro-batches pay): the intercept of the block's time at 1 and 16
+  sequences of 64 tokens, the rate its slope;
+* ``latency_us`` / ``gbps`` — an all-reduce's cost per ring hop (8 bytes, ``2(n-1)`` hops), measured
+  between blocks of work as a step meets it, and its bandwidth per rank (4 MiB): with more ranks than
+  cores each hop waits for its peer to be scheduled, which a loopback figure at two ranks does not show.
+
+Medians of repeated runs; the figures are measured, never fitted to training runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+
+def _block(d: int, rows: int, seq: int):
+    import torch
+
+    from ..models.gpt import Block, GPTConfig
+    torch.manual_seed(0)
+    block = Block(GPTConfig(d_model=d, n_heads=4, seq_len=seq))
+    x = torch.randn(rows, seq, d, requires_grad=True)
+    return lambda: block(x).sum().backward()
+
+
+def _seconds(fn, reps: int) -> float:
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _block_flops(d: int, rows: int, seq: int) -> float:
+    """Forward and backward of one block (``planner/estimate.py``'s per-layer term, x3)."""
+    return 3 * rows * seq * (2 * 12 * d * d + 4 * seq * d)
+
+
+def measure(reps: int = 10) -> dict[str, float]:
+    """On every rank of the running world at once; rank 0's figures (the ranks agree within noise).
+
+    The rate and the fixed cost come from one block at two micro-batch sizes (1 and 16 sequences of
+    64 tokens, d 256): the time is ``layer + FLOPs / rate``. The collective's cost is measured inside
+    that work, as a step meets it: the block's forward and backward followed by an all-reduce, against
+    the block alone (the difference per ring hop), then a 4 MiB all-reduce for the bandwidth."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    n = dist.get_world_size() if dist.is_initialized() else 1
+
+    def together(fn, r):
+        if n > 1:
+            dist.barrier()
+        return _seconds(fn, r)
+
+    one, many = _block(256, 1, 64), _block(256, 16, 64)
+    t1, t16 = together(one, reps * 2), together(many, reps)
+    f1, f16 = _block_flops(256, 1, 64), _block_flops(256, 16, 64)
+    rate = (f16 - f1) / max(t16 - t1, 1e-9)
+    out = {"tflops": rate / 1e12, "layer_us": max(0.0, t1 - f1 / rate) * 1e6, "latency_us": 0.0, "gbps": 0.0}
+    if n > 1:
+        hops = 2 * (n - 1)
+        tiny = torch.zeros(2)
+
+        def with_collective():
+            one()
+            dist.all_reduce(tiny)
+
+        alone = together(one, reps * 3)
+        both = together(with_collective, reps * 3)
+        per_hop = max(both - alone, 0.0) / hops
+        payload = torch.zeros(1 << 20)                # 4 MiB
+        big = together(lambda: dist.all_reduce(payload), reps)
+        sent = hops / n * payload.numel() * 4
+        out["latency_us"] = per_hop * 1e6
+        out["gbps"] = sent / max(big - hops * per_hop, 1e-9) / 1e9
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m shardlib.calibrate", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ranks", type=int, nargs="*", default=[1, 2, 4, 8])
+    ap.add_argument("--reps", type=int, default=10)
+    args = ap.parse_args(argv)
+    from ..frontend.launcher import launch
+
+    rows = {}
+    for n in args.ranks:
+        got = launch(measure, n, args.reps, threads=1) if n > 1 else [measure(args.reps)]
+        rows[n] = got[0]
+        print(f"{n} ranks: {got[0]}", file=sys.stderr, flush=True)
+    print(f"calibrated:        # python -m shardlib.calibrate --ranks {' '.join(map(str, args.ranks))} "
+          f"({time.strftime('%Y-%m-%d')})")
+    for n, r in rows.items():
+        print(f"  {n}: {{tflops: {r['tflops']:.4g}, gbps: {r['gbps']:.3g}, latency_us: {r['latency_us']:.0f}, "
+              f"layer_us: {r['layer_us']:.0f}}}")
+    return 0
