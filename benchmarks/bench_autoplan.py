@@ -19,34 +19,14 @@ import argparse
 import json
 import statistics
 import sys
-import time
 
-import torch
-import torch.distributed as dist
-
+from bench_estimate import rank_times      # (benchmarks/: the same timing as the estimate's benchmark)
 from shardlib.cli.autoplan import block_probe, exact, model_shape
 from shardlib.cli.compose import check_overrides
 from shardlib.frontend.config import run_config
 from shardlib.planner import autoplan as ap
 
 MESH = {4: "dp4", 8: "2x2x2"}
-
-
-def rank_times(overrides: list[str], steps: int) -> list[float]:
-    from shardlib.algebra.mesh import Mesh
-    from shardlib.frontend.run import Trainer
-
-    torch.set_num_threads(1)
-    run = run_config(check_overrides(overrides))
-    trainer = Trainer(run, Mesh(run.mesh.shape))
-    out = []
-    for i in range(steps + 2):
-        if run.mesh.size > 1:
-            dist.barrier()
-        t0 = time.perf_counter()
-        trainer.engine.step(trainer.batch(i))
-        out.append(time.perf_counter() - t0)
-    return out[2:]
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -113,7 +93,7 @@ def main(argv=None) -> None:
     rows = []
     for n in args.devices:
         for cand, ov, predicted in candidates(args.model, n, args.batch, args.plans):
-            per_rank = launch(rank_times, n, ov, args.steps, threads=1)
+            per_rank = launch(rank_times, n, run_config(check_overrides(ov)), args.steps, threads=1)
             measured = statistics.median(max(x) for x in zip(*per_rank))
             rows.append({"devices": n, "mesh": cand.axes, "plan": ap._describe(cand), "overrides": ov,
                          "predicted_ms": 1e3 * predicted, "measured_ms": 1e3 * measured})
