@@ -180,9 +180,15 @@ def _report(run: RunConfig, plan, metrics: list[dict], everyone: list[dict], agr
         p = plan.memory_per_rank(r)
         planned.append({"params": p["params"], "grads": p["grads"], "optimizer": p["optimizer"],
                         "activations": rank_activation_bytes(plan, r)})
+    kinds = ""
+    if plan.offload:        # the bars are the device's; each memory kind's bytes on rank 0 beside them
+        from shardlib.comm.core import format_bytes
+        kinds = "\nby memory kind on rank 0 (held / planned): " + ", ".join(
+            f"{k} {format_bytes(everyone[0]['kinds'][k])} / {format_bytes(plan.memory_per_rank(0, kind=k)['total'])}"
+            for k in ("device", "host", "disk"))
     plot_memory(planned, [e["held"] for e in everyone], out_dir / "memory.png",
                 title=f"{title}\nmodel states: plan.memory_per_rank vs held; activations: the blocks' saved bytes "
-                      "x live micro-batches (planned) vs the peak saved (measured)")
+                      "x live micro-batches (planned) vs the peak saved (measured)" + kinds)
     if everyone[0]["timeline"]:
         from shardlib.frontend.timeline import plot_timeline
         from shardlib.planner.simulate import bubble_formula

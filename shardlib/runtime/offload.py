@@ -15,18 +15,18 @@ on the host (``torch.optim.AdamW(fused=True)`` is the fastest CPU path: ``benchm
 and each updated master is copied back into the device's compute copy (``h2d``) — under ZeRO-1/2
 into this rank's piece of the full parameter, which the bucket all-gather then spreads.
 
-**Disk.** ``DiskStore``: one file set per rank under ``offload_dir``, two generations preallocated
+**Disk.** ``DiskStore`` (``offload_files.py``): one file set per rank under ``offload_dir``, two generations preallocated
 (a step reads the last one and writes the next; the last stays whole until every write of the step
 is done, so a failed write leaves the state of the previous step, and the device copies are put
 back from it). The update streams: the masters and moments are cut into chunks of at most
 ``chunk_elems`` elements (a parameter's piece may span several), a reader thread reads chunk ``i+1``
-and ``i+2`` while chunk ``i`` is updated (read-ahead), a writer thread writes chunk ``i`` while ``i+1`` is
-(write-behind): at most five chunks are resident (of 64 or more), never the whole state. The optimizer is stepped
-on one chunk at a time, its tensors swapped in; an elementwise optimizer gives the same values as
+and ``i+2`` while chunk ``i`` is updated (read-ahead), a writer thread writes chunk ``i`` while ``i+1``
+is (write-behind): at most five chunks are resident (of 64 or more), never the whole state. The
+optimizer is stepped on one chunk at a time, its tensors swapped in; an elementwise optimizer gives the same values as
 one step over the whole tensor — its per-parameter scalars (Adam's step count) are taken from before
 the step for every chunk of a parameter. ``timeline`` records each chunk's read, update and write
-and how long the update waited for each read (``perf_counter`` seconds) for the benchmark. Outside the step (checkpoints, ``gathered()``,
-``load_pretrained``) ``engine._offload_mapped()`` maps the current generation: the masters and
+and how long the update waited for each read (``perf_counter`` seconds) for the benchmark. Outside
+the step (checkpoints, ``gathered()``, ``load_pretrained``) ``engine._offload_mapped()`` maps the current generation: the masters and
 moments become file-backed tensors (page cache, not the process's anonymous memory), read and
 written in place.
 
@@ -36,27 +36,18 @@ copies are counted, nothing is saved; ``disk`` does free memory.
 
 from __future__ import annotations
 
-import errno
-import os
 import threading
 import time
-import uuid
-import weakref
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from ..errors import ShardingError
+from .offload_files import DiskStore, OffloadError
 from .state import ParamState
 
 HOST = torch.device("cpu")
-
-
-class OffloadError(ShardingError):
-    """Reading or writing offloaded states failed; the step was not applied."""
 
 
 class Copies:
@@ -425,87 +416,3 @@ class DiskOptimizer(OptimizerOffload):
         self.reader.shutdown()
         self.writer.shutdown()
         self.store.close()
-
-
-class DiskStore:
-    """One rank's offload files: ``<offload_dir>/shardlib-offload-<pid>-<id>/rank<r>.<name>.{0,1}.bin``,
-    each ``sizes[i] * slots`` elements of ``dtype`` per entry ``i`` (the optimizer's: slot 0 the master,
-    then the moments), preallocated so a step never needs new space. Removed when the engine goes."""
-
-    def __init__(self, offload_dir: str, rank: int, sizes: list[int], slots: int, *,
-                 dtype: torch.dtype = torch.float32, name: str = "optimizer"):
-        self.folder = Path(offload_dir) / f"shardlib-offload-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.folder.mkdir(parents=True, exist_ok=True)
-        self.sizes, self.slots, self.dtype = sizes, slots, dtype
-        self.item = dtype.itemsize
-        self.offsets, off = [], 0
-        for n in sizes:
-            self.offsets.append(off)
-            off += n * slots * self.item
-        self.gen_bytes = off
-        self.paths = [self.folder / f"rank{rank}.{name}.{g}.bin" for g in (0, 1)]
-        self.fds = []
-        for p in self.paths:
-            fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-            self.fds.append(fd)
-            if off:
-                try:
-                    os.posix_fallocate(fd, 0, off)
-                except OSError as e:
-                    self.close()
-                    raise OffloadError(f"parallelize: could not reserve {off / 2**30:.2f} GiB for the offloaded "
-                                       f"{name} state in {p} — {e}. Free space under offload_dir, or offload "
-                                       "less to 'disk'.") from None
-        self.current = 0
-        # the files go with the engine (or the process): fds closed, files and folder removed
-        self._finalizer = weakref.finalize(self, _remove, list(self.fds), list(self.paths), self.folder)
-
-    def _pos(self, i: int, slot: int, lo: int) -> int:
-        return self.offsets[i] + (slot * self.sizes[i] + lo) * self.item
-
-    def read(self, gen: int, i: int, slot: int, lo: int, out: torch.Tensor) -> None:
-        view = memoryview(out.view(torch.uint8).numpy())
-        got = os.preadv(self.fds[gen], [view], self._pos(i, slot, lo))
-        if got != len(view):
-            raise OSError(errno.EIO, f"short read of {self.paths[gen]} ({got} of {len(view)} bytes)")
-
-    def write(self, gen: int, i: int, slot: int, lo: int, values: torch.Tensor) -> None:
-        data = values.detach().contiguous().view(torch.uint8).numpy()
-        done = 0
-        while done < len(data):
-            n = os.pwrite(self.fds[gen], memoryview(data)[done:], self._pos(i, slot, lo) + done)
-            if n <= 0:
-                raise OSError(errno.EIO, f"write to {self.paths[gen]} made no progress")
-            done += n
-
-    def map(self, gen: int) -> torch.Tensor:
-        """The whole generation file as one file-backed tensor (``MAP_SHARED``)."""
-        return torch.from_file(str(self.paths[gen]), shared=True, size=self.gen_bytes // self.item, dtype=self.dtype)
-
-    def view(self, data: torch.Tensor, i: int, slot: int) -> torch.Tensor:
-        start = self._pos(i, slot, 0) // self.item
-        return data[start:start + self.sizes[i]]
-
-    def close(self) -> None:
-        if hasattr(self, "_finalizer"):
-            self._finalizer()
-        else:
-            _remove(self.fds, self.paths, self.folder)
-        self.fds = []
-
-
-def _remove(fds: list[int], paths: list[Path], folder: Path) -> None:
-    for fd in fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-    for p in paths:
-        try:
-            p.unlink()
-        except OSError:
-            pass
-    try:
-        folder.rmdir()
-    except OSError:
-        pass

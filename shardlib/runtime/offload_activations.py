@@ -30,7 +30,8 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from ..quant.layout import inner_tensors
-from .offload import HOST, OffloadError, _remove
+from .offload import HOST
+from .offload_files import OffloadError, _remove
 
 
 class _OnDisk:
