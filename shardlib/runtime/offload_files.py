@@ -70,13 +70,25 @@ class DiskStore:
                 raise OSError(errno.EIO, f"write to {self.paths[gen]} made no progress")
             done += n
 
-    def map(self, gen: int) -> torch.Tensor:
-        """The whole generation file as one file-backed tensor (``MAP_SHARED``)."""
-        return torch.from_file(str(self.paths[gen]), shared=True, size=self.gen_bytes // self.item, dtype=self.dtype)
+    def map(self, gen: int) -> int:
+        """A handle on generation ``gen`` for ``view``."""
+        return gen
 
-    def view(self, data: torch.Tensor, i: int, slot: int) -> torch.Tensor:
-        start = self._pos(i, slot, 0) // self.item
-        return data[start:start + self.sizes[i]]
+    def view(self, gen: int, i: int, slot: int, lo: int = 0, n: int | None = None) -> torch.Tensor:
+        """Elements ``[lo, lo + n)`` of entry ``i``'s ``slot`` in generation ``gen`` as a file-backed tensor
+        (``MAP_SHARED``: reads and writes go to the file) whose storage is exactly that region — so a
+        checkpoint writer sees a tensor of its own, not a view of a whole file it would copy out."""
+        import numpy as np
+
+        n = self.sizes[i] - lo if n is None else n
+        if n == 0:
+            return torch.empty(0, dtype=self.dtype)
+        kind = {torch.float32: np.float32, torch.float64: np.float64}.get(self.dtype, np.uint16 if self.item == 2 else None)
+        if kind is None:
+            kind = np.uint8
+            n *= self.item
+        arr = np.memmap(self.paths[gen], dtype=kind, mode="r+", offset=self._pos(i, slot, lo), shape=(n,))
+        return torch.from_numpy(arr).view(self.dtype)
 
     def close(self) -> None:
         if hasattr(self, "_finalizer"):

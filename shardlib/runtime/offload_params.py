@@ -171,7 +171,7 @@ class ParamsOffload:
         for s in self.engine.states:
             if s.shard is not None:
                 k, pos = self.where[id(s)]
-                s.shard = self.store.view(data, k, 0)[pos:pos + s.hi - s.lo]
+                s.shard = self.store.view(data, k, 0, pos, s.hi - s.lo)
         self._depth += 1
         try:
             yield
