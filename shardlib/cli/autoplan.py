@@ -48,8 +48,7 @@ def model_shape(cfg, seq: int, dtype=None) -> ModelShape:
             m = m.to(dtype)
         ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
         acts.append(activation_bytes(m, (ids, ids)))
-    return ModelShape(cfg.n_layers, h, cfg.n_heads, v, seq, r, block, pre, post, acts[1] - acts[0],
-                      2 * acts[0] - acts[1])
+    return ModelShape(cfg.n_layers, h, cfg.n_heads, v, seq, r, block, pre, post, 2 * acts[0] - acts[1])
 
 
 def block_probe(cfg, seq: int, precision: str):

@@ -35,7 +35,6 @@ from ..errors import ShardingError
 from .simulate import bubble_formula
 
 SCHEDULES = ("1f1b", "interleaved_1f1b", "zb_h1", "gpipe")
-KORTHIKANTI_WHOLE = 10 / 34        # the part of a block's activations a tensor split leaves whole without SP
 
 
 @dataclass(frozen=True)
@@ -90,8 +89,9 @@ def divisors(n: int) -> list[int]:
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the analytic costs need of a GPT: its sizes, parameters per block and outside them, and one
-    block's saved activation bytes per sequence (fp32, measured on the meta device), and the rest's."""
+    """What the analytic costs need of a GPT: its sizes, parameters per block and outside them, and what
+    the embeddings, head and loss save for backward per sequence (measured on the meta device in the
+    compute dtype). A block's saved bytes come from the planner's own measurement (``Costs.block_fn``)."""
 
     layers: int
     d_model: int
@@ -102,7 +102,6 @@ class ModelShape:
     block_params: int
     pre_params: int               # embeddings (the first stage)
     post_params: int              # final norm and head (the last stage)
-    block_act: int                # bytes per sequence, in the compute dtype
     post_act: int                 # embeddings, head and loss: bytes per sequence, in the compute dtype
 
     @property
