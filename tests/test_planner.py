@@ -353,7 +353,7 @@ def test_wrong_kinds_alone_are_a_type_error_and_otherwise_listed_with_the_rest()
         sl.plan(gpt(), mesh(2), zero="1", optimizer=None, recompute="blocks.0", units="blocks.0")
     msg = str(info.value)
     assert "4 problems" in msg
-    for words in ("zero must be an int", "optimizer must be a name", "recompute must be True, False or a list",
+    for words in ("zero must be an int", "optimizer must be a name", "recompute must be 'none', 'selective', 'full' (True, False) or a list",
                   "units must be a list"):
         assert words in msg, words
     with pytest.raises(sl.ShardingError) as info:           # a value problem among them: a ShardingError

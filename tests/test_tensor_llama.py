@@ -56,7 +56,8 @@ def llama_run(cfg: dict, shape: dict) -> dict:
     table = {**LLAMA_TP, **(LLAMA_VOCAB_TP if cfg.get("vocab") else {})}
     sl.shard(table)(model)
     batches = _batches()
-    plan = sl.plan(model, mesh, zero=cfg.get("zero", 0), sequence_parallel=cfg.get("sp", False), batch=batches[0])
+    plan = sl.plan(model, mesh, zero=cfg.get("zero", 0), sequence_parallel=cfg.get("sp", False), batch=batches[0],
+                   recompute=cfg.get("recompute", False))
     engine = sl.parallelize(model, plan, optimizer=_optimizer, loss_fn=_loss)
     losses, counts = train_counting(engine, plan, batches)
     full = engine.full_state_dict()

@@ -61,14 +61,14 @@ def block_probe(cfg, seq: int, precision: str):
     from ..models.gpt import GPT
     from ..planner.build import plan
 
-    def probe(t: int, sp: bool) -> float:
+    def probe(t: int, sp: bool, recompute: str = "none") -> float:
         with torch.device("meta"):
             model = GPT(replace(cfg, n_layers=2), seed=None)
         axes = {"pipe": 2, **({"tensor": t} if t > 1 else {})}
         rules = {"layers": "pipe", **({"heads": "tensor", "mlp": "tensor", "vocab": "tensor"} if t > 1 else {})}
         ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
         got = plan(model, AbstractMesh(axes), rules=rules, batch=(ids, ids), microbatches=1, precision=precision,
-                   sequence_parallel=sp and t > 1)
+                   sequence_parallel=sp and t > 1, recompute=recompute)
         return float(got.pipeline.block_saved[-1])
     return probe
 
@@ -206,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         words = [f"ZeRO-{p['zero']}"] + (["SP"] if p["sequence_parallel"] else []) \
             + ([f"{p['schedule']} m={p['microbatches']}" + (f" v={p['virtual_stages']}" if p['virtual_stages'] > 1 else "")]
                if p["schedule"] else ([f"accumulation {p['microbatches']}"] if p["microbatches"] > 1 else [])) \
-            + (["recompute"] if p["recompute"] else []) + (["optimizer on the host"] if p["offload"] else []) \
+            + ([f"{p['recompute']} recompute"] if p["recompute"] != "none" else []) \
+            + (["optimizer on the host"] if p["offload"] else []) \
             + ([f"HSDP replica {p['replica']}"] if p["replica"] > 1 else [])
         b = c["step_ms_bounds"]
         print(f"\n{i}. mesh {c['mesh']}: {', '.join(words)}\n   step {c['step_ms']:.0f} ms ({b['full_overlap']:.0f}-"

@@ -65,4 +65,5 @@ def as_json(d) -> dict:
     return {"memory_per_rank": mem, "worst_rank": d.worst_rank, "fits": d.fits,
             "bytes_per_axis": {k: int(v) for k, v in d.bytes_per_axis.items()}, "bubble": bubble,
             "step_ms": None if e is None else {"no_overlap": 1e3 * e.total_s, "full_overlap": 1e3 * e.overlapped_s},
-            "tokens_per_s": None if e is None else e.tokens_per_s, "notes": list(d.notes)}
+            "tokens_per_s": None if e is None else e.tokens_per_s, "recompute": plan.recompute,
+            "notes": list(d.notes)}

@@ -162,7 +162,7 @@ class TrainConfig:
     precision: str = "fp32"
     clip_grad_norm: float | None = 1.0
     grad_accum: int = 1
-    recompute: bool = False
+    recompute: str = "none"        # none | selective (attention's core) | full (true/false: full/none)
     seed: int = 0
     log_every: int = 10
 
@@ -379,6 +379,13 @@ def _model(raw: Any, problems: list[str]) -> ModelConfig:
     return out
 
 
+RECOMPUTE = ("none", "selective", "full", False, True)
+
+
+def _recompute(v: Any) -> str:
+    return {False: "none", True: "full"}.get(v, v) if isinstance(v, bool) else v
+
+
 def _train(raw: Any, problems: list[str]) -> TrainConfig:
     c = _Checker("train", raw, problems, _keys(TrainConfig))
     d = TrainConfig()
@@ -388,7 +395,7 @@ def _train(raw: Any, problems: list[str]) -> TrainConfig:
         warmup_steps=c.int("warmup_steps", d.warmup_steps, low=0), min_lr=c.number("min_lr", d.min_lr),
         weight_decay=c.number("weight_decay", d.weight_decay), precision=c.choice("precision", d.precision, PRECISIONS),
         clip_grad_norm=c.number("clip_grad_norm", d.clip_grad_norm, strict=True, optional=True),
-        grad_accum=c.int("grad_accum", d.grad_accum), recompute=c.bool("recompute", d.recompute),
+        grad_accum=c.int("grad_accum", d.grad_accum), recompute=_recompute(c.choice("recompute", d.recompute, RECOMPUTE)),
         seed=c.int("seed", d.seed, low=0), log_every=c.int("log_every", d.log_every))
 
 

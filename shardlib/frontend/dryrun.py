@@ -18,7 +18,7 @@ import torch
 
 from ..algebra.mesh import AbstractMesh
 from ..comm.core import format_bytes
-from ..planner.estimate import StepEstimate, estimate_step, transformer_flops
+from ..planner.estimate import StepEstimate, estimate_step, recompute_passes, transformer_flops
 from .config import RunConfig
 
 
@@ -118,7 +118,7 @@ def dry_run(run: RunConfig) -> DryRun:
         links = {a: (lk.bandwidth, lk.latency) for a, lk in mc.links}
         pp = plan.pipeline
         micro = pp.microbatches if pp is not None else run.train.grad_accum
-        passes = m.n_layers / plan.pipe_size * micro * (1.5 if t.recompute else 1.0)
+        passes = m.n_layers / plan.pipe_size * micro * recompute_passes(t.recompute)
         est = estimate_step(plan, flops=flops, tokens=tokens, device_flops=mc.rank_tflops * 1e12, links=links,
                             layer_s=(mc.layer_us or 0.0) * 1e-6, layer_passes=passes,
                             **{k: getattr(mc, f"{k}_gbps") * 1e9 for k in ("host", "disk", "host_update")

@@ -4,14 +4,14 @@ The search has two stages.
 
 1. **Analytic, over the whole space.** Every mesh shape ``data x pipe x tensor`` (x ``replica`` for HSDP)
    of the device count, with every ZeRO stage, sequence parallel, pipeline schedule (with virtual stages),
-   micro-batch count, recompute and optimizer offload, is priced in closed form (``Costs``): model states
+   micro-batch count, recompute (none, selective, full) and optimizer offload, is priced in closed form (``Costs``): model states
    per rank as ``memory_per_rank`` counts them, activations from one block's saved bytes measured once on
    the meta device (Korthikanti et al.'s split: with sequence parallel all of it divides by the tensor
    degree, without it 10 of its 34 parts stay whole), the worst pipeline stage's micro-batches in flight
    per schedule, ZeRO-3's two gathered units; the step from ``transformer_flops`` at the machine's rate
    stretched by the schedule's bubble (``bubble_formula``), plus each axis's traffic over its link, plus
    offload copies and the host update (``planner/estimate.py``'s figures).
-   **Pruning.** A shape whose most frugal configurations (ZeRO-2 and ZeRO-3, recompute, sequence
+   **Pruning.** A shape whose most frugal configurations (ZeRO-2 and ZeRO-3, full recompute, sequence
    parallel, the optimizer offloaded, one sequence per micro-batch; ``frugal``) do not fit is dropped
    whole: memory only falls along each of those (monotone; ZeRO-3 against ZeRO-2 is not, its gathered
    units can outweigh what it shards, so both are tried). A shape whose lower bound — the compute with no bubble and no
@@ -35,6 +35,7 @@ from ..errors import ShardingError
 from .simulate import bubble_formula
 
 SCHEDULES = ("1f1b", "interleaved_1f1b", "zb_h1", "gpipe")
+RECOMPUTE = ("none", "selective", "full")
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ class Candidate:
     schedule: str | None = None
     virtual: int = 1
     microbatches: int = 1         # per data rank: pipeline micro-batches, or gradient accumulation steps
-    recompute: bool = False
+    recompute: str = "none"       # none | selective (attention's core) | full (every block)
     offload: bool = False         # the optimizer's states on the host
 
     @property
@@ -161,17 +162,18 @@ class Costs:
     """The closed-form price of a candidate (module doc, stage 1)."""
 
     def __init__(self, model: ModelShape, machine: Machine, *, batch: int, precision: str, block_fn=None):
-        """``block_fn(t, sp)``: one block's saved bytes per sequence on a tensor-``t`` shard, as the
-        planner measures them; without it, Korthikanti's formula."""
+        """``block_fn(t, sp, recompute)``: one block's saved bytes per sequence on a tensor-``t`` shard
+        under a recompute policy, as the planner measures them; without it, Korthikanti's formula."""
         self.m, self.mc, self.batch = model, machine, batch
         self.c = 2 if precision in ("bf16", "fp16") else 4
         self.mixed = self.c == 2
         self.precision, self.block_fn = precision, block_fn
-        self._block: dict[tuple[int, bool], float] = {}
-        from .estimate import transformer_flops
+        self._block: dict[tuple[int, bool, str], float] = {}
+        from .estimate import recompute_passes, transformer_flops
         self._flops = {rc: transformer_flops(layers=model.layers, d_model=model.d_model, seq=model.seq,
                                              vocab=model.vocab, tokens=batch * model.seq, mlp_ratio=model.mlp_ratio,
-                                             recompute=rc) for rc in (False, True)}
+                                             recompute=rc) for rc in RECOMPUTE}
+        self._passes = {rc: recompute_passes(rc) for rc in RECOMPUTE}
 
     # ---- memory ------------------------------------------------------------------------------------
     def states(self, k: Candidate, stage_params: float) -> dict[str, float]:
@@ -203,19 +205,21 @@ class Costs:
 
     def activations(self, k: Candidate) -> tuple[float, float]:
         """(bytes the worst stage holds for backward, of which the last stage's head and loss). A block
-        saves Korthikanti et al.'s ``s·b·h·(10 + 24/t + 5·a·s/(h·t))`` bytes in 16-bit, ``/t`` whole with
-        sequence parallel (what the planner measures on the shards: ``pipeline_report.block_saved_bytes``);
+        saves what the planner measures on the shards (``block_fn``: ``pipeline_report.block_saved_bytes``),
+        or by Korthikanti et al.'s formula ``s·b·h·(10 + 24/t + 5·a·s/(h·t))`` bytes in 16-bit, ``/t``
+        whole with sequence parallel, the ``5·a·s/h`` scores dropped with selective recompute; fully
         recomputed, its input only."""
         m = self.m
         b = self.batch // (k.data * k.microbatches)
         t = k.tensor
         sbh = m.seq * b * m.d_model
         scores = 5 * m.heads * m.seq / m.d_model
-        if k.recompute:
+        if k.recompute == "full":
             per = sbh * self.c / (t if k.sp else 1)
         elif self.block_fn is not None:     # the planner's own measurement of a block, per sequence
-            per = self.block(t, k.sp) * b
+            per = self.block(t, k.sp, k.recompute) * b
         else:
+            scores = 0.0 if k.recompute == "selective" else scores
             per = sbh * (34 / t + scores / t if k.sp else 10 + 24 / t + scores / t) * self.c / 2
         layers = m.layers / k.pipe
         post = m.post_act * b / t          # vocab-parallel logits and loss (measured in the compute dtype)
@@ -224,11 +228,11 @@ class Costs:
         last = (per * layers + post) * in_last
         return max(first, last), post
 
-    def block(self, t: int, sp: bool) -> float:
+    def block(self, t: int, sp: bool, recompute: str = "none") -> float:
         """One block's saved bytes for one sequence on a tensor-``t`` shard (``block_fn``, cached)."""
-        if (t, sp) not in self._block:
-            self._block[(t, sp)] = float(self.block_fn(t, sp))
-        return self._block[(t, sp)]
+        if (t, sp, recompute) not in self._block:
+            self._block[(t, sp, recompute)] = float(self.block_fn(t, sp, recompute))
+        return self._block[(t, sp, recompute)]
 
     def memory(self, k: Candidate) -> dict[str, float]:
         stage = self.m.layers / k.pipe * self.m.block_params
@@ -246,7 +250,7 @@ class Costs:
     def compute_s(self, k: Candidate, *, bubble: bool = True) -> float:
         n = k.data * k.pipe * k.tensor
         per_rank = self._flops[k.recompute] / n / self.mc.rank_flops(n)
-        per_rank += self.mc.layer_s * self.m.layers / k.pipe * k.microbatches * (1.5 if k.recompute else 1.0)
+        per_rank += self.mc.layer_s * self.m.layers / k.pipe * k.microbatches * self._passes[k.recompute]
         if not bubble or k.pipe == 1:
             return per_rank
         return per_rank / (1 - bubble_formula(k.schedule, k.pipe, k.microbatches, k.virtual))
@@ -303,7 +307,8 @@ class Costs:
     def lower_bound(self, data: int, pipe: int, tensor: int) -> float:
         """No configuration of this shape is faster: the compute with no bubble and no recompute, against
         the tensor axis's traffic and the data axis's gradient all-reduce (ZeRO 0-2's bytes, the least)."""
-        k = Candidate(data, pipe, tensor, zero=0, schedule="1f1b" if pipe > 1 else None, microbatches=1)
+        k = Candidate(data, pipe, tensor, zero=0, schedule="1f1b" if pipe > 1 else None, microbatches=1,
+                      recompute="none")
         compute = self.compute_s(k, bubble=False)
         comm = self.comm_s(k)
         # the gradients' traffic at its least: ZeRO 0-2's bytes, over the cheapest replica split (HSDP)
@@ -346,18 +351,19 @@ def configs(data: int, pipe: int, tensor: int, model: ModelShape, batch: int, *,
                         for m in divisors(per_rank):
                             if sched == "interleaved_1f1b" and m % pipe:
                                 continue
-                            for rc in ((False,) if sched == "zb_h1" else (False, True)):   # (W cannot split from a recompute)
+                            for rc in (RECOMPUTE[:2] if sched == "zb_h1" else RECOMPUTE):   # (W cannot split from a full recompute)
                                 for off in ((False, True) if offload else (False,)):
                                     yield Candidate(data, pipe, tensor, rep, zero, sp, sched, v, m, rc, off)
 
 
 def frugal(data: int, pipe: int, tensor: int, batch: int) -> list[Candidate]:
-    """The shape's least memory is one of these: recompute, sequence parallel, the optimizer on the
+    """The shape's least memory is one of these: full recompute, sequence parallel, the optimizer on the
     host, one sequence per micro-batch, and ZeRO-2 or ZeRO-3 (ZeRO-3 shards the parameters but holds
     two gathered units: on a small model or few data ranks ZeRO-2 holds less)."""
     sched = "1f1b" if pipe > 1 else None
     zeros = (2, 3) if data > 1 else (0,)
-    return [Candidate(data, pipe, tensor, 1, z, tensor > 1, sched, 1, max(1, batch // data), True, True) for z in zeros]
+    return [Candidate(data, pipe, tensor, 1, z, tensor > 1, sched, 1, max(1, batch // data), "full", True)
+            for z in zeros]
 
 
 def search(costs: Costs, n: int, *, keep: int = 8, prune: bool = True, hsdp: bool = True,
@@ -390,7 +396,7 @@ def search(costs: Costs, n: int, *, keep: int = 8, prune: bool = True, hsdp: boo
 
 def _tiebreak(k: Candidate) -> tuple:
     """Equal predicted steps: the simpler plan first (less sharding, no offload, no recompute)."""
-    return (k.offload, k.recompute, k.zero, k.replica, k.sp, k.pipe, k.virtual, k.microbatches)
+    return (k.offload, RECOMPUTE.index(k.recompute), k.zero, k.replica, k.sp, k.pipe, k.virtual, k.microbatches)
 
 
 # ---- the overrides that run a candidate --------------------------------------------------------------
@@ -415,8 +421,8 @@ def overrides(k: Candidate, *, model: str, mesh: str, batch: int, precision: str
             out.append(f"parallel.virtual_stages={k.virtual}")
     elif k.microbatches > 1:
         out.append(f"train.grad_accum={k.microbatches}")
-    if k.recompute:
-        out.append("train.recompute=true")
+    if k.recompute != "none":
+        out.append(f"train.recompute={k.recompute}")
     if k.offload:
         out.append("+parallel.offload.optimizer=host")
     return out
@@ -441,7 +447,7 @@ def _smallest_memory(costs: Costs, n: int) -> tuple[float, Candidate]:
 
 
 def _words(k: Candidate) -> str:
-    return (f"mesh {k.axes}, ZeRO-{k.zero}, recompute, {'sequence parallel, ' if k.sp else ''}"
+    return (f"mesh {k.axes}, ZeRO-{k.zero}, {k.recompute} recompute, {'sequence parallel, ' if k.sp else ''}"
             f"{k.microbatches} micro-batches, the optimizer on the host")
 
 

@@ -99,7 +99,7 @@ def _few(items: Sequence, k: int = 8) -> str:
 
 def plan(model: nn.Module, mesh: AbstractMesh, zero: int | None = None, *, states: StateLayouts | None = None,
          precision: str = "fp32", reduce_dtype: str | torch.dtype | None = None, grad_accum: int = 1,
-         clip_grad_norm: float | None = None, recompute: bool | Iterable[str] = False,
+         clip_grad_norm: float | None = None, recompute: bool | str | Iterable[str] = False,
          units: Sequence[str] | None = None, bucket_mb: float = 25.0, optimizer: str | int = "adamw",
          reshard_after_forward: bool = True, data_axis: str = "data", broadcast_buffers: bool = True,
          rules: Any = None, sequence_parallel: bool = False, batch: Any = None, tensor_axis: str = "tensor",
@@ -134,7 +134,9 @@ def plan(model: nn.Module, mesh: AbstractMesh, zero: int | None = None, *, state
     sum their gradient shards with one all-reduce (FSDP2's HSDP, ZeRO++'s hpZ).
     ``precision`` is the compute dtype (``fp32``, ``bf16``, ``fp16``); master weights stay fp32.
     ``optimizer`` names the optimizer family (or gives its state bytes per parameter) so memory
-    can be planned; ``recompute`` checkpoints units (True: every unit but the root).
+    can be planned; ``recompute`` checkpoints units: ``True``/``"full"`` every unit but the root,
+    a list of unit names those units, ``"selective"`` only attention's core in every unit but the
+    root (Megatron's default: ``comm/recompute.py``), ``False``/``"none"`` nothing.
     ``units`` names the modules gathered and freed together (default: each block of every
     ``nn.ModuleList``; the root unit holds the rest). ``broadcast_buffers`` (DDP's): rank 0's buffers
     are broadcast before each step's forward (False: each rank keeps its own, e.g. BatchNorm statistics;
@@ -151,7 +153,7 @@ def plan(model: nn.Module, mesh: AbstractMesh, zero: int | None = None, *, state
         raise ShardingTypeError(f"plan: expected a Mesh or AbstractMesh — got {type(mesh).__name__}.")
     if data_axis == "data":          # a mesh without a data axis is one whose data size is 1
         mesh = mesh.with_axis(data_axis)
-    states, rdt, unit_names, rec, state_bytes, specs, tplan, pplan, kinds = _check(
+    states, rdt, unit_names, rec, sel, state_bytes, specs, tplan, pplan, kinds = _check(
         model, mesh, zero=zero, states=states, precision=precision, reduce_dtype=reduce_dtype,
         grad_accum=grad_accum, clip_grad_norm=clip_grad_norm, recompute=recompute, units=units,
         bucket_mb=bucket_mb, optimizer=optimizer, reshard_after_forward=reshard_after_forward,
@@ -214,7 +216,8 @@ def plan(model: nn.Module, mesh: AbstractMesh, zero: int | None = None, *, state
     for pp in params:
         members.setdefault(pp.unit, []).append(pp.name)
     unit_list = [UnitPlan("", tuple(members[""]), False, False)] if "" in members else []
-    unit_list += [UnitPlan(u, tuple(members[u]), reshard_after_forward, u in rec) for u in unit_names if u in members]
+    unit_list += [UnitPlan(u, tuple(members[u]), reshard_after_forward, u in rec, u in sel)
+                  for u in unit_names if u in members]
     buffers = list(model.buffers())
     tensors = [*(p for _, p in named), *buffers]
     # built on the meta device: the engine replays rank 0's initialization (runtime/materialize.py),
@@ -393,12 +396,15 @@ def _check(model: nn.Module, mesh: AbstractMesh, *, zero, states, precision, red
     else:
         unit_names = find_units(model, units)
     rec: set[str] = set()
-    if recompute is True:
+    sel: set[str] = set()
+    if recompute is True or recompute == "full":
         rec = set(unit_names)
-    elif recompute is not False and recompute is not None:
+    elif recompute == "selective":
+        sel = set(unit_names)
+    elif recompute is not False and recompute is not None and recompute != "none":
         if isinstance(recompute, str) or not isinstance(recompute, Iterable):
-            add(f"plan: recompute must be True, False or a list of unit names — got {type(recompute).__name__} "
-                f"{recompute!r}.", True)
+            add(f"plan: recompute must be 'none', 'selective', 'full' (True, False) or a list of unit names to "
+                f"recompute whole — got {type(recompute).__name__} {recompute!r}.", True)
         else:
             names = list(recompute)
             known = set(unit_names)
@@ -439,4 +445,4 @@ def _check(model: nn.Module, mesh: AbstractMesh, *, zero, states, precision, red
         raise ShardingError(messages, api="plan")
     if states is None:
         states = StateLayouts.zero(0 if zero is None else zero, data_axis)
-    return states, rdt, unit_names, rec, state_bytes, specs, tplan, pplan, kinds
+    return states, rdt, unit_names, rec, sel, state_bytes, specs, tplan, pplan, kinds

@@ -3,9 +3,11 @@
 Compute. A transformer's training FLOPs (Narayanan et al. 2021, eq. 3, for any MLP width): per token
 and layer the forward multiplies ``(4 + 2r)·d²`` weights (attention's q, k, v, output; an MLP of width
 ``r·d``) at 2 FLOPs each, and the attention scores and their weighting cost ``2·2·s·d``; the LM head
-``2·d·V``. Backward is twice the forward; recompute adds one more forward of the blocks::
+``2·d·V``. Backward is twice the forward; full recompute adds one more forward of the blocks,
+selective recompute one more forward of attention's core (its ``4sd``)::
 
-    F = tokens · (3 + rc) · L · (2(4+2r)d² + 4sd) + 3 · tokens · 2dV           (rc = 1 with recompute)
+    F = tokens · L · ((3 + rc) · 2(4+2r)d² + (3 + rc + sel) · 4sd) + 3 · tokens · 2dV
+        (rc = 1 with recompute="full", sel = 1 with recompute="selective")
 
 Every rank computes ``F / ranks`` (the data axis splits the tokens, tensor and pipe the layers'
 work), at the mesh's sustained ``device_tflops``, plus a fixed cost per layer and micro-batch where the
@@ -70,10 +72,22 @@ class StepEstimate:
 
 
 def transformer_flops(*, layers: int, d_model: int, seq: int, vocab: int, tokens: int, mlp_ratio: int = 4,
-                      recompute: bool = False) -> float:
-    """Training FLOPs of one step over ``tokens`` tokens (the module doc's formula)."""
-    per_layer = 2 * (4 + 2 * mlp_ratio) * d_model ** 2 + 4 * seq * d_model
-    return tokens * ((3 + int(recompute)) * layers * per_layer + 3 * 2 * d_model * vocab)
+                      recompute: bool | str = False) -> float:
+    """Training FLOPs of one step over ``tokens`` tokens (the module doc's formula); ``recompute``:
+    ``"none"``/``False``, ``"selective"``, ``"full"``/``True``."""
+    rc = int(recompute is True or recompute == "full")
+    sel = int(recompute == "selective")
+    dense, core = 2 * (4 + 2 * mlp_ratio) * d_model ** 2, 4 * seq * d_model
+    return tokens * (layers * ((3 + rc) * dense + (3 + rc + sel) * core) + 3 * 2 * d_model * vocab)
+
+
+def recompute_passes(recompute: bool | str) -> float:
+    """A block's passes per micro-batch relative to forward + backward (what ``layer_us``, the fixed
+    cost per layer pass, multiplies): full recompute adds a third pass (1.5); selective re-runs one
+    kernel of a block's forward of about a dozen (``1 + 1/24``, an approximation)."""
+    if recompute is True or recompute == "full":
+        return 1.5
+    return 1.0 + 1 / 24 if recompute == "selective" else 1.0
 
 
 def estimate_step(plan: Plan, *, flops: float, tokens: int, device_flops: float,

@@ -52,7 +52,9 @@ class Explain:
             lines += pipeline_lines(self, full)
         lines += self._frozen_lines(full)
         lines += _wrap("units: " + ", ".join(self._unit_words(full))
-                       + ("   (* = recomputed in backward)" if any(u.recompute for u in self.units) else ""),
+                       + ("   (* = recomputed in backward)" if any(u.recompute for u in self.units) else "")
+                       + ("   (s = attention's core recomputed in backward)" if any(u.selective for u in self.units)
+                          else ""),
                        "  ", "    ")
         lines += ["", *self._param_table(max_params, full)]
         mem, formula = self.memory_per_rank(kind="all"), self.zero_formula()
@@ -122,10 +124,10 @@ class Explain:
         """``name(params)`` per unit, ``*`` when recomputed; by default units of one name pattern,
         parameter count and policy are one entry: ``blocks.0..999 (1000 units x 12 params)*``."""
         def star(u) -> str:
-            return "*" if u.recompute else ""
+            return "*" if u.recompute else "s" if u.selective else ""
         if full:
             return [f"{u.name or '<root>'}({len(u.params)}){star(u)}" for u in self.units]
-        groups = _group(self.units, lambda u: (_pattern(u.name), len(u.params), u.recompute,
+        groups = _group(self.units, lambda u: (_pattern(u.name), len(u.params), u.recompute, u.selective,
                                                u.reshard_after_forward))
         words = []
         for us in groups:

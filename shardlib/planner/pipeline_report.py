@@ -30,6 +30,7 @@ stack's order; ``explain()`` reads it from there.
 
 from __future__ import annotations
 
+import contextlib
 import textwrap
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -38,6 +39,7 @@ import torch
 from torch import nn
 
 from ..comm.core import format_bytes
+from ..comm.recompute import FusedOnMeta, SelectiveRecompute
 from ..errors import ShardingError
 
 if TYPE_CHECKING:
@@ -63,7 +65,7 @@ def saved_bytes(fn: Callable[..., Any], *args: Any, exclude: Sequence[torch.Tens
         saved.append(t)
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with FusedOnMeta(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn(*args, **kwargs)
     skip = {t.untyped_storage()._cdata for t in exclude}
     sizes: dict[int, int] = {}
@@ -96,6 +98,8 @@ def block_saved_bytes(model: nn.Module, plan: Plan, *, rank: int = 0, batch: Any
     modules = dict(model.named_modules())
     params = {p.name: p for p in plan.params}
     recomputed = {u.name for u in plan.units if u.recompute}
+    selective = {u.name for u in plan.units if u.selective}
+    cores = 0
     tp = plan.tensor
     sp = tp is not None and tp.sequence_parallel and tp.size > 1
     body = [u.name for u in plan.units if u.name]
@@ -136,20 +140,32 @@ def block_saved_bytes(model: nn.Module, plan: Plan, *, rank: int = 0, batch: Any
                     values[n] = torch.empty(b.shape, dtype=dtype if b.is_floating_point() and plan.mixed else b.dtype,
                                             device="meta")
                 key = (type(block), tuple((n, tuple(v.shape)) for n, v in values.items()), tuple(shape),
-                       name in recomputed, bool(sp and body and name == body[0]),
+                       name in recomputed, name in selective, bool(sp and body and name == body[0]),
                        tuple((k, tuple(v.shape) if isinstance(v, torch.Tensor) else repr(v))
                              for k, v in kwargs.items()))
                 if key not in memo:
                     x = torch.empty(shape, dtype=getattr(torch, pp.stream_dtype), device="meta", requires_grad=True)
                     if name in recomputed:           # a checkpoint keeps its input; the rest is recomputed
-                        memo[key] = x.numel() * x.element_size()
+                        first_sp = bool(sp and body and name == body[0])   # sliced to this rank's chunk before it
+                        memo[key] = x.numel() * x.element_size() // (tp.size if first_sp else 1)
                     else:
-                        memo[key] = saved_bytes(torch.func.functional_call, block, values, (x,), kwargs,
-                                                exclude=list(values.values()), strict=False)
+                        mode = SelectiveRecompute() if name in selective else contextlib.nullcontext()
+
+                        def call(*a, _mode=mode, **k):      # the unit's own mode innermost, as a step runs it
+                            with _mode:
+                                return torch.func.functional_call(*a, **k)
+                        memo[key] = saved_bytes(call, block, values, (x,), kwargs, exclude=list(values.values()),
+                                                strict=False)
+                        cores += getattr(mode, "calls", 0)
                 out.append(memo[key])
     finally:
         if bounds is not None:
             bounds.remove()
+    if selective and not cores:
+        raise ShardingError(f"plan: recompute='selective' recomputes attention's core, but the blocks of "
+                            f"{pp.stack!r} run none (no torch.nn.functional.scaled_dot_product_attention call) — "
+                            "expected SDPA attention. A transformers model needs attn_implementation='sdpa'; "
+                            "or use recompute='full'.", api="plan")
     return tuple(out)
 
 

@@ -128,7 +128,8 @@ class UnitPlan:
     name: str                     # qualified module name; "" is the root unit (everything else)
     params: tuple[str, ...]
     reshard_after_forward: bool
-    recompute: bool
+    recompute: bool               # the whole unit (a checkpoint keeps its input)
+    selective: bool = False       # only attention's core (comm/recompute.py)
 
 
 @dataclass(frozen=True)
@@ -185,6 +186,17 @@ class Plan(MemoryAccounting, TrafficAccounting, Explain):
     @property
     def mixed(self) -> bool:
         return self.precision != "fp32"
+
+    @property
+    def recompute(self) -> str:
+        """The recompute policy over the units below the root: ``"none"``, ``"selective"``
+        (attention's core), ``"full"`` (every unit whole) or ``"some"`` (the units named)."""
+        body = [u for u in self.units if u.name]
+        if body and all(u.recompute for u in body):
+            return "full"
+        if any(u.recompute for u in body):
+            return "some"
+        return "selective" if any(u.selective for u in body) else "none"
 
     @property
     def data_size(self) -> int:

@@ -4,6 +4,7 @@ runtime state (masters, shards, gradient shards) and ZeRO-3's units; recompute w
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from torch import nn
@@ -211,7 +212,30 @@ class EngineSetup:
                         return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
 
                 mod.forward = forward
+            elif u.selective:
+                mod = modules[u.name]
+                mod.forward = _selective(mod.forward, u.name)
 
+
+
+def _selective(inner, name: str):
+    """``inner`` (a unit's forward) with attention's core recomputed in backward. A unit whose first
+    forward under grad runs no core (attention written as separate ops) is named once, in a warning."""
+    from ..comm.recompute import SelectiveRecompute
+    seen = [False]
+
+    def forward(*args, **kwargs):
+        with SelectiveRecompute() as mode:
+            out = inner(*args, **kwargs)
+        if not seen[0] and torch.is_grad_enabled():
+            seen[0] = True
+            if mode.calls == 0:
+                warnings.warn(f"recompute='selective': unit {name!r} ran no attention core "
+                              "(torch.nn.functional.scaled_dot_product_attention) — nothing of it is recomputed. "
+                              "A transformers model needs attn_implementation='sdpa'; or use recompute='full'.",
+                              stacklevel=2)
+        return out
+    return forward
 
 
 def _validate(model, plan, optimizer, mesh, loss_fn) -> None:
