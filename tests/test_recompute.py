@@ -252,3 +252,25 @@ def test_planned_activation_bytes_are_what_a_step_saves(world, shape, extra):
                 got = res["measured"][name]
                 assert got and all(g == want for g in got), f"{cfg} {shape} rank {r} {name}: saved {got}, " \
                                                             f"planned {want}"
+
+
+def test_whole_model_activations_follow_the_policy():
+    """Without a pipe axis the dry run measures the whole model (``peak.activation_bytes(plan=)``):
+    each block then saves what ``block_saved_bytes`` measures for it under the same policy (the
+    embeddings, head and loss are the same under each; the largest buffer is counted once more)."""
+    from shardlib.planner.peak import activation_bytes
+    cfg = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=4)
+    with torch.device("meta"):
+        model = GPT(cfg, seed=None)
+    ids = torch.zeros(2, 16, dtype=torch.long, device="meta")
+    whole, per_block = {}, {}
+    for rc in ("none", SEL, "full"):
+        whole[rc] = activation_bytes(model, (ids, ids), plan=sl.plan(model, AbstractMesh({"data": 2}), recompute=rc))
+        per_block[rc] = sum(sl.plan(model, AbstractMesh({"pipe": 2}), rules=PIPE, batch=(ids, ids), microbatches=1,
+                                    recompute=rc).pipeline.block_saved)
+    # the largest buffer, counted once more: gelu's input (rows·s·4d fp32) while a block saves it, else
+    # the logits (rows·s·V)
+    largest = {"none": 2 * 16 * 128 * 4, SEL: 2 * 16 * 128 * 4, "full": 2 * 16 * 64 * 4}
+    for rc in (SEL, "full"):
+        assert (whole["none"] - whole[rc] == per_block["none"] - per_block[rc] + largest["none"] - largest[rc]
+                and per_block["none"] > per_block[rc]), (rc, whole, per_block)

@@ -78,7 +78,7 @@ def _activations(plan, model, run: RunConfig, rank: int) -> tuple[int | None, st
         from ..planner.peak import activation_bytes
         rows = run.train.batch // (plan.dp_size * run.microbatches)
         ids = torch.zeros(rows, run.seq, dtype=torch.long, device="meta")
-        return activation_bytes(model, (ids, ids)), None
+        return activation_bytes(model, (ids, ids), plan=plan), None
     return None, "activations: not estimated for a tensor axis without a pipeline (plan with a pipe axis to " \
                  "measure each block's saved bytes on its shards)"
 

@@ -51,6 +51,8 @@ plus the largest one again (the gradient that flows back through it when backwar
 
 from __future__ import annotations
 
+import contextlib
+
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -172,13 +174,14 @@ def peak_per_rank(plan: Plan, rank: int | None = None, *, activation_bytes: int 
 
 
 def activation_bytes(model: nn.Module, batch: Any, *, loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
-                     device: str | torch.device = "cpu") -> int:
+                     device: str | torch.device = "cpu", plan: Any = None) -> int:
     """Estimate one micro-batch's activations: the bytes autograd saves in ``model``'s forward on
     ``batch`` (this rank's micro-batch; tensors, or shapes given as tensors on any device, the meta
     device included), distinct storages other than parameters and buffers, plus the largest of them
     once more (the gradient flowing back through it). Nothing is computed: the forward runs on fake
     tensors on ``device``, so kernels are chosen as there. The model is not changed; it may be on
-    the meta device."""
+    the meta device. With ``plan``, its units' recompute policies apply as a step runs them: a
+    recomputed unit keeps its input (a checkpoint), a selective one its attention core's inputs."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.func import functional_call
     from torch.utils._pytree import tree_map_only
@@ -203,7 +206,7 @@ def activation_bytes(model: nn.Module, batch: Any, *, loss_fn: Callable[[nn.Modu
             return t
 
         state = {**params, **buffers}
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with _recompute_as_planned(model, plan), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             if loss_fn is not None:
                 # loss_fn calls the model; route the call through the fake state
                 class _Bound(nn.Module):
@@ -218,3 +221,33 @@ def activation_bytes(model: nn.Module, batch: Any, *, loss_fn: Callable[[nn.Modu
                 functional_call(model, state, (fb,))
     sizes = [b for _, b in saved.values()]
     return sum(sizes) + max(sizes, default=0)
+
+
+@contextlib.contextmanager
+def _recompute_as_planned(model: nn.Module, plan: Any):
+    """``model``'s units with the plan's recompute wrappers for the time of a measurement (then
+    restored): a checkpoint around each recomputed unit, attention's core routed around a selective one."""
+    from torch.utils.checkpoint import checkpoint
+
+    from ..comm.recompute import SelectiveRecompute
+    modules = dict(model.named_modules())
+    patched = []
+    for u in (plan.units if plan is not None else ()):
+        if not (u.recompute or u.selective) or u.name not in modules:
+            continue
+        mod = modules[u.name]
+        inner = mod.forward
+        if u.recompute:
+            def forward(*a, _inner=inner, **k):
+                return checkpoint(_inner, *a, use_reentrant=False, **k)
+        else:
+            def forward(*a, _inner=inner, **k):
+                with SelectiveRecompute():
+                    return _inner(*a, **k)
+        mod.forward = forward
+        patched.append(mod)
+    try:
+        yield
+    finally:
+        for mod in patched:
+            del mod.forward                  # back to the class's forward
