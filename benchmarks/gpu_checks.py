@@ -489,7 +489,6 @@ def run_part(name: str, cfg: dict, timeout: float, log) -> dict:
         if timed_out:
             os.killpg(p.pid, 9)
         p.wait()
-        wall = time.perf_counter() - t0
         if timed_out:
             out = {"ok": False, "error": f"timed out after {timeout:.0f} s", "tail": tail[-20:]}
         elif os.path.exists(result):
