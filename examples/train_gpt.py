@@ -86,7 +86,7 @@ def rank_main(run: RunConfig, out: str) -> dict:
     from tqdm import tqdm
     tqdm.set_lock(threading.RLock())   # not tqdm's multiprocessing lock (ours, datasets'): ranks leave with os._exit
     torch.set_num_threads(1)
-    mesh = sl.Mesh(run.mesh.shape)
+    mesh = sl.Mesh(run.mesh.shape, **run.mesh.process_kwargs())
     trainer = Trainer(run, mesh)
     plan, engine, t = trainer.plan, trainer.engine, run.train
     lead = mesh.rank == 0

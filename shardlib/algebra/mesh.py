@@ -242,8 +242,13 @@ def default_timeout() -> datetime.timedelta:
 
 
 def _auto_backend() -> str:
+    """nccl where every rank of this host has a GPU of its own; else gloo (NCCL refuses two ranks on
+    one device, so several ranks sharing one GPU run over gloo)."""
     import torch
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    if not torch.cuda.is_available():
+        return "gloo"
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    return "nccl" if torch.cuda.device_count() >= local else "gloo"
 
 
 def check_backend(backend: object, api: str = "Mesh") -> str:

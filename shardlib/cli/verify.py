@@ -72,7 +72,7 @@ def rank_losses(run: RunConfig, steps: int, mesh=None) -> list[float]:
     from ..frontend.run import Trainer
 
     torch.set_num_threads(1)
-    trainer = Trainer(run, mesh if mesh is not None else Mesh(run.mesh.shape))
+    trainer = Trainer(run, mesh if mesh is not None else Mesh(run.mesh.shape, **run.mesh.process_kwargs()))
     return [trainer.step(i, record=False)["loss"] for i in range(steps)]
 
 

@@ -91,6 +91,11 @@ class MeshConfig:
         links = (("default", Link(got.gbps * 1e9, got.latency_us * 1e-6)),) if got.gbps > 0 else self.links
         return replace(self, device_tflops=got.tflops, shared_cores=None, layer_us=got.layer_us, links=links)
 
+    def process_kwargs(self) -> dict[str, Any]:
+        """``sl.Mesh``'s keywords for this preset's device and backend (the defaults left to the mesh)."""
+        return {**({"backend": self.backend} if self.backend else {}),
+                **({"device": self.device} if self.device != "cpu" else {})}
+
     @property
     def rank_tflops(self) -> float | None:
         """A rank's sustained TFLOP/s: ``device_tflops``, shared out where more ranks than cores run on
