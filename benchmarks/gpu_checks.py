@@ -373,7 +373,9 @@ def rank_all_zero(c: dict) -> dict:
         try:
             out[z] = {"losses": rank_gloo(c, z)}
         except Exception as e:
-            out[z] = {"error": f"{type(e).__name__}: {str(e)[:600]}"}
+            import traceback
+            out[z] = {"error": f"{type(e).__name__}: {str(e)[:600]}",
+                      "trace": "".join(traceback.format_exception(e))[-1500:]}
     return out
 
 
@@ -398,7 +400,8 @@ def w_4_gloo(c: dict) -> dict:
     for z in range(4):
         rs = [pr[z] for pr in per_rank]
         if any("error" in r for r in rs):
-            rows[z] = {"error": next(r["error"] for r in rs if "error" in r)}
+            rows[z] = {"error": " | ".join(f"rank {i}: {r['error']}" for i, r in enumerate(rs) if "error" in r),
+                       "trace": [r.get("trace") for r in rs]}
             continue
         rel = max(abs(a - b) / abs(b) for a, b in zip(rs[0]["losses"], one))
         rows[z] = {"losses": rs[0]["losses"], "ranks_agree": all(r["losses"] == rs[0]["losses"] for r in rs),

@@ -423,7 +423,9 @@ class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
         if reduced is not None:
             for bucket, grads in zip(plan.buckets(), reduced):
                 by_name.update((pp.name, g) for pp, g in zip(bucket, grads))
-        out = []
+        out, host = [], []
+        if self.offload is not None:          # gradient shards copied in during backward (ZeRO-2/3)
+            self.offload.sync()
         for s in self.states:
             if not s.trainable:
                 continue
@@ -436,11 +438,8 @@ class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
                 if g.numel() != s.hi - s.lo:                     # replicated grads, sharded optimizer
                     g = s.local_piece(g)
                 if self.offload is not None:                    # read by the update on the host
-                    mg = self.offload.to_host(g).view(s.master_shape)
-                    if scale != 1.0:
-                        mg.div_(scale)
-                    s.master.grad = mg
-                    out.append(mg)
+                    host.append((len(out), s))
+                    out.append(self.offload.to_host(g).view(s.master_shape))
                     continue
             if plan.mixed or g.dtype != torch.float32:
                 mg = g.float().view(s.master_shape)
@@ -450,6 +449,13 @@ class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
                 mg = g.view(s.master_shape)
             s.master.grad = mg
             out.append(mg)
+        if host:                              # the host reads them from here: the copies must have landed
+            self.offload.sync()
+            for i, s in host:
+                mg = out[i].float() if out[i].dtype != torch.float32 else out[i]
+                if scale != 1.0:
+                    mg.div_(scale)
+                out[i] = s.master.grad = mg
         return out
 
     def _release_master_grads(self) -> None:

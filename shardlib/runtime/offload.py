@@ -87,6 +87,9 @@ class OptimizerOffload:
     def __init__(self, engine):
         self.engine = engine
         self.copies: Copies = engine.copies
+        # an accelerator copies to and from pinned host buffers asynchronously, on the compute stream;
+        # the host reads what arrived after ``sync()``
+        self.pinned = engine.mesh.device.type == "cuda"
         plan = engine.plan
         self.states = [s for s in engine.states if s.trainable]
         for s in self.states:
@@ -102,7 +105,8 @@ class OptimizerOffload:
         master = nn.Parameter(_host_like(piece, torch.float32))
         s.master = master
         if s.grad_shard is not None:
-            s.grad_shard = torch.zeros(s.grad_shard.shape, dtype=s.grad_shard.dtype, device=HOST)
+            s.grad_shard = torch.zeros(s.grad_shard.shape, dtype=s.grad_shard.dtype, device=HOST,
+                                       pin_memory=self.pinned)
             if self.engine.grad_is_master:
                 master.grad = s.grad_shard
 
@@ -110,9 +114,14 @@ class OptimizerOffload:
     def to_host(self, g: torch.Tensor) -> torch.Tensor:
         """A device gradient the update reads, copied to the host in fp32 (counted in its own dtype)."""
         self.copies.add("d2h", "grads", g.numel() * g.element_size())
-        out = torch.empty(g.shape, dtype=torch.float32, device=HOST)
-        out.copy_(g)
+        out = torch.empty(g.shape, dtype=g.dtype, device=HOST, pin_memory=self.pinned)
+        out.copy_(g, non_blocking=self.pinned)       # in its own dtype; fp32 on the host after sync()
         return out
+
+    def sync(self) -> None:
+        """Wait for the asynchronous device-to-host copies of this step (before the host reads them)."""
+        if self.pinned:
+            torch.cuda.current_stream(self.engine.mesh.device).synchronize()
 
     def shard_in(self, s: ParamState, piece: torch.Tensor, add: bool) -> None:
         """A reduced gradient piece (on the device) into ``s``'s host gradient shard."""
@@ -120,7 +129,7 @@ class OptimizerOffload:
         if add:
             s.grad_shard.add_(piece.to(s.grad_shard.device))
         else:
-            s.grad_shard.copy_(piece)
+            s.grad_shard.copy_(piece, non_blocking=self.pinned)
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()
@@ -148,7 +157,7 @@ class OptimizerOffload:
             self.engine.params_offload.publish(s, values, lo, "host")
             return
         dst = self._device_piece(s)[lo:lo + values.numel()]
-        dst.copy_(values)
+        dst.copy_(values, non_blocking=self.pinned and values.is_pinned())
         self.copies.add("h2d", "params", dst.numel() * dst.element_size())
 
     def _finish_publish(self) -> None:
