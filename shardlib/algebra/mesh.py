@@ -383,12 +383,22 @@ class Mesh(AbstractMesh):
                 f"--nproc-per-node {self.size}).")
 
     def _pick_device(self, device: Any):
+        """The device this process computes on. A GPU without an index is this host's ``LOCAL_RANK``
+        modulo its GPU count (several ranks may share one, over gloo), made current before the
+        DeviceMesh is built (it would otherwise pick ``LOCAL_RANK`` itself, which may not exist)."""
         import torch
         if device is not None:
-            return torch.device(device)
-        if self._backend and "nccl" in self._backend:
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+            picked = torch.device(device)
+        elif self._backend and "nccl" in self._backend:
+            picked = torch.device("cuda", torch.cuda.current_device())
+        else:
+            return torch.device("cpu")
+        if picked.type == "cuda":
+            if picked.index is None:
+                local = int(os.environ.get("LOCAL_RANK", "0"))
+                picked = torch.device("cuda", local % max(1, torch.cuda.device_count()))
+            torch.cuda.set_device(picked)
+        return picked
 
     def _build_groups(self, timeout: datetime.timedelta) -> None:
         import torch
