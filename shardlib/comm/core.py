@@ -238,6 +238,16 @@ def group_perm(mesh, axes: Sequence[str]) -> list[int]:
     return [mesh.group_index(r, axes) for r in mesh.group_ranks(rank, canon)]
 
 
+def _all_gather_single():
+    """torch 2.13's ``all_gather_single``; before it, ``all_gather_into_tensor`` (same arguments)."""
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _reduce_scatter_single():
+    """torch 2.13's ``reduce_scatter_single``; before it, ``reduce_scatter_tensor`` (same arguments)."""
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def all_gather(x: torch.Tensor, mesh: Mesh, axes: str | Sequence[str], *, async_op: bool = False,
                tag: str = ""):
     """Concatenate every group member's ``x`` along dim 0, in mesh order of the members."""
@@ -249,8 +259,8 @@ def all_gather(x: torch.Tensor, mesh: Mesh, axes: str | Sequence[str], *, async_
         return _done(x, async_op)
     out = x.new_empty((k * x.shape[0],) + tuple(x.shape[1:])) if x.dim() else x.new_empty((k,))
     _record("all_gather", canon, all_gather_bytes(x.numel(), k, x.element_size()), x, k, tag)
-    work = dist.all_gather_single(out, x.reshape(-1) if x.dim() == 0 else x, group=mesh.group(canon),
-                                  async_op=async_op)
+    work = _all_gather_single()(out, x.reshape(-1) if x.dim() == 0 else x, group=mesh.group(canon),
+                                async_op=async_op)
     return Pending(work, out) if async_op else out
 
 
@@ -268,8 +278,8 @@ def reduce_scatter(x: torch.Tensor, mesh: Mesh, axes: str | Sequence[str], *, op
                               f"divide by the group size {k} — expected a multiple of {k}. Pad first.")
     out = x.new_empty((x.shape[0] // k,) + tuple(x.shape[1:]))
     _record("reduce_scatter", canon, reduce_scatter_bytes(out.numel(), k, x.element_size()), x, k)
-    work = dist.reduce_scatter_single(out, x, op=_REDUCE_OPS[op], group=mesh.group(canon),
-                                      async_op=async_op)
+    work = _reduce_scatter_single()(out, x, op=_REDUCE_OPS[op], group=mesh.group(canon),
+                                    async_op=async_op)
     return Pending(work, out) if async_op else out
 
 
