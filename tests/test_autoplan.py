@@ -112,10 +112,15 @@ def test_calibration_measures_and_reads_back(world):
     from shardlib.cli.calibrate import measure
     got = world(2, measure, 2)[0]
     assert got["tflops"] > 0 and got["gbps"] > 0 and got["latency_us"] >= 0 and got["layer_us"] >= 0
+    assert got["rs_latency_us"] >= 0 and got["ag_latency_us"] >= 0
     raw = check_overrides(["mesh=dp4", "parallel=zero3"])
     raw["mesh"]["calibrated"] = {4: {"tflops": 0.5, "gbps": 2.0, "latency_us": 100, "layer_us": 10}}
     mc = run_config(raw).mesh
     assert mc.at(4).rank_tflops == 0.5 and mc.at(4).link("data").latency == pytest.approx(1e-4) and mc.at(2) == mc
+    assert mc.at(4).hop_s == ()                      # none measured apart: the all-reduce's for every op
+    raw["mesh"]["calibrated"] = {4: {"tflops": 0.5, "gbps": 2.0, "latency_us": 100, "layer_us": 10,
+                                     "rs_latency_us": 300, "ag_latency_us": 200}}
+    assert dict(run_config(raw).mesh.at(4).hop_s) == pytest.approx({"reduce_scatter": 3e-4, "all_gather": 2e-4})
     raw["mesh"]["calibrated"] = {4: {"tflops": 0.5}}
     with pytest.raises(sl.frontend.config.ConfigError, match=r"mesh.calibrated.4: .* expected \{tflops, gbps"):
         run_config(raw)

@@ -9,7 +9,9 @@ price a step with, on the machine at hand, for each rank count, and print them a
   sequences of 64 tokens, the rate its slope;
 * ``latency_us`` / ``gbps`` — an all-reduce's cost per ring hop (8 bytes, ``2(n-1)`` hops), measured
   between blocks of work as a step meets it, and its bandwidth per rank (4 MiB): with more ranks than
-  cores each hop waits for its peer to be scheduled, which a loopback figure at two ranks does not show.
+  cores each hop waits for its peer to be scheduled, which a loopback figure at two ranks does not show;
+* ``rs_latency_us`` / ``ag_latency_us`` — the same for a reduce-scatter and an all-gather (``n-1`` hops
+  each): gloo runs them as several rounds, each a scheduling wait, not as half an all-reduce.
 
 Medians of repeated runs; the figures are measured, never fitted to training runs.
 """
@@ -58,6 +60,7 @@ def measure(reps: int = 10) -> dict[str, float]:
     import torch
     import torch.distributed as dist
 
+    from ..comm.core import _all_gather_single, _reduce_scatter_single
     torch.set_num_threads(1)
     n = dist.get_world_size() if dist.is_initialized() else 1
 
@@ -82,6 +85,18 @@ def measure(reps: int = 10) -> dict[str, float]:
         alone = together(one, reps * 3)
         both = together(with_collective, reps * 3)
         per_hop = max(both - alone, 0.0) / hops
+        small_in, small_out = torch.zeros(2 * n), torch.zeros(2)        # n - 1 hops each
+        gathered = torch.zeros(2 * n)
+
+        def with_scatter():
+            one()
+            _reduce_scatter_single()(small_out, small_in)
+
+        def with_gather():
+            one()
+            _all_gather_single()(gathered, small_out)
+        out["rs_latency_us"] = max(together(with_scatter, reps * 3) - alone, 0.0) / (n - 1) * 1e6
+        out["ag_latency_us"] = max(together(with_gather, reps * 3) - alone, 0.0) / (n - 1) * 1e6
         payload = torch.zeros(1 << 20)                # 4 MiB
         big = together(lambda: dist.all_reduce(payload), reps)
         sent = hops / n * payload.numel() * 4
@@ -106,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"calibrated:        # python -m shardlib.calibrate --ranks {' '.join(map(str, args.ranks))} "
           f"({time.strftime('%Y-%m-%d')})")
     for n, r in rows.items():
+        ops = (f", rs_latency_us: {r['rs_latency_us']:.0f}, ag_latency_us: {r['ag_latency_us']:.0f}"
+               if "rs_latency_us" in r else "")
         print(f"  {n}: {{tflops: {r['tflops']:.4g}, gbps: {r['gbps']:.3g}, latency_us: {r['latency_us']:.0f}, "
-              f"layer_us: {r['layer_us']:.0f}}}")
+              f"layer_us: {r['layer_us']:.0f}{ops}}}")
     return 0

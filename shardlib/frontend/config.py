@@ -61,6 +61,10 @@ class Calibration:
     gbps: float
     latency_us: float
     layer_us: float
+    # per ring hop of a reduce-scatter and an all-gather, where measured (gloo's run several times an
+    # all-reduce's per hop once ranks outnumber cores); absent, the all-reduce's
+    rs_latency_us: float | None = None
+    ag_latency_us: float | None = None
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,7 @@ class MeshConfig:
     # measured per rank count (python -m shardlib.calibrate): ((ranks, Calibration), ...); the entry for
     # the mesh's own size replaces device_tflops, shared_cores and the default link (``at``)
     calibrated: tuple = ()
+    hop_s: tuple = ()                       # (op, seconds per ring hop) measured for ops unlike the all-reduce
     layer_us: float | None = None           # a fixed cost per layer and micro-batch (forward + backward)
     links: tuple[tuple[str, Link], ...] = ()
     shared_cores: int | None = None         # CPU meshes: every rank on one host of this many cores
@@ -89,7 +94,10 @@ class MeshConfig:
         if got is None:
             return self
         links = (("default", Link(got.gbps * 1e9, got.latency_us * 1e-6)),) if got.gbps > 0 else self.links
-        return replace(self, device_tflops=got.tflops, shared_cores=None, layer_us=got.layer_us, links=links)
+        hops = tuple((op, us * 1e-6) for op, us in (("reduce_scatter", got.rs_latency_us),
+                                                    ("all_gather", got.ag_latency_us)) if us)
+        return replace(self, device_tflops=got.tflops, shared_cores=None, layer_us=got.layer_us, links=links,
+                       hop_s=hops)
 
     def process_kwargs(self) -> dict[str, Any]:
         """``sl.Mesh``'s keywords for this preset's device and backend (the defaults left to the mesh)."""
@@ -282,7 +290,7 @@ def _mesh(raw: Any, problems: list[str]) -> MeshConfig:
 
 
 def _calibrated(raw: Any, problems: list[str]) -> tuple:
-    """``mesh.calibrated``: ``{ranks: {tflops, gbps, latency_us, layer_us}}``."""
+    """``mesh.calibrated``: ``{ranks: {tflops, gbps, latency_us, layer_us[, rs_latency_us, ag_latency_us]}}``."""
     if not raw:
         return ()
     if not isinstance(raw, Mapping):
@@ -290,15 +298,16 @@ def _calibrated(raw: Any, problems: list[str]) -> tuple:
                         "as python -m shardlib.calibrate prints it.")
         return ()
     out = []
+    fields, extra = ("tflops", "gbps", "latency_us", "layer_us"), ("rs_latency_us", "ag_latency_us")
     for ranks, spec in raw.items():
-        fields = ("tflops", "gbps", "latency_us", "layer_us")
-        if not (isinstance(ranks, int) and ranks > 0 and isinstance(spec, Mapping) and set(spec) == set(fields)
-                and all(isinstance(spec[f], (int, float)) and not isinstance(spec[f], bool) and spec[f] >= 0
-                        for f in fields)):
-            problems.append(f"mesh.calibrated.{ranks}: got {spec!r}; expected {{tflops, gbps, latency_us, layer_us}}, "
-                            "non-negative numbers, under a positive rank count.")
+        if not (isinstance(ranks, int) and ranks > 0 and isinstance(spec, Mapping) and set(fields) <= set(spec)
+                and set(spec) <= set(fields + extra)
+                and all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in spec.values())):
+            problems.append(f"mesh.calibrated.{ranks}: got {spec!r}; expected {{tflops, gbps, latency_us, layer_us}} "
+                            "(and rs_latency_us, ag_latency_us where measured), non-negative numbers, under a "
+                            "positive rank count.")
             continue
-        out.append((ranks, Calibration(*(float(spec[f]) for f in fields))))
+        out.append((ranks, Calibration(**{f: float(v) for f, v in spec.items()})))
     return tuple(sorted(out))
 
 

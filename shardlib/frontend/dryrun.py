@@ -18,7 +18,8 @@ import torch
 
 from ..algebra.mesh import AbstractMesh
 from ..comm.core import format_bytes
-from ..planner.estimate import StepEstimate, estimate_step, recompute_passes, transformer_flops
+from ..planner.estimate import (StepEstimate, estimate_step, pipeline_rank_flops, recompute_passes,
+                                 transformer_flops)
 from .config import RunConfig
 
 
@@ -118,9 +119,15 @@ def dry_run(run: RunConfig) -> DryRun:
         links = {a: (lk.bandwidth, lk.latency) for a, lk in mc.links}
         pp = plan.pipeline
         micro = pp.microbatches if pp is not None else run.train.grad_accum
-        passes = m.n_layers / plan.pipe_size * micro * recompute_passes(t.recompute)
+        per_rank, blocks = None, m.n_layers
+        if pp is not None:             # the busiest stage sets the pace
+            per_rank, blocks = pipeline_rank_flops(plan, layers=m.n_layers, d_model=m.d_model, seq=run.seq,
+                                                   vocab=m.vocab_size, tokens=tokens, mlp_ratio=m.mlp_ratio,
+                                                   recompute=t.recompute)
+        passes = blocks * micro * recompute_passes(t.recompute)
         est = estimate_step(plan, flops=flops, tokens=tokens, device_flops=mc.rank_tflops * 1e12, links=links,
-                            layer_s=(mc.layer_us or 0.0) * 1e-6, layer_passes=passes,
+                            layer_s=(mc.layer_us or 0.0) * 1e-6, layer_passes=passes, flops_per_rank=per_rank,
+                            hop_s=dict(mc.hop_s),
                             **{k: getattr(mc, f"{k}_gbps") * 1e9 for k in ("host", "disk", "host_update")
                                if getattr(mc, f"{k}_gbps") is not None})
         if plan.offload and (mc.host_gbps is None or (plan.disk_bytes() and mc.disk_gbps is None)):

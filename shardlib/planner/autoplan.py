@@ -127,6 +127,7 @@ class Machine:
     overlap: float = 0.0
     shared_cores: int | None = None   # CPU machines: every rank on one host of this many cores
     layer_s: float = 0.0              # a fixed cost per layer and micro-batch, forward and backward (calibrated)
+    hop_s: dict[str, float] = field(default_factory=dict)   # per-op seconds per ring hop, where calibrated
 
     def rank_flops(self, n: int) -> float:
         """A rank's sustained rate when ``n`` ranks run: ranks beyond the cores share them."""
@@ -148,7 +149,8 @@ class Machine:
         gb = lambda x: None if x is None else x * 1e9        # noqa: E731
         return Machine(mesh.name, mesh.device_tflops * 1e12, mesh.memory_gib * 2**30, links, gb(mesh.host_gbps),
                        gb(mesh.host_update_gbps), None if mesh.host_memory_gib is None else mesh.host_memory_gib * 2**30,
-                       getattr(mesh, "overlap", None) or 0.0, mesh.shared_cores, (mesh.layer_us or 0.0) * 1e-6)
+                       getattr(mesh, "overlap", None) or 0.0, mesh.shared_cores, (mesh.layer_us or 0.0) * 1e-6,
+                       dict(mesh.hop_s))
 
     def link(self, axis: str) -> tuple[float, float]:
         got = self.links.get(axis, self.links.get("default"))
@@ -249,7 +251,12 @@ class Costs:
     # ---- time --------------------------------------------------------------------------------------
     def compute_s(self, k: Candidate, *, bubble: bool = True) -> float:
         n = k.data * k.pipe * k.tensor
-        per_rank = self._flops[k.recompute] / n / self.mc.rank_flops(n)
+        flops = self._flops[k.recompute] / n
+        if k.pipe > 1:          # the busiest stage sets the pace: its layers and the head on the last
+            m = self.m
+            head = 3 * 2 * m.d_model * m.vocab * self.batch * m.seq / (k.data * k.tensor)
+            flops = (self._flops[k.recompute] - 3 * 2 * m.d_model * m.vocab * self.batch * m.seq) / n + head
+        per_rank = flops / self.mc.rank_flops(n)
         per_rank += self.mc.layer_s * self.m.layers / k.pipe * k.microbatches * self._passes[k.recompute]
         if not bubble or k.pipe == 1:
             return per_rank
@@ -272,7 +279,13 @@ class Costs:
             if shard > 1:
                 ring = (shard - 1) / shard * p * c
                 nbytes = ring * (2 if k.zero < 3 else 3 * reps)
-                out["data"] = nbytes / bw + 2 * (shard - 1) * lat * 8
+                rs, ag = (self.mc.hop_s.get(op, lat) for op in ("reduce_scatter", "all_gather"))
+                if k.zero >= 3:          # per unit (a block, and the root): gathered twice, reduce-scattered once
+                    calls = (m.layers / k.pipe + 1) * reps * (shard - 1) * (2 * ag + rs)
+                else:                    # per bucket (25 MB): one all-reduce, or a reduce-scatter and an all-gather
+                    buckets = max(1, math.ceil(p * c / (25 * 2**20)))
+                    calls = buckets * (shard - 1) * (2 * lat if k.zero == 0 else rs + ag)
+                out["data"] = nbytes / bw + calls
             if rep > 1:
                 bwr, latr = self.mc.link("replica")
                 out["replica"] = 2 * (rep - 1) / rep * p * c / (shard if k.zero else 1) / bwr + 2 * (rep - 1) * latr

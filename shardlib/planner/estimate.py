@@ -10,13 +10,16 @@ selective recompute one more forward of attention's core (its ``4sd``)::
         (rc = 1 with recompute="full", sel = 1 with recompute="selective")
 
 Every rank computes ``F / ranks`` (the data axis splits the tokens, tensor and pipe the layers'
-work), at the mesh's sustained ``device_tflops``, plus a fixed cost per layer and micro-batch where the
+work) — with a pipeline, its busiest stage's share (its blocks, and the head on the last stage:
+``pipeline_rank_flops``) — at the mesh's sustained ``device_tflops``, plus a fixed cost per layer and micro-batch where the
 mesh is calibrated (``layer_us``: what many small micro-batches pay beyond their FLOPs); a pipeline stretches it by its bubble,
 ``compute / (1 - idle)`` with the schedule's formula ``(p-1)/(m+p-1)`` (``planner/simulate.py``).
 
 Communication. Each collective of ``plan.comm_per_step(rank)`` takes ``bytes / bandwidth + hops ·
 latency`` on the slowest link of its axes (ring hops: all-reduce ``2(k-1)``, all-gather and
-reduce-scatter ``k-1``, broadcast ``k-1``, a point-to-point send 1).
+reduce-scatter ``k-1``, broadcast ``k-1``, a point-to-point send 1); a calibrated mesh may give the
+reduce-scatter's and the all-gather's latency per hop apart from the all-reduce's (measured: with gloo
+on oversubscribed cores each costs about twice an all-reduce's per call).
 
 Copies between memory kinds (offload). The plan's ``d2h``/``h2d`` entries take ``bytes / host``
 (the device-host link, PCIe), its ``disk_read``/``disk_write`` ``bytes / disk`` (a rank's share of the
@@ -81,6 +84,24 @@ def transformer_flops(*, layers: int, d_model: int, seq: int, vocab: int, tokens
     return tokens * (layers * ((3 + rc) * dense + (3 + rc + sel) * core) + 3 * 2 * d_model * vocab)
 
 
+def pipeline_rank_flops(plan: Plan, *, layers: int, d_model: int, seq: int, vocab: int, tokens: int,
+                        mlp_ratio: int = 4, recompute: bool | str = False) -> tuple[float, int]:
+    """(FLOPs, blocks) of the busiest pipe rank: its stages' blocks, and the LM head where its last
+    stage holds it — a pipeline runs at its slowest stage's pace, and the head sits on one stage only.
+    Each data rank takes ``tokens / dp`` and the tensor axis splits a rank's work ``t`` ways."""
+    pp = plan.pipeline
+    per_layer = transformer_flops(layers=1, d_model=d_model, seq=seq, vocab=0, tokens=1, mlp_ratio=mlp_ratio,
+                                  recompute=recompute)
+    head = 3 * 2 * d_model * vocab
+    share = tokens / (plan.dp_size * plan.tensor_size)
+    worst = (0.0, 0)
+    for r in range(pp.size):
+        blocks = sum(len(s.blocks) for s in pp.stages if s.rank == r)
+        post = any(s.post for s in pp.stages if s.rank == r)
+        worst = max(worst, (share * (blocks * per_layer + (head if post else 0)), blocks))
+    return worst
+
+
 def recompute_passes(recompute: bool | str) -> float:
     """A block's passes per micro-batch relative to forward + backward (what ``layer_us``, the fixed
     cost per layer pass, multiplies): full recompute adds a third pass (1.5); selective re-runs one
@@ -93,17 +114,21 @@ def recompute_passes(recompute: bool | str) -> float:
 def estimate_step(plan: Plan, *, flops: float, tokens: int, device_flops: float,
                   links: Mapping[str, tuple[float, float]], rank: int = 0, host: float | None = None,
                   disk: float | None = None, host_update: float | None = None,
-                  layer_s: float = 0.0, layer_passes: float = 0.0) -> StepEstimate:
+                  layer_s: float = 0.0, layer_passes: float = 0.0,
+                  flops_per_rank: float | None = None,
+                  hop_s: Mapping[str, float] | None = None) -> StepEstimate:
     """``flops`` of a step over ``tokens`` tokens; ``device_flops`` per second; ``links[axis] =
     (bytes/s, seconds per hop)`` (an axis missing from ``links`` takes ``links["default"]``); with
     offload, ``host``, ``disk`` and ``host_update`` in bytes/s (the module doc; a figure not given
     leaves its part out of the estimate); ``layer_s`` a fixed cost per layer and micro-batch (forward and
     backward: Python and kernel launches, measured by ``python -m shardlib.calibrate``) times this rank's
-    ``layer_passes``."""
+    ``layer_passes``; ``flops_per_rank`` the busiest rank's share where it is not ``flops / ranks``
+    (a pipeline: ``pipeline_rank_flops``); ``hop_s[op]`` a collective's seconds per ring hop where it
+    was measured apart from the links' (calibrated CPU meshes: gloo's reduce-scatter and all-gather)."""
     from .simulate import bubble_formula
 
     ranks = plan.mesh.size
-    per_rank = flops / ranks
+    per_rank = flops / ranks if flops_per_rank is None else flops_per_rank
     pp = plan.pipeline
     idle = bubble_formula(pp.schedule, pp.size, pp.microbatches, pp.virtual) if pp is not None else 0.0
     comm: dict[str, float] = {}
@@ -121,7 +146,8 @@ def estimate_step(plan: Plan, *, flops: float, tokens: int, device_flops: float,
                            "expected each axis or 'default'.")
         bandwidth, latency = min(f[0] for f in figs), max(f[1] for f in figs)
         key = "+".join(e.axes)
-        comm[key] = comm.get(key, 0.0) + e.count * (e.bytes / bandwidth + HOPS[e.op](k) * latency)
+        hop = (hop_s or {}).get(e.op, latency)
+        comm[key] = comm.get(key, 0.0) + e.count * (e.bytes / bandwidth + HOPS[e.op](k) * hop)
     update = 0.0
     if dict(plan.offload).get("optimizer") and host_update:
         n_opt = plan.memory_per_rank(rank, kind="all")["optimizer"] / (4 + plan.optimizer_state_bytes)
