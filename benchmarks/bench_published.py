@@ -25,9 +25,7 @@ maximum achievable matmul rate; ``meshes/h100_64.yaml``: 400), overriding only `
 data link inside one node for the 8-GPU torchtitan row). Nothing in the estimator is fitted to these rows.
 
 Where a published run used something the planner cannot express the row says so (``note``): the interleaved
-schedule's virtual stages where given; selective recompute (tried first, refused for the reference GPT
-whose attention is not SDPA: planned without recompute, whose FLOPs differ by the attention core only);
-Megatron's scatter/gather of the pipe messages (planned with sequence parallelism, which sends the same
+schedule's virtual stages where given; Megatron's scatter/gather of the pipe messages (planned with sequence parallelism, which sends the same
 1/t share); Llama's SwiGLU and grouped KV heads (a GPT of the same weights per layer: d = 4256, MLP 4d).
 """
 
@@ -151,14 +149,7 @@ def _recompute_value(rc: str):
 def price(row: dict) -> dict:
     notes = []
     rc = row["recompute"]
-    try:
-        dr = dry_run(run_config(check_overrides(overrides(row, _recompute_value(rc)))))
-    except Exception as e:          # selective recompute refused (the reference GPT's attention is not SDPA)
-        if rc != "selective":
-            raise
-        notes.append(f"selective recompute refused ({type(e).__name__}): planned without recompute")
-        rc = "none"
-        dr = dry_run(run_config(check_overrides(overrides(row, "false"))))
+    dr = dry_run(run_config(check_overrides(overrides(row, _recompute_value(rc)))))
     est = dr.estimate
     m, n = row["model"], row["t"] * row["p"] * row["d"]
     tokens = row["batch"] * m["seq_len"]

@@ -124,3 +124,43 @@ def test_calibration_measures_and_reads_back(world):
     raw["mesh"]["calibrated"] = {4: {"tflops": 0.5}}
     with pytest.raises(sl.frontend.config.ConfigError, match=r"mesh.calibrated.4: .* expected \{tflops, gbps"):
         run_config(raw)
+
+
+# ---- a transformers config as the model ------------------------------------------------------------
+
+def test_flops_of_a_transformers_block_by_hand():
+    """A Llama block's dense FLOPs are 2 per matrix element per token: q and o (d x d), k and v
+    (d x d·kv/heads: grouped heads), gate, up and down (d x I) — here d=32, 4 heads over 2 key/value
+    heads, I=90: 2·32·32 + 2·32·16 + 3·32·90 = 12,352 elements."""
+    from llama import tiny_llama
+
+    from shardlib.planner.estimate import ModelDims
+    dims = ModelDims.of(tiny_llama())
+    assert (dims.layers, dims.d_model, dims.heads, dims.vocab, dims.block_matrix) == (2, 32, 4, 96, 11712)
+    tokens, seq = 3, 16
+    per_token = 3 * (2 * 11712 + 4 * seq * 32)          # forward + backward of the dense weights and the core
+    assert dims.flops(seq=seq, tokens=tokens) == tokens * (2 * per_token + 3 * 2 * 32 * 96)
+
+
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory):
+    from test_train_hf import _example
+    return _example("make_tiny_hf").make(tmp_path_factory.mktemp("hf") / "tiny-llama", vocab=300, hidden=32,
+                                         layers=2, heads=4, kv_heads=2, intermediate=64, positions=64,
+                                         megabytes=0.1)
+
+
+def test_a_transformers_config_is_planned_and_its_plans_run(world, llama_folder):
+    """``model=hf model.path=<folder>``: the search prices the folder's own blocks (its config's sizes,
+    its blocks' saved bytes as the planner measures them on the shards); every plan returned is one
+    the planner accepts, and the first trains at 4 processes."""
+    from shardlib.frontend.run import check
+    extra = (f"model.path={llama_folder}", "model.seq_len=32")
+    got = sl.autoplan(model="hf", mesh="dp4", devices=4, top=3, overrides_extra=extra)
+    assert got["candidates"]
+    for c in got["candidates"]:
+        run = run_config(check_overrides(c["overrides"]))
+        assert run.model.kind == "hf" and run.mesh.size == 4 and check(run) == [], c["overrides"]
+        assert c["exact"] and c["fits"]
+    losses = world(4, _train, got["candidates"][0]["overrides"])
+    assert all(r == losses[0] for r in losses) and all(torch.isfinite(torch.tensor(r)).all() for r in losses)

@@ -4,8 +4,10 @@ N devices of a machine and print the fastest that fit, each with the Hydra overr
     python -m shardlib.autoplan model=175b mesh=h100_64 train.batch=512 --devices 64 --top 5
     python -m shardlib.autoplan model=1t mesh=h100_16384 train.batch=4096 --devices 16384 --json
     python -m shardlib.autoplan model=tiny mesh=dp4 --devices 4 --top 3    # this machine's figures
+    python -m shardlib.autoplan model=hf model.path=<folder> mesh=h100_64 --devices 64   # a transformers config
 
-``model=`` picks the model, ``mesh=`` the machine (its figures: device_tflops, memory_gib, links, host
+``model=`` picks the model (a preset, or ``model=hf model.path=<folder>``: a transformers causal LM's
+``config.json``; its weights are not read), ``mesh=`` the machine (its figures: device_tflops, memory_gib, links, host
 figures; its axes are ignored: the search picks them), ``train.batch`` / ``train.seq`` /
 ``train.precision`` the global batch, sequence and precision. ``--memory-gib`` overrides the device
 memory budget. The search and its pruning: ``shardlib/planner/autoplan.py``. A bad input exits 2 with
@@ -50,6 +52,66 @@ def model_shape(cfg, seq: int, dtype=None) -> ModelShape:
         ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
         acts.append(activation_bytes(m, (ids, ids)))
     return ModelShape(cfg.n_layers, h, cfg.n_heads, v, seq, r, block, pre, post, 2 * acts[0] - acts[1])
+
+
+def hf_model_shape(run, dtype=None) -> ModelShape:
+    """A transformers folder's ``ModelShape`` (``model=hf model.path=<folder>``): its config's sizes, one
+    block's parameters and matrices, the rest split into the embeddings (first stage) and what follows
+    the stack (last stage), and what the embeddings, head and loss save per sequence (a one-layer model
+    against a two-layer one, on the meta device)."""
+    import torch
+
+    from ..frontend.hf import meta_model
+    from ..planner.estimate import ModelDims
+    from ..planner.peak import activation_bytes
+    from ..planner.stack import auto_stack
+    model = meta_model(run)
+    dims = ModelDims.of(model)
+    stack, _ = auto_stack(model)
+    block = sum(p.numel() for p in next(iter(dict(model.named_modules())[stack].children())).parameters())
+    total = sum(p.numel() for p in model.parameters())
+    pre = model.get_input_embeddings().weight.numel()
+    acts = []
+    for n in (1, 2):
+        m = _hf_layers(run, n)
+        if dtype is not None:
+            m = m.to(dtype)
+        ids = torch.zeros(1, run.seq, dtype=torch.long, device="meta")
+        acts.append(activation_bytes(m, {"input_ids": ids, "labels": ids}))
+    return ModelShape(dims.layers, dims.d_model, dims.heads, dims.vocab, run.seq, 4, block, pre,
+                      total - dims.layers * block - pre, 2 * acts[0] - acts[1], dims.block_matrix)
+
+
+def _hf_layers(run, n: int):
+    """The folder's model with ``n`` layers, on the meta device."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.from_pretrained(run.model.path)
+    config.use_cache, config.num_hidden_layers = False, n
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32).train()
+
+
+def hf_block_probe(run, precision: str):
+    """``block_probe`` for a transformers folder: its two-layer model, given its family's Megatron table
+    over ``tensor`` (vocab-parallel) where ``t > 1``, planned on ``pipe 2 x tensor t``."""
+    import torch
+
+    from ..algebra.mesh import AbstractMesh
+    from ..planner.build import plan
+    from ..planner.hf_tp import tp_table
+    from ..planner.specs import shard
+
+    def probe(t: int, sp: bool, recompute: str = "none") -> float:
+        model = _hf_layers(run, 2)
+        if t > 1:
+            shard(tp_table(model, vocab=True, axis="tensor"))(model)
+        ids = torch.zeros(1, run.seq, dtype=torch.long, device="meta")
+        got = plan(model, AbstractMesh({"pipe": 2, **({"tensor": t} if t > 1 else {})}), rules={"layers": "pipe"},
+                   batch={"input_ids": ids, "labels": ids}, microbatches=1, precision=precision,
+                   sequence_parallel=sp and t > 1, recompute=recompute)
+        return float(got.pipeline.block_saved[-1])
+    return probe
 
 
 def block_probe(cfg, seq: int, precision: str):
@@ -115,9 +177,12 @@ def autoplan(*, model: str = "1b", devices: int, mesh: str = "h100_64", batch: i
     if memory_gib is not None:
         machine = replace(machine, memory=memory_gib * 2**30)
     import torch
-    shape = model_shape(run.model.gpt(), run.seq, {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision))
-    costs = Costs(shape, machine, batch=run.train.batch, precision=precision,
-                  block_fn=block_probe(run.model.gpt(), run.seq, precision))
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    if run.model.kind == "hf":               # a transformers folder: its config's sizes, its own blocks probed
+        shape, probe = hf_model_shape(run, dtype), hf_block_probe(run, precision)
+    else:
+        shape, probe = model_shape(run.model.gpt(), run.seq, dtype), block_probe(run.model.gpt(), run.seq, precision)
+    costs = Costs(shape, machine, batch=run.train.batch, precision=precision, block_fn=probe)
     usable = [s for s in shapes(devices, shape) if run.train.batch % s[0] == 0]
     if not list(shapes(devices, shape)):
         raise ShardingError(f"autoplan: no mesh of {devices} devices suits model={model}: the tensor degree must "
@@ -213,5 +278,5 @@ def main(argv: list[str] | None = None) -> int:
         b = c["step_ms_bounds"]
         print(f"\n{i}. mesh {c['mesh']}: {', '.join(words)}\n   step {c['step_ms']:.0f} ms ({b['full_overlap']:.0f}-"
               f"{b['no_overlap']:.0f}), {c['tokens_per_s']:,.0f} tokens/s, {c['memory_gib']:.1f} GiB per device"
-              f"{'' if c['exact'] else ' (analytic)'}\n   python examples/train_gpt.py " + " ".join(c["overrides"]))
+              f"{'' if c['exact'] else ' (analytic)'}\n   python examples/train_gpt.py " + " ".join(map(shlex.quote, c["overrides"])))
     return 0

@@ -18,8 +18,7 @@ import torch
 
 from ..algebra.mesh import AbstractMesh
 from ..comm.core import format_bytes
-from ..planner.estimate import (StepEstimate, estimate_step, pipeline_rank_flops, recompute_passes,
-                                 transformer_flops)
+from ..planner.estimate import ModelDims, StepEstimate, estimate_step, pipeline_rank_flops, recompute_passes
 from .config import RunConfig
 
 
@@ -79,7 +78,8 @@ def _activations(plan, model, run: RunConfig, rank: int) -> tuple[int | None, st
         from ..planner.peak import activation_bytes
         rows = run.train.batch // (plan.dp_size * run.microbatches)
         ids = torch.zeros(rows, run.seq, dtype=torch.long, device="meta")
-        return activation_bytes(model, (ids, ids), plan=plan), None
+        batch = {"input_ids": ids, "labels": ids} if run.model.kind == "hf" else (ids, ids)
+        return activation_bytes(model, batch, plan=plan), None
     return None, "activations: not estimated for a tensor axis without a pipeline (plan with a pipe axis to " \
                  "measure each block's saved bytes on its shards)"
 
@@ -89,8 +89,13 @@ def dry_run(run: RunConfig) -> DryRun:
     from .run import make_plan
 
     t0 = time.perf_counter()
-    with torch.device("meta"), _SkipInit():
-        model = GPT(run.model.gpt(), seed=None)
+    if run.model.kind == "hf":                # a transformers folder's config (its weights are not read)
+        from .hf import meta_model
+        model = meta_model(run)
+    else:
+        with torch.device("meta"), _SkipInit():
+            model = GPT(run.model.gpt(), seed=None)
+    dims = ModelDims.of(model)
     plan = make_plan(model, AbstractMesh(run.mesh.shape), run)
     notes: list[str] = []
     worst, worst_rank = None, 0
@@ -109,21 +114,20 @@ def dry_run(run: RunConfig) -> DryRun:
     for e in plan.comm_per_step(0):
         if e.axes:
             by_axis["+".join(e.axes)] = by_axis.get("+".join(e.axes), 0) + e.total
-    m, t = run.model, run.train
+    t = run.train
     tokens = t.batch * run.seq
     est = None
     if run.mesh.device_tflops is not None and (run.mesh.links or run.mesh.size == 1):
-        flops = transformer_flops(layers=m.n_layers, d_model=m.d_model, seq=run.seq, vocab=m.vocab_size,
-                                  tokens=tokens, mlp_ratio=m.mlp_ratio, recompute=t.recompute)
+        flops = dims.flops(seq=run.seq, tokens=tokens, recompute=t.recompute)
         mc = run.mesh.at(run.mesh.size)          # calibrated figures for this many ranks, where measured
         links = {a: (lk.bandwidth, lk.latency) for a, lk in mc.links}
         pp = plan.pipeline
         micro = pp.microbatches if pp is not None else run.train.grad_accum
-        per_rank, blocks = None, m.n_layers
+        per_rank, blocks = None, dims.layers
         if pp is not None:             # the busiest stage sets the pace
-            per_rank, blocks = pipeline_rank_flops(plan, layers=m.n_layers, d_model=m.d_model, seq=run.seq,
-                                                   vocab=m.vocab_size, tokens=tokens, mlp_ratio=m.mlp_ratio,
-                                                   recompute=t.recompute)
+            per_rank, blocks = pipeline_rank_flops(plan, layers=dims.layers, d_model=dims.d_model, seq=run.seq,
+                                                   vocab=dims.vocab, tokens=tokens, mlp_ratio=dims.mlp_ratio,
+                                                   recompute=t.recompute, block_matrix=dims.block_matrix)
         passes = blocks * micro * recompute_passes(t.recompute)
         est = estimate_step(plan, flops=flops, tokens=tokens, device_flops=mc.rank_tflops * 1e12, links=links,
                             layer_s=(mc.layer_us or 0.0) * 1e-6, layer_passes=passes, flops_per_rank=per_rank,

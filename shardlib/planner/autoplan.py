@@ -104,6 +104,7 @@ class ModelShape:
     pre_params: int               # embeddings (the first stage)
     post_params: int              # final norm and head (the last stage)
     post_act: int                 # embeddings, head and loss: bytes per sequence, in the compute dtype
+    block_matrix: int | None = None   # one block's matrix elements where not GPT's (4 + 2r)·d² (a transformers model)
 
     @property
     def params(self) -> int:
@@ -174,7 +175,7 @@ class Costs:
         from .estimate import recompute_passes, transformer_flops
         self._flops = {rc: transformer_flops(layers=model.layers, d_model=model.d_model, seq=model.seq,
                                              vocab=model.vocab, tokens=batch * model.seq, mlp_ratio=model.mlp_ratio,
-                                             recompute=rc) for rc in RECOMPUTE}
+                                             recompute=rc, block_matrix=model.block_matrix) for rc in RECOMPUTE}
         self._passes = {rc: recompute_passes(rc) for rc in RECOMPUTE}
 
     # ---- memory ------------------------------------------------------------------------------------

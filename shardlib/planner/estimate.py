@@ -74,24 +74,60 @@ class StepEstimate:
         return self.tokens / self.total_s
 
 
+@dataclass(frozen=True)
+class ModelDims:
+    """What the FLOP count needs of a transformer: its layers, width, heads and vocabulary, and where
+    its blocks are not GPT's ``(4 + 2r)·d²`` weights (grouped key/value heads, a gated MLP), the
+    elements of one block's matrices (``block_matrix``: each multiplies 2 FLOPs per token)."""
+
+    layers: int
+    d_model: int
+    heads: int
+    vocab: int
+    mlp_ratio: int = 4
+    block_matrix: int | None = None
+
+    @staticmethod
+    def of(model) -> ModelDims:
+        """The reference GPT's dims from its config; a transformers model's from its ``config`` and its
+        first block's matrices (the layer stack ``planner/stack.auto_stack`` finds)."""
+        cfg = getattr(model, "config", None)
+        if cfg is None or not hasattr(cfg, "num_hidden_layers"):
+            c = model.cfg
+            return ModelDims(c.n_layers, c.d_model, c.n_heads, c.vocab_size, c.mlp_ratio,
+                             None if c.mlp_width is None else 4 * c.d_model ** 2 + 2 * c.d_model * c.mlp_width)
+        from .stack import auto_stack
+        stack, _ = auto_stack(model)
+        first = next(iter(dict(model.named_modules())[stack].children()), None) if stack else None
+        matrix = sum(p.numel() for p in first.parameters() if p.dim() == 2) if first is not None else None
+        return ModelDims(cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.vocab_size, 4, matrix)
+
+    def flops(self, *, seq: int, tokens: int, recompute: bool | str = False) -> float:
+        return transformer_flops(layers=self.layers, d_model=self.d_model, seq=seq, vocab=self.vocab, tokens=tokens,
+                                 mlp_ratio=self.mlp_ratio, recompute=recompute, block_matrix=self.block_matrix)
+
+
 def transformer_flops(*, layers: int, d_model: int, seq: int, vocab: int, tokens: int, mlp_ratio: int = 4,
-                      recompute: bool | str = False) -> float:
+                      recompute: bool | str = False, block_matrix: int | None = None) -> float:
     """Training FLOPs of one step over ``tokens`` tokens (the module doc's formula); ``recompute``:
-    ``"none"``/``False``, ``"selective"``, ``"full"``/``True``."""
+    ``"none"``/``False``, ``"selective"``, ``"full"``/``True``; ``block_matrix``: one block's matrix
+    elements where they are not ``(4 + 2r)·d²`` (its dense FLOPs per token are then ``2·block_matrix``)."""
     rc = int(recompute is True or recompute == "full")
     sel = int(recompute == "selective")
-    dense, core = 2 * (4 + 2 * mlp_ratio) * d_model ** 2, 4 * seq * d_model
+    dense = 2 * (4 + 2 * mlp_ratio) * d_model ** 2 if block_matrix is None else 2 * block_matrix
+    core = 4 * seq * d_model
     return tokens * (layers * ((3 + rc) * dense + (3 + rc + sel) * core) + 3 * 2 * d_model * vocab)
 
 
 def pipeline_rank_flops(plan: Plan, *, layers: int, d_model: int, seq: int, vocab: int, tokens: int,
-                        mlp_ratio: int = 4, recompute: bool | str = False) -> tuple[float, int]:
+                        mlp_ratio: int = 4, recompute: bool | str = False,
+                        block_matrix: int | None = None) -> tuple[float, int]:
     """(FLOPs, blocks) of the busiest pipe rank: its stages' blocks, and the LM head where its last
     stage holds it — a pipeline runs at its slowest stage's pace, and the head sits on one stage only.
     Each data rank takes ``tokens / dp`` and the tensor axis splits a rank's work ``t`` ways."""
     pp = plan.pipeline
     per_layer = transformer_flops(layers=1, d_model=d_model, seq=seq, vocab=0, tokens=1, mlp_ratio=mlp_ratio,
-                                  recompute=recompute)
+                                  recompute=recompute, block_matrix=block_matrix)
     head = 3 * 2 * d_model * vocab
     share = tokens / (plan.dp_size * plan.tensor_size)
     worst = (0.0, 0)
