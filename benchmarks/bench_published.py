@@ -26,21 +26,28 @@ data link inside one node for the 8-GPU torchtitan row). Nothing in the estimato
 
 Where a published run used something the planner cannot express the row says so (``note``): the interleaved
 schedule's virtual stages where given; Megatron's scatter/gather of the pipe messages (planned with sequence parallelism, which sends the same
-1/t share); Llama's SwiGLU and grouped KV heads (a GPT of the same weights per layer: d = 4256, MLP 4d).
+1/t share).
+
+The torchtitan rows plan the real Llama 3.1 8B architecture (grouped KV heads, SwiGLU, untied 128256-entry
+vocabulary): the script writes its transformers ``config.json`` (no weights, no tokenizer) into a temporary
+folder and plans ``model=hf model.path=<folder> model.seq_len=8192``; their FLOPs are ``ModelDims.of(model)``'s
+(2 per matrix element).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
+import tempfile
 import time
 
 from shardlib.cli.compose import check_overrides
 from shardlib.frontend.config import run_config
 from shardlib.frontend.dryrun import dry_run
-from shardlib.planner.estimate import transformer_flops
+from shardlib.planner.estimate import ModelDims, transformer_flops
 
 NARAYANAN = "Narayanan et al. 2021, arXiv:2104.04473"
 SC21 = "configs: github.com/NVIDIA/Megatron-LM examples/sc21/run_table_1.sh"
@@ -51,6 +58,34 @@ TITAN = "github.com/pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.
 def gpt(layers, hidden, heads, vocab=51200, seq=2048, mlp=4):
     return {"n_layers": layers, "d_model": hidden, "n_heads": heads, "vocab_size": vocab, "seq_len": seq,
             "mlp_ratio": mlp}
+
+
+# Llama 3.1 8B (meta-llama/Llama-3.1-8B's config.json, without its long-context rope scaling: the rows run 8192)
+LLAMA31_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0,
+                  tie_word_embeddings=False)
+
+
+def hf(config: dict, seq: int) -> dict:
+    """A transformers model planned from its config alone (``model=hf``); ``config``: LlamaConfig's arguments."""
+    return {"hf": "LlamaConfig", "config": config, "seq_len": seq}
+
+
+_TMP = []      # the temporary folders holding the written configs (removed at exit)
+
+
+@functools.lru_cache(maxsize=None)
+def _hf_folder(items: tuple) -> str:
+    """A temporary folder holding only the ``config.json`` of ``LlamaConfig(**dict(items))``."""
+    from transformers import LlamaConfig
+    tmp = tempfile.TemporaryDirectory(prefix="bench_published_hf_")
+    _TMP.append(tmp)
+    LlamaConfig(**dict(items), attn_implementation="sdpa").save_pretrained(tmp.name)
+    return tmp.name
+
+
+def hf_folder(m: dict) -> str:
+    return _hf_folder(tuple(sorted(m["config"].items())))
 
 
 # (name, model, t, p, d, global batch, micro-batch size, virtual stages, recompute, zero, published, source)
@@ -103,7 +138,7 @@ def _rows():
                              recompute=rc, zero=0, published=("iter_s", s), mesh="a100_3072", source=KORTHIKANTI))
     # torchtitan, Llama 3.1 8B, bf16, FSDP (ZeRO-3), eager (no torch.compile, no Float8), local batch 2 x 8192,
     # selective (op-level) activation checkpointing. The 70B/405B rows there are Float8 only: not compared.
-    llama8b = gpt(32, 4256, 32, vocab=128256, seq=8192)   # 12 d'^2 = Llama's 13.0 d^2 weights per layer
+    llama8b = hf(LLAMA31_8B, 8192)
     rows.append(dict(group="torchtitan", name="Llama3.1-8B FSDP", model=llama8b, t=1, p=1, d=8, batch=16, mbs=2,
                      v=1, recompute="selective", zero=3, published=("tps", 5762), mesh="h100_64", node_local=True,
                      source=f"{TITAN}, Table 1"))
@@ -120,8 +155,9 @@ def overrides(row: dict, recompute) -> list[str]:
     t, p, d = row["t"], row["p"], row["d"]
     axes = {"data": d} | ({"pipe": p} if p > 1 else {}) | {"tensor": t}
     m = row["model"]
-    out = [f"mesh={row['mesh']}", "mesh.axes={" + ",".join(f"{k}:{v}" for k, v in axes.items()) + "}",
-           "model=1b", *(f"model.{k}={v}" for k, v in m.items()),
+    model = (["model=hf", f"model.path={hf_folder(m)}", f"model.seq_len={m['seq_len']}"] if "hf" in m
+             else ["model=1b", *(f"model.{k}={v}" for k, v in m.items())])
+    out = [f"mesh={row['mesh']}", "mesh.axes={" + ",".join(f"{k}:{v}" for k, v in axes.items()) + "}", *model,
            f"train.batch={row['batch']}", "train.precision=bf16", f"train.recompute={recompute}",
            f"parallel.zero={row['zero']}"]
     if row.get("node_local"):       # 8 GPUs of one node: the data axis is NVLink, not the fabric
@@ -149,7 +185,8 @@ def _recompute_value(rc: str):
 def price(row: dict) -> dict:
     notes = []
     rc = row["recompute"]
-    dr = dry_run(run_config(check_overrides(overrides(row, _recompute_value(rc)))))
+    run = run_config(check_overrides(overrides(row, _recompute_value(rc))))
+    dr = dry_run(run)
     est = dr.estimate
     m, n = row["model"], row["t"] * row["p"] * row["d"]
     tokens = row["batch"] * m["seq_len"]
@@ -162,10 +199,15 @@ def price(row: dict) -> dict:
         f_conv = transformer_flops(layers=m["n_layers"], d_model=m["d_model"], seq=m["seq_len"],
                                    vocab=m["vocab_size"], tokens=tokens, mlp_ratio=m["mlp_ratio"], recompute=False)
         pub_s = value
-    else:
-        f_conv = transformer_flops(layers=m["n_layers"], d_model=m["d_model"], seq=m["seq_len"],
-                                   vocab=m["vocab_size"], tokens=tokens, mlp_ratio=m["mlp_ratio"], recompute=False)
+    else:                           # tokens/s per GPU: the published tokens per step over n GPUs
         pub_s = tokens / (n * value)
+        if "hf" in m:               # model FLOPs (no recompute) of the real architecture, 2 per matrix element
+            from shardlib.frontend.hf import meta_model
+            f_conv = ModelDims.of(meta_model(run)).flops(seq=m["seq_len"], tokens=tokens, recompute=False)
+        else:
+            f_conv = transformer_flops(layers=m["n_layers"], d_model=m["d_model"], seq=m["seq_len"],
+                                       vocab=m["vocab_size"], tokens=tokens, mlp_ratio=m["mlp_ratio"],
+                                       recompute=False)
     comm = sum(est.comm_s.values())
     needed = est.flops_per_rank / max(1e-9, (pub_s - comm) * (1 - est.idle)) / 1e12 if pub_s > comm else float("nan")
     if row["v"] > 1:
