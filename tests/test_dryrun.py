@@ -13,11 +13,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import shardlib as sl
 from shardlib.cli.compose import check_overrides
 from shardlib.frontend.config import run_config
 from shardlib.frontend.dryrun import dry_run
+from shardlib.models.gpt import GPT
 from shardlib.planner.estimate import HOPS, estimate_step, transformer_flops
 from shardlib.planner.simulate import bubble_formula
 from shardlib.testing import get_mesh
@@ -150,3 +152,16 @@ def test_dry_run_equals_the_runtime_at_small_scale(world):
         planned = d.plan.memory_per_rank(r)
         assert {k: got["held"][k] for k in ("params", "grads", "optimizer")} == \
             {k: planned[k] for k in ("params", "grads", "optimizer")}, r
+
+
+def test_activations_are_measured_in_the_compute_dtype():
+    """Without a pipe axis the dry run measures the whole model's saved tensors: in bf16 a step saves
+    them in bf16 (the loss's fp32 upcast aside), about half of what the fp32 model saves."""
+    from shardlib.planner.peak import activation_bytes
+    got = {p: dry_run(run_of("mesh=dp2", "parallel=dp", f"train.precision={p}")).memory["activations"]
+           for p in ("fp32", "bf16")}
+    run = run_of("mesh=dp2", "parallel=dp", "train.precision=bf16")
+    with torch.device("meta"):
+        model = GPT(run.model.gpt(), seed=None).to(torch.bfloat16)
+    ids = torch.zeros(run.train.batch // 2, run.seq, dtype=torch.long, device="meta")
+    assert got["bf16"] == activation_bytes(model, (ids, ids)) and 0.4 < got["bf16"] / got["fp32"] < 0.75

@@ -97,6 +97,8 @@ def dry_run(run: RunConfig) -> DryRun:
             model = GPT(run.model.gpt(), seed=None)
     dims = ModelDims.of(model)
     plan = make_plan(model, AbstractMesh(run.mesh.shape), run)
+    if plan.mixed:                # activations are measured as a step makes them: in the compute dtype
+        model = model.to(plan.compute_dtype)
     notes: list[str] = []
     worst, worst_rank = None, 0
     for r in _ranks_to_check(plan):
