@@ -28,7 +28,7 @@ from shardlib.models.gpt import GPT, GPTConfig
 from shardlib.planner.estimate import transformer_flops
 from shardlib.planner.pipeline_report import saved_bytes
 from shardlib.testing import get_mesh
-from test_engine import make_batches, make_model, make_optimizer, run_configs, check_parity, reference_for
+from test_engine import check_parity, make_model, make_optimizer, reference_for, run_configs
 from test_pipeline import _check as pipe_check, batches as pp_batches, PIPE, TP
 from test_tensor import _check as tensor_check
 
