@@ -71,7 +71,7 @@ def candidates(model: str, devices: int, batch: int, plans: int) -> list[tuple[a
     for got in picks:
         ov = ap.overrides(got.cand, model=model, mesh=mesh, batch=batch, precision="fp32")
         try:
-            priced = exact(got, run_config(check_overrides(ov)), costs.mc.overlap)
+            priced = exact(got, run_config(check_overrides(ov)))
         except Exception as e:          # noqa: BLE001 — a plan the planner refuses is reported and skipped
             print(f"  skipped {ov}: {e}", file=sys.stderr)
             continue

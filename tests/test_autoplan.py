@@ -102,8 +102,11 @@ def test_explain_json(capsys):
     assert main(["model=tiny", "mesh=2x2x2", "--json"]) == 0
     got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(got) >= {"memory_per_rank", "fits", "bytes_per_axis", "bubble", "step_ms", "tokens_per_s"}
-    assert got["memory_per_rank"]["total"] > 0 and set(got["step_ms"]) == {"no_overlap", "full_overlap"}
-    assert got["step_ms"]["full_overlap"] <= got["step_ms"]["no_overlap"] and 0 < got["bubble"] < 1
+    assert got["memory_per_rank"]["total"] > 0
+    assert set(got["step_ms"]) == {"no_overlap", "full_overlap", "predicted", "overlap"}
+    ms = got["step_ms"]
+    assert ms["full_overlap"] <= ms["predicted"] <= ms["no_overlap"] and 0 < got["bubble"] < 1
+    assert ms["predicted"] == pytest.approx(ms["no_overlap"] - ms["overlap"] * (ms["no_overlap"] - ms["full_overlap"]))
 
 
 def test_calibration_measures_and_reads_back(world):
@@ -112,7 +115,7 @@ def test_calibration_measures_and_reads_back(world):
     from shardlib.cli.calibrate import measure
     got = world(2, measure, 2)[0]
     assert got["tflops"] > 0 and got["gbps"] > 0 and got["latency_us"] >= 0 and got["layer_us"] >= 0
-    assert got["rs_latency_us"] >= 0 and got["ag_latency_us"] >= 0
+    assert got["rs_latency_us"] >= 0 and got["ag_latency_us"] >= 0 and 0 <= got["overlap"] <= 1
     raw = check_overrides(["mesh=dp4", "parallel=zero3"])
     raw["mesh"]["calibrated"] = {4: {"tflops": 0.5, "gbps": 2.0, "latency_us": 100, "layer_us": 10}}
     mc = run_config(raw).mesh
@@ -121,6 +124,17 @@ def test_calibration_measures_and_reads_back(world):
     raw["mesh"]["calibrated"] = {4: {"tflops": 0.5, "gbps": 2.0, "latency_us": 100, "layer_us": 10,
                                      "rs_latency_us": 300, "ag_latency_us": 200}}
     assert dict(run_config(raw).mesh.at(4).hop_s) == pytest.approx({"reduce_scatter": 3e-4, "all_gather": 2e-4})
+    # the overlap factor: the step predicted between the estimate's bounds by it
+    raw["mesh"]["calibrated"][4]["overlap"] = 0.25
+    run = run_config(raw)
+    assert run.mesh.at(4).overlap == 0.25
+    from shardlib.frontend.dryrun import dry_run
+    e = dry_run(run).estimate
+    assert e.overlap == 0.25 and e.step_s == pytest.approx(e.total_s - 0.25 * (e.total_s - e.overlapped_s))
+    raw["mesh"]["overlap"] = 1.5
+    with pytest.raises(sl.frontend.config.ConfigError, match=r"mesh.overlap: .* a fraction from 0 to 1"):
+        run_config(raw)
+    del raw["mesh"]["overlap"]
     raw["mesh"]["calibrated"] = {4: {"tflops": 0.5}}
     with pytest.raises(sl.frontend.config.ConfigError, match=r"mesh.calibrated.4: .* expected \{tflops, gbps"):
         run_config(raw)

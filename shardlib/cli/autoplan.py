@@ -136,9 +136,9 @@ def block_probe(cfg, seq: int, precision: str):
     return probe
 
 
-def exact(priced: Priced, run, overlap: float) -> Priced:
+def exact(priced: Priced, run) -> Priced:
     """``priced`` planned by the real planner (``frontend/dryrun.py``): the plan's memory and estimate
-    (its step between the estimate's bounds by the machine's ``overlap``)."""
+    (its step between the estimate's bounds by the machine's ``overlap``: ``StepEstimate.step_s``)."""
     from ..frontend.dryrun import dry_run
     d = dry_run(run)
     mem = dict(d.memory)
@@ -148,7 +148,7 @@ def exact(priced: Priced, run, overlap: float) -> Priced:
         return replace(priced, exact=True, notes=priced.notes + ["no estimate: the mesh lacks figures"])
     no, full = est.total_s, est.overlapped_s
     fits = d.fits if d.fits is not None else priced.fits
-    return Priced(priced.cand, mem, no - overlap * (no - full), no, full, bool(fits), exact=True, notes=list(d.notes))
+    return Priced(priced.cand, mem, est.step_s, no, full, bool(fits), exact=True, notes=list(d.notes))
 
 
 def autoplan(*, model: str = "1b", devices: int, mesh: str = "h100_64", batch: int | None = None,
@@ -212,7 +212,7 @@ def autoplan(*, model: str = "1b", devices: int, mesh: str = "h100_64", batch: i
             ov.append(f"train.seq={seq}")
         if verify:
             try:
-                got = exact(got, run_config(check_overrides(ov)), machine.overlap)
+                got = exact(got, run_config(check_overrides(ov)))
             except ShardingError as e:
                 got.notes.append(f"the planner refused it: {e.problems[0] if getattr(e, 'problems', None) else e}")
                 continue

@@ -11,7 +11,10 @@ price a step with, on the machine at hand, for each rank count, and print them a
   between blocks of work as a step meets it, and its bandwidth per rank (4 MiB): with more ranks than
   cores each hop waits for its peer to be scheduled, which a loopback figure at two ranks does not show;
 * ``rs_latency_us`` / ``ag_latency_us`` — the same for a reduce-scatter and an all-gather (``n-1`` hops
-  each): gloo runs them as several rounds, each a scheduling wait, not as half an all-reduce.
+  each): gloo runs them as several rounds, each a scheduling wait, not as half an all-reduce;
+* ``overlap`` — the fraction of the shorter of a block's work (16 sequences) and the 4 MiB all-reduce that
+  is hidden when the all-reduce runs asynchronously beside the block: ``(t_block + t_comm - t_both) /
+  min(t_block, t_comm)``, clamped to [0, 1] — the step is predicted between the estimate's bounds by it.
 
 Medians of repeated runs; the figures are measured, never fitted to training runs.
 """
@@ -102,6 +105,14 @@ def measure(reps: int = 10) -> dict[str, float]:
         sent = hops / n * payload.numel() * 4
         out["latency_us"] = per_hop * 1e6
         out["gbps"] = sent / max(big - hops * per_hop, 1e-9) / 1e9
+
+        def beside():                                 # the all-reduce in flight while a block computes
+            work = dist.all_reduce(payload, async_op=True)
+            many()
+            work.wait()
+        both_async = together(beside, reps)
+        hidden = t16 + big - both_async
+        out["overlap"] = min(1.0, max(0.0, hidden / max(min(t16, big), 1e-9)))
     return out
 
 
@@ -121,8 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"calibrated:        # python -m shardlib.calibrate --ranks {' '.join(map(str, args.ranks))} "
           f"({time.strftime('%Y-%m-%d')})")
     for n, r in rows.items():
-        ops = (f", rs_latency_us: {r['rs_latency_us']:.0f}, ag_latency_us: {r['ag_latency_us']:.0f}"
-               if "rs_latency_us" in r else "")
+        ops = (f", rs_latency_us: {r['rs_latency_us']:.0f}, ag_latency_us: {r['ag_latency_us']:.0f}, "
+               f"overlap: {r['overlap']:.2f}" if "rs_latency_us" in r else "")
         print(f"  {n}: {{tflops: {r['tflops']:.4g}, gbps: {r['gbps']:.3g}, latency_us: {r['latency_us']:.0f}, "
               f"layer_us: {r['layer_us']:.0f}{ops}}}")
     return 0

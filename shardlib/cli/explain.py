@@ -64,6 +64,7 @@ def as_json(d) -> dict:
     bubble = bubble_formula(pp.schedule, pp.size, pp.microbatches, pp.virtual) if pp is not None else 0.0
     return {"memory_per_rank": mem, "worst_rank": d.worst_rank, "fits": d.fits,
             "bytes_per_axis": {k: int(v) for k, v in d.bytes_per_axis.items()}, "bubble": bubble,
-            "step_ms": None if e is None else {"no_overlap": 1e3 * e.total_s, "full_overlap": 1e3 * e.overlapped_s},
+            "step_ms": None if e is None else {"no_overlap": 1e3 * e.total_s, "full_overlap": 1e3 * e.overlapped_s,
+                                               "predicted": 1e3 * e.step_s, "overlap": e.overlap},
             "tokens_per_s": None if e is None else e.tokens_per_s, "recompute": plan.recompute,
             "notes": list(d.notes)}

@@ -65,6 +65,8 @@ class Calibration:
     # all-reduce's per hop once ranks outnumber cores); absent, the all-reduce's
     rs_latency_us: float | None = None
     ag_latency_us: float | None = None
+    # the fraction of a collective's time hidden when it runs asynchronously beside a block's compute
+    overlap: float | None = None
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,9 @@ class MeshConfig:
     calibrated: tuple = ()
     hop_s: tuple = ()                       # (op, seconds per ring hop) measured for ops unlike the all-reduce
     layer_us: float | None = None           # a fixed cost per layer and micro-batch (forward + backward)
+    # the fraction of communication hidden behind compute (0: none, 1: all); the step is predicted between
+    # the estimate's bounds by it: no_overlap - overlap x (no_overlap - full_overlap)
+    overlap: float | None = None
     links: tuple[tuple[str, Link], ...] = ()
     shared_cores: int | None = None         # CPU meshes: every rank on one host of this many cores
 
@@ -97,7 +102,7 @@ class MeshConfig:
         hops = tuple((op, us * 1e-6) for op, us in (("reduce_scatter", got.rs_latency_us),
                                                     ("all_gather", got.ag_latency_us)) if us)
         return replace(self, device_tflops=got.tflops, shared_cores=None, layer_us=got.layer_us, links=links,
-                       hop_s=hops)
+                       hop_s=hops, overlap=got.overlap if got.overlap is not None else self.overlap)
 
     def process_kwargs(self) -> dict[str, Any]:
         """``sl.Mesh``'s keywords for this preset's device and backend (the defaults left to the mesh)."""
@@ -286,7 +291,16 @@ def _mesh(raw: Any, problems: list[str]) -> MeshConfig:
                       host_update_gbps=c.number("host_update_gbps", None, strict=True, optional=True),
                       shared_cores=c.int("shared_cores", None, optional=True),
                       layer_us=c.number("layer_us", None, strict=True, optional=True),
+                      overlap=_fraction(c, "overlap"),
                       calibrated=_calibrated(c.get("calibrated"), problems))
+
+
+def _fraction(c, key: str) -> float | None:
+    v = c.number(key, None, optional=True)
+    if v is not None and v > 1:
+        c.bad(key, v, "a fraction from 0 to 1 (of communication hidden behind compute) or null")
+        return None
+    return v
 
 
 def _calibrated(raw: Any, problems: list[str]) -> tuple:
@@ -298,13 +312,13 @@ def _calibrated(raw: Any, problems: list[str]) -> tuple:
                         "as python -m shardlib.calibrate prints it.")
         return ()
     out = []
-    fields, extra = ("tflops", "gbps", "latency_us", "layer_us"), ("rs_latency_us", "ag_latency_us")
+    fields, extra = ("tflops", "gbps", "latency_us", "layer_us"), ("rs_latency_us", "ag_latency_us", "overlap")
     for ranks, spec in raw.items():
         if not (isinstance(ranks, int) and ranks > 0 and isinstance(spec, Mapping) and set(fields) <= set(spec)
                 and set(spec) <= set(fields + extra)
                 and all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in spec.values())):
             problems.append(f"mesh.calibrated.{ranks}: got {spec!r}; expected {{tflops, gbps, latency_us, layer_us}} "
-                            "(and rs_latency_us, ag_latency_us where measured), non-negative numbers, under a "
+                            "(and rs_latency_us, ag_latency_us, overlap where measured), non-negative numbers, under a "
                             "positive rank count.")
             continue
         out.append((ranks, Calibration(**{f: float(v) for f, v in spec.items()})))

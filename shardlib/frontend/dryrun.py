@@ -133,7 +133,7 @@ def dry_run(run: RunConfig) -> DryRun:
         passes = blocks * micro * recompute_passes(t.recompute)
         est = estimate_step(plan, flops=flops, tokens=tokens, device_flops=mc.rank_tflops * 1e12, links=links,
                             layer_s=(mc.layer_us or 0.0) * 1e-6, layer_passes=passes, flops_per_rank=per_rank,
-                            hop_s=dict(mc.hop_s),
+                            hop_s=dict(mc.hop_s), overlap=mc.overlap or 0.0,
                             **{k: getattr(mc, f"{k}_gbps") * 1e9 for k in ("host", "disk", "host_update")
                                if getattr(mc, f"{k}_gbps") is not None})
         if plan.offload and (mc.host_gbps is None or (plan.disk_bytes() and mc.disk_gbps is None)):

@@ -150,7 +150,7 @@ class Machine:
         gb = lambda x: None if x is None else x * 1e9        # noqa: E731
         return Machine(mesh.name, mesh.device_tflops * 1e12, mesh.memory_gib * 2**30, links, gb(mesh.host_gbps),
                        gb(mesh.host_update_gbps), None if mesh.host_memory_gib is None else mesh.host_memory_gib * 2**30,
-                       getattr(mesh, "overlap", None) or 0.0, mesh.shared_cores, (mesh.layer_us or 0.0) * 1e-6,
+                       mesh.overlap or 0.0, mesh.shared_cores, (mesh.layer_us or 0.0) * 1e-6,
                        dict(mesh.hop_s))
 
     def link(self, axis: str) -> tuple[float, float]:

@@ -54,6 +54,7 @@ class StepEstimate:
     tokens: int
     copy_s: tuple[tuple[str, float], ...] = ()    # ("host" | "disk", seconds of the step's copies)
     update_s: float = 0.0         # the offloaded optimizer's update on the host
+    overlap: float = 0.0          # the machine's fraction of communication hidden behind compute
 
     @property
     def compute_with_bubble_s(self) -> float:
@@ -68,6 +69,11 @@ class StepEstimate:
     def overlapped_s(self) -> float:
         """Perfect overlap: a lower bound."""
         return max(self.compute_with_bubble_s, sum(self.comm_s.values()), *(s for _, s in self.copy_s)) + self.update_s
+
+    @property
+    def step_s(self) -> float:
+        """The predicted step: between the bounds by the machine's ``overlap`` (0: no overlap)."""
+        return self.total_s - self.overlap * (self.total_s - self.overlapped_s)
 
     @property
     def tokens_per_s(self) -> float:
@@ -152,7 +158,7 @@ def estimate_step(plan: Plan, *, flops: float, tokens: int, device_flops: float,
                   disk: float | None = None, host_update: float | None = None,
                   layer_s: float = 0.0, layer_passes: float = 0.0,
                   flops_per_rank: float | None = None,
-                  hop_s: Mapping[str, float] | None = None) -> StepEstimate:
+                  hop_s: Mapping[str, float] | None = None, overlap: float = 0.0) -> StepEstimate:
     """``flops`` of a step over ``tokens`` tokens; ``device_flops`` per second; ``links[axis] =
     (bytes/s, seconds per hop)`` (an axis missing from ``links`` takes ``links["default"]``); with
     offload, ``host``, ``disk`` and ``host_update`` in bytes/s (the module doc; a figure not given
@@ -190,4 +196,4 @@ def estimate_step(plan: Plan, *, flops: float, tokens: int, device_flops: float,
         update = 28 * n_opt / host_update
     compute = per_rank / device_flops + layer_s * layer_passes      # + a fixed cost per layer and micro-batch
     return StepEstimate(flops, per_rank, compute, idle, comm, tokens,
-                        tuple((k, v) for k, v in copies.items() if v), update)
+                        tuple((k, v) for k, v in copies.items() if v), update, overlap)
