@@ -24,6 +24,7 @@ import numpy as np
 
 from ..allocator import set_mmap_threshold
 from ..errors import MeshError, Problems, ShardingTypeError, SpecError
+from .world_env import adopt_launcher_env
 
 
 class MeshShape(tuple):
@@ -268,6 +269,11 @@ def check_backend(backend: object, api: str = "Mesh") -> str:
     for part in backend.lower().split(","):
         name = part.split(":")[-1].strip()
         if name in available:
+            if not available[name] and name == "mpi":
+                raise MeshError(f"{api}: backend 'mpi' is not available — this torch was built without MPI "
+                                "(torch.distributed.is_mpi_available() is False; the PyPI wheels are). Under mpirun "
+                                "use backend='gloo' (CPU) or 'nccl' (GPU): the world is read from Open MPI's or "
+                                "MPICH's variables; or build torch from source against your MPI.")
             if not available[name]:
                 raise MeshError(f"{api}: backend {name!r} is not available in this torch build — expected one "
                                 f"of {usable}. Pass backend='gloo' on CPU, or leave backend unset to pick "
@@ -331,6 +337,8 @@ class Mesh(AbstractMesh):
         if backend is not None:
             check_backend(backend)
         self._backend_override = backend   # the caller's choice; applies to the mesh's groups too
+        if not (dist.is_available() and dist.is_initialized()):   # srun / mpirun: their variables, as torchrun's
+            adopt_launcher_env(rendezvous=backend != "mpi")
         env_world = "WORLD_SIZE" in os.environ and "RANK" in os.environ
         if not dist.is_available():
             initialized = False
@@ -347,7 +355,7 @@ class Mesh(AbstractMesh):
             env_size = int(os.environ["WORLD_SIZE"])
             if env_size != self.size:
                 raise MeshError(self._size_mismatch(env_size))
-            missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+            missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if v not in os.environ and backend != "mpi"]
             if missing:
                 raise MeshError(f"Mesh: RANK and WORLD_SIZE are set but {' and '.join(missing)} "
                                 f"{'is' if len(missing) == 1 else 'are'} not — expected the full env:// "

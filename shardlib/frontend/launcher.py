@@ -65,6 +65,10 @@ def free_port() -> int:
 
 
 def under_torchrun() -> bool:
+    """A world some launcher started: ``torchrun``, or ``srun`` / ``mpirun`` read as torchrun's
+    variables (``algebra/world_env.py``)."""
+    from ..algebra.world_env import adopt_launcher_env
+    adopt_launcher_env()
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
