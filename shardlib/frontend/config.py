@@ -282,7 +282,7 @@ def _mesh(raw: Any, problems: list[str]) -> MeshConfig:
         links.append((axis, Link(gbps * 1e9, lat * 1e-6)))
     return MeshConfig(name=c.str("name", "mesh"), axes=tuple(axes),
                       device=c.choice("device", "cpu", ("cpu", "cuda")),
-                      backend=c.choice("backend", None, ("gloo", "nccl"), optional=True),
+                      backend=c.choice("backend", None, ("gloo", "nccl", "mpi"), optional=True),
                       device_tflops=c.number("device_tflops", None, strict=True, optional=True),
                       memory_gib=c.number("memory_gib", None, strict=True, optional=True), links=tuple(links),
                       host_memory_gib=c.number("host_memory_gib", None, strict=True, optional=True),
