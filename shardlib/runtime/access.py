@@ -190,9 +190,10 @@ class EngineAccess:
     def _full_params(self) -> dict[str, torch.Tensor]:
         """Every parameter's full fp32 value as new tensors, the same on every rank (collective).
 
-        Where each rank holds a part (``ParamState.local_piece``), every rank writes its part into
-        zeros and one all-reduce sums them: each element is held by exactly one rank, so the sum is
-        that element, exactly. One fused all-reduce for all such parameters."""
+        Where each rank holds a part (``ParamState.local_piece``: elements ``[lo, hi)`` of the flattened
+        parameter, from its flat slot), every rank lays its parts end to end and one all-gather over the
+        data axis brings everyone's (an all-gather's bytes: each element crosses the ring once); each
+        rank's parts are placed at their ranges, which the plan gives for every rank alike."""
         out, parts = {}, []
         for s in self.states:
             if s.plan.quant is not None:
@@ -203,16 +204,33 @@ class EngineAccess:
                 out[s.name] = full.detach().to(torch.float32, copy=True).view(s.plan.shape)
             else:
                 parts.append(s)
-        if parts:
-            flat = torch.zeros(sum(s.plan.numel for s in parts), dtype=torch.float32, device=self.mesh.device)
+        if not parts:
+            return out
+        axis = self.plan.data_axis
+        coords = list(self.mesh.coords(self.mesh.rank))
+        where = self.mesh.axis_index(axis)
+        members = []
+        for c in range(self.mesh.axis_size(axis)):
+            coords[where] = c
+            members.append(self.mesh.rank_at(coords))
+        groups = self.plan.flat.groups
+        ranges = [[s.slot.piece(groups[s.slot.group].segments[s.slot.segment].bounds(r)) for s in parts]
+                  for r in members]
+        width = max(sum(hi - lo for lo, hi in rs) for rs in ranges)
+        mine = torch.zeros(width, dtype=torch.float32, device=self.mesh.device)
+        offset = 0
+        for s in parts:
+            piece = s.master if s.master is not None else s.shard
+            mine[offset:offset + piece.numel()].copy_(piece.reshape(-1))
+            offset += piece.numel()
+        everyone = comm.all_gather(mine, self.mesh, axis).view(len(members), width)
+        for s in parts:
+            out[s.name] = torch.empty(s.plan.shape, dtype=torch.float32, device=self.mesh.device)
+        for j, rs in enumerate(ranges):
             offset = 0
-            for s in parts:
-                full = flat[offset:offset + s.plan.numel].view(s.plan.shape)
-                offset += s.plan.numel
-                piece = s.master if s.master is not None else s.shard
-                s.local_piece(full).copy_(piece)
-                out[s.name] = full
-            comm.all_reduce(flat, self.mesh, self.plan.data_axis, inplace=True)
+            for s, (lo, hi) in zip(parts, rs):
+                out[s.name].view(-1)[lo:hi].copy_(everyone[j, offset:offset + hi - lo])
+                offset += hi - lo
         return out
 
     def _dequantized(self, s) -> torch.Tensor:
