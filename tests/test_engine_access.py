@@ -108,8 +108,17 @@ def _access(data: int, name: str, zero: int, precision: str) -> dict:
     for batch in batches[:2]:
         engine.step(batch)
     out = {}
-    full = engine.full_state_dict()
+    with sl.count_collectives() as counted:
+        full = engine.full_state_dict()
     out["full"] = full
+    # the sharded parameters' values: one all-gather over data, an all-gather's bytes (each rank's
+    # parts padded to the widest rank's), not an all-reduce of zero-filled full tensors
+    sharded = [s for s in engine.states if s.plan.quant is None and engine._replicated(s) is None]
+    widest = max((sum(hi - lo for lo, hi in (s.slot.piece(plan.flat.groups[s.slot.group].segments[s.slot.segment]
+                                                              .bounds(r)) for s in sharded)) for r in range(data)),
+                 default=0)
+    out["gather_records"] = [(r.op, r.axes, r.bytes) for r in counted.records if r.axes == ("data",)]
+    out["gather_expected"] = [("all_gather", ("data",), (data - 1) * widest * 4)] if sharded else []
     out["rank0_buffers_here"] = {n: b.clone() for n, b in model.named_buffers()}
     # at rest: model.state_dict() raises under ZeRO-3 only, and so does reading a parameter
     try:
@@ -198,6 +207,13 @@ def test_full_state_dict_is_a_fresh_models_state_dict_on_every_rank(access):
             want = fresh.to(DTYPES[precision])(_cast(x, DTYPES[precision])).float()
         for per_rank in access:
             torch.testing.assert_close(per_rank[i]["eval"], want, rtol=0, atol=0, msg=where)
+
+
+def test_full_state_dict_sends_an_all_gathers_bytes(access):
+    for cfg, per_rank in zip(ACCESS, zip(*access)):
+        for res in per_rank:
+            got = [g for g in res["gather_records"] if g[0] != "broadcast"]     # buffers: rank 0's, broadcast
+            assert got == res["gather_expected"], (cfg, got, res["gather_expected"])
 
 
 def test_model_state_dict_raises_under_zero3_and_is_full_inside_gathered(access):
