@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections import Counter
 
 import pytest
@@ -95,11 +96,16 @@ def _buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: b.detach().clone() for n, b in model.named_buffers()}
 
 
+NEW_DDP = "forward_sync_buffers" in inspect.signature(torch.nn.parallel.DistributedDataParallel).parameters
+
+
 def _bn_ddp(data: int, broadcast: bool, grad_accum: int) -> dict:
     """DDP on the BatchNorm model (rank r built from seed r), SGD, micro-batches under no_sync."""
     rank = dist.get_rank()
     model = make_model("bn", seed=rank)
-    ddp = torch.nn.parallel.DistributedDataParallel(model, forward_sync_buffers=broadcast)
+    # forward_sync_buffers (torch 2.13) is what broadcast_buffers means before it
+    sync = {"forward_sync_buffers": broadcast} if NEW_DDP else {"broadcast_buffers": broadcast}
+    ddp = torch.nn.parallel.DistributedDataParallel(model, **sync)
     opt = make_optimizer("sgd")(list(ddp.parameters()))
     out = {"losses": [], "buffers": []}
     for x, y in make_batches("bn", BN_STEPS):

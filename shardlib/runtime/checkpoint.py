@@ -353,9 +353,12 @@ def load(engine: Engine, path: str | os.PathLike) -> dict:
             cuda_key = f"rng/cuda/{engine.mesh.rank % world_saved}"
             if torch.cuda.is_available() and cuda_key in manifest["tensors"]:
                 request[cuda_key] = torch.empty_like(torch.cuda.get_rng_state())
+        reader = safe_reader(path)
         try:
-            dcp.load(request, storage_reader=safe_reader(path), no_dist=_world(engine) == 1)
+            dcp.load(request, storage_reader=reader, no_dist=_world(engine) == 1)
         except (Exception, _dcp_error()) as e:
+            if reader.refused is not None:       # the metadata asked for code: say so, whatever DCP made of it
+                raise reader.refused from None
             raise CheckpointError(f"load: reading {path} failed — {_why(e)}.") from None
         for p, box, off, k, sbox in plans:
             inter = overlap(box, sbox)

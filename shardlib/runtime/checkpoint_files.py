@@ -211,9 +211,15 @@ def safe_reader(path: Path):
     from torch.distributed.checkpoint.metadata import StorageMeta
 
     class Reader(dcp.FileSystemReader):
+        refused: CheckpointError | None = None      # torch 2.11's DCP swallows read_metadata's errors
+
         def read_metadata(self, *args: Any, **kwargs: Any):
             with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
+                try:
+                    metadata = _MetadataUnpickler(f).load()
+                except CheckpointError as e:
+                    self.refused = e
+                    raise
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
