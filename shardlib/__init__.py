@@ -46,7 +46,7 @@ from .cli.autoplan import autoplan as autoplan
 from .runtime.engine import Engine as Engine
 from .runtime.checkpoint_files import CheckpointError as CheckpointError
 from .runtime.engine import NonFiniteLossError as NonFiniteLossError
-from .runtime.engine import parallelize as parallelize
+from .runtime.parallelize import parallelize as parallelize
 
 __version__ = "0.1.0"
 

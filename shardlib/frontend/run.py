@@ -151,7 +151,7 @@ class Trainer:
     """The run on ``mesh`` (a ``Mesh`` over the running world): model, plan, engine, text."""
 
     def __init__(self, run: RunConfig, mesh: Mesh, *, text: torch.Tensor | None = None):
-        from ..runtime.engine import parallelize
+        from ..runtime.parallelize import parallelize
 
         self.run, self.mesh = run, mesh
         t = run.train
