@@ -26,6 +26,8 @@ a meta call to the fused kernel the CPU would choose for the same dtype, mask an
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -133,3 +135,31 @@ def _cpu_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: dict[st
     m = None if mask is None else torch.zeros((2, 2), dtype=mask.dtype)
     return int(torch._fused_sdp_choice(*small, m, float(opts.get("dropout_p", 0.0)),
                                        bool(opts.get("is_causal", False))))
+
+
+def recomputed(inner: Callable, policy: str, *, early_stop: bool = True, name: str | None = None) -> Callable:
+    """``inner`` (a unit's forward) under a recompute ``policy``: ``"full"`` in a checkpoint (it keeps
+    its input; ``early_stop=False`` replays it whole, collectives included), ``"selective"`` with
+    attention's core routed through ``AttentionCore``. With ``name``, a selective unit whose first
+    forward under grad runs no core (attention written as separate ops) is named once, in a warning."""
+    if policy == "full":
+        from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+        def full(*args, **kwargs):
+            with set_checkpoint_early_stop(early_stop):
+                return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+        return full
+    seen = [name is None]
+
+    def selective(*args, **kwargs):
+        with SelectiveRecompute() as mode:
+            out = inner(*args, **kwargs)
+        if not seen[0] and torch.is_grad_enabled():
+            seen[0] = True
+            if mode.calls == 0:
+                warnings.warn(f"recompute='selective': unit {name!r} ran no attention core "
+                              "(torch.nn.functional.scaled_dot_product_attention) — nothing of it is recomputed. "
+                              "A transformers model needs attn_implementation='sdpa'; or use recompute='full'.",
+                              stacklevel=2)
+        return out
+    return selective

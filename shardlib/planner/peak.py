@@ -227,27 +227,19 @@ def activation_bytes(model: nn.Module, batch: Any, *, loss_fn: Callable[[nn.Modu
 def _recompute_as_planned(model: nn.Module, plan: Any):
     """``model``'s units with the plan's recompute wrappers for the time of a measurement (then
     restored): a checkpoint around each recomputed unit, attention's core routed around a selective one."""
-    from torch.utils.checkpoint import checkpoint
-
-    from ..comm.recompute import SelectiveRecompute
+    from ..comm.recompute import recomputed
     modules = dict(model.named_modules())
     patched = []
     for u in (plan.units if plan is not None else ()):
-        if not (u.recompute or u.selective) or u.name not in modules:
-            continue
-        mod = modules[u.name]
-        inner = mod.forward
-        if u.recompute:
-            def forward(*a, _inner=inner, **k):
-                return checkpoint(_inner, *a, use_reentrant=False, **k)
-        else:
-            def forward(*a, _inner=inner, **k):
-                with SelectiveRecompute():
-                    return _inner(*a, **k)
-        mod.forward = forward
-        patched.append(mod)
+        if (u.recompute or u.selective) and u.name in modules:
+            mod = modules[u.name]
+            patched.append((mod, mod.__dict__.get("forward")))
+            mod.forward = recomputed(mod.forward, "full" if u.recompute else "selective")
     try:
         yield
     finally:
-        for mod in patched:
-            del mod.forward                  # back to the class's forward
+        for mod, before in patched:          # back to what it was: the class's forward, or its own wrapper
+            if before is None:
+                del mod.forward
+            else:
+                mod.forward = before

@@ -4,7 +4,6 @@ runtime state (masters, shards, gradient shards) and ZeRO-3's units; recompute w
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 from torch import nn
@@ -195,7 +194,7 @@ class EngineSetup:
         return UnitRunner(self, units, root)
 
     def _apply_recompute(self) -> None:
-        from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+        from ..comm.recompute import recomputed
 
         # split over tensor, a recomputed unit runs collectives: recompute it whole (no early stop,
         # which would skip the collectives after the last tensor backward needs), so what runs is
@@ -203,39 +202,10 @@ class EngineSetup:
         early = self.plan.tensor_size == 1
         modules = dict(self.model.named_modules())
         for u in self.plan.units:
-            if u.recompute:
+            if u.recompute or u.selective:
                 mod = modules[u.name]
-                inner = mod.forward
-
-                def forward(*args, _inner=inner, **kwargs):
-                    with set_checkpoint_early_stop(early):
-                        return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
-
-                mod.forward = forward
-            elif u.selective:
-                mod = modules[u.name]
-                mod.forward = _selective(mod.forward, u.name)
-
-
-
-def _selective(inner, name: str):
-    """``inner`` (a unit's forward) with attention's core recomputed in backward. A unit whose first
-    forward under grad runs no core (attention written as separate ops) is named once, in a warning."""
-    from ..comm.recompute import SelectiveRecompute
-    seen = [False]
-
-    def forward(*args, **kwargs):
-        with SelectiveRecompute() as mode:
-            out = inner(*args, **kwargs)
-        if not seen[0] and torch.is_grad_enabled():
-            seen[0] = True
-            if mode.calls == 0:
-                warnings.warn(f"recompute='selective': unit {name!r} ran no attention core "
-                              "(torch.nn.functional.scaled_dot_product_attention) — nothing of it is recomputed. "
-                              "A transformers model needs attn_implementation='sdpa'; or use recompute='full'.",
-                              stacklevel=2)
-        return out
-    return forward
+                mod.forward = recomputed(mod.forward, "full" if u.recompute else "selective", early_stop=early,
+                                         name=u.name)
 
 
 def _validate(model, plan, optimizer, mesh, loss_fn) -> None:
