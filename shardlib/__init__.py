@@ -36,7 +36,7 @@ from .errors import SpecError as SpecError
 from .frontend.launcher import WorkerError as WorkerError
 from .frontend.launcher import launch as launch
 from .frontend.shard_map import shard_map as shard_map
-from .planner.specs import AxisRules as AxisRules
+from .planner.rules import AxisRules as AxisRules
 from .planner.specs import shard as shard
 from .planner.build import plan as plan
 from .planner.plan import Plan as Plan

@@ -44,8 +44,9 @@ from ..planner.peft import is_adapter, is_peft
 from .checkpoint import _gather, _one
 from .checkpoint_pieces import _block, _Piece, quant_shard
 from .checkpoint_files import CheckpointError
-from .pretrained import _aliases, _persistent_buffers, _reverted, _saved_names, _Sender
+from .pretrained_names import _aliases, _persistent_buffers, _reverted, _saved_names
 from .pretrained_files import CONFIG, INDEX, SAFE, _cannot, _header_bytes, _Out, _tidy
+from .pretrained_save import _Sender
 
 if TYPE_CHECKING:
     from .engine import Engine
