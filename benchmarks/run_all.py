@@ -15,8 +15,8 @@ stepped alternately — see each script's docstring):
 
 and writes ``<out>/summary.md`` (one table: form, baseline, ranks, median step ms of each side, ratio,
 max relative loss difference of each side against one process) and ``<out>/summary.json``, plus each
-script's own rows (``<out>/<script>.json``) and full output (``<out>/<script>.txt``). The README's
-performance section is that table.
+script's own rows (``<out>/<script>.json``) and full output (``<out>/<script>.txt``). The top-level
+README's performance section sums that table up; ``benchmarks/README.md`` keeps each run of it whole.
 """
 
 from __future__ import annotations
