@@ -40,6 +40,11 @@ from .planner.rules import AxisRules as AxisRules
 from .planner.specs import shard as shard
 from .planner.build import plan as plan
 from .planner.plan import Plan as Plan
+from .planner.policies import DataPolicy as DataPolicy
+from .planner.policies import MemoryPolicy as MemoryPolicy
+from .planner.policies import PipelinePolicy as PipelinePolicy
+from .planner.policies import TensorPolicy as TensorPolicy
+from .planner.policies import TrainingPolicy as TrainingPolicy
 from .planner.states import StateLayouts as StateLayouts
 from .planner.traffic import CommEntry as CommEntry
 from .cli.autoplan import autoplan as autoplan
@@ -52,6 +57,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AbstractMesh", "AxisRules", "CheckpointError", "CollectiveCounter", "CommEntry", "Engine", "Fused", "NonFiniteLossError", "Plan", "StateLayouts",
+    "DataPolicy", "MemoryPolicy", "PipelinePolicy", "TensorPolicy", "TrainingPolicy",
     "parallelize", "plan", "autoplan", "CollectiveError", "CollectiveRecord", "Layout", "Mesh", "MeshError",
     "P", "PartitionSpec", "RedistributePlan", "ShardingError", "ShardingTypeError", "SpecError", "Step",
     "WorkerError", "all_gather", "all_to_all", "axis_index", "count_collectives", "current_mesh",

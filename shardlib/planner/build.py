@@ -26,6 +26,7 @@ from .peft import adapter_specs
 from .pipeline import PipelinePlan
 from .pipeline import derive as derive_pipeline
 from .plan import OPTIMIZER_STATE_BYTES, PRECISIONS, ParamPlan, Plan, UnitPlan
+from .policies import DataPolicy, MemoryPolicy, PipelinePolicy, TensorPolicy, TrainingPolicy, grouped
 from .specs import resolve_specs
 from .states import StateLayouts, zero_problem
 from .tensor import TensorPlan, derive
@@ -97,6 +98,7 @@ def _few(items: Sequence, k: int = 8) -> str:
 
 # ---------------------------------------------------------------------------------------------
 
+@grouped
 def plan(model: nn.Module, mesh: AbstractMesh, zero: int | None = None, *, states: StateLayouts | None = None,
          precision: str = "fp32", reduce_dtype: str | torch.dtype | None = None, grad_accum: int = 1,
          clip_grad_norm: float | None = None, recompute: bool | str | Iterable[str] = False,
@@ -105,7 +107,9 @@ def plan(model: nn.Module, mesh: AbstractMesh, zero: int | None = None, *, state
          rules: Any = None, sequence_parallel: bool = False, batch: Any = None, tensor_axis: str = "tensor",
          microbatches: int | None = None, schedule: str | None = None, virtual_stages: int | None = None,
          stages: Any = None, pipe_axis: str = "pipe", pipe_gather: str = "step",
-         replica_axis: str | None = None, offload: Any = None, offload_dir: Any = None) -> Plan:
+         replica_axis: str | None = None, offload: Any = None, offload_dir: Any = None,
+         data: DataPolicy | None = None, tensor: TensorPolicy | None = None, pipeline: PipelinePolicy | None = None,
+         memory: MemoryPolicy | None = None, training: TrainingPolicy | None = None) -> Plan:
     """Plan training of ``model`` on ``mesh``: data parallel / ZeRO on ``data``, tensor parallel on ``tensor``.
 
     Each parameter's spec comes from the ``sl.shard`` tables on the model's modules, with logical
@@ -143,6 +147,11 @@ def plan(model: nn.Module, mesh: AbstractMesh, zero: int | None = None, *, state
     set-up always starts every rank from rank 0's parameters and buffers). Under ZeRO-3, ``reshard_after_forward`` frees
     each unit after its forward and gathers it again for its backward; the root unit, used at both
     ends of the model, stays gathered from its forward through its backward (as in FSDP2).
+
+    The keywords grouped by concern (``planner/policies.py``): ``data=sl.DataPolicy(...)``,
+    ``tensor=sl.TensorPolicy(...)``, ``pipeline=sl.PipelinePolicy(...)``, ``memory=sl.MemoryPolicy(...)``,
+    ``training=sl.TrainingPolicy(...)``, each with fields named as the flat keywords above; a keyword
+    given both flat and in a group must have one value.
 
     Every problem of the arguments is reported at once: a ``ShardingError`` listing them all
     (a ``ShardingTypeError`` when each is of the wrong kind).
