@@ -53,7 +53,7 @@ from .runtime.checkpoint_files import CheckpointError as CheckpointError
 from .runtime.engine import NonFiniteLossError as NonFiniteLossError
 from .runtime.parallelize import parallelize as parallelize
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "AbstractMesh", "AxisRules", "CheckpointError", "CollectiveCounter", "CommEntry", "Engine", "Fused", "NonFiniteLossError", "Plan", "StateLayouts",

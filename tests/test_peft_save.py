@@ -338,8 +338,8 @@ def test_frozenless_checkpoint_across_meshes(world, tmp_path):
     saved = world(2, save_frozenless, path, full)[0]
     manifest = json.loads((tmp_path / "lean" / "manifest.json").read_text())
     assert sorted(manifest["absent"]) == saved["frozen"] and len(saved["frozen"]) == 2 * 7 + 2 * 2 + 3
-    assert not any(k.startswith(f"param/{n}") for k in manifest["tensors"] for n in saved["frozen"])
-    assert all(f"param/{n}" in manifest["tensors"] for n in manifest["params"] if n not in saved["frozen"])
+    assert not any(n in manifest["tensors"] for n in saved["frozen"])     # (tensors: DCP's names, a value's its own)
+    assert all(n in manifest["tensors"] for n in manifest["params"] if n not in saved["frozen"])
 
     def size(d):
         return sum(f.stat().st_size for f in (tmp_path / d).iterdir())
@@ -390,9 +390,11 @@ def test_quantized_base_saves_and_resumes(world, tmp_path):
         for k, want in ref["adapters"].items():
             torch.testing.assert_close(got[k.replace(".default", "")], want, rtol=1e-5, atol=2e-5)
         manifest = json.loads((d / "whole" / "manifest.json").read_text())
-        qkeys = [k for k in manifest["tensors"] if k.startswith("quant/")]
-        assert qkeys and not any(k.startswith("param/") and "q_proj.base_layer" in k for k in manifest["tensors"])
-        assert not any(k.startswith("quant/") for k in json.loads((d / "lean" / "manifest.json").read_text())["tensors"])
+        qkeys = [k for k in manifest["tensors"] if k.startswith("_shardlib.quant.")]
+        assert qkeys and not any("q_proj.base_layer" in k and not k.startswith(("_shardlib.", "optimizer."))
+                                 for k in manifest["tensors"])
+        assert not any(k.startswith("_shardlib.quant.")
+                       for k in json.loads((d / "lean" / "manifest.json").read_text())["tensors"])
         for kind in ("whole", "lean"):
             for r in resumed:
                 assert max_rel(r[(quant, tag, kind)], saved[(quant, tag)][2:]) <= 1e-5, (where, kind)

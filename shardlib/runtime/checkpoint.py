@@ -5,16 +5,22 @@ in parallel: each parameter's fp32 value (the masters; frozen parameters' values
 state tensor shaped like its parameter (Adam's moments, momentum), per-parameter scalars (step
 counts), the buffers, and every rank's RNG states (torch CPU, CUDA where there is one). Beside them a
 ``manifest.json`` (JSON: nothing is unpickled to read it) with the format version, the shardlib and
-torch versions, the mesh and a plan summary, the model's parameters and shapes, where every saved
-piece lies in its global tensor, the optimizer's class and hyper-parameters, the LR scheduler's
+torch versions, the mesh and a plan summary, the model's parameters and shapes, every saved
+tensor's shape by its name, the optimizer's class and hyper-parameters, the LR scheduler's
 state, the fp16 loss scale, the step, the samples consumed, the caller's ``extra`` (e.g. a data
 loader's position) and a SHA-256 of every file.
 
 **Any mesh.** A rank's piece of a tensor is a flat range of its tensor-parallel block, and the block
-a box of the global tensor; ``algebra/boxes.py`` turns it into a few boxes in global coordinates. The
-checkpoint holds boxes, not layouts: an engine on another mesh, ZeRO stage, tensor or pipe split
-reads the saved boxes that overlap its own and copies the overlaps — ZeRO-3 on 2x2x2 to ZeRO-1 on
-data 4 to one process. Replicated pieces are written once (DCP de-duplicates equal keys).
+a box of the global tensor; ``algebra/boxes.py`` turns it into a few boxes in global coordinates,
+each written as one chunk of the tensor's key. An engine on another mesh, ZeRO stage, tensor or pipe
+split reads the saved chunks that overlap its own boxes straight into them (DCP's resharding) —
+ZeRO-3 on 2x2x2 to ZeRO-1 on data 4 to one process. Replicated pieces are written once.
+
+**DCP's standard names** (``checkpoint_dcp.py``): each parameter under its model name (every name of
+a tied one), persistent buffers under theirs, optimizer state under ``optimizer.state.<name>.<key>``
+— the keys torchtitan writes. So ``dcp_to_torch_save`` gives the full state dict by name, FSDP2 loads
+an engine's checkpoint with ``dcp.load``, and ``load`` takes an FSDP2 or torchtitan checkpoint (no
+manifest: weights, optimizer state and step count from it; RNG and schedule the engine's).
 
 **Nothing lost.** A save writes into a temporary folder beside ``path`` and moves it into place only
 after every rank has written and the manifest is complete; a process killed at any point leaves the
@@ -40,7 +46,6 @@ initialisation). It is refused, naming the parameters, where the engine has no f
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import uuid
@@ -50,12 +55,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from ..algebra.boxes import overlap, slices_in
 from .checkpoint_files import (FORMAT, LATEST, MANIFEST, VERSION, CheckpointError, _dcp_error, _fsync_dir, _install,
                                _sha, _why, _writable, params_problems,
                                read_manifest, resolve, safe_reader)
 from .checkpoint_files import clean_partial as clean_partial, latest as latest   # the series' users import them here
-from .checkpoint_pieces import _block, _box_key, _param_of, _Piece, _pieces, _quantized_names
+from .checkpoint_pieces import _block, _param_of, _Piece, _pieces, _quantized_names
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -130,26 +134,11 @@ def save(engine: Engine, path: str | os.PathLike, *, extra: dict | None = None, 
     if rank_zero(engine):           # a save killed earlier left its temporary folder: clear it
         for stale in path.parent.glob(f".{path.name}.tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)
-    pieces, whole = _pieces(engine, frozen=frozen, quantized=frozen)
-    state = {}
-    index = {}
-    for p in pieces:
-        index.setdefault(p.key, {"shape": list(p.shape), "boxes": []})
-        for box, off in p.boxes:
-            state[_box_key(p.key, box)] = p.box_tensor(box, off).detach().contiguous()
-            index[p.key]["boxes"].append([list(box[0]), list(box[1])])
-    for k, v in whole.items():
-        state[k] = v.detach().contiguous()
-        index.setdefault(k, {"shape": list(v.shape), "boxes": None})
+    planner = _save_planner(engine, frozen)
     rank = engine.mesh.rank
-    state[f"rng/cpu/{rank}"] = torch.get_rng_state()
-    index[f"rng/cpu/{rank}"] = {"shape": [state[f"rng/cpu/{rank}"].numel()], "boxes": None}
-    if torch.cuda.is_available():
-        state[f"rng/cuda/{rank}"] = torch.cuda.get_rng_state()
-        index[f"rng/cuda/{rank}"] = {"shape": [state[f"rng/cuda/{rank}"].numel()], "boxes": None}
     failed = None
     try:
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)), no_dist=_world(engine) == 1)
+        dcp.save({}, storage_writer=dcp.FileSystemWriter(str(tmp)), planner=planner, no_dist=_world(engine) == 1)
     except (Exception, _dcp_error()) as e:      # DCP raises on every rank when any rank's write failed
         failed = _why(e)
     failed = [f for f in _gather(engine, failed) if f]
@@ -159,20 +148,13 @@ def save(engine: Engine, path: str | os.PathLike, *, extra: dict | None = None, 
         raise CheckpointError(f"save: writing {path} failed — {failed[0]}. The previous checkpoint (if any) "
                               "is untouched. Free disk space or fix the permissions, then save again.")
     mine = sorted(f.name for f in tmp.glob(f"__{rank}_*"))
-    hashes = _gather(engine, ({f: _sha(tmp / f) for f in mine}, index))
+    hashes = _gather(engine, {f: _sha(tmp / f) for f in mine})
     if rank == 0:
-        files, merged = {}, {}
-        for h, idx in hashes:
-            files.update(h)
-            for k, v in idx.items():
-                entry = merged.setdefault(k, {"shape": v["shape"], "boxes": [] if v["boxes"] is not None else None})
-                if v["boxes"] is not None:
-                    for b in v["boxes"]:
-                        if b not in entry["boxes"]:
-                            entry["boxes"].append(b)
+        files = {k: v for h in hashes for k, v in h.items()}
         for f in tmp.iterdir():
             if f.name not in files:
                 files[f.name] = _sha(f)
+        merged = {k: list(m.size) for k, m in planner.metadata.state_dict_metadata.items() if hasattr(m, "size")}
         manifest = _manifest(engine, merged, files, extra, frozen)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         _fsync_dir(tmp)
@@ -180,6 +162,29 @@ def save(engine: Engine, path: str | os.PathLike, *, extra: dict | None = None, 
     if _world(engine) > 1:
         dist.barrier()
     return path
+
+
+def _save_planner(engine: Engine, frozen: bool):
+    """What this rank writes (``checkpoint_dcp``'s names): its boxes of every sharded tensor, its
+    replicated tensors whole, the group hyper-parameters and its RNG states."""
+    from .checkpoint_dcp import BoxSavePlanner, Chunked, Names, param_group_entries
+
+    names = Names.of(engine)
+    pieces, whole = _pieces(engine, frozen=frozen, quantized=frozen)
+    chunked: dict[str, Chunked] = {}
+    for p in pieces:
+        for name in names.saved(p.key):
+            c = chunked.setdefault(name, Chunked(tuple(p.shape), p.flat.dtype, {}))
+            for box, off in p.boxes:
+                c.chunks[tuple(box[0])] = (tuple(box[1]), lambda p=p, box=box, off=off: p.box_tensor(box, off).detach())
+    out: dict = {names.saved(k)[0]: v.detach() for k, v in whole.items()}
+    if any(s.trainable for s in engine.states):
+        out.update(param_group_entries(engine))
+    rank = engine.mesh.rank
+    out[names.read(f"rng/cpu/{rank}")[0]] = torch.get_rng_state()
+    if torch.cuda.is_available():
+        out[names.read(f"rng/cuda/{rank}")[0]] = torch.cuda.get_rng_state()
+    return BoxSavePlanner(chunked, out)
 
 
 def _manifest(engine: Engine, index: dict, files: dict, extra: dict | None, frozen: bool) -> dict:
@@ -276,100 +281,68 @@ def check_model(engine: Engine, manifest: dict, path: Path) -> None:
 @torch.no_grad()
 def load(engine: Engine, path: str | os.PathLike) -> dict:
     """Restore the engine's whole training state from ``path`` (or the checkpoint its ``latest``
-    names), saved on any mesh; returns the ``extra`` given to ``save``. A collective."""
-    import torch.distributed.checkpoint as dcp
+    names), saved on any mesh; returns the ``extra`` given to ``save``. A collective.
+
+    A DCP checkpoint without shardlib's manifest (FSDP2's, torchtitan's: ``checkpoint_dcp``'s names)
+    gives the parameters and the optimizer state found under their names (the step count from the
+    optimizer's ``step``); the RNG, scheduler and loss scale stay the engine's."""
+    from .checkpoint_dcp import Names
 
     path = resolve(Path(path).absolute())
-    manifest = _one(engine, _try(read_manifest, path))
+    manifest = _one(engine, _try(_manifest_or_foreign, path))
     if isinstance(manifest, CheckpointError):
         raise manifest
-    check_model(engine, manifest, path)
-    check_files(engine, path, manifest)
-    saved = manifest["tensors"]
-    kept = set(manifest.get("absent", []))          # frozen values the engine keeps
+    foreign = manifest is None
+    if not foreign:
+        check_model(engine, manifest, path)
+        check_files(engine, path, manifest)
+    reader = safe_reader(path)
+    try:
+        metadata = reader.read_metadata()
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(f"load: {path}'s DCP metadata cannot be read — {_why(e)}.") from None
+    saved = {k: tuple(m.size) for k, m in metadata.state_dict_metadata.items() if hasattr(m, "size")}
+    names = Names.of(engine)
+    kept = set(manifest.get("absent", [])) if manifest else set()       # frozen values the engine keeps
     pieces, whole = _pieces(engine, quantized=not any(n in kept for n in _quantized_names(engine)))
     pieces = [p for p in pieces if p.key.startswith("optim/") or _param_of(p.key) not in kept]
     by_key = {p.key: p for p in pieces}
-    # optimizer state this engine has not created yet (no step taken): allocate it like the masters
-    fresh: dict[str, dict[str, torch.Tensor]] = {}
-    for s in engine.states:
-        if not s.trainable:
-            continue
-        for key in saved:
-            kind, _, name = key.partition("/")
-            if kind != "optim":
-                continue
-            k, _, pname = name.partition("/")
-            if pname != s.name or key in by_key or key in whole:
-                continue
-            if saved[key]["boxes"] is not None:      # (offloaded to disk: a zeroed view of the state's file)
-                t = engine.offload.fresh(s, k) if engine.offload is not None else None
-                t = torch.zeros_like(s.master, dtype=torch.float32) if t is None else t
-                fresh.setdefault(s.name, {})[k] = t
-                shape, block = _block(engine, s)
-                p = _Piece(key, shape, block, tuple(s.plan.shape), s.lo, s.hi, t.reshape(-1))
-                pieces.append(p)
-                by_key[key] = p
-            else:
-                t = torch.zeros(saved[key]["shape"], dtype=torch.float32)
-                fresh.setdefault(s.name, {})[k] = t
-                whole[key] = t
-    # with states offloaded to disk the pieces are file-backed views: read them in batches, so what DCP
-    # reads into (this process's memory) is never all of them at once; every rank reads as many batches
-    batches = _BATCHES if _on_disk(engine) else 1
-    groups = [pieces[b::batches] for b in range(batches)]
-    covered: dict[int, int] = {}
+    fresh = _fresh_states(engine, names, saved, by_key, whole, pieces)
+    boxes: dict[str, list] = {}
     request: dict[str, torch.Tensor] = {}
-    for b, group in enumerate(groups):
-        request, plans = {}, []
-        for p in group:
-            entry = saved.get(p.key)
-            if entry is None:
-                if p.key.startswith("param/"):
-                    q = any(k.startswith(f"quant/{p.key[6:]}/") for k in saved)
-                    raise CheckpointError(f"load: {path} holds no values for {p.key[6:]!r}"
-                                          + (" (it holds it quantized; this engine's is not)." if q else "."))
-                if p.key.startswith("quant/"):
-                    raise CheckpointError(f"load: {path} holds no {p.key.rpartition('/')[2]!r} of quantized weight "
-                                          f"{_param_of(p.key)!r} — expected the checkpoint of a model quantized as "
-                                          "this one is. Quantize the model as when saving, or load a checkpoint saved "
-                                          "from it.")
-                continue           # optimizer state the checkpoint did not have (e.g. saved before any step)
-            for box, off in p.boxes:
-                for starts, sizes in entry["boxes"]:
-                    sbox = (tuple(starts), tuple(sizes))
-                    if overlap(box, sbox) is not None:
-                        k = _box_key(p.key, sbox)
-                        if k not in request:
-                            request[k] = torch.empty(sizes, dtype=p.flat.dtype)
-                        plans.append((p, box, off, k, sbox))
-        if b == batches - 1:                # the last batch: the whole tensors and the RNG states
-            for k, t in whole.items():
-                if k in saved:
-                    request[k] = torch.empty(saved[k]["shape"], dtype=t.dtype)
-            world_saved = manifest["world"]
-            rng_key = f"rng/cpu/{engine.mesh.rank % world_saved}"
-            request[rng_key] = torch.empty_like(torch.get_rng_state())
-            cuda_key = f"rng/cuda/{engine.mesh.rank % world_saved}"
-            if torch.cuda.is_available() and cuda_key in manifest["tensors"]:
-                request[cuda_key] = torch.empty_like(torch.cuda.get_rng_state())
-        reader = safe_reader(path)
-        try:
-            dcp.load(request, storage_reader=reader, no_dist=_world(engine) == 1)
-        except (Exception, _dcp_error()) as e:
-            if reader.refused is not None:       # the metadata asked for code: say so, whatever DCP made of it
-                raise reader.refused from None
-            raise CheckpointError(f"load: reading {path} failed — {_why(e)}.") from None
-        for p, box, off, k, sbox in plans:
-            inter = overlap(box, sbox)
-            p.box_tensor(box, off)[slices_in(inter, box)].copy_(request[k][slices_in(inter, sbox)])
-            covered[id(p)] = covered.get(id(p), 0) + math.prod(inter[1])
-    short = [p.key for p in pieces if p.key in saved and covered.get(id(p), 0) != p.flat.numel()]
+    where: dict[str, tuple[str, torch.Tensor]] = {}
+    for p in pieces:
+        name = next((n for n in names.read(p.key) if n in saved), None)
+        if name is None:
+            _missing(path, p.key, saved, foreign, names)
+            continue
+        if saved[name] != tuple(p.shape):
+            raise CheckpointError(f"load: {name!r} is {saved[name]} in {path} but {tuple(p.shape)} in this engine — "
+                                  "expected the model the checkpoint was saved from.")
+        boxes[name] = [(box, p.box_tensor(box, off)) for box, off in p.boxes]
+    for k, t in whole.items():
+        name = next((n for n in names.read(k) if n in saved), None)
+        if name is not None:
+            request[name] = torch.empty(saved[name], dtype=t.dtype)
+            where[name] = (k, t)
+    rank_saved = engine.mesh.rank % manifest["world"] if manifest else None
+    rng = {}
+    if manifest:
+        rng["cpu"] = names.read(f"rng/cpu/{rank_saved}")[0]
+        request[rng["cpu"]] = torch.empty_like(torch.get_rng_state())
+        cuda = names.read(f"rng/cuda/{rank_saved}")[0]
+        if torch.cuda.is_available() and cuda in saved:
+            rng["cuda"] = cuda
+            request[cuda] = torch.empty_like(torch.cuda.get_rng_state())
+    planner = _read(engine, path, reader, boxes, request)
+    short = sorted({n for n, bs in boxes.items() for box, t in bs
+                    if planner.covered.get((n, tuple(box[0])), 0) != t.numel()})
     if short:
         raise CheckpointError(f"load: {path} does not cover every element of {short[:3]} — the checkpoint is incomplete.")
-    for k, t in whole.items():
-        if k in request:
-            t.copy_(request[k])
+    for name, (k, t) in where.items():
+        t.copy_(request[name])
     for p in pieces:
         if p.refill is not None:
             p.refill()
@@ -378,9 +351,14 @@ def load(engine: Engine, path: str | os.PathLike) -> dict:
         if not s.trainable and f"param/{s.name}" in by_key:
             src = s.shard if s.shard is not None else s.local_piece(s.param.data)
             src.copy_(by_key[f"param/{s.name}"].flat.view_as(src))
-    torch.set_rng_state(request[rng_key])
-    if cuda_key in request:
-        torch.cuda.set_rng_state(request[cuda_key])
+    if foreign:
+        steps = [t for k, (_, t) in where.items() if k.endswith(".step") and t.numel() == 1]
+        engine.step_count = int(steps[0].item()) if steps else engine.step_count
+        engine._publish()
+        return {}
+    torch.set_rng_state(request[rng["cpu"]])
+    if "cuda" in rng:
+        torch.cuda.set_rng_state(request[rng["cuda"]])
     sched = engine.lr_scheduler
     if sched is not None and manifest["scheduler"] is not None:
         sched.load_state_dict({**sched.state_dict(), **manifest["scheduler"]["state"]})
@@ -392,16 +370,81 @@ def load(engine: Engine, path: str | os.PathLike) -> dict:
     return manifest["extra"]
 
 
-_BATCHES = 8          # DCP reads per load where the states are offloaded to disk
+def _manifest_or_foreign(path: Path) -> dict | None:
+    """The manifest; ``None`` for a DCP checkpoint another trainer wrote (a ``.metadata``, no manifest,
+    none of the names only ``engine.save`` writes: one of its checkpoints without its manifest is refused)."""
+    from .checkpoint_dcp import OWN
+
+    if path.is_dir() and not (path / MANIFEST).exists() and (path / ".metadata").is_file():
+        keys = safe_reader(path).read_metadata().state_dict_metadata
+        if not any(k.startswith(OWN) for k in keys):
+            return None
+    return read_manifest(path)
 
 
-def _on_disk(engine: Engine) -> bool:
-    return "disk" in dict(engine.plan.offload).values()
+def _missing(path: Path, key: str, saved: dict, foreign: bool, names) -> None:
+    """Refuse a load that lacks ``key``'s values (optimizer state the checkpoint did not have, e.g.
+    saved before any step, is no error)."""
+    if key.startswith("param/"):
+        q = any(k.startswith(names.read(f"quant/{key[6:]}/x")[0][:-1]) for k in saved)
+        raise CheckpointError(f"load: {path} holds no values for {key[6:]!r}"
+                              + (" (it holds it quantized; this engine's is not)." if q else
+                                 f" — looked for {names.read(key)[:2]}." if foreign else "."))
+    if key.startswith("quant/"):
+        raise CheckpointError(f"load: {path} holds no {key.rpartition('/')[2]!r} of quantized weight "
+                              f"{_param_of(key)!r} — expected the checkpoint of a model quantized as this one is. "
+                              "Quantize the model as when saving, or load a checkpoint saved from it.")
+
+
+def _fresh_states(engine: Engine, names, saved: dict, by_key: dict, whole: dict, pieces: list) -> dict:
+    """Optimizer state the checkpoint holds and this engine has not created yet (no step taken),
+    allocated like the masters (on disk where the states are offloaded there) and added to what is read."""
+    fresh: dict[str, dict[str, torch.Tensor]] = {}
+    for s in engine.states:
+        if not s.trainable:
+            continue
+        shape, block = _block(engine, s)
+        for prefix in (f"{p}state.{s.name}." for p in ("optimizer.", "optim.")):
+            for name in saved:
+                if not name.startswith(prefix) or "." in name[len(prefix):]:
+                    continue
+                k = name[len(prefix):]
+                key = f"optim/{k}/{s.name}"
+                if key in by_key or key in whole or k in fresh.get(s.name, {}):
+                    continue
+                if saved[name] == tuple(shape) and len(shape) > 0:
+                    t = engine.offload.fresh(s, k) if engine.offload is not None else None
+                    t = torch.zeros_like(s.master, dtype=torch.float32) if t is None else t
+                    fresh.setdefault(s.name, {})[k] = t
+                    p = _Piece(key, shape, block, tuple(s.plan.shape), s.lo, s.hi, t.reshape(-1))
+                    pieces.append(p)
+                    by_key[key] = p
+                else:
+                    t = torch.zeros(saved[name], dtype=torch.float32)
+                    fresh.setdefault(s.name, {})[k] = t
+                    whole[key] = t
+    return fresh
+
+
+def _read(engine: Engine, path: Path, reader, boxes: dict, request: dict):
+    """DCP reads the chunks overlapping ``boxes`` into their views and ``request`` whole."""
+    import torch.distributed.checkpoint as dcp
+
+    from .checkpoint_dcp import BoxLoadPlanner
+
+    planner = BoxLoadPlanner(boxes, request)
+    try:
+        dcp.load({}, storage_reader=reader, planner=planner, no_dist=_world(engine) == 1)
+    except (Exception, _dcp_error()) as e:
+        if reader.refused is not None:       # the metadata asked for code: say so, whatever DCP made of it
+            raise reader.refused from None
+        raise CheckpointError(f"load: reading {path} failed — {_why(e)}.") from None
+    return planner
 
 
 def _restore_optimizer(engine: Engine, manifest: dict, fresh: dict[str, dict[str, torch.Tensor]]) -> None:
     opt = engine.optimizer
-    for g, saved in zip(opt.param_groups, manifest["optimizer"]["param_groups"]):
+    for g, saved in zip(opt.param_groups, manifest["optimizer"]["param_groups"] if manifest else []):
         for k, v in saved.items():
             if k in g and not isinstance(g[k], torch.Tensor):
                 g[k] = tuple(v) if isinstance(g[k], tuple) else v

@@ -23,7 +23,7 @@ from typing import Any
 
 from ..errors import ShardingError
 
-FORMAT, VERSION = "shardlib-checkpoint", 1
+FORMAT, VERSION = "shardlib-checkpoint", 2      # 2: DCP's standard names (checkpoint_dcp.py)
 MANIFEST, LATEST = "manifest.json", "latest"
 
 
@@ -134,7 +134,9 @@ def read_manifest(path: Path) -> dict:
         raise CheckpointError(f"load: {path} is not a shardlib checkpoint (manifest format {m.get('format')!r}).")
     if m.get("version") != VERSION:
         raise CheckpointError(f"load: {path} has checkpoint format version {m.get('version')} — this shardlib "
-                              f"reads version {VERSION}.")
+                              f"reads version {VERSION}."
+                              + (" Version 1 (shardlib 0.1) stored each box under its own key: load it with shardlib 0.1 "
+                                 "and export it (engine.export), or resume there and save with this one's." if m.get("version") == 1 else ""))
     return m
 
 

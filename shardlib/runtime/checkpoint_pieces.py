@@ -137,6 +137,3 @@ def _param_of(key: str) -> str:
     kind, _, rest = key.partition("/")
     return rest.rpartition("/")[0] if kind == "quant" else rest
 
-
-def _box_key(key: str, box: Box) -> str:
-    return f"{key}@{'_'.join(map(str, box[0]))}"
