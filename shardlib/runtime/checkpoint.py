@@ -56,7 +56,7 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint_files import (FORMAT, LATEST, MANIFEST, VERSION, CheckpointError, _dcp_error, _fsync_dir, _install,
-                               _sha, _why, _writable, params_problems,
+                               _sha, _why, _writable, hashing_writer, params_problems,
                                read_manifest, resolve, safe_reader)
 from .checkpoint_files import clean_partial as clean_partial, latest as latest   # the series' users import them here
 from .checkpoint_pieces import _block, _param_of, _Piece, _pieces, _quantized_names
@@ -138,7 +138,8 @@ def save(engine: Engine, path: str | os.PathLike, *, extra: dict | None = None, 
     rank = engine.mesh.rank
     failed = None
     try:
-        dcp.save({}, storage_writer=dcp.FileSystemWriter(str(tmp)), planner=planner, no_dist=_world(engine) == 1)
+        writer = hashing_writer(tmp)
+        dcp.save({}, storage_writer=writer, planner=planner, no_dist=_world(engine) == 1)
     except (Exception, _dcp_error()) as e:      # DCP raises on every rank when any rank's write failed
         failed = _why(e)
     failed = [f for f in _gather(engine, failed) if f]
@@ -147,8 +148,7 @@ def save(engine: Engine, path: str | os.PathLike, *, extra: dict | None = None, 
             shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"save: writing {path} failed — {failed[0]}. The previous checkpoint (if any) "
                               "is untouched. Free disk space or fix the permissions, then save again.")
-    mine = sorted(f.name for f in tmp.glob(f"__{rank}_*"))
-    hashes = _gather(engine, {f: _sha(tmp / f) for f in mine})
+    hashes = _gather(engine, writer.hashes())         # hashed as written (DCP fsynced the files)
     if rank == 0:
         files = {k: v for h in hashes for k, v in h.items()}
         for f in tmp.iterdir():
@@ -157,7 +157,7 @@ def save(engine: Engine, path: str | os.PathLike, *, extra: dict | None = None, 
         merged = {k: list(m.size) for k, m in planner.metadata.state_dict_metadata.items() if hasattr(m, "size")}
         manifest = _manifest(engine, merged, files, extra, frozen)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        _fsync_dir(tmp)
+        _fsync_dir(tmp, (MANIFEST,))
         _install(tmp, path)
     if _world(engine) > 1:
         dist.barrier()

@@ -23,6 +23,7 @@ rank's boxes straight into them (DCP's own resharding, ``create_read_items_for_c
 from __future__ import annotations
 
 import dataclasses
+import io
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -97,7 +98,12 @@ class Names:
 def param_group_entries(engine: Engine) -> dict[str, Any]:
     """``optimizer.param_groups.<name>.<key>``: each trainable parameter's group hyper-parameters
     (tensor-valued ones as numbers), as ``get_optimizer_state_dict(flatten_optimizer_state_dict=True)``
-    gives them."""
+    gives them. Written by the ranks at coordinate 0 of every axis but ``pipe`` (each stage's first
+    rank: every parameter once, the plans DCP gathers not ``world`` times longer)."""
+    mesh, gplan = engine.mesh, engine.global_plan
+    pipe = gplan.pipeline.axis if gplan.pipe_size > 1 else None
+    if any(mesh.coord(mesh.rank, a) for a in mesh.axis_names if a != pipe):
+        return {}
     by_master = {id(s.master): s.name for s in engine.states if s.trainable}
     out = {}
     for g in engine.optimizer.param_groups:
@@ -130,6 +136,7 @@ class BoxSavePlanner(DefaultSavePlanner):
     def __init__(self, chunked: dict[str, Chunked], whole: dict[str, Any]):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.chunked, self.whole = chunked, whole
+        self._pickled: dict[tuple[str, str], bytes] = {}
 
     def create_local_plan(self) -> SavePlan:
         items = []
@@ -154,6 +161,16 @@ class BoxSavePlanner(DefaultSavePlanner):
             nest[k] = (k,) if head is None else (head[:-1], k[len(head):])
         self.metadata = dataclasses.replace(metadata, planner_data=nest)
         return plans, self.metadata
+
+    def transform_object(self, write_item: WriteItem, object: Any):
+        """A value written as bytes, pickled once per distinct value (every parameter of a group
+        has the same ``lr``)."""
+        if write_item.type != WriteItemType.BYTE_IO:
+            return object
+        key = (type(object).__name__, repr(object))
+        if key not in self._pickled:
+            self._pickled[key] = super().transform_object(write_item, object).getvalue()
+        return io.BytesIO(self._pickled[key])
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         c = self.chunked.get(index.fqn)

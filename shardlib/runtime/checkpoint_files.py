@@ -56,6 +56,52 @@ def _sha(path: Path) -> str:
     return h.hexdigest()
 
 
+class _Tee:
+    """A binary stream that hashes what is written through it (DCP writes a file front to back)."""
+
+    def __init__(self, raw, h):
+        self._raw, self._h = raw, h
+
+    def write(self, b) -> int:
+        self._h.update(b)
+        return self._raw.write(b)
+
+    def __getattr__(self, name: str):
+        return getattr(self._raw, name)
+
+
+def hashing_writer(path: Path):
+    """DCP's ``FileSystemWriter`` into ``path`` that hashes each data file as it writes it (no second
+    read): ``writer.hashes()`` gives ``{file name: SHA-256}`` of the files this process wrote."""
+    from contextlib import contextmanager
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class HashingFS(FileSystem):
+        def __init__(self) -> None:
+            self.sha: dict[str, Any] = {}
+
+        @contextmanager
+        def create_stream(self, p, mode):
+            with super().create_stream(p, mode) as stream:
+                if mode != "wb" or not str(p).endswith(".distcp"):
+                    yield stream
+                    return
+                h = self.sha[Path(p).name] = hashlib.sha256()
+                yield _Tee(stream, h)
+
+    class Writer(dcp.FileSystemWriter):
+        def __init__(self, *a, **kw) -> None:
+            super().__init__(*a, **kw)
+            self.fs = HashingFS()
+
+        def hashes(self) -> dict[str, str]:
+            return {k: h.hexdigest() for k, h in self.fs.sha.items()}
+
+    return Writer(str(path))
+
+
 def _writable(folder: Path) -> str | None:
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -66,8 +112,9 @@ def _writable(folder: Path) -> str | None:
     return None
 
 
-def _fsync_dir(folder: Path) -> None:
-    for f in folder.iterdir():
+def _fsync_dir(folder: Path, files: tuple[str, ...] | None = None) -> None:
+    """``fsync`` ``files`` (default: every file) in ``folder``, then the folder itself."""
+    for f in folder.iterdir() if files is None else (folder / n for n in files):
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
     fd = os.open(folder, os.O_RDONLY)
