@@ -13,11 +13,27 @@ seq-split -> split region     all-gather of the sequence         reduce-scatter 
 row output (partial)          all-reduce (``g``)                 identity
   inside the layer stack, SP  reduce-scatter of the sequence     all-gather of the sequence
 vocab-split embedding output  all-reduce                         identity
+  straight into the first     reduce-scatter of the sequence     all-gather of the sequence
+  unit, SP (Llama: no
+  position table added)
 first unit's input, SP        keep this rank's sequence chunk    all-gather of the sequence
+  (unless reduce-scattered
+  above)
 last unit's output, SP        all-gather of the sequence         keep this rank's chunk
+  read by a root column (the  (that all-gather, reused)          reduce-scatter of the sequence;
+  LM head) through views and                                     the column runs no ``f``
+  root norms
 replicated param used on the  identity                           all-reduce over tensor (its
-  seq-split stream (SP)                                          gradient is a partial sum)
+  seq-split stream (SP), or                                      gradient is a partial sum)
+  by a root norm between the
+  last unit and the LM head
 ============================  =================================  ===================================
+
+SP's edges send Megatron-LM's bytes (``comm/seq_edges.py``): the vocab-split embedding's partial
+sum is reduce-scattered where it enters the first unit untouched (where the model adds nothing to the
+word embedding: Llama, not GPT-2's ``wte + wpe``, which all-reduces before the add, as Megatron
+does); a root column (the LM head) reading the last unit's gathered output — through views, and a
+final norm replayed on it — reads it through a reduce-scatter in backward and runs no ``f``.
 
 Model code runs unchanged on local shards, with two helps where it reads full widths: a split
 ``Conv1D`` (transformers; weight ``(in, out)``) runs a forward that takes its output width from
@@ -44,6 +60,7 @@ from ..errors import ShardingError
 from . import core as comm
 from .autograd import _AllGather, _PBroadcast, _Psum, _PsumScatter
 from .execute import gather_dim
+from .seq_edges import SeqEdges, _Regathered
 
 
 class _SliceSeq(torch.autograd.Function):
@@ -107,6 +124,12 @@ class Ops:
         return (self._meta_seq(x, self.size, 1) if x.is_meta
                 else _GatherInvariant.apply(x, self.mesh, self.axes, self.seq_dim))
 
+    def regather(self, x: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+        """``full`` (this rank's all-gather of ``x``, already run) again, reduce-scattering into
+        ``x`` in backward: no forward collective."""
+        return self._meta_seq(x, self.size, 1) if x.is_meta else _Regathered.apply(
+            x, full.detach(), self.mesh, self.axes, self.seq_dim)
+
     def param_f(self, p: torch.Tensor) -> torch.Tensor:
         return p if p.is_meta else _PBroadcast.apply(p, self.mesh, self.axes)
 
@@ -137,7 +160,7 @@ def vocab_range(width: int, size: int, coord: int) -> tuple[int, int]:
     return min(coord * c, width), min((coord + 1) * c, width)
 
 
-class Boundaries:
+class Boundaries(SeqEdges):
     """Installs the boundary redistributions of a ``TensorPlan`` on ``model``'s modules; ``remove()``
     takes them off. ``on_logits(tensor, site)`` is called with each vocab-split logits output."""
 
@@ -205,6 +228,16 @@ class Boundaries:
         for u in body:
             last_sp = sp and u == body[-1]
             self._handles.append(modules[u].register_forward_hook(self._unit_post(last_sp)))
+        # SP's edges (comm/seq_edges.py): the root leaf modules with parameters (a final norm) are
+        # watched for the gathered stream on its way to a root column
+        unit_set = set(units)
+        tails = [mod for name, mod in modules.items()
+                 if name and not mod._modules and _unit_of(name, unit_set) == "" and tplan.site(name) is None
+                 and any(p is not None for p in mod._parameters.values())
+                 and all(b is None for b in mod._buffers.values())]
+        self._install_edges(modules[body[0]] if body else None, tails, partial_sums=sp and bool(body),
+                            head=sp and bool(body) and any(s.kind in ("column", "logits") and not s.unit
+                                                           for s in tplan.sites))
 
     # ---- hooks ---------------------------------------------------------------------------------
     def _column_pre(self, in_sp: bool):
@@ -214,7 +247,11 @@ class Boundaries:
             x = args[0]
             hit = self._memo.get(id(x))
             if hit is None or hit[0] is not x:
-                y = self.ops.gather_seq(x) if in_sp else self.ops.f(x)
+                if in_sp:
+                    y = self.ops.gather_seq(x)
+                else:
+                    twin = self._twin(x) if self._tails and x.requires_grad and torch.is_grad_enabled() else None
+                    y = twin if twin is not None and twin.requires_grad else self.ops.f(x)
                 self._memo[id(x)] = (x, y)
             else:
                 y = hit[1]
@@ -239,7 +276,9 @@ class Boundaries:
         def hook(module, args):
             self._memo.clear()
             out = None
-            if first_sp and args and isinstance(args[0], torch.Tensor):
+            if first_sp and self._scattered:
+                self._scattered = False
+            elif first_sp and args and isinstance(args[0], torch.Tensor):
                 out = (self.ops.slice_seq(args[0]), *args[1:])      # before the unit: not recomputed
             self.ops.unit = unit
             owned = self._sp_params.get(unit)
@@ -259,9 +298,9 @@ class Boundaries:
             if not last_sp:
                 return None
             if isinstance(output, torch.Tensor):
-                return self.ops.unslice_seq(output)
+                return self._gathered(output)
             if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
-                return (self.ops.unslice_seq(output[0]), *output[1:])
+                return (self._gathered(output[0]), *output[1:])
             return None
         return hook
 
@@ -274,6 +313,7 @@ class Boundaries:
         """Forget memoised inputs (end of a forward or backward)."""
         self._memo.clear()
         self._sp_values.clear()
+        self._clear_edges()
         self.ops.unit = ""
 
     # ---- installing ----------------------------------------------------------------------------
@@ -349,7 +389,7 @@ def _vocab_forward(b: Boundaries, site, in_sp: bool):
             pad = pad - lo if pad is not None and lo <= pad < hi else None
             y = F.embedding((ids - lo).masked_fill(out_of_range, 0), w, pad)
             y = y.masked_fill(out_of_range.unsqueeze(-1), 0)
-        return b.ops.scatter_seq(y) if in_sp else b.ops.g(y)
+        return b.ops.scatter_seq(y) if in_sp else b.partial_sum(y)
     return forward
 
 

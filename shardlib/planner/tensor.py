@@ -34,7 +34,9 @@ With ``sequence_parallel=True`` the residual stream inside the layer-stack units
 sequence dim (batch-first: dim 1) between the split regions: each all-reduce becomes an
 all-gather + reduce-scatter pair of the same total volume, and the parameters replicated over
 ``tensor`` that act on the split stream (LayerNorms, row biases) get partial gradients, summed
-over ``tensor`` in backward.
+over ``tensor`` in backward. Where the stack meets the embedding and the LM head, SP sends
+Megatron-LM's bytes (``comm/seq_edges.py``): a reduce-scatter of the embedding's partial sums where
+nothing is added to them before the first block, and a reduce-scatter in place of the head's ``f``.
 
 **Conv1D** (``transformers.pytorch_utils.Conv1D``, found by its class name and ``nf``/``nx``
 attributes: transformers is never imported here) is a Linear with its weight stored transposed; its

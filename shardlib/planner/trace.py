@@ -88,6 +88,11 @@ class RecordingOps:
         self._rec("forward", "all_gather", self._bytes("all_gather", x))
         return self._seq(x, self.size).requires_grad_(x.requires_grad)
 
+    def regather(self, x, full):
+        if x.requires_grad:
+            self._rec("backward", "reduce_scatter", self._bytes("reduce_scatter", x))
+        return self._seq(x, self.size).requires_grad_(x.requires_grad)
+
     def param_f(self, p):
         if p.requires_grad:
             self._rec("backward", "all_reduce", self._bytes("all_reduce", p), what="sp-grads")
