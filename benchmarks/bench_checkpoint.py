@@ -14,7 +14,8 @@ Both sides hold fp32 AdamW state after one step. shardlib: ``engine.save(dir)`` 
 manifest with SHA-256 of every file, moved into place when complete) and ``engine.load(dir)`` (the files
 checked, then DCP). torch: ``get_state_dict(model, optimizer)`` -> ``dcp.save`` and ``dcp.load`` ->
 ``set_state_dict`` (torch's recommended FSDP2 path). Each is repeated, alternating the sides; medians of the
-slowest rank's wall clock; bytes = the checkpoint folder's size on disk. A load is checked: the next step's
+slowest rank's wall clock, and of the CPU seconds all ranks spent (process time: what other tenants of a
+shared machine distort least); bytes = the checkpoint folder's size on disk. A load is checked: the next step's
 loss equals the one the saved state gives.
 """
 
@@ -48,11 +49,15 @@ def _size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def _timed(fn) -> float:
+def _timed(fn, cpu: list) -> float:
+    """Wall clock between two barriers; this process's CPU seconds appended to ``cpu`` (what a busy
+    shared machine distorts least)."""
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     fn()
+    c1 = time.process_time()
     dist.barrier()
+    cpu.append(c1 - c0)
     return time.perf_counter() - t0
 
 
@@ -99,19 +104,20 @@ def rank_main(label: str, repeats: int, root: str) -> dict:
         set_state_dict(tmodel, topt, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
     times = {"shardlib_save": [], "shardlib_load": [], "torch_save": [], "torch_load": []}
+    cpu = {k: [] for k in times}
     for i in range(repeats):
         order = [("shardlib", lambda: engine.save(sdir), lambda: engine.load(sdir)), ("torch", tsave, tload)]
         for side, save, load in (order if i % 2 == 0 else order[::-1]):
             if rank == 0:
                 shutil.rmtree(sdir if side == "shardlib" else tdir, ignore_errors=True)
             dist.barrier()
-            times[f"{side}_save"].append(_timed(save))
-            times[f"{side}_load"].append(_timed(load))
+            times[f"{side}_save"].append(_timed(save, cpu[f"{side}_save"]))
+            times[f"{side}_load"].append(_timed(load, cpu[f"{side}_load"]))
     # the loaded state trains on as the saved one would have
     loss_after_load = engine.step(b1)
     tloss = tstep(b1)
     sizes = (_size(sdir), _size(tdir)) if rank == 0 else (0, 0)
-    return {"times": times, "sizes": sizes, "losses": (loss_after_load, tloss),
+    return {"times": times, "cpu": cpu, "sizes": sizes, "losses": (loss_after_load, tloss),
             "params": sum(p.numel() for p in GPT(cfg, seed=0).parameters())}
 
 
@@ -132,13 +138,18 @@ def main(argv=None) -> None:
         r0 = per_rank[0]
         med = {k: 1e3 * statistics.median(max(r["times"][k][i] for r in per_rank) for i in range(args.repeats))
                for k in r0["times"]}
+        # CPU: all ranks' seconds summed per repeat, median over repeats
+        cpu = {k: statistics.median(sum(r["cpu"][k][i] for r in per_rank) for i in range(args.repeats))
+               for k in r0["cpu"]}
         row = {"config": label, "mesh": shape, "params": r0["params"], **{f"{k}_ms": v for k, v in med.items()},
+               **{f"{k}_cpu_s": v for k, v in cpu.items()},
                "shardlib_bytes": r0["sizes"][0], "torch_bytes": r0["sizes"][1],
                "next_loss": r0["losses"]}
         out.append(row)
         print(f"{label}: {row}", flush=True)
     print("\n| config | ranks | params | save ms shardlib / DCP+FSDP2 | load ms shardlib / DCP+FSDP2 | "
-          "bytes on disk shardlib / DCP+FSDP2 |\n|---|---|---|---|---|---|")
+          "save CPU s (all ranks) | load CPU s (all ranks) | bytes on disk shardlib / DCP+FSDP2 |\n"
+          "|---|---|---|---|---|---|---|---|")
     for r in out:
         ranks = 1
         for v in r["mesh"].values():
@@ -146,6 +157,8 @@ def main(argv=None) -> None:
         print(f"| {r['config']} ({' x '.join(f'{a} {s}' for a, s in r['mesh'].items())}) | {ranks} | "
               f"{r['params'] / 1e6:.2f} M | {r['shardlib_save_ms']:.0f} / {r['torch_save_ms']:.0f} | "
               f"{r['shardlib_load_ms']:.0f} / {r['torch_load_ms']:.0f} | "
+              f"{r['shardlib_save_cpu_s']:.2f} / {r['torch_save_cpu_s']:.2f} | "
+              f"{r['shardlib_load_cpu_s']:.2f} / {r['torch_load_cpu_s']:.2f} | "
               f"{sl.format_bytes(r['shardlib_bytes'])} / {sl.format_bytes(r['torch_bytes'])} |")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))

