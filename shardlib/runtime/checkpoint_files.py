@@ -187,8 +187,9 @@ def read_manifest(path: Path) -> dict:
     if m.get("version") != VERSION:
         raise CheckpointError(f"load: {path} has checkpoint format version {m.get('version')} — this shardlib "
                               f"reads version {VERSION}."
-                              + (" Version 1 (shardlib 0.1) stored each box under its own key: load it with shardlib 0.1 "
-                                 "and export it (engine.export), or resume there and save with this one's." if m.get("version") == 1 else ""))
+                              + (" Version 1 (shardlib 0.1) stored each box under its own key: load it with shardlib 0.1 and "
+                                 "engine.export() the weights, then engine.load_pretrained them here (its optimizer "
+                                 "state does not carry over)." if m.get("version") == 1 else ""))
     return m
 
 
