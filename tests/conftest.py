@@ -36,3 +36,33 @@ def world():
     yield run
     for pool in pools.values():
         pool.close()
+
+
+@pytest.fixture(scope="session")
+def made(tmp_path_factory):
+    """A tiny Llama folder (``examples/make_tiny_hf.py``: a BPE tokenizer trained on the stdlib's source,
+    random weights) and 60 documents as JSON lines and parquet; datasets' cache in a tmp dir. Made once
+    for the session: ``test_train_hf`` and ``test_train_peft`` both train it (the tokenizer's training
+    costs seconds on a busy machine)."""
+    import importlib.util
+    import json
+    import sysconfig
+    from pathlib import Path
+
+    import pandas as pd
+
+    root = tmp_path_factory.mktemp("hf")
+    example = Path(__file__).resolve().parents[1] / "examples" / "make_tiny_hf.py"
+    spec = importlib.util.spec_from_file_location("example_make_tiny_hf", example)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    folder = module.make(root / "tiny-llama", vocab=300, hidden=32, layers=2, heads=4, kv_heads=2, intermediate=64,
+                         positions=64, megabytes=0.25)
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    docs = [{"text": p.read_text(errors="ignore")[:3000], "source": p.name} for p in sorted(stdlib.glob("*.py"))[:60]]
+    with open(root / "docs.jsonl", "w") as f:
+        f.writelines(json.dumps(d) + "\n" for d in docs)
+    pd.DataFrame(docs).to_parquet(root / "docs.parquet")
+    return {"folder": folder, "root": root, "env": {**os.environ, "PYTHONUNBUFFERED": "1",
+                                                    "HF_DATASETS_CACHE": str(root / "cache")}}
+

@@ -52,17 +52,3 @@ def test_default_environment_choices_and_bad_values():
     assert out["off"] is None and out["glibc var"] is None        # left alone
     assert out["bad env"].startswith("SHARDLIB_MMAP_THRESHOLD: not an integer — got '4MB'")
     assert "threshold must be a non-negative int" in out["negative"]
-
-
-def test_every_rank_of_a_launch_gets_it(tmp_path):
-    script = tmp_path / "prog.py"
-    script.write_text("import shardlib as sl\n"
-                      "def f():\n"
-                      "    from shardlib.allocator import applied\n"
-                      "    return applied()\n"
-                      "if __name__ == '__main__':\n"
-                      "    print(sl.launch(f, 2))\n")
-    proc = subprocess.run([sys.executable, str(script)], env=_clean_env(SHARDLIB_MMAP_THRESHOLD="1048576"),
-                          capture_output=True, text=True, timeout=240, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.strip().splitlines()[-1] == ("[1048576, 1048576]" if GLIBC else "[None, None]")

@@ -7,6 +7,7 @@ Spawning a torch world costs seconds here, so only four tests do (one of them vi
 import json
 import multiprocessing
 import os
+import platform
 import subprocess
 import sys
 import textwrap
@@ -24,18 +25,29 @@ from shardlib.frontend.launcher import _write, collect
 def _rank_info(tag, scale=1):
     import torch.distributed as dist
 
+    from shardlib.allocator import applied
+
     print(f"printed by rank {dist.get_rank()}")   # no flush: the launcher must not lose it
     return {"rank": dist.get_rank(), "world": dist.get_world_size(), "tag": tag, "scale": scale,
-            "backend": dist.get_backend(), "threads": torch.get_num_threads(), "pid": os.getpid()}
+            "backend": dist.get_backend(), "threads": torch.get_num_threads(), "pid": os.getpid(),
+            "mmap_threshold": applied()}
+
+
+GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
 
 def test_launch_returns_results_in_rank_order(capfd, monkeypatch):
+    """And every rank of a launch gets the host allocator setting (``shardlib/allocator.py``; its other
+    cases in ``test_allocator.py``): ``SHARDLIB_MMAP_THRESHOLD`` from the environment, applied in each rank."""
     monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)   # ranks' stdout is block-buffered then
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    monkeypatch.setenv("SHARDLIB_MMAP_THRESHOLD", "1048576")
     results = sl.launch(_rank_info, 2, "t", scale=3, backend="gloo", threads=1)
     assert [r["rank"] for r in results] == [0, 1]
     for r in results:
         assert (r["world"], r["tag"], r["scale"], r["backend"], r["threads"]) == (2, "t", 3, "gloo", 1)
         assert r["pid"] != os.getpid()
+    assert [r["mmap_threshold"] for r in results] == ([1048576, 1048576] if GLIBC else [None, None])
     out = capfd.readouterr().out
     assert "printed by rank 0" in out and "printed by rank 1" in out
 

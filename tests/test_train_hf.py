@@ -2,14 +2,16 @@
 
 A tiny Llama folder is made offline by ``examples/make_tiny_hf.py`` (a BPE tokenizer trained on the
 stdlib's source, random weights, ``save_pretrained``), and the same 60 documents are written as
-JSON lines and as parquet. The job trains the folder 6 steps on data 2 (ZeRO-3, JSON lines) and on
-the default data 2 x pipe 2 x tensor 2 (parallel=3d: 1F1B, TP + SP; parquet): every data rank reads
-and tokenizes only its share, the weights go straight into the shards (``init=False`` +
+JSON lines and as parquet (``conftest.py``'s session fixture ``made``). The job trains the folder 6
+steps on data 2 (ZeRO-3, JSON lines), and the job's own ``Trainer`` trains it on the default data 2 x
+pipe 2 x tensor 2 (parallel=3d: 1F1B, TP + SP; parquet) on the suite's warm 8-rank pool, checked first
+as the job's parent checks it (which also builds the parquet's cache): every data rank reads and
+tokenizes only its share, the weights go straight into the shards (``init=False`` +
 ``engine.load_pretrained``), the loss is the model's own (on the last pipeline stage).
-Both runs give the losses one process gives training ``from_pretrained`` on the same rows (fp32,
-1e-5 relative), write metrics, pictures and a summary, and end with ``engine.save_pretrained`` into
-the run directory, which ``from_pretrained`` loads. Configuration errors are named by key before
-any rank starts.
+Both give the losses one process gives training ``from_pretrained`` on the same rows (fp32,
+1e-5 relative) on every rank, hold the model states the plan says, and end with ``engine.save_pretrained``,
+which ``from_pretrained`` loads; the job also writes metrics, pictures and a summary into its run
+directory. Configuration errors are named by key before any rank starts.
 """
 
 from __future__ import annotations
@@ -17,10 +19,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
@@ -36,23 +36,6 @@ def _example(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-@pytest.fixture(scope="module")
-def made(tmp_path_factory):
-    """A tiny Llama folder and 60 documents as JSON lines and parquet; datasets' cache in a tmp dir."""
-    import pandas as pd
-
-    root = tmp_path_factory.mktemp("hf")
-    folder = _example("make_tiny_hf").make(root / "tiny-llama", vocab=300, hidden=32, layers=2, heads=4, kv_heads=2,
-                                          intermediate=64, positions=64, megabytes=0.25)
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    docs = [{"text": p.read_text(errors="ignore")[:3000], "source": p.name} for p in sorted(stdlib.glob("*.py"))[:60]]
-    with open(root / "docs.jsonl", "w") as f:
-        f.writelines(json.dumps(d) + "\n" for d in docs)
-    pd.DataFrame(docs).to_parquet(root / "docs.parquet")
-    return {"folder": folder, "root": root, "env": {**os.environ, "PYTHONUNBUFFERED": "1",
-                                                    "HF_DATASETS_CACHE": str(root / "cache")}}
 
 
 def _run(made, out: Path, *args: str) -> subprocess.CompletedProcess:
@@ -89,28 +72,77 @@ def _reference(made, data_file: Path) -> list[float]:
     return losses
 
 
+def _pool_train(run, cache: str, save: str) -> dict:
+    """The main job's ``rank_main`` on a warm pool rank, for a transformers folder: its ``Trainer`` on
+    ``run`` (the rank reads its share of the data; datasets' cache is the test's), every step, the model
+    states held beside the plan's, and ``engine.save_pretrained`` as the job ends."""
+    import datasets.config
+
+    from shardlib.frontend.run import Trainer
+    from shardlib.planner.pipeline_report import rank_activation_bytes
+    from shardlib.testing import get_mesh
+
+    before = datasets.config.HF_DATASETS_CACHE      # this pool rank serves other tests after this one
+    datasets.config.HF_DATASETS_CACHE = Path(cache)
+    try:
+        trainer = Trainer(run, get_mesh(run.mesh.shape))
+        losses = [trainer.step(i, record=False)["loss"] for i in range(run.train.steps)]
+        trainer.engine.save_pretrained(save)
+    finally:
+        datasets.config.HF_DATASETS_CACHE = before
+    rank = trainer.mesh.rank
+    held = trainer.engine.memory_held()
+    planned = trainer.plan.memory_per_rank(rank)
+    return {"losses": losses, "held": {k: held[k] for k in ("params", "grads", "optimizer")},
+            "planned": {k: planned[k] for k in ("params", "grads", "optimizer")},
+            "activations": rank_activation_bytes(trainer.plan, rank)}
+
+
 @pytest.mark.slow
-def test_main_job_trains_a_transformers_folder_like_one_process(made):
+def test_main_job_trains_a_transformers_folder_like_one_process(made, world, monkeypatch):
+    import datasets.config
+
+    from shardlib.cli.compose import check_overrides
+    from shardlib.frontend.config import run_config
+    from shardlib.frontend.run import check
+
     root = made["root"]
-    runs = {"dp2 zero3 json lines": (root / "dp2", ["mesh=dp2", "parallel=zero3", f"data.path={root / 'docs.jsonl'}"]),
-            "2x2x2 3d parquet": (root / "3d", ["mesh=2x2x2", "parallel=3d", f"data.path={root / 'docs.parquet'}"])}
     want = _reference(made, root / "docs.jsonl")
     assert want[-1] < want[0]
-    for what, (out, args) in runs.items():
-        proc = _run(made, out, *args)
-        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        losses = [r["loss"] for r in rows]
-        assert [r["step"] for r in rows] == list(range(1, 7)) and all(math.isfinite(x) for x in losses), what
-        rel = max(abs(a - b) / abs(b) for a, b in zip(losses, want))
+
+    def agrees(what: str, losses: list[float]) -> None:
+        assert len(losses) == 6 and all(math.isfinite(x) for x in losses), (what, losses)
+        rel = max(abs(a - b) / abs(b) for a, b in zip(losses, want, strict=True))
         assert rel <= 1e-5, f"{what}: {losses} vs one process {want} ({rel:.3g})"
-        summary = json.loads((out / "summary.json").read_text())
-        assert summary["ranks_agree"] and summary["config"]["model_path"] == str(made["folder"]), what
-        for planned, held in zip(summary["memory"]["planned"], summary["memory"]["measured"]):   # model states
-            assert [planned[k] for k in ("params", "grads", "optimizer")] == \
-                [held[k] for k in ("params", "grads", "optimizer")], what
-        for name in ("loss.png", "memory.png", "plan.txt"):
-            assert (out / name).stat().st_size > 0, (what, name)
-        assert "by the folder's tokenizer" in proc.stdout and "\r" not in proc.stdout + proc.stderr, what
+
+    # the job: data 2, ZeRO-3, JSON lines
+    what, out = "dp2 zero3 json lines", root / "dp2"
+    proc = _run(made, out, "mesh=dp2", "parallel=zero3", f"data.path={root / 'docs.jsonl'}")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 7)), what
+    agrees(what, [r["loss"] for r in rows])
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["ranks_agree"] and summary["config"]["model_path"] == str(made["folder"]), what
+    for planned, held in zip(summary["memory"]["planned"], summary["memory"]["measured"]):   # model states
+        assert [planned[k] for k in ("params", "grads", "optimizer")] == \
+            [held[k] for k in ("params", "grads", "optimizer")], what
+    for name in ("loss.png", "memory.png", "plan.txt"):
+        assert (out / name).stat().st_size > 0, (what, name)
+    assert "by the folder's tokenizer" in proc.stdout and "\r" not in proc.stdout + proc.stderr, what
+
+    # the job's Trainer on 2x2x2, parallel=3d, parquet: checked as the job's parent checks it, then the 8 ranks
+    what = "2x2x2 3d parquet"
+    cache = made["env"]["HF_DATASETS_CACHE"]
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", Path(cache))
+    run = run_config(check_overrides([*COMMON, f"model.path={made['folder']}", "mesh=2x2x2", "parallel=3d",
+                                      f"data.path={root / 'docs.parquet'}"]))
+    assert check(run) == []
+    per_rank = world(8, _pool_train, run, cache, str(root / "3d" / "hf"))
+    for r, got in enumerate(per_rank):
+        agrees(f"{what} rank {r}", got["losses"])
+        assert got["losses"] == per_rank[0]["losses"], (what, r)
+        assert got["held"] == got["planned"], (what, r)                                      # model states
+        assert got["activations"] > 0, (what, r)
     # the trained model, written by engine.save_pretrained, loads with from_pretrained and is the trained one
     from transformers import AutoModelForCausalLM
     trained = AutoModelForCausalLM.from_pretrained(root / "3d" / "hf", dtype=torch.float32)

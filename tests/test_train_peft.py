@@ -20,7 +20,7 @@ import json
 
 import pytest
 import torch
-from test_train_hf import COMMON, SEQ, _example, _run, made  # noqa: F401 — made: the shared folder fixture
+from test_train_hf import COMMON, SEQ, _example, _run   # made: the session's folder fixture (conftest.py)
 
 STEPS = 3
 

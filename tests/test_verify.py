@@ -66,10 +66,14 @@ def test_a_drifting_case_fails_loudly(world, capsys):
     assert "1 of 2 cases drifted or failed: other_lr" in out.err
 
 
-def test_bad_matrix_input_is_refused_before_any_process():
+def test_bad_matrix_input_is_refused_before_any_process(capsys):
+    """The command as a process once; the other bad inputs through the same ``main`` in this process
+    (a refusal is ``main``'s return value and its stderr; a process adds only its start-up)."""
+    from shardlib.cli import verify
+
     proc = _verify("--cases", "dp5")
     assert proc.returncode == 2 and "--cases: dp5 — expected some of single, dp4" in proc.stderr
-    proc = _verify("mesh=dp4")
-    assert proc.returncode == 2 and "the layout (mesh=, parallel=) is each case's" in proc.stderr
-    proc = _verify("--case", "x:mesh=dp4,parallel=tp")
-    assert proc.returncode == 2 and "parallel=tp maps heads, mlp, vocab to the axis 'tensor'" in proc.stderr
+    assert verify.main(["mesh=dp4"]) == 2
+    assert "the layout (mesh=, parallel=) is each case's" in capsys.readouterr().err
+    assert verify.main(["--case", "x:mesh=dp4,parallel=tp"]) == 2
+    assert "parallel=tp maps heads, mlp, vocab to the axis 'tensor'" in capsys.readouterr().err
