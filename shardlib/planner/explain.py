@@ -12,11 +12,22 @@ from __future__ import annotations
 
 import re
 import textwrap
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..algebra.spec import Fused
 from ..comm.core import format_bytes
+
+if TYPE_CHECKING:
+    from ..algebra.layout import Layout
+    from ..algebra.mesh import AbstractMesh
+    from .pipeline import PipelinePlan
+    from .plan import ParamPlan, UnitPlan
+    from .states import StateLayouts
+    from .tensor import TensorPlan
+    from .traffic import CommEntry
 
 WIDTH = 150          # lines are wrapped at this width (a parameter name longer than a line is kept whole)
 MAX_GROUPS = 24      # collective groups printed by default (the totals count every collective)
@@ -24,6 +35,48 @@ _DIGITS = re.compile(r"(?<![^.\s])\d+(?![^.\s])")    # a number between dots or 
 
 
 class Explain:
+    """A ``Plan`` in words (mixed in). Inputs from the host: the plan's data (mesh and axes, precision,
+    accumulation and clipping, state layouts, batch, parameters, units, tensor and pipe axes, memory
+    kinds); what ``Plan`` derives from it; and every number it prints, from ``MemoryAccounting`` and
+    ``TrafficAccounting`` (as ``Plan`` overrides them for a split plan)."""
+
+    # the plan's data (its fields)
+    mesh: AbstractMesh
+    data_axis: str
+    replica_axis: str | None
+    precision: str
+    reduce_dtype: torch.dtype
+    grad_accum: int
+    clip_grad_norm: float | None
+    states: StateLayouts
+    batch: Layout
+    params: tuple[ParamPlan, ...]
+    units: tuple[UnitPlan, ...]
+    tensor: TensorPlan | None
+    pipeline: PipelinePlan | None
+    offload: tuple[tuple[str, str], ...]
+    offload_dir: str | None
+    # derived by Plan
+    zero: int | None
+    compute_dtype: torch.dtype
+    data_size: int
+    replica_size: int
+    dp_axes: tuple[str, ...]
+    num_params: int
+    tensor_coord: Callable[..., int]
+    activation_entries: Callable[..., tuple[CommEntry, ...]]
+    disk_bytes: Callable[[], int]
+    # the accounting (MemoryAccounting, TrafficAccounting)
+    memory_per_rank: Callable[..., dict[str, int]]
+    zero_formula: Callable[..., dict[str, float]]
+    peak_per_rank: Callable[..., dict[str, int]]
+    transient_per_rank: Callable[..., dict[str, int]]
+    gather_schedule: Callable[..., tuple[str, ...]]
+    comm_per_step: Callable[..., list[CommEntry]]
+    comm_bytes_per_step: Callable[..., int]
+    copy_bytes_per_step: Callable[..., dict[str, int]]
+    ring_minimum: Callable[..., int]
+
     def explain(self, max_params: int | None = None, *, full: bool = False) -> str:
         """The plan in words: state layouts, the tensor and pipe axes (stages, schedule, idle
         fraction, point-to-point bytes, activations per stage: ``pipeline_report.py``), units, a row

@@ -3,6 +3,7 @@ gather schedule and the transient bytes of gathered units. Mixed into ``Plan``."
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -12,10 +13,44 @@ from .flat import FROZEN, TRAIN
 from .offload import split_by_kind
 
 if TYPE_CHECKING:
-    from .plan import UnitPlan
+    from .flat import FlatLayout
+    from .pipeline import PipelinePlan
+    from .plan import ParamPlan, UnitPlan
+    from .states import StateLayouts
 
 
 class MemoryAccounting:
+    """Model-state bytes of a ``Plan`` (mixed in). Inputs from the host: the plan's parameters, units,
+    state layouts, dtypes, optimizer-state bytes, memory kinds and pipe axis; what ``Plan`` derives
+    from them (sizes, counts, the flat groups, ``_rank``, ``unit_params``); and from
+    ``TrafficAccounting`` whether the step's scalars ride the last gradient bucket and the pipe
+    axis's gather policy."""
+
+    # the plan's data (its fields)
+    params: tuple[ParamPlan, ...]
+    units: tuple[UnitPlan, ...]
+    states: StateLayouts
+    reduce_dtype: torch.dtype
+    optimizer_state_bytes: int
+    meta_build: bool
+    offload: tuple[tuple[str, str], ...]
+    pipeline: PipelinePlan | None
+    pipe_coord: int | None
+    # derived by Plan
+    compute_dtype: torch.dtype
+    mixed: bool
+    data_size: int
+    pipe_size: int
+    num_params: int
+    num_trainable: int
+    flat: FlatLayout
+    _rank: Callable[[int | None], int]
+    unit_params: Callable[[str], list[ParamPlan]]
+    # TrafficAccounting's
+    scalars_per_step: Callable[[], int]
+    scalars_ride_gradients: bool
+    pipe_unshard: bool
+
     def memory_per_rank(self, rank: int | None = None, *, at: str = "rest", kind: str = "device") -> dict[str, int]:
         """Model-state bytes this rank holds, by kind: ``params`` (compute-dtype copies),
         ``grads``, ``optimizer`` (fp32 master copy where it is not the parameter itself, plus

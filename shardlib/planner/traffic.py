@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from fractions import Fraction
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,6 +14,14 @@ from ..comm import core as comm
 from ..comm.core import format_bytes
 from .flat import FROZEN, TRAIN
 from .offload import COPY_OPS
+
+if TYPE_CHECKING:
+    from ..algebra.mesh import AbstractMesh
+    from .flat import FlatLayout
+    from .pipeline import PipelinePlan
+    from .plan import ParamPlan, UnitPlan
+    from .states import StateLayouts
+    from .tensor import TensorPlan
 
 
 @dataclass(frozen=True)
@@ -48,6 +58,45 @@ def fused_sizes(tensors) -> tuple[tuple[torch.dtype, int], ...]:
 
 
 class TrafficAccounting:
+    """The collectives of a ``Plan``'s step and their bytes (mixed in). Inputs from the host: the plan's
+    mesh and axes, parameters, units, state layouts, precision, accumulation and clipping, the sizes
+    of what set-up and each step broadcast, and the tensor and pipe axes; what ``Plan`` derives from
+    them (sizes, data-parallel axes, counts, the flat groups, buckets, ``unit_params``,
+    ``activation_entries``)."""
+
+    # the plan's data (its fields)
+    mesh: AbstractMesh
+    data_axis: str
+    replica_axis: str | None
+    params: tuple[ParamPlan, ...]
+    units: tuple[UnitPlan, ...]
+    states: StateLayouts
+    precision: str
+    reduce_dtype: torch.dtype
+    grad_accum: int
+    clip_grad_norm: float | None
+    broadcast_buffers: bool
+    setup_sizes: tuple[tuple[torch.dtype, int], ...]
+    buffer_sizes: tuple[tuple[torch.dtype, int], ...]
+    meta_build: bool
+    tensor: TensorPlan | None
+    pipeline: PipelinePlan | None
+    pipe_coord: int | None
+    # derived by Plan
+    compute_dtype: torch.dtype
+    mixed: bool
+    data_size: int
+    replica_size: int
+    dp_axes: tuple[str, ...]
+    dp_size: int
+    tensor_size: int
+    pipe_size: int
+    num_trainable: int
+    flat: FlatLayout
+    buckets: Callable[[], list[list[ParamPlan]]]
+    unit_params: Callable[[str], list[ParamPlan]]
+    activation_entries: Callable[..., tuple[CommEntry, ...]]
+
     def comm_setup(self) -> list[CommEntry]:
         """The collectives run once, when the engine is built: rank 0's parameters (frozen ones too)
         and buffers broadcast over the data axis, one fused broadcast per dtype, so every replica

@@ -27,8 +27,9 @@ inside ``gathered(writable=True)``. ``engine.full_state_dict()`` is the checkpoi
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -40,6 +41,12 @@ from ..comm.redistribute import redistribute
 from ..errors import ShardingError
 from .checkpoint_pieces import quant_shard
 from .sync import broadcast_coalesced
+
+if TYPE_CHECKING:
+    from ..algebra.mesh import Mesh
+    from ..planner.plan import Plan
+    from .state import ParamState
+    from .units import UnitRunner
 
 _FIX = ("Read full values inside `with engine.gathered(): ...` (writable=True keeps edits), or take "
         "engine.full_state_dict() (every parameter and buffer, full, e.g. to torch.save).")
@@ -91,7 +98,17 @@ class ShardedParameter(torch.Tensor):
 
 
 class EngineAccess:
-    """Parameter access between steps (mixed into ``Engine``)."""
+    """Parameter access between steps (mixed into ``Engine``). Inputs from the host: the model, this
+    rank's plan and the whole-mesh one (its pipeline stages), the mesh; the parameters' states and
+    ZeRO-3's units; ``_offload_mapped``, which makes offloaded masters readable."""
+
+    model: nn.Module
+    plan: Plan
+    global_plan: Plan
+    mesh: Mesh
+    states: list[ParamState]
+    units: UnitRunner | None
+    _offload_mapped: Callable[[], AbstractContextManager[None]]
 
     # ---- set-up and the swap -------------------------------------------------------------------
     def _setup_access(self) -> None:

@@ -3,13 +3,33 @@ plan) and ZeRO-3's gathered peak. Full parameter values: ``access.py``."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ..quant.layout import inner_tensors
 
+if TYPE_CHECKING:
+    from ..planner.plan import Plan
+    from .buckets import GradBuckets
+    from .offload import OptimizerOffload
+    from .offload_params import ParamsOffload
+    from .state import ParamState
+    from .units import UnitRunner
+
 
 class EngineInspection:
-    """The inspection half of ``Engine`` (mixed in)."""
+    """The inspection half of ``Engine`` (mixed in). Inputs from the host: the plan, the parameters'
+    states and the optimizer; what holds storage besides them (ZeRO-3's units or the gradient
+    buckets, and the offloaded shards, masters and moments)."""
+
+    plan: Plan
+    states: list[ParamState]
+    optimizer: torch.optim.Optimizer
+    units: UnitRunner | None
+    buckets: GradBuckets | None
+    params_offload: ParamsOffload | None
+    offload: OptimizerOffload | None
 
     def memory_held(self, kind: str = "device") -> dict[str, int]:
         """Bytes of storage this rank holds for model states, by kind (as ``Plan.memory_per_rank``):

@@ -14,18 +14,35 @@ one is refused by name). A step before a load is refused.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from ..errors import ShardingError
 from .checkpoint_files import CheckpointError
 
+if TYPE_CHECKING:
+    from ..algebra.mesh import Mesh
+    from ..planner.plan import Plan
+    from .state import ParamState
+
 
 class EnginePretrained:
     """Empty states and buffers for ``init=False`` (mixed into ``Engine``). ``_awaited`` names the
     persistent buffers ``_fill_buffers`` zeroed: a load must bring each of them (a successful
-    ``load_pretrained`` empties it)."""
+    ``load_pretrained`` empties it). Inputs from the host: the model, plan and mesh; ``_needs_load``
+    (True until a load, or why the engine holds no one step's state); and set-up's way of building
+    a parameter's state (``_owners``, ``_param_state``, ``_put``: ``setup.py``)."""
 
+    model: nn.Module
+    plan: Plan
+    mesh: Mesh
+    _needs_load: bool | str
+    _owners: Callable[[], dict[int, list[tuple[nn.Module, str]]]]
+    _param_state: Callable[..., ParamState]
+    _put: Callable[[ParamState], None]
     _awaited: frozenset[str] = frozenset()
 
     def _refuse_before_load(self, api: str) -> None:
