@@ -46,9 +46,14 @@ def test_update_moment_is_states_plus_adam_temporaries():
     # fc (4d² + 4d), out (4d² + d); rank 0 holds its first BLOCK / 2 = 6352 elements: qkv's
     # weight (3072) is its largest piece, fc's weight (offset 4352) is cut at 2000. Rank 1 holds
     # out's weight whole (4096). The root (wte, wpe, ln_f, head; 2336 each) gives 2048 at most.
+    # ZeRO-3 also holds its persistent collective buffers from the first step on (runtime/
+    # comm_buffers.py): the largest unit's all-gather output and reduce-scatter input, a block's
     assert BLOCK // 2 == 6352 and ROOT // 2 == 2336
     for r, piece in ((0, 3 * D * D), (1, 4 * D * D)):
-        assert plan(3).peak_per_rank(r)["update"] == 16 * PSI // 2 + 2 * piece * 4
+        pk = plan(3).peak_per_rank(r)
+        assert pk["comm_buffers"] == 4 * BLOCK + 4 * BLOCK
+        assert pk["update"] == 16 * PSI // 2 + 2 * piece * 4 + pk["comm_buffers"]
+    assert dp.peak_per_rank()["comm_buffers"] == 0
 
 
 def test_backward_moment_dp_and_zero3_by_hand():
@@ -58,15 +63,17 @@ def test_backward_moment_dp_and_zero3_by_hand():
     dp = plan(0)
     assert dp.peak_per_rank(activation_bytes=act)["backward"] == (
         16 * PSI + dp.memory_per_rank()["buffers"] + act + 4 * D * D * 4)
-    # ZeRO-3, N = 2: the root's gradients as tensors (4 x ROOT) through backward, plus either a
-    # block's reduce-scatter input (BLOCK) and output (BLOCK / 2) with one fresh gradient (the
-    # largest parameter: 4d²), or at the end the root's input and output (ROOT + ROOT / 2)
+    # ZeRO-3, N = 2: the root's gradients as tensors (4 x ROOT) through backward, plus the one
+    # persistent reduce-scatter input, the largest unit's (max(BLOCK, ROOT) = BLOCK; reduced in
+    # place: no separate output), with one fresh gradient on its way in (the largest parameter: 4d²)
     z3 = plan(3)
-    grads = 4 * ROOT + 4 * max(BLOCK + BLOCK // 2 + 4 * D * D, ROOT + ROOT // 2)
+    grads = 4 * ROOT + 4 * (max(BLOCK, ROOT) + 4 * D * D)
     gathered = z3.transient_per_rank()["gathered"]
     assert z3.peak_per_rank(activation_bytes=act)["backward"] == 16 * PSI // 2 + act + gathered + grads
-    # the gathered peak by hand: the root (R) and a block being unpacked from its buffer (2U)
+    # the gathered peak by hand: the root (R) and a block being unpacked from the persistent
+    # all-gather buffer, sized for the largest unit (2U)
     assert gathered == 4 * (ROOT + 2 * BLOCK)
+    assert z3.transient_per_rank()["buffer"] == 4 * max(BLOCK, ROOT)
 
 
 def test_peak_is_the_largest_moment_and_explain_states_it():

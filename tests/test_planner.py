@@ -258,24 +258,27 @@ def test_gather_schedule_prefetches_one_unit_ahead():
 
 
 def test_transient_bytes_by_hand():
-    """The peak is while a block is unpacked: the root (R), the block's parameters (U) and its
-    gather buffer (U, even shards); the next block is prefetched after that wait: R + 2U."""
+    """The peak is while a block is unpacked: the root (R), the block's parameters (U) and the
+    gather buffer (the persistent one, the largest unit's: U, even shards); the next block is
+    prefetched after that wait: R + 2U."""
     for n in (2, 4):
         plan = sl.plan(gpt(), mesh(n), zero=3)
-        assert plan.transient_per_rank() == {"gathered": (ROOT + 2 * BLOCK) * 4}
+        assert plan.transient_per_rank() == {"gathered": (ROOT + 2 * BLOCK) * 4, "buffer": BLOCK * 4}
     bf16 = sl.plan(gpt(), mesh(2), zero=3, precision="bf16")
-    assert bf16.transient_per_rank() == {"gathered": (ROOT + 2 * BLOCK) * 2}
-    assert sl.plan(gpt(), mesh(2), zero=2).transient_per_rank() == {"gathered": 0}
+    assert bf16.transient_per_rank() == {"gathered": (ROOT + 2 * BLOCK) * 2, "buffer": BLOCK * 2}
+    assert sl.plan(gpt(), mesh(2), zero=2).transient_per_rank() == {"gathered": 0, "buffer": 0}
 
 
 def test_transient_bytes_count_padded_buffers():
     """MLP at N = 4: a buffer holds 4 chunks of ceil(T/4) of the unit laid flat. layers.0:
     13x7 + 13 = 104 -> 4 x 26 = 104; layers.1: 11x13 + 11 = 154 -> 4 x 39 = 156 (2 padding);
-    layers.2: 5x11 + 5 = 60 -> 4 x 15 = 60. Peak while layers.1 is unpacked: its parameters
-    and its buffer, 154 + 156 = 310 floats (a neighbour is prefetched only after the wait, in
-    forward; in backward once layers.1 is freed)."""
+    layers.2: 5x11 + 5 = 60 -> 4 x 15 = 60. The persistent gather buffer is the largest, 156;
+    the peak is while layers.1 is unpacked: its parameters and the buffer, 154 + 156 = 310
+    floats (a neighbour is prefetched only after the wait, in forward; in backward once
+    layers.1 is freed). While layers.0 is unpacked the idle part of the buffer counts too:
+    104 + 156 = 260, where a buffer of layers.0's own size held 208."""
     plan = sl.plan(MLP(), mesh(4), zero=3)
-    assert plan.transient_per_rank() == {"gathered": 310 * 4}
+    assert plan.transient_per_rank() == {"gathered": 310 * 4, "buffer": 156 * 4}
 
 
 # ---------------------------------------------------------------------------------------------

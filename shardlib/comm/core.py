@@ -249,15 +249,26 @@ def _reduce_scatter_single():
 
 
 def all_gather(x: torch.Tensor, mesh: Mesh, axes: str | Sequence[str], *, async_op: bool = False,
-               tag: str = ""):
-    """Concatenate every group member's ``x`` along dim 0, in mesh order of the members."""
+               tag: str = "", out: torch.Tensor | None = None):
+    """Concatenate every group member's ``x`` along dim 0, in mesh order of the members.
+
+    ``out``: the result's buffer (contiguous, ``k`` times ``x``'s shape along dim 0, its dtype)
+    instead of a new tensor; ``x`` may be this member's block of it (in place, as FSDP2 gathers)."""
     mesh = _require_mesh(mesh, "all_gather")
     x = _check_tensor(x, "all_gather", mesh)
     canon = mesh.canonical_axes(axes)
     k = group_size(mesh, canon)
     if k == 1:
+        if out is not None and out.data_ptr() != x.data_ptr():
+            out.copy_(x.reshape(out.shape))
+            x = out
         return _done(x, async_op)
-    out = x.new_empty((k * x.shape[0],) + tuple(x.shape[1:])) if x.dim() else x.new_empty((k,))
+    shape = (k * x.shape[0],) + tuple(x.shape[1:]) if x.dim() else (k,)
+    if out is None:
+        out = x.new_empty(shape)
+    elif tuple(out.shape) != shape or out.dtype != x.dtype or not out.is_contiguous():
+        raise CollectiveError(f"all_gather over {canon}: out must be a contiguous {x.dtype} tensor of shape "
+                              f"{shape} — got {out.dtype} {tuple(out.shape)}. Pass a buffer of that shape.")
     _record("all_gather", canon, all_gather_bytes(x.numel(), k, x.element_size()), x, k, tag)
     work = _all_gather_single()(out, x.reshape(-1) if x.dim() == 0 else x, group=mesh.group(canon),
                                 async_op=async_op)
@@ -265,22 +276,46 @@ def all_gather(x: torch.Tensor, mesh: Mesh, axes: str | Sequence[str], *, async_
 
 
 def reduce_scatter(x: torch.Tensor, mesh: Mesh, axes: str | Sequence[str], *, op: str = "sum",
-                   async_op: bool = False):
-    """Sum ``x`` over the group and keep this member's chunk of dim 0 (``x.shape[0] % k == 0``)."""
+                   async_op: bool = False, out: torch.Tensor | None = None):
+    """Sum ``x`` over the group and keep this member's chunk of dim 0 (``x.shape[0] % k == 0``).
+
+    ``out``: the chunk's buffer (contiguous, ``x``'s dtype) instead of a new tensor; it may be this
+    member's chunk of ``x`` itself (in place: ``x`` is scratch then). On gloo, whose
+    ``reduce_scatter_tensor`` all-reduces a clone of ``x`` and copies the chunk out, an in-place
+    reduce-scatter is that all-reduce run on ``x`` itself: the same messages, without the clone (a
+    block of ``x``'s size allocated each call) and the copy. It is counted as the reduce-scatter
+    it is."""
     mesh = _require_mesh(mesh, "reduce_scatter")
     x = _check_tensor(x, "reduce_scatter", mesh)
     canon = mesh.canonical_axes(axes)
     k = group_size(mesh, canon)
     if k == 1:
+        if out is not None and out.data_ptr() != x.data_ptr():
+            out.copy_(x.reshape(out.shape))
+            x = out
         return _done(x, async_op)
     if x.dim() == 0 or x.shape[0] % k:
         raise CollectiveError(f"reduce_scatter over {canon}: dim 0 of shape {tuple(x.shape)} does not "
                               f"divide by the group size {k} — expected a multiple of {k}. Pad first.")
-    out = x.new_empty((x.shape[0] // k,) + tuple(x.shape[1:]))
+    shape = (x.shape[0] // k,) + tuple(x.shape[1:])
+    if out is None:
+        out = x.new_empty(shape)
+    elif tuple(out.shape) != shape or out.dtype != x.dtype or not out.is_contiguous():
+        raise CollectiveError(f"reduce_scatter over {canon}: out must be a contiguous {x.dtype} tensor of shape "
+                              f"{shape} — got {out.dtype} {tuple(out.shape)}. Pass a buffer of that shape.")
     _record("reduce_scatter", canon, reduce_scatter_bytes(out.numel(), k, x.element_size()), x, k)
-    work = _reduce_scatter_single()(out, x, op=_REDUCE_OPS[op], group=mesh.group(canon),
-                                    async_op=async_op)
+    if _gloo(mesh, x) and out.data_ptr() == x.data_ptr() + mesh.group_index(mesh.rank, canon) * out.nbytes:
+        work = dist.all_reduce(x, op=_REDUCE_OPS[op], group=mesh.group(canon), async_op=async_op)
+    else:
+        work = _reduce_scatter_single()(out, x, op=_REDUCE_OPS[op], group=mesh.group(canon),
+                                        async_op=async_op)
     return Pending(work, out) if async_op else out
+
+
+def _gloo(mesh: Mesh, x: torch.Tensor) -> bool:
+    """Whether ``x``'s collectives run on gloo (the mesh's backend for its device)."""
+    b = (mesh.backend or "").replace(" ", "")
+    return x.device.type == "cpu" and (b == "gloo" or "cpu:gloo" in b.split(","))
 
 
 def all_reduce(x: torch.Tensor, mesh: Mesh, axes: str | Sequence[str], *, op: str = "sum",

@@ -250,31 +250,43 @@ class MemoryAccounting:
         return tuple(events)
 
     def transient_per_rank(self, rank: int | None = None) -> dict[str, int]:
-        """ZeRO-3: the peak bytes of gathered parameters plus the all-gather output buffers in
-        flight, replaying ``gather_schedule``: a gather holds its unit's output buffer (``N`` chunks
-        of ``ceil(T/N)`` elements per segment, ``flat.py``) until its wait unpacks it into the parameters (both held for a
-        moment), a free releases the parameters. The engine tracks the same quantity
-        (``engine.peak_gathered_bytes``). Full-size gradients of a unit before its reduce-scatter
-        are not counted. Zero when parameters are replicated."""
+        """ZeRO-3: the peak bytes of gathered parameters plus all-gather output buffers, replaying
+        ``gather_schedule`` as the runtime's persistent buffer serves it (``runtime/comm_buffers.py``):
+        ``buffer`` is the largest unit's output (``N`` chunks of ``ceil(T/N)`` elements per segment,
+        ``flat.py``), held from the first gather on; a gather takes it (a gather started while it is
+        lent takes a buffer of its unit's size until its wait); a wait unpacks it into the
+        parameters (both held for a moment) and gives it back; a free releases the parameters. The
+        engine tracks the same quantity (``engine.peak_gathered_bytes``). Full-size gradients of a
+        unit before its reduce-scatter are not counted (``peak_per_rank``). Zero when parameters are
+        replicated."""
         if self.states.params is None:
-            return {"gathered": 0}
+            return {"gathered": 0, "buffer": 0}
         c, n = self.compute_dtype.itemsize, self.data_size
         full = {u.name: sum(p.stored(c) for p in self.unit_params(u.name)) * c for u in self.units}   # quantized: packed
         buf = {grp.name: (grp.chunk(TRAIN) + grp.chunk(FROZEN)) * n * c for grp in self.flat.groups}
+        size = max(buf.values(), default=0)
         by_label = {(u.name or "<root>"): u.name for u in self.units}
         live = peak = 0
+        held = False                 # the persistent buffer: allocated at the first gather, then kept
+        holder = None                # the unit it is lent to
         for ev in self.gather_schedule():
             op, u = ev[0], by_label[ev[2:-1]]
             if op == "G":
-                live += buf[u]
+                if holder is None:
+                    holder, live, held = u, live + (0 if held else size), True
+                else:
+                    live += buf[u]
             elif op == "W":
                 live += full[u]
                 peak = max(peak, live)
-                live -= buf[u]
+                if holder == u:
+                    holder = None
+                else:
+                    live -= buf[u]
             else:
                 live -= full[u]
             peak = max(peak, live)
-        return {"gathered": peak}
+        return {"gathered": peak, "buffer": size if held else 0}
 
     def zero_formula(self) -> dict[str, float]:
         """The ZeRO-paper terms for this plan, to compare with ``memory_per_rank``: parameters

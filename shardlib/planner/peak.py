@@ -14,13 +14,14 @@ gradient bucket, laid flat: ``planner/flat.py``):
 * **backward** — states at rest + the activations of one micro-batch (``activation_bytes``) +
   what the gradient reduction holds:
 
-  - ZeRO-3: the gathered units and all-gather buffers of ``transient_per_rank`` (the root unit
+  - ZeRO-3: the gathered units and the all-gather buffer of ``transient_per_rank`` (the root unit
     stays gathered through backward), plus the gradients on their way to the reduce-scatter
     (``runtime/units.py``): the root's gradients (``c``, kept as tensors: they arrive at both
-    ends of backward) and, at once, one other unit's reduce-scatter input (``N`` chunks, ``g``)
-    and output (a chunk) — a unit's gradients are laid into its input as autograd makes them,
+    ends of backward) and the one persistent reduce-scatter input (``N`` chunks of the largest
+    unit's trainable segment, ``g``; reduced in place, its output a chunk of it:
+    ``runtime/comm_buffers.py``) — a unit's gradients are laid into it as autograd makes them,
     after the previous unit's reduce-scatter is waited for — plus one fresh gradient (the largest
-    trainable parameter, ``c``); or, at the end, the root's gradients, input and output;
+    trainable parameter, ``c``);
   - ZeRO-1/2: bucket ``b`` being packed — its local gradients (ZeRO-2; ZeRO-1 keeps them between
     steps: states) and its reduce-scatter input — while bucket ``b-1``'s is in flight (input and
     output), the largest over ``b``; ZeRO-1 also keeps every reduced chunk (the masters' gradients
@@ -28,7 +29,8 @@ gradient bucket, laid flat: ``planner/flat.py``):
   - DP: a parameter's fresh gradient before it is copied into its bucket (the largest
     parameter); with gradients reduced in another dtype, every bucket's reduced copy as well.
 * **update** — states at the update (``memory_per_rank(at="update")``) + the optimizer's
-  temporaries. Adam's per-tensor step (torch's default on the CPU) holds two fp32 temporaries the
+  temporaries (+ ZeRO-3's two persistent collective buffers, ``comm_buffers``, held from the first
+  step on). Adam's per-tensor step (torch's default on the CPU) holds two fp32 temporaries the
   size of the tensor it updates (``sqrt`` of the second moment, then its quotient): twice the
   largest master piece. The multi-tensor (``foreach``) step, torch's default on GPUs, holds one
   per master at once: all master bytes.
@@ -133,14 +135,16 @@ def peak_per_rank(plan: Plan, rank: int | None = None, *, activation_bytes: int 
     rs_in = [n * ct * g for _, _, ct, _ in groups]
     rs_out = [ct * g for _, _, ct, _ in groups]
     local = [t * c for t, _, _, _ in groups]          # a group's local gradients
+    buffers = 0                                        # ZeRO-3's persistent collective buffers
     if st.params is not None:                          # ZeRO-3: units (runtime/units.py)
         names = [grp.name for grp in plan.flat.groups]
         root = names.index("") if "" in names else None
         fresh = max((p.numel for p in plan.params if p.trainable), default=0) * c
         kept = local[root] if root is not None else 0
-        others = [rs_in[i] + rs_out[i] for i in range(len(groups)) if i != root]
-        reduce = kept + max(max(others, default=0) + fresh,
-                            rs_in[root] + rs_out[root] if root is not None else 0)
+        # one reduce-scatter input at the largest unit's size, reduced in place (runtime/comm_buffers.py)
+        rs_buffer = max(rs_in, default=0)
+        reduce = kept + rs_buffer + (fresh if len(groups) > (root is not None) else 0)
+        buffers = rs_buffer + plan.transient_per_rank(rank)["buffer"]
     elif st.grads is not None:                         # ZeRO-1/2: buckets, one in flight while the next packs
         packing = [local[b] * (not st.keep_local_grads) + rs_in[b]
                    + (rs_in[b - 1] + rs_out[b - 1] if b else 0) for b in range(len(groups))]
@@ -156,6 +160,7 @@ def peak_per_rank(plan: Plan, rank: int | None = None, *, activation_bytes: int 
     at_step = at_update + temps
     if dict(plan.offload).get("optimizer"):       # the update runs on the host: nothing more on the device
         at_update = at_step = states
+    at_step += buffers
     publish = 0
     if st.params is None and st.optim is not None:
         publish = at_update + max(((1 + n) * ct * c for _, _, ct, _ in groups), default=0)
@@ -170,7 +175,7 @@ def peak_per_rank(plan: Plan, rank: int | None = None, *, activation_bytes: int 
     peak = max(moments.values())
     extra = activation_bytes if peak == backward else 0
     return {"states": states, "activations": extra, "transient": peak - states - extra, "peak": peak,
-            **moments}
+            **moments, "comm_buffers": buffers}
 
 
 def activation_bytes(model: nn.Module, batch: Any, *, loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,

@@ -43,10 +43,12 @@ class FlatRun:
 
     # ---- all-gather ----------------------------------------------------------------------------
     def pack(self, source: Callable[[ParamState], torch.Tensor], dtype: torch.dtype,
-             device: torch.device | str | None = None) -> torch.Tensor:
+             device: torch.device | str | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's chunk of each segment, ``c_train + c_frozen`` elements in ``dtype``:
-        ``source(state)`` gives each parameter's piece (1-D, ``hi - lo`` elements)."""
-        out = torch.empty(self.ct + self.cf, dtype=dtype, device=device)
+        ``source(state)`` gives each parameter's piece (1-D, ``hi - lo`` elements). ``out``: where to
+        write it (e.g. this rank's block of an all-gather output, ``comm_buffers.py``)."""
+        if out is None:
+            out = torch.empty(self.ct + self.cf, dtype=dtype, device=device)
         for states, base, held, chunk in ((self.train, 0, self.stop_t - self.start_t, self.ct),
                                           (self.frozen, self.ct, self.stop_f - self.start_f, self.cf)):
             pos = base
@@ -90,13 +92,10 @@ class FlatRun:
         out[self.numel_t:].zero_()
         return out
 
-    def grad_buffer(self, dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:
-        """An uninitialized reduce-scatter input, ``N·c_train`` elements, to fill with ``copy_grad``
-        as gradients arrive (then ``zero_padding``): ``pack_grads`` one gradient at a time."""
-        return torch.empty(self.n * self.ct, dtype=dtype, device=device)
-
     def copy_grad(self, buf: torch.Tensor, state: ParamState, grad: torch.Tensor | None) -> None:
-        """Lay ``state``'s gradient (None: zeros) into its place in ``buf``."""
+        """Lay ``state``'s gradient (None: zeros) into its place in ``buf``, a reduce-scatter input
+        (``N·c_train`` elements, filled as gradients arrive, then ``zero_padding``: ``pack_grads``
+        one gradient at a time)."""
         view = buf[state.slot.offset:state.slot.offset + state.slot.numel]
         if grad is None:
             view.zero_()

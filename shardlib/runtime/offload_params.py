@@ -80,11 +80,11 @@ class ParamsOffload:
                 s.shard = self.placeholder.expand(s.hi - s.lo)
 
     # ---- gathers -----------------------------------------------------------------------------------
-    def packed(self, u, device) -> torch.Tensor:
-        """``u``'s all-gather input on the device."""
+    def packed(self, u, device, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``u``'s all-gather input on the device (written into ``out`` where given)."""
         fl = u.flat
         if self.kind == "host":
-            out = fl.pack(lambda s: s.shard, self.cdt, device)
+            out = fl.pack(lambda s: s.shard, self.cdt, device, out=out)
             self.copies.add("h2d", "params", sum(s.hi - s.lo for s in fl.train + fl.frozen) * self.cdt.itemsize)
             return out
         k = self.index[id(u)]
@@ -100,7 +100,8 @@ class ParamsOffload:
         if (0 <= nxt < len(self.units) and nxt != self.root and nxt not in self.pending
                 and self.units[nxt].group == u.group):          # (a pipeline stage's units only)
             self.pending[nxt] = self.reader.submit(self._read, nxt)
-        out = torch.empty(host.shape, dtype=self.cdt, device=device)
+        if out is None:
+            out = torch.empty(host.shape, dtype=self.cdt, device=device)
         out.copy_(host)
         self.copies.add("h2d", "params", host.numel() * host.element_size())
         return out

@@ -21,6 +21,12 @@ rank holds its chunk of the unit's parameters laid end to end. Around the unit's
   shards before allocating its own input: one unit's input at a time, where every unit's input
   used to live until the end of backward (a whole model's gradients at once).
 
+The collective buffers are persistent (``comm_buffers.py``): a gather packs this rank's chunk
+into its block of the one all-gather output buffer and gathers in place; a unit's gradients are
+laid into the one reduce-scatter input buffer, reduced in place (the output is this rank's chunk
+of it). Both are sized for the largest unit, allocated at their first use and kept, so steady
+steps allocate no flat buffers.
+
 Storage is freed with ``untyped_storage().resize_(0)`` and re-filled in place, so tensors that
 autograd saved in forward stay valid. The root unit (what no other unit holds: embeddings,
 head) is gathered when the model's forward starts and freed when its backward ends.
@@ -28,9 +34,10 @@ head) is gathered when the model's forward starts and freed when its backward en
 The runner logs what it does (``events``: ``G(unit)`` gather started, ``W(unit)`` waited and
 unpacked, ``F(unit)`` freed) for the last micro-step, in the notation of
 ``Plan.gather_schedule``, and tracks the bytes of gathered parameters plus all-gather output
-buffers in flight (``peak``) — the quantity ``Plan.transient_per_rank`` plans — and the bytes of
-gradient buffers (reduce-scatter inputs being filled or in flight, and their outputs not yet
-added: ``grad_peak``), and of both at once (``total_peak``), which ``planner/peak.py`` bounds.
+buffers held (``peak``: the persistent buffer from its first use, one of a unit's own size while
+it is lent) — the quantity ``Plan.transient_per_rank`` plans — and the bytes of gradient buffers
+(the persistent reduce-scatter input, whose chunk is the output until it is added; another while it
+is lent: ``grad_peak``), and of both at once (``total_peak``), which ``planner/peak.py`` bounds.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from ..comm import core as comm
+from .comm_buffers import Buffer
 from .flat import FlatRun
 from .state import ParamState
 
@@ -64,11 +72,11 @@ class Unit:
         self.flat = flat                  # its parameters laid end to end, this rank's chunk
         self.status = "free"          # free | gathering | gathered
         self.pending = None           # all-gather in flight
-        self.buffer_bytes = 0         # its output buffer
+        self.gather_buf: torch.Tensor | None = None  # its all-gather output (a lent buffer) until unpacked
         self.reducing = None          # reduce-scatter in flight
         self.grad_buf: torch.Tensor | None = None    # its reduce-scatter input while gradients arrive
+        self.reduce_buf: torch.Tensor | None = None  # that input (a lent buffer) until the chunk is added
         self.filled: set[int] = set()                # ids of the states copied into grad_buf
-        self.grad_bytes = 0           # bytes of its gradient buffers (input, and output in flight)
         self.reduced = False          # this micro-step's gradients are reduced
         self.fresh = True             # no reduced gradient added into the shards yet this step
         self.group = 0                # prefetches stay within a group (a pipeline stage)
@@ -92,6 +100,12 @@ class UnitRunner:
         self.grad_live = self.grad_peak = 0     # bytes of gradient buffers (reduce-scatter in/out)
         self.total_peak = 0                     # most of both at once
         self.in_flight: list[Unit] = []         # units whose reduce-scatter is in flight, oldest first
+        # the persistent buffers (comm_buffers.py), at the largest unit's sizes
+        n, device = engine.plan.data_size, engine.mesh.device
+        canon = self.mesh.canonical_axes(self.axis)
+        self.index = self.mesh.group_index(self.mesh.rank, canon) if n > 1 else 0   # this rank's block
+        self.gather_buffer = Buffer(max((n * (u.flat.ct + u.flat.cf) for u in self.all), default=0), self.cdt, device)
+        self.reduce_buffer = Buffer(max((n * u.flat.ct for u in self.all if u.flat.train), default=0), self.rdt, device)
         self.events: list[str] = []             # this micro-step's G/W/F actions
         self.handles = []
         model = engine.model
@@ -119,12 +133,17 @@ class UnitRunner:
         if u.status != "free":
             return
         off = self.engine.params_offload
+        c = u.flat.ct + u.flat.cf
+        buf, held = self.gather_buffer.acquire(self.engine.plan.data_size * c)
+        self._track(held)
+        block = buf[self.index * c:(self.index + 1) * c]      # this rank's chunk, gathered in place
         with torch.no_grad():     # offloaded shards: brought to the device (offload_params.py)
-            flat = (u.flat.pack(lambda s: s.shard, self.cdt, self.engine.mesh.device) if off is None
-                    else off.packed(u, self.engine.mesh.device))
-        u.pending = comm.all_gather(flat, self.mesh, self.axis, async_op=True)
-        u.buffer_bytes = flat.numel() * flat.element_size() * self.engine.plan.data_size
-        self._track(u.buffer_bytes)
+            if off is None:
+                u.flat.pack(lambda s: s.shard, self.cdt, out=block)
+            else:
+                off.packed(u, self.engine.mesh.device, out=block)
+        u.gather_buf = buf
+        u.pending = comm.all_gather(block, self.mesh, self.axis, async_op=True, out=buf)
         u.status = "gathering"
         self.events.append(f"G({u.name or '<root>'})")
 
@@ -143,8 +162,12 @@ class UnitRunner:
         # forward (the same values) remain valid for backward
         u.flat.unpack(out, lambda s: s.storage.data)
         del out
-        self._track(-u.buffer_bytes)
+        self._release_gather(u)
         u.status = "gathered"
+
+    def _release_gather(self, u: Unit) -> None:
+        self._track(-self.gather_buffer.release(u.gather_buf))
+        u.gather_buf = None
 
     def free(self, u: Unit) -> None:
         if u.status != "gathered":
@@ -239,11 +262,10 @@ class UnitRunner:
                 u.flat.zero_padding(u.grad_buf)
             flat, u.grad_buf = u.grad_buf, None
             u.filled = set()
-            u.reducing = comm.reduce_scatter(flat, self.mesh, self.axis, async_op=True)
-            del flat                                 # the collective holds it until it is waited for
-            out = u.flat.ct * self.rdt.itemsize
-            u.grad_bytes += out                      # its output chunk, until added into the shards
-            self._track_grads(out)
+            ct = u.flat.ct                           # in place: the output is this rank's chunk of the input
+            u.reducing = comm.reduce_scatter(flat, self.mesh, self.axis, async_op=True,
+                                             out=flat[self.index * ct:(self.index + 1) * ct])
+            del flat                                 # the lent buffer stays held until the chunk is added
             self.in_flight.append(u)
         u.reduced = True
         self.free(u)
@@ -257,9 +279,9 @@ class UnitRunner:
         overlapped the backward up to ``u``'s first gradient): never two units' at once."""
         while self.in_flight:
             self._finish_reduce(self.in_flight.pop(0))
-        u.grad_buf = u.flat.grad_buffer(self.rdt, self.engine.mesh.device)
-        u.grad_bytes = u.grad_buf.numel() * u.grad_buf.element_size()
-        self._track_grads(u.grad_bytes)
+        u.reduce_buf, held = self.reduce_buffer.acquire(self.engine.plan.data_size * u.flat.ct)
+        u.grad_buf = u.reduce_buf
+        self._track_grads(held)
 
     def _finish_reduce(self, u: Unit) -> None:
         """Wait for ``u``'s reduce-scatter and add its chunk into the persistent gradient shards."""
@@ -279,8 +301,8 @@ class UnitRunner:
                 s.grad_shard.add_(r)
         u.fresh = False
         del pieces
-        self._track_grads(-u.grad_bytes)
-        u.grad_bytes = 0
+        self._track_grads(-self.reduce_buffer.release(u.reduce_buf))
+        u.reduce_buf = None
 
     # ---- per micro-step ------------------------------------------------------------------------
     def begin_micro(self, first: bool) -> None:
@@ -301,7 +323,7 @@ class UnitRunner:
             if u.status == "gathering":
                 u.pending.wait()
                 u.pending = None
-                self._track(-u.buffer_bytes)
+                self._release_gather(u)
                 u.status = "free"
         while self.in_flight:
             self._finish_reduce(self.in_flight.pop(0))

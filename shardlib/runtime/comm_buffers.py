@@ -1,0 +1,62 @@
+"""ZeRO-3's persistent collective buffers: one all-gather output and one reduce-scatter input,
+allocated once and reused by every unit, so a steady-state step allocates no flat buffers.
+
+Each unit's gather used to allocate its all-gather input and output, and each reduce-scatter its
+input and output, every step: blocks of a unit's size freed and allocated again with the
+parameters, gradients and activations of other sizes between them. On the host that churn
+fragments glibc's heap (``shardlib/allocator.py``); FSDP2 and DeepSpeed keep such buffers for the
+same reason (on a GPU the caching allocator does it for them). Here:
+
+* **gather**: one buffer of the largest unit's all-gather output (``N`` chunks of ``c_train +
+  c_frozen`` elements, compute dtype). A unit's gather packs this rank's chunk straight into its
+  block of the buffer's front and all-gathers in place (the input is the output's own block), so
+  there is no separate input; the wait unpacks the parameters out of it and gives it back.
+* **reduce**: one buffer of the largest trainable segment's reduce-scatter input (``N·c_train``
+  elements, reduce dtype). Gradients are laid into its front as autograd makes them; the
+  reduce-scatter runs in place, its output (this rank's chunk) a view of the input, held until the
+  chunk is added into the gradient shards.
+
+``UnitRunner`` never holds two gathers' or two reduce-scatters' buffers at once in a plain step
+(``runtime/units.py``: a prefetch starts after the previous wait; a unit's input is taken after
+the previous reduce-scatter is done). Where a schedule does (a pipeline stage's ``UNSHARD`` gathers
+all its units, then waits), the buffer is busy and the extra gather gets a buffer of its own size
+for the while — as before. Each buffer is allocated at its first use, at the plan's size
+(``Plan.transient_per_rank``, ``planner/peak.py`` count it from then on), and kept.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class Buffer:
+    """One persistent buffer, lent to one collective at a time."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device | str | None):
+        self.numel, self.dtype, self.device = numel, dtype, device
+        self.tensor: torch.Tensor | None = None
+        self.busy = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    def acquire(self, numel: int) -> tuple[torch.Tensor, int]:
+        """A 1-D tensor of ``numel`` elements, and the bytes newly held for it: the persistent
+        buffer's front (its size the first time, then 0), or a tensor of its own while the buffer
+        is lent (``numel`` elements' bytes, released with it)."""
+        if self.busy or numel > self.numel:
+            return torch.empty(numel, dtype=self.dtype, device=self.device), numel * self.dtype.itemsize
+        self.busy = True
+        new = 0
+        if self.tensor is None:
+            self.tensor = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+            new = self.nbytes
+        return self.tensor[:numel], new
+
+    def release(self, t: torch.Tensor) -> int:
+        """Give ``t`` back; the bytes no longer held (0 for the persistent buffer)."""
+        if self.tensor is not None and self.busy and t.data_ptr() == self.tensor.data_ptr():
+            self.busy = False
+            return 0
+        return t.numel() * t.element_size()

@@ -1,0 +1,114 @@
+"""ZeRO-3's persistent collective buffers (``runtime/comm_buffers.py``) and the in-place collectives
+they use (``comm.all_gather(out=)``, ``comm.reduce_scatter(out=)``), on real gloo ranks.
+
+References are plain torch ops on the full tensors (same seed on every rank)."""
+
+from __future__ import annotations
+
+import torch
+
+import shardlib as sl
+from shardlib.comm import core as comm
+from shardlib.runtime.comm_buffers import Buffer
+
+SHAPE = {"data": 2, "tensor": 2}
+
+
+def _full(seed: int, world: int, n: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(world, n, generator=g)
+
+
+def _in_place(axes_list) -> list[dict]:
+    from shardlib.testing import get_mesh
+    mesh = get_mesh(SHAPE)
+    rank, out = mesh.rank, []
+    for t, axes in enumerate(axes_list):
+        canon = mesh.canonical_axes(axes)
+        members = mesh.group_ranks(rank, canon)
+        i, k, c = members.index(rank), len(members), 5
+        x = _full(t, mesh.size, c)
+        # all-gather in place: the input is this member's block of the output
+        buf = torch.full((k * c,), float("nan"))
+        buf[i * c:(i + 1) * c] = x[rank]
+        with sl.count_collectives() as ag:
+            got = comm.all_gather(buf[i * c:(i + 1) * c], mesh, axes, out=buf)
+        # into a given buffer, not in place; asynchronously
+        other = torch.empty(k * c)
+        got2 = comm.all_gather(x[rank], mesh, axes, out=other, async_op=True).wait()
+        # reduce-scatter in place (gloo: the all-reduce run on the input itself), and into a buffer
+        y = _full(100 + t, mesh.size, k * c)
+        inp = y[rank].clone()
+        with sl.count_collectives() as rs:
+            chunk = comm.reduce_scatter(inp, mesh, axes, out=inp[i * c:(i + 1) * c], async_op=True).wait()
+        sep = torch.empty(c)
+        chunk2 = comm.reduce_scatter(y[rank].clone(), mesh, axes, out=sep)
+        want_rs = sum(y[m] for m in members)[i * c:(i + 1) * c]
+        out.append({
+            "ag": torch.equal(got, torch.cat([x[m] for m in members])) and got.data_ptr() == buf.data_ptr(),
+            "ag2": torch.equal(got2, torch.cat([x[m] for m in members])) and got2.data_ptr() == other.data_ptr(),
+            "rs": torch.allclose(chunk, want_rs) and chunk.data_ptr() == inp.data_ptr() + i * c * 4,
+            "rs2": torch.allclose(chunk2, want_rs) and chunk2.data_ptr() == sep.data_ptr(),
+            # counted as the collectives they are, whatever gloo runs
+            "counted": (ag.by_op(), rs.by_op()) == ({"all_gather": (1, (k - 1) * c * 4)},
+                                                     {"reduce_scatter": (1, (k - 1) * c * 4)}),
+        })
+    try:
+        comm.all_gather(torch.zeros(3), mesh, "data", out=torch.zeros(5))
+        out.append("no error")
+    except sl.ShardingError as e:
+        out.append(str(e))
+    return out
+
+
+def test_in_place_all_gather_and_reduce_scatter(world):
+    for per_rank in world(4, _in_place, ["data", "tensor", ("data", "tensor"), ("tensor", "data")]):
+        *checks, err = per_rank
+        for c in checks:
+            assert all(c.values()), c
+        assert "out must be a contiguous torch.float32 tensor of shape (6,)" in err
+
+
+def test_a_buffer_is_lent_to_one_collective_at_a_time():
+    b = Buffer(10, torch.float32, "cpu")
+    assert b.tensor is None                              # allocated at its first use
+    t, held = b.acquire(8)
+    assert t.numel() == 8 and held == 40 and b.busy
+    u, held_u = b.acquire(6)                             # lent: a tensor of its own, for the while
+    assert held_u == 24 and u.data_ptr() != b.tensor.data_ptr()
+    assert b.release(u) == 24 and b.busy
+    assert b.release(t) == 0 and not b.busy
+    t2, held2 = b.acquire(10)                            # the same memory again, nothing new held
+    assert held2 == 0 and t2.data_ptr() == t.data_ptr()
+    big, held3 = b.acquire(11)                           # larger than planned: its own tensor
+    assert held3 == 44 and b.release(big) == 44
+
+
+def _steady(zero_args: dict) -> dict:
+    from shardlib.models import GPT, GPTConfig, token_batch
+    from shardlib.testing import get_mesh
+    cfg = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2)
+    mesh = get_mesh({"data": 2})
+    model = GPT(cfg, seed=0)
+    plan = sl.plan(model, mesh, zero=3, **zero_args)
+    engine = sl.parallelize(model, plan, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    runner = engine.units
+    ptrs = []
+    for s in range(3):
+        engine.step(token_batch(cfg, 4, s))
+        ptrs.append((runner.gather_buffer.tensor.data_ptr(), runner.reduce_buffer.tensor.data_ptr()))
+    return {"ptrs": ptrs, "idle": not runner.gather_buffer.busy and not runner.reduce_buffer.busy,
+            "lent": [u.name for u in runner.all if u.gather_buf is not None or u.reduce_buf is not None],
+            "sizes": (runner.gather_buffer.nbytes, runner.reduce_buffer.nbytes),
+            "planned": (plan.transient_per_rank()["buffer"], plan.peak_per_rank()["comm_buffers"])}
+
+
+def test_zero3_steps_reuse_the_same_two_buffers(world):
+    """Every step gathers and reduces through the same two buffers, sized as the plan states them,
+    and gives them back by the step's end."""
+    for kw in ({}, {"recompute": True}, {"precision": "bf16"}):
+        for r in world(2, _steady, kw):
+            assert len(set(r["ptrs"])) == 1, (kw, r)
+            assert r["idle"] and r["lent"] == [], (kw, r)
+            assert r["sizes"][0] == r["planned"][0], (kw, r)
+            assert sum(r["sizes"]) == r["planned"][1], (kw, r)
