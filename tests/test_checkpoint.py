@@ -280,7 +280,8 @@ def _resume(folder: str) -> dict:
 
 
 @pytest.mark.parametrize("when", ["writing", "installing"])
-def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path, when):
+def test_a_save_killed_midway_leaves_the_previous_checkpoint(world, tmp_path, when):
+    """The save is killed on a world of its own (a rank dies); the resume runs on the warm pool."""
     from shardlib.testing import WorldPool
 
     folder = str(tmp_path / "run")
@@ -292,12 +293,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path, when):
     finally:
         pool.close()
     assert latest(folder).name == "step-000001"
-    pool = WorldPool(2, timeout=30)
-    pool.start()
-    try:
-        assert pool.run(_resume, folder) == [{"step": 1}, {"step": 1}]
-    finally:
-        pool.close()
+    assert world(2, _resume, folder) == [{"step": 1}, {"step": 1}]
 
 
 def test_a_save_stopped_between_its_two_renames_points_at_the_previous_checkpoint(tmp_path):
