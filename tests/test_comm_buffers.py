@@ -84,10 +84,10 @@ def test_a_buffer_is_lent_to_one_collective_at_a_time():
     assert held3 == 44 and b.release(big) == 44
 
 
-def _steady(zero_args: dict) -> dict:
+def _steady(zero_args: dict, vocab: int = 64) -> dict:
     from shardlib.models import GPT, GPTConfig, token_batch
     from shardlib.testing import get_mesh
-    cfg = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2)
+    cfg = GPTConfig(vocab_size=vocab, seq_len=16, d_model=32, n_heads=4, n_layers=2)
     mesh = get_mesh({"data": 2})
     model = GPT(cfg, seed=0)
     plan = sl.plan(model, mesh, zero=3, **zero_args)
@@ -100,15 +100,21 @@ def _steady(zero_args: dict) -> dict:
     return {"ptrs": ptrs, "idle": not runner.gather_buffer.busy and not runner.reduce_buffer.busy,
             "lent": [u.name for u in runner.all if u.gather_buf is not None or u.reduce_buf is not None],
             "sizes": (runner.gather_buffer.nbytes, runner.reduce_buffer.nbytes),
-            "planned": (plan.transient_per_rank()["buffer"], plan.peak_per_rank()["comm_buffers"])}
+            "planned": (plan.transient_per_rank()["buffer"], plan.peak_per_rank()["comm_buffers"]),
+            "gathered": (engine.peak_gathered_bytes, plan.transient_per_rank()["gathered"]),
+            "block": 4 * sum(p.numel() for p in model.blocks[0].parameters())}
 
 
 def test_zero3_steps_reuse_the_same_two_buffers(world):
-    """Every step gathers and reduces through the same two buffers, sized as the plan states them,
-    and gives them back by the step's end."""
-    for kw in ({}, {"recompute": True}, {"precision": "bf16"}):
-        for r in world(2, _steady, kw):
+    """Every step gathers and reduces through the same two buffers, sized as the plan states them
+    (a block's, also where the root is larger: vocab 1024), and gives them back by the step's end;
+    the gathered peak tracked is the planned one."""
+    for kw, vocab in (({}, 64), ({"recompute": True}, 64), ({"precision": "bf16"}, 64), ({}, 1024)):
+        for r in world(2, _steady, kw, vocab):
             assert len(set(r["ptrs"])) == 1, (kw, r)
             assert r["idle"] and r["lent"] == [], (kw, r)
             assert r["sizes"][0] == r["planned"][0], (kw, r)
             assert sum(r["sizes"]) == r["planned"][1], (kw, r)
+            assert r["gathered"][0] == r["gathered"][1], (kw, r)
+            if vocab == 1024 and not kw:
+                assert r["sizes"] == (r["block"], r["block"]), r

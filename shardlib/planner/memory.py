@@ -252,10 +252,12 @@ class MemoryAccounting:
     def transient_per_rank(self, rank: int | None = None) -> dict[str, int]:
         """ZeRO-3: the peak bytes of gathered parameters plus all-gather output buffers, replaying
         ``gather_schedule`` as the runtime's persistent buffer serves it (``runtime/comm_buffers.py``):
-        ``buffer`` is the largest unit's output (``N`` chunks of ``ceil(T/N)`` elements per segment,
-        ``flat.py``), held from the first gather on; a gather takes it (a gather started while it is
-        lent takes a buffer of its unit's size until its wait); a wait unpacks it into the
-        parameters (both held for a moment) and gives it back; a free releases the parameters. The
+        ``buffer`` is the largest non-root unit's output (``N`` chunks of ``ceil(T/N)`` elements per
+        segment, ``flat.py``; the root's where it is the only unit), held from its first use on (the
+        replay is a step after the first: it starts with the buffer held, where the step uses it); a
+        gather takes it (a gather started while it is lent, or of a larger unit — the root — takes
+        a buffer of its unit's size until its wait); a wait unpacks it into the parameters (both
+        held for a moment) and gives it back; a free releases the parameters. The
         engine tracks the same quantity (``engine.peak_gathered_bytes``). Full-size gradients of a
         unit before its reduce-scatter are not counted (``peak_per_rank``). Zero when parameters are
         replicated."""
@@ -264,16 +266,17 @@ class MemoryAccounting:
         c, n = self.compute_dtype.itemsize, self.data_size
         full = {u.name: sum(p.stored(c) for p in self.unit_params(u.name)) * c for u in self.units}   # quantized: packed
         buf = {grp.name: (grp.chunk(TRAIN) + grp.chunk(FROZEN)) * n * c for grp in self.flat.groups}
-        size = max(buf.values(), default=0)
+        size = max((b for u, b in buf.items() if u != ""), default=buf.get("", 0))
         by_label = {(u.name or "<root>"): u.name for u in self.units}
-        live = peak = 0
-        held = False                 # the persistent buffer: allocated at the first gather, then kept
+        events = [(ev[0], by_label[ev[2:-1]]) for ev in self.gather_schedule()]
+        # the persistent buffer, once a step has used it, is held from the start of every later one
+        held = any(op == "G" and buf[u] <= size for op, u in events)
+        live = peak = size if held else 0
         holder = None                # the unit it is lent to
-        for ev in self.gather_schedule():
-            op, u = ev[0], by_label[ev[2:-1]]
+        for op, u in events:
             if op == "G":
-                if holder is None:
-                    holder, live, held = u, live + (0 if held else size), True
+                if holder is None and buf[u] <= size:
+                    holder = u
                 else:
                     live += buf[u]
             elif op == "W":

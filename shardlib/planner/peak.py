@@ -18,10 +18,10 @@ gradient bucket, laid flat: ``planner/flat.py``):
     stays gathered through backward), plus the gradients on their way to the reduce-scatter
     (``runtime/units.py``): the root's gradients (``c``, kept as tensors: they arrive at both
     ends of backward) and the one persistent reduce-scatter input (``N`` chunks of the largest
-    unit's trainable segment, ``g``; reduced in place, its output a chunk of it:
+    non-root unit's trainable segment, ``g``; reduced in place, its output a chunk of it:
     ``runtime/comm_buffers.py``) — a unit's gradients are laid into it as autograd makes them,
     after the previous unit's reduce-scatter is waited for — plus one fresh gradient (the largest
-    trainable parameter, ``c``);
+    trainable parameter, ``c``); or, at the end, the root's own input where it is larger;
   - ZeRO-1/2: bucket ``b`` being packed — its local gradients (ZeRO-2; ZeRO-1 keeps them between
     steps: states) and its reduce-scatter input — while bucket ``b-1``'s is in flight (input and
     output), the largest over ``b``; ZeRO-1 also keeps every reduced chunk (the masters' gradients
@@ -141,9 +141,12 @@ def peak_per_rank(plan: Plan, rank: int | None = None, *, activation_bytes: int 
         root = names.index("") if "" in names else None
         fresh = max((p.numel for p in plan.params if p.trainable), default=0) * c
         kept = local[root] if root is not None else 0
-        # one reduce-scatter input at the largest unit's size, reduced in place (runtime/comm_buffers.py)
-        rs_buffer = max(rs_in, default=0)
-        reduce = kept + rs_buffer + (fresh if len(groups) > (root is not None) else 0)
+        # one persistent reduce-scatter input at the largest non-root unit's size, reduced in place
+        # (runtime/comm_buffers.py); the root's own input, where larger, at the end of backward
+        others = [rs_in[i] for i in range(len(groups)) if i != root]
+        rs_buffer = max(others, default=rs_in[root] if root is not None else 0)
+        root_own = rs_in[root] if root is not None and rs_in[root] > rs_buffer else 0
+        reduce = kept + rs_buffer + max(fresh if others else 0, root_own)
         buffers = rs_buffer + plan.transient_per_rank(rank)["buffer"]
     elif st.grads is not None:                         # ZeRO-1/2: buckets, one in flight while the next packs
         packing = [local[b] * (not st.keep_local_grads) + rs_in[b]

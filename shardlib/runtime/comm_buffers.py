@@ -8,11 +8,13 @@ fragments glibc's heap (``shardlib/allocator.py``); FSDP2 and DeepSpeed keep suc
 same reason (on a GPU the caching allocator does it for them). Here:
 
 * **gather**: one buffer of the largest unit's all-gather output (``N`` chunks of ``c_train +
-  c_frozen`` elements, compute dtype). A unit's gather packs this rank's chunk straight into its
+  c_frozen`` elements, compute dtype), the root unit left out: it is gathered once a step, when
+  the model's forward starts, into a buffer of its own (held while it is unpacked), so the
+  persistent one is a block's, not the embeddings' and head's. A unit's gather packs this rank's chunk straight into its
   block of the buffer's front and all-gathers in place (the input is the output's own block), so
   there is no separate input; the wait unpacks the parameters out of it and gives it back.
 * **reduce**: one buffer of the largest trainable segment's reduce-scatter input (``N·c_train``
-  elements, reduce dtype). Gradients are laid into its front as autograd makes them; the
+  elements, reduce dtype), the root left out likewise (reduced once, at the end of backward). Gradients are laid into its front as autograd makes them; the
   reduce-scatter runs in place, its output (this rank's chunk) a view of the input, held until the
   chunk is added into the gradient shards.
 
@@ -20,8 +22,9 @@ same reason (on a GPU the caching allocator does it for them). Here:
 (``runtime/units.py``: a prefetch starts after the previous wait; a unit's input is taken after
 the previous reduce-scatter is done). Where a schedule does (a pipeline stage's ``UNSHARD`` gathers
 all its units, then waits), the buffer is busy and the extra gather gets a buffer of its own size
-for the while — as before. Each buffer is allocated at its first use, at the plan's size
-(``Plan.transient_per_rank``, ``planner/peak.py`` count it from then on), and kept.
+for the while — as before; so does a unit larger than the buffer (the root). Each buffer is
+allocated at its first use, at the plan's size (``Plan.transient_per_rank``, ``planner/peak.py``
+count it from then on), and kept. A model whose only unit is the root sizes them by the root.
 """
 
 from __future__ import annotations

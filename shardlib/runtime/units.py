@@ -24,8 +24,9 @@ rank holds its chunk of the unit's parameters laid end to end. Around the unit's
 The collective buffers are persistent (``comm_buffers.py``): a gather packs this rank's chunk
 into its block of the one all-gather output buffer and gathers in place; a unit's gradients are
 laid into the one reduce-scatter input buffer, reduced in place (the output is this rank's chunk
-of it). Both are sized for the largest unit, allocated at their first use and kept, so steady
-steps allocate no flat buffers.
+of it). Both are sized for the largest unit other than the root (gathered and reduced once a step,
+into buffers of its own), allocated at their first use and kept, so steady steps allocate no flat
+buffers but the root's.
 
 Storage is freed with ``untyped_storage().resize_(0)`` and re-filled in place, so tensors that
 autograd saved in forward stay valid. The root unit (what no other unit holds: embeddings,
@@ -100,12 +101,13 @@ class UnitRunner:
         self.grad_live = self.grad_peak = 0     # bytes of gradient buffers (reduce-scatter in/out)
         self.total_peak = 0                     # most of both at once
         self.in_flight: list[Unit] = []         # units whose reduce-scatter is in flight, oldest first
-        # the persistent buffers (comm_buffers.py), at the largest unit's sizes
+        # the persistent buffers (comm_buffers.py), at the largest non-root unit's sizes
         n, device = engine.plan.data_size, engine.mesh.device
         canon = self.mesh.canonical_axes(self.axis)
         self.index = self.mesh.group_index(self.mesh.rank, canon) if n > 1 else 0   # this rank's block
-        self.gather_buffer = Buffer(max((n * (u.flat.ct + u.flat.cf) for u in self.all), default=0), self.cdt, device)
-        self.reduce_buffer = Buffer(max((n * u.flat.ct for u in self.all if u.flat.train), default=0), self.rdt, device)
+        sized = units or self.all
+        self.gather_buffer = Buffer(max((n * (u.flat.ct + u.flat.cf) for u in sized), default=0), self.cdt, device)
+        self.reduce_buffer = Buffer(max((n * u.flat.ct for u in sized if u.flat.train), default=0), self.rdt, device)
         self.events: list[str] = []             # this micro-step's G/W/F actions
         self.handles = []
         model = engine.model
