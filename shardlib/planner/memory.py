@@ -255,9 +255,11 @@ class MemoryAccounting:
         ``buffer`` is the largest non-root unit's output (``N`` chunks of ``ceil(T/N)`` elements per
         segment, ``flat.py``; the root's where it is the only unit), held from its first use on (the
         replay is a step after the first: it starts with the buffer held, where the step uses it); a
-        gather takes it (a gather started while it is lent, or of a larger unit — the root — takes
-        a buffer of its unit's size until its wait); a wait unpacks it into the parameters (both
-        held for a moment) and gives it back; a free releases the parameters. The
+        gather takes it (a gather started while it is lent takes a buffer of its unit's size until
+        its wait; a larger unit's — the root's — takes the idle buffer's place: it is freed, and
+        allocated again by the next gather that fits); a wait unpacks it into the parameters (both
+        held for a moment) and gives it back; a free releases the parameters. ``buffer``: the
+        bytes of it held between steps. The
         engine tracks the same quantity (``engine.peak_gathered_bytes``). Full-size gradients of a
         unit before its reduce-scatter are not counted (``peak_per_rank``). Zero when parameters are
         replicated."""
@@ -269,15 +271,17 @@ class MemoryAccounting:
         size = max((b for u, b in buf.items() if u != ""), default=buf.get("", 0))
         by_label = {(u.name or "<root>"): u.name for u in self.units}
         events = [(ev[0], by_label[ev[2:-1]]) for ev in self.gather_schedule()]
-        # the persistent buffer, once a step has used it, is held from the start of every later one
+        # the persistent buffer, where a step uses it, is held when the next one starts (steady state)
         held = any(op == "G" and buf[u] <= size for op, u in events)
         live = peak = size if held else 0
         holder = None                # the unit it is lent to
         for op, u in events:
             if op == "G":
                 if holder is None and buf[u] <= size:
-                    holder = u
+                    holder, live, held = u, live + (0 if held else size), True
                 else:
+                    if holder is None and held:          # a larger unit (the root) in the idle buffer's place
+                        live, held = live - size, False
                     live += buf[u]
             elif op == "W":
                 live += full[u]
@@ -289,7 +293,7 @@ class MemoryAccounting:
             else:
                 live -= full[u]
             peak = max(peak, live)
-        return {"gathered": peak, "buffer": size if held else 0}
+        return {"gathered": peak, "buffer": size if held else 0}     # "buffer": held between steps
 
     def zero_formula(self) -> dict[str, float]:
         """The ZeRO-paper terms for this plan, to compare with ``memory_per_rank``: parameters

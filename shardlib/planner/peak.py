@@ -21,7 +21,8 @@ gradient bucket, laid flat: ``planner/flat.py``):
     non-root unit's trainable segment, ``g``; reduced in place, its output a chunk of it:
     ``runtime/comm_buffers.py``) — a unit's gradients are laid into it as autograd makes them,
     after the previous unit's reduce-scatter is waited for — plus one fresh gradient (the largest
-    trainable parameter, ``c``); or, at the end, the root's own input where it is larger;
+    trainable parameter, ``c``); or, at the end, the root's own input where it is larger (in
+    the idle buffer's place: freed for it, allocated again by the next step's first block);
   - ZeRO-1/2: bucket ``b`` being packed — its local gradients (ZeRO-2; ZeRO-1 keeps them between
     steps: states) and its reduce-scatter input — while bucket ``b-1``'s is in flight (input and
     output), the largest over ``b``; ZeRO-1 also keeps every reduced chunk (the masters' gradients
@@ -29,8 +30,7 @@ gradient bucket, laid flat: ``planner/flat.py``):
   - DP: a parameter's fresh gradient before it is copied into its bucket (the largest
     parameter); with gradients reduced in another dtype, every bucket's reduced copy as well.
 * **update** — states at the update (``memory_per_rank(at="update")``) + the optimizer's
-  temporaries (+ ZeRO-3's two persistent collective buffers, ``comm_buffers``, held from the first
-  step on). Adam's per-tensor step (torch's default on the CPU) holds two fp32 temporaries the
+  temporaries (+ what ZeRO-3's persistent collective buffers hold between steps, ``comm_buffers``). Adam's per-tensor step (torch's default on the CPU) holds two fp32 temporaries the
   size of the tensor it updates (``sqrt`` of the second moment, then its quotient): twice the
   largest master piece. The multi-tensor (``foreach``) step, torch's default on GPUs, holds one
   per master at once: all master bytes.
@@ -145,9 +145,12 @@ def peak_per_rank(plan: Plan, rank: int | None = None, *, activation_bytes: int 
         # (runtime/comm_buffers.py); the root's own input, where larger, at the end of backward
         others = [rs_in[i] for i in range(len(groups)) if i != root]
         rs_buffer = max(others, default=rs_in[root] if root is not None else 0)
-        root_own = rs_in[root] if root is not None and rs_in[root] > rs_buffer else 0
-        reduce = kept + rs_buffer + max(fresh if others else 0, root_own)
-        buffers = rs_buffer + plan.transient_per_rank(rank)["buffer"]
+        blocks = rs_buffer + (fresh if others else 0)
+        if root is not None and rs_in[root] > rs_buffer:     # the root's own input, in the idle buffer's place
+            reduce, rs_held = kept + max(blocks, rs_in[root]), 0
+        else:
+            reduce, rs_held = kept + blocks, rs_buffer
+        buffers = rs_held + plan.transient_per_rank(rank)["buffer"]     # held between steps
     elif st.grads is not None:                         # ZeRO-1/2: buckets, one in flight while the next packs
         packing = [local[b] * (not st.keep_local_grads) + rs_in[b]
                    + (rs_in[b - 1] + rs_out[b - 1] if b else 0) for b in range(len(groups))]

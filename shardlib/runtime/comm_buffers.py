@@ -22,9 +22,12 @@ same reason (on a GPU the caching allocator does it for them). Here:
 (``runtime/units.py``: a prefetch starts after the previous wait; a unit's input is taken after
 the previous reduce-scatter is done). Where a schedule does (a pipeline stage's ``UNSHARD`` gathers
 all its units, then waits), the buffer is busy and the extra gather gets a buffer of its own size
-for the while — as before; so does a unit larger than the buffer (the root). Each buffer is
-allocated at its first use, at the plan's size (``Plan.transient_per_rank``, ``planner/peak.py``
-count it from then on), and kept. A model whose only unit is the root sizes them by the root.
+for the while — as before. A unit larger than the buffer (the root) gets one of its own size in
+the idle buffer's place: the buffer is freed first and allocated again at the next block's use
+(once a step), so the root's gather at the forward's start holds two of the root's size and no
+block's, and its reduce-scatter at the backward's end the root's input alone. Each buffer is
+allocated at its first use, at the plan's size (``Plan.transient_per_rank`` and
+``planner/peak.py`` replay it), and kept. A model whose only unit is the root sizes them by it.
 """
 
 from __future__ import annotations
@@ -44,12 +47,22 @@ class Buffer:
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
 
+    @property
+    def held(self) -> int:
+        """Bytes held now: its size while allocated, else 0."""
+        return self.nbytes if self.tensor is not None else 0
+
     def acquire(self, numel: int) -> tuple[torch.Tensor, int]:
-        """A 1-D tensor of ``numel`` elements, and the bytes newly held for it: the persistent
-        buffer's front (its size the first time, then 0), or a tensor of its own while the buffer
-        is lent (``numel`` elements' bytes, released with it)."""
+        """A 1-D tensor of ``numel`` elements, and the change in bytes held: the persistent buffer's
+        front (its size when it is allocated, then 0); a tensor of its own while the buffer is lent
+        (``numel`` elements' bytes, released with it); for a request larger than the buffer (the
+        root's), a tensor of its own in the idle buffer's place — the buffer is given back first and
+        allocated again at its next use, so the two are never held at once."""
         if self.busy or numel > self.numel:
-            return torch.empty(numel, dtype=self.dtype, device=self.device), numel * self.dtype.itemsize
+            delta = numel * self.dtype.itemsize
+            if not self.busy and self.tensor is not None:
+                self.tensor, delta = None, delta - self.nbytes
+            return torch.empty(numel, dtype=self.dtype, device=self.device), delta
         self.busy = True
         new = 0
         if self.tensor is None:
