@@ -2,6 +2,7 @@
 
     python benchmarks/bench_data_parallel.py              # N = 2 and 4, prints a Markdown table
     python benchmarks/bench_data_parallel.py --nprocs 2 --steps 20
+    python benchmarks/bench_data_parallel.py --model 69m --nprocs 2 --steps 10   # the 69M GPT of bench_memory.py
 
 For each N one ``sl.launch`` starts N gloo ranks. In them, for each pair, both approaches are
 built from the same seed, warmed up, then stepped alternately (A B, B A, A B, ...) on the same
@@ -15,10 +16,18 @@ peak resident memory is measured separately, each approach alone in a fresh worl
   on a 2-D ``(replicate, shard)`` device mesh)
 
 Reported: median step time (rank 0; with the 25th-75th percentiles), the ratio
-shardlib/torch, peak resident memory per rank (the most any rank reached; ~263 MB of it is
-``import torch`` and the process group),
-the bytes shardlib sent per step (counted) vs the ring minimum for the layout, and the largest
-loss difference between the two (same init, same data: they must train alike).
+shardlib/torch, the median CPU seconds of a step summed over the ranks (``time.process_time``, all
+threads: what a busy shared machine distorts least), peak resident memory per rank (the most any
+rank reached; ~263 MB of it is ``import torch`` and the process group), the bytes shardlib sent per
+step (counted) vs the ring minimum for the layout, and the largest loss difference between the two
+(same init, same data: they must train alike).
+
+**Peak memory** (each approach alone in a fresh world, as ``bench_memory.py`` measures it): the
+kernel's high-water mark ``VmHWM`` of each rank, reset (``/proc/self/clear_refs``) after a baseline
+taken once ``import torch``, the process group and a tiny model's warm-up steps through the same code
+have loaded what torch loads on first use; the table gives the worst rank's absolute peak, and its
+rise over the baseline against the plan's statement (``plan.peak_per_rank(activation_bytes=...)``,
+the shardlib form's plan for both sides).
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 
 import torch
@@ -39,17 +49,17 @@ import shardlib as sl
 from shardlib.models import GPT, GPTConfig, token_batch
 
 CFG = GPTConfig(vocab_size=512, seq_len=64, d_model=256, n_heads=4, n_layers=4)   # PLATFORM.md's model
+MODELS = {   # name: (config, global batch)
+    "small": (CFG, 8),
+    "69m": (GPTConfig(vocab_size=8192, seq_len=128, d_model=768, n_heads=12, n_layers=8), 4),   # bench_memory.py's
+}
+TINY = GPTConfig(vocab_size=256, seq_len=128, d_model=64, n_heads=4, n_layers=2)   # the memory baseline's warm-up
 PAIRS = [("DP", 0, "DDP"), ("ZeRO-2", 2, "FSDP2 reshard_after_forward=False"), ("ZeRO-3", 3, "FSDP2 fully_shard")]
 HSDP = ("HSDP 2x2", "hsdp", "FSDP2 HSDP (replicate 2 x shard 2)")
 
 
 def pairs(n: int) -> list[tuple]:
     return PAIRS + ([HSDP] if n == 4 else [])
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def release_memory() -> None:
@@ -60,8 +70,8 @@ def release_memory() -> None:
         pass
 
 
-def make_shardlib(mesh, zero):
-    model = GPT(CFG, seed=0)
+def make_shardlib(mesh, zero, cfg=CFG):
+    model = GPT(cfg, seed=0)
     if zero == "hsdp":            # the same world as a replica x data mesh: states sharded over data
         mesh, zero = sl.Mesh({"replica": 2, "data": mesh.size // 2}), 3
     plan = sl.plan(model, mesh, zero=zero)
@@ -73,11 +83,11 @@ def make_shardlib(mesh, zero):
     return step, plan
 
 
-def make_torch(kind):
+def make_torch(kind, cfg=CFG):
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
-    model = GPT(CFG, seed=0)
+    model = GPT(cfg, seed=0)
     if kind == 0:
         model = DistributedDataParallel(model)
     elif kind == "hsdp":
@@ -103,22 +113,84 @@ def make_torch(kind):
     return step
 
 
-def rss_main(n: int, zero: int, which: str, steps: int) -> int:
-    """In a fresh world: peak resident memory of one approach building and running ``steps`` steps."""
+def proc_status(key: str) -> int:
+    """A ``/proc/self/status`` size in bytes (``VmRSS``, ``VmHWM``)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {key}")
+
+
+class PeakRSS:
+    """The most resident memory since ``start()``: the kernel's VmHWM after resetting it, or a thread
+    sampling VmRSS every millisecond where the reset is not allowed (it can miss short peaks)."""
+
+    def __init__(self) -> None:
+        self.exact, self._peak, self._stop = True, 0, threading.Event()
+
+    def start(self) -> None:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            self.exact = False
+            self._peak = proc_status("VmRSS")
+            threading.Thread(target=self._sample, daemon=True).start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.001):
+            self._peak = max(self._peak, proc_status("VmRSS"))
+
+    def peak(self) -> int:
+        self._stop.set()
+        return proc_status("VmHWM") if self.exact else max(self._peak, proc_status("VmRSS"))
+
+
+def _make(mesh, zero, which: str, cfg):
+    if which == "shardlib":
+        return make_shardlib(mesh, zero, cfg)
+    return make_torch(zero, cfg), None
+
+
+def rss_main(n: int, zero: int, which: str, steps: int, model: str = "small") -> dict:
+    """In a fresh world: peak resident memory of one approach building and running ``steps`` steps
+    (absolute, and its rise over the baseline after a tiny warm-up), and the plan's statement."""
+    from shardlib.planner.peak import activation_bytes
+
     torch.set_num_threads(1)
+    cfg, batch = MODELS[model]
     mesh = sl.Mesh({"data": n})
-    batches = local_batches(mesh.rank, n, steps)
-    step = make_shardlib(mesh, zero)[0] if which == "shardlib" else make_torch(zero)
-    peak = rss_bytes()
+    warm, _ = _make(mesh, zero, which, TINY)      # what torch loads on first use, through the same code
+    for b in local_batches(mesh.rank, n, 2, TINY, batch):
+        warm(b)
+    del warm
+    gc.collect()
+    base = proc_status("VmRSS")
+    meter = PeakRSS()
+    meter.start()
+    batches = local_batches(mesh.rank, n, steps, cfg, batch)
+    step, plan = _make(mesh, zero, which, cfg)
     for b in batches:
         step(b)
-        peak = max(peak, rss_bytes())
-    return peak
+    peak = meter.peak()
+    del step
+    if plan is None:                # the torch side: the shardlib form's plan, for the same statement
+        with torch.device("meta"):
+            shapes = GPT(cfg, seed=None)
+        plan = sl.plan(shapes, sl.Mesh({"replica": 2, "data": n // 2}) if zero == "hsdp" else mesh,
+                       zero=3 if zero == "hsdp" else zero)
+    with torch.device("meta"):
+        shapes = GPT(cfg, seed=None)
+    act = activation_bytes(shapes, batches[0])
+    return {"peak": peak, "rise": peak - base, "exact": meter.exact,
+            "planned": plan.peak_per_rank(activation_bytes=act)["peak"]}
 
 
-def local_batches(rank: int, n: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    local = CFG_BATCH // n
-    return [tuple(t[rank * local:(rank + 1) * local] for t in token_batch(CFG, CFG_BATCH, s)) for s in range(count)]
+def local_batches(rank: int, n: int, count: int, cfg: GPTConfig = CFG, batch: int | None = None):
+    batch = CFG_BATCH if batch is None else batch
+    local = batch // n
+    return [tuple(t[rank * local:(rank + 1) * local] for t in token_batch(cfg, batch, s)) for s in range(count)]
 
 
 def timed_pair(make_a, make_b, batches, warmup: int, steps: int) -> dict:
@@ -130,38 +202,46 @@ def timed_pair(make_a, make_b, batches, warmup: int, steps: int) -> dict:
         step_a(b)
         step_b(b)
     times = {"a": [], "b": []}
+    cpu = {"a": [], "b": []}
     losses = {"a": [], "b": []}
     sent = None
     for i, b in enumerate(batches[warmup:warmup + steps]):
         order = (("a", step_a), ("b", step_b)) if i % 2 == 0 else (("b", step_b), ("a", step_a))
         for key, step in order:
             dist.barrier()
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             if key == "a" and sent is None:
                 with sl.count_collectives() as c:
                     loss = step(b)
                 sent = c.bytes
             else:
                 loss = step(b)
+                if isinstance(loss, torch.Tensor):
+                    loss = loss.item()      # (torch's step returns the loss tensor: its value, inside the timing)
             times[key].append(time.perf_counter() - t0)
+            cpu[key].append(time.process_time() - c0)
             losses[key].append(float(loss))
-    return {"times": times, "losses": losses, "bytes": sent, "planned": plan.comm_bytes_per_step(),
+    return {"times": times, "cpu": cpu, "losses": losses, "bytes": sent, "planned": plan.comm_bytes_per_step(),
             "ring_min": plan.ring_minimum()}
 
 
-def rank_main(n: int, warmup: int, steps: int) -> list[dict]:
+def rank_main(n: int, warmup: int, steps: int, model: str = "small", forms: list[str] | None = None) -> list[dict]:
     torch.set_num_threads(1)
+    cfg, batch = MODELS[model]
     mesh = sl.Mesh({"data": n})
-    batches = local_batches(mesh.rank, n, warmup + steps)
+    batches = local_batches(mesh.rank, n, warmup + steps, cfg, batch)
     out = []
     for label, zero, torch_name in pairs(n):
-        res = timed_pair(lambda zero=zero: make_shardlib(mesh, zero), lambda zero=zero: (make_torch(zero),),
+        if forms and label not in forms:
+            continue
+        res = timed_pair(lambda zero=zero: make_shardlib(mesh, zero, cfg), lambda zero=zero: (make_torch(zero, cfg),),
                          batches, warmup, steps)
         # torch's losses are per rank; average them to the global batch loss shardlib returns
         tl = torch.tensor(res["losses"]["b"])
         dist.all_reduce(tl)
-        out.append({"form": label, "torch": torch_name,
+        out.append({"form": label, "zero": zero, "torch": torch_name,
                     "sl_times": res["times"]["a"], "torch_times": res["times"]["b"],
+                    "sl_cpu": res["cpu"]["a"], "torch_cpu": res["cpu"]["b"],
                     "bytes": res["bytes"], "planned": res["planned"], "ring_min": res["ring_min"],
                     "dloss": max(abs(x - y) for x, y in zip(res["losses"]["a"], (tl / n).tolist()))})
         release_memory()
@@ -171,34 +251,46 @@ def rank_main(n: int, warmup: int, steps: int) -> list[dict]:
 CFG_BATCH = 8
 
 
-def summarize(n: int, per_rank: list[list[dict]], rss: dict[tuple[int, str], int]) -> list[dict]:
+def summarize(n: int, per_rank: list[list[dict]], rss: dict[tuple[int, str], dict]) -> list[dict]:
     rows = []
     for i, r0 in enumerate(per_rank[0]):
         sl_t, th_t = r0["sl_times"], r0["torch_times"]
         q = lambda xs: statistics.quantiles(xs, n=4)  # noqa: E731
+        # CPU seconds of each step summed over the ranks, then the median over steps
+        sl_c = [sum(r[i]["sl_cpu"][k] for r in per_rank) for k in range(len(sl_t))]
+        th_c = [sum(r[i]["torch_cpu"][k] for r in per_rank) for k in range(len(th_t))]
+        mem_sl, mem_th = rss[(r0["zero"], "shardlib")], rss[(r0["zero"], "torch")]
         rows.append({
             "N": n, "form": r0["form"], "torch": r0["torch"],
             "sl_ms": 1e3 * statistics.median(sl_t), "torch_ms": 1e3 * statistics.median(th_t),
             "sl_iqr": [1e3 * x for x in (q(sl_t)[0], q(sl_t)[2])],
             "torch_iqr": [1e3 * x for x in (q(th_t)[0], q(th_t)[2])],
             "ratio": statistics.median(sl_t) / statistics.median(th_t),
-            "sl_rss_mb": rss[(pairs(n)[i][1], "shardlib")] / 2**20,
-            "torch_rss_mb": rss[(pairs(n)[i][1], "torch")] / 2**20,
+            "sl_cpu_s": statistics.median(sl_c), "torch_cpu_s": statistics.median(th_c),
+            "cpu_ratio": statistics.median(sl_c) / statistics.median(th_c),
+            "sl_rss_mb": mem_sl["peak"] / 2**20, "torch_rss_mb": mem_th["peak"] / 2**20,
+            "sl_rise_mb": mem_sl["rise"] / 2**20, "torch_rise_mb": mem_th["rise"] / 2**20,
+            "planned_peak_mb": mem_sl["planned"] / 2**20, "rss_exact": mem_sl["exact"] and mem_th["exact"],
             "bytes": r0["bytes"], "planned": r0["planned"], "ring_min": r0["ring_min"],
             "dloss": max(r[i]["dloss"] for r in per_rank)})
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| N | shardlib | torch | shardlib ms (p25-p75) | torch ms (p25-p75) | ratio | peak RSS/rank MB "
-            "shardlib / torch | shardlib bytes/step (counted = planned) | ring minimum (params+grads) | max Δloss |\n"
-            "|---|---|---|---|---|---|---|---|---|---|")
+    head = ("| N | shardlib | torch | shardlib ms (p25-p75) | torch ms (p25-p75) | ratio | CPU s/step, all ranks "
+            "shardlib / torch (ratio) | peak RSS/rank MiB shardlib / torch | rise over baseline MiB shardlib / torch "
+            "/ planned peak (shardlib / planned) | shardlib bytes/step (counted = planned) | ring minimum "
+            "(params+grads) | max Δloss |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
         lines.append(
             f"| {r['N']} | {r['form']} | {r['torch']} | {r['sl_ms']:.1f} ({r['sl_iqr'][0]:.0f}-{r['sl_iqr'][1]:.0f}) | "
             f"{r['torch_ms']:.1f} ({r['torch_iqr'][0]:.0f}-{r['torch_iqr'][1]:.0f}) | **{r['ratio']:.2f}** | "
+            f"{r['sl_cpu_s']:.2f} / {r['torch_cpu_s']:.2f} (**{r['cpu_ratio']:.2f}**) | "
             f"{r['sl_rss_mb']:.0f} / {r['torch_rss_mb']:.0f} | "
+            f"{r['sl_rise_mb']:.0f} / {r['torch_rise_mb']:.0f} / {r['planned_peak_mb']:.0f} "
+            f"(**{r['sl_rise_mb'] / r['planned_peak_mb']:.2f}**) | "
             f"{sl.format_bytes(r['bytes'])} ({'=' if r['bytes'] == r['planned'] else '≠'}) | "
             f"{sl.format_bytes(r['ring_min'])} | {r['dloss']:.1e} |")
     return "\n".join(lines)
@@ -210,19 +302,37 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=20, help="timed steps per approach")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--json", default=None, help="also write the rows to this file")
+    ap.add_argument("--model", choices=sorted(MODELS), default="small",
+                    help="small: PLATFORM.md's 4-layer GPT; 69m: bench_memory.py's GPT (d_model 768, 8 layers)")
+    ap.add_argument("--forms", nargs="*", default=None, help="a subset of the rows (DP, ZeRO-2, ZeRO-3, 'HSDP 2x2')")
+    ap.add_argument("--rss-steps", type=int, default=None, help="steps in each peak-memory world (default warmup + 2)")
     args = ap.parse_args(argv)
+    cfg, batch = MODELS[args.model]
     rows = []
+    loads = [os.getloadavg()]
     for n in args.nprocs:
         t0 = time.time()
-        print(f"N={n}: running {len(pairs(n))} pairs ...", file=sys.stderr, flush=True)
-        timed = sl.launch(rank_main, n, n, args.warmup, args.steps, threads=1)
-        rss = {(zero, which): max(sl.launch(rss_main, n, n, zero, which, args.warmup + 2, threads=1))
-               for _, zero, _ in pairs(n) for which in ("shardlib", "torch")}
+        chosen = [p for p in pairs(n) if not args.forms or p[0] in args.forms]
+        print(f"N={n}: running {len(chosen)} pairs ...", file=sys.stderr, flush=True)
+        timed = sl.launch(rank_main, n, n, args.warmup, args.steps, args.model, args.forms, threads=1)
+        loads.append(os.getloadavg())
+        rss_steps = args.rss_steps or args.warmup + 2
+        rss = {}
+        for _, zero, _ in chosen:
+            for which in ("shardlib", "torch"):
+                per_rank = sl.launch(rss_main, n, n, zero, which, rss_steps, args.model, threads=1)
+                rss[(zero, which)] = max(per_rank, key=lambda r: r["peak"])
+                loads.append(os.getloadavg())
         rows += summarize(n, timed, rss)
         print(f"N={n}: done in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
-    print(f"\nGPT {CFG.n_layers} layers, d_model {CFG.d_model}, vocab {CFG.vocab_size}, seq {CFG.seq_len}, "
-          f"global batch {CFG_BATCH}, fp32 AdamW; torch {torch.__version__}, gloo, 1 thread per rank, "
-          f"{os.cpu_count()} cores; median of {args.steps} steps each\n")
+    psi = sum(p.numel() for p in GPT(cfg, seed=0).parameters())
+    print(f"\nGPT {psi / 1e6:.0f}M parameters ({cfg.n_layers} layers, d_model {cfg.d_model}, vocab {cfg.vocab_size}, "
+          f"seq {cfg.seq_len}), global batch {batch}, fp32 AdamW; torch {torch.__version__}, gloo, 1 thread per rank, "
+          f"{os.cpu_count()} cores; median of {args.steps} steps each; load average (1 min) during the run "
+          f"{min(x[0] for x in loads):.1f}-{max(x[0] for x in loads):.1f}; glibc mmap threshold "
+          f"{os.environ.get('SHARDLIB_MMAP_THRESHOLD', 'default')} (SHARDLIB_MMAP_THRESHOLD); peak memory "
+          f"{'VmHWM (exact)' if all(r['rss_exact'] for r in rows) else 'sampled VmRSS'}, "
+          f"{args.rss_steps or args.warmup + 2} steps in a fresh world per approach\n")
     print(table(rows))
     if args.json:
         with open(args.json, "w") as f:
