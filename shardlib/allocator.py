@@ -31,12 +31,17 @@ def set_mmap_threshold(threshold: int | None = None) -> int | None:
     Blocks of at least ``t`` are then mapped and unmapped each time (page faults: a cost in step
     time, measured by ``benchmarks/bench_memory.py``).
 
-    The default, 4 MiB, maps the large blocks whose churn fragments the heap (parameters, flat
-    gather and reduce-scatter buffers, gradients of big layers) and leaves small activations on
-    the heap: measured on that GPT (``bench_memory.py``), ZeRO-3's rise is 833 MB at 4 MiB
-    (0.96x the planned peak) against 1137 MB with glibc's default (1.31x); a 64 KiB threshold
-    saves little more memory and, mapping every activation, costs up to ~45% step time on small
-    models (``bench_data_parallel.py``: DP at data 2, 185 vs 127 ms/step).
+    The default, 4 MiB, maps the large blocks whose churn fragments the heap (gradients of big
+    layers as autograd produces them, logits, optimizer temporaries) and leaves small activations
+    on the heap. ZeRO-3's gather and reduce-scatter buffers are persistent now
+    (``runtime/comm_buffers.py``), yet the knob still holds the peak: measured again on that GPT at
+    data 2 (``benchmarks/results/data_axis_69m-2026-11-26.md``), every form's rise is 0.97-1.02x
+    the planned peak with it and 1.23-1.37x without; its cost in step time is within this
+    machine's run-to-run noise (medians about +12% CPU, the page faults it adds at most ~3%;
+    8/16 MiB thresholds, transparent huge pages and a raised trim threshold bought nothing
+    measurable). A 64 KiB threshold saves little more memory and, mapping every activation, costs
+    up to ~45% step time on small models (``bench_data_parallel.py``: DP at data 2, 185 vs 127
+    ms/step).
 
     ``threshold``: bytes (default ``SHARDLIB_MMAP_THRESHOLD`` from the environment, else
     ``MMAP_THRESHOLD`` = 4 MiB); 0 leaves the allocator alone. Nothing is changed where glibc's
