@@ -24,9 +24,10 @@ gradient bucket, laid flat: ``planner/flat.py``):
     trainable parameter, ``c``); or, at the end, the root's own input where it is larger (in
     the idle buffer's place: freed for it, allocated again by the next step's first block);
   - ZeRO-1/2: bucket ``b`` being packed — its local gradients (ZeRO-2; ZeRO-1 keeps them between
-    steps: states) and its reduce-scatter input — while bucket ``b-1``'s is in flight (input and
-    output), the largest over ``b``; ZeRO-1 also keeps every reduced chunk (the masters' gradients
-    at the update), ZeRO-2 copies them into its gradient shards;
+    steps: states) and its reduce-scatter input — while bucket ``b-1``'s is in flight (its input;
+    ZeRO-1's output too: ZeRO-2 reduces in place, into its chunk of the input), the largest over
+    ``b``; ZeRO-1 also keeps every reduced chunk (the masters' gradients at the update), ZeRO-2
+    copies them into its gradient shards;
   - DP: a parameter's fresh gradient before it is copied into its bucket (the largest
     parameter); with gradients reduced in another dtype, every bucket's reduced copy as well.
 * **update** — states at the update (``memory_per_rank(at="update")``) + the optimizer's
@@ -152,8 +153,9 @@ def peak_per_rank(plan: Plan, rank: int | None = None, *, activation_bytes: int 
             reduce, rs_held = kept + blocks, rs_buffer
         buffers = rs_held + plan.transient_per_rank(rank)["buffer"]     # held between steps
     elif st.grads is not None:                         # ZeRO-1/2: buckets, one in flight while the next packs
+        # ZeRO-2 (local gradients freed) reduces in place, into its chunk of the input
         packing = [local[b] * (not st.keep_local_grads) + rs_in[b]
-                   + (rs_in[b - 1] + rs_out[b - 1] if b else 0) for b in range(len(groups))]
+                   + (rs_in[b - 1] + rs_out[b - 1] * st.keep_local_grads if b else 0) for b in range(len(groups))]
         reduce = max(packing, default=0) + (sum(rs_out) if st.keep_local_grads else 0)
     else:                                              # replicated: copied into bucket views
         reduce = max((p.numel for p in plan.params if p.trainable), default=0) * c

@@ -17,6 +17,9 @@ collectives in the same order even if gradients become ready in a different orde
   copied in. Launching a bucket's reduce-scatter first waits for the one launched
   ``MAX_IN_FLIGHT`` buckets before it, which frees that one's input (its output, this rank's
   chunk, is kept): the inputs do not pile up to a whole model's gradients over the backward.
+  ZeRO-2 reduces in place, into its own chunk of the input, and copies that chunk into the
+  gradient shards when it waits; ZeRO-1 keeps the chunks (views of them are its gradients until
+  the update), so its output is a chunk of its own.
 * optimizer state sharded (ZeRO-1/2): after the update, ``publish`` all-gathers each bucket's
   updated pieces into the full compute-dtype parameters.
 """
@@ -167,8 +170,19 @@ class GradBuckets:
                     s.param.grad = None       # ZeRO-2: the full local gradient is not kept
             for older in range(max(0, b - MAX_IN_FLIGHT), b):
                 self._wait(older)                 # frees its input
-            self.pending[b] = comm.reduce_scatter(flat, self.mesh, self.axis, async_op=True)
+            # ZeRO-2 copies the reduced chunk into the gradient shards when it waits: reduce in place,
+            # into this rank's chunk of the packed input (on gloo the all-reduce its reduce-scatter
+            # would run on a clone of the input, without the clone and the chunk's copy)
+            self.pending[b] = comm.reduce_scatter(flat, self.mesh, self.axis, async_op=True,
+                                                  out=self._own_chunk(flat) if self.into_shards else None)
             del flat
+
+    def _own_chunk(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's chunk of a packed reduce-scatter input (its segment is split evenly over ``data``)."""
+        axes = self.mesh.canonical_axes(self.axis)
+        c = flat.numel() // comm.group_size(self.mesh, axes)
+        i = self.mesh.group_index(self.mesh.rank, axes)
+        return flat[i * c:(i + 1) * c]
 
     def finish(self) -> list[list[torch.Tensor]]:
         """Launch what is left (unused parameters), wait for all; the reduced gradient of each
