@@ -39,21 +39,21 @@ import json
 import os
 import statistics
 import sys
-import threading
 import time
 
 import torch
 import torch.distributed as dist
 
 import shardlib as sl
+from bench_memory import CFG as MEMORY_CFG
+from bench_memory import TINY, PeakRSS, proc_status   # benchmarks/ is on the path when run as a script
 from shardlib.models import GPT, GPTConfig, token_batch
 
 CFG = GPTConfig(vocab_size=512, seq_len=64, d_model=256, n_heads=4, n_layers=4)   # PLATFORM.md's model
 MODELS = {   # name: (config, global batch)
     "small": (CFG, 8),
-    "69m": (GPTConfig(vocab_size=8192, seq_len=128, d_model=768, n_heads=12, n_layers=8), 4),   # bench_memory.py's
+    "69m": (MEMORY_CFG, 4),   # bench_memory.py's GPT
 }
-TINY = GPTConfig(vocab_size=256, seq_len=128, d_model=64, n_heads=4, n_layers=2)   # the memory baseline's warm-up
 PAIRS = [("DP", 0, "DDP"), ("ZeRO-2", 2, "FSDP2 reshard_after_forward=False"), ("ZeRO-3", 3, "FSDP2 fully_shard")]
 HSDP = ("HSDP 2x2", "hsdp", "FSDP2 HSDP (replicate 2 x shard 2)")
 
@@ -113,40 +113,6 @@ def make_torch(kind, cfg=CFG):
     return step
 
 
-def proc_status(key: str) -> int:
-    """A ``/proc/self/status`` size in bytes (``VmRSS``, ``VmHWM``)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {key}")
-
-
-class PeakRSS:
-    """The most resident memory since ``start()``: the kernel's VmHWM after resetting it, or a thread
-    sampling VmRSS every millisecond where the reset is not allowed (it can miss short peaks)."""
-
-    def __init__(self) -> None:
-        self.exact, self._peak, self._stop = True, 0, threading.Event()
-
-    def start(self) -> None:
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-        except OSError:
-            self.exact = False
-            self._peak = proc_status("VmRSS")
-            threading.Thread(target=self._sample, daemon=True).start()
-
-    def _sample(self) -> None:
-        while not self._stop.wait(0.001):
-            self._peak = max(self._peak, proc_status("VmRSS"))
-
-    def peak(self) -> int:
-        self._stop.set()
-        return proc_status("VmHWM") if self.exact else max(self._peak, proc_status("VmRSS"))
-
-
 def _make(mesh, zero, which: str, cfg):
     if which == "shardlib":
         return make_shardlib(mesh, zero, cfg)
@@ -174,6 +140,7 @@ def rss_main(n: int, zero: int, which: str, steps: int, model: str = "small") ->
     for b in batches:
         step(b)
     peak = meter.peak()
+    meter.stop()
     del step
     if plan is None:                # the torch side: the shardlib form's plan, for the same statement
         with torch.device("meta"):
