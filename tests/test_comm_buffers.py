@@ -1,5 +1,6 @@
 """ZeRO-3's persistent collective buffers (``runtime/comm_buffers.py``) and the in-place collectives
-they use (``comm.all_gather(out=)``, ``comm.reduce_scatter(out=)``), on real gloo ranks.
+they use (``comm.all_gather(out=)``, ``comm.reduce_scatter(out=)``), and ZeRO-2's bucket
+reduce-scatter in place, on real gloo ranks.
 
 References are plain torch ops on the full tensors (same seed on every rank)."""
 
@@ -128,3 +129,42 @@ def test_zero3_steps_reuse_the_same_two_buffers(world):
                 assert len(set(r["ptrs"])) == 1 and r["sizes"] == r["held"], (kw, r)
             else:
                 assert r["sizes"] == (r["block"], r["block"]) and r["held"] == (r["block"], 0), r
+
+
+def _bucket_outputs(zero: int) -> dict:
+    """Every reduce-scatter a ZeRO-1/2 step's buckets run: whether its output is this rank's chunk of
+    its input (in place), and the loss of each step."""
+    from shardlib.models import GPT, GPTConfig, token_batch
+    from shardlib.runtime import buckets
+    from shardlib.testing import get_mesh
+    cfg = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2)
+    mesh = get_mesh({"data": 2})
+    model = GPT(cfg, seed=0)
+    engine = sl.parallelize(model, sl.plan(model, mesh, zero=zero, bucket_mb=0.01),
+                            optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    seen, real = [], buckets.comm.reduce_scatter
+
+    def spy(x, mesh_, axes, **kw):
+        out = kw.get("out")
+        own = x.numel() // 2 * mesh_.group_index(mesh_.rank, mesh_.canonical_axes(axes))
+        seen.append(out is not None and out.data_ptr() == x.data_ptr() + own * x.element_size())
+        return real(x, mesh_, axes, **kw)
+
+    buckets.comm.reduce_scatter = spy
+    try:
+        losses = [engine.step(token_batch(cfg, 4, s)) for s in range(2)]
+    finally:
+        buckets.comm.reduce_scatter = real
+    return {"in_place": seen, "losses": losses}
+
+
+def test_zero2_buckets_reduce_scatter_in_place_zero1_apart(world):
+    """ZeRO-2 reduce-scatters each bucket into this rank's chunk of the packed input (copied into the
+    gradient shards when waited for); ZeRO-1, whose gradients are views of the chunks until the
+    update, gets chunks of their own. Both train alike (the same update from the same sums)."""
+    two = world(2, _bucket_outputs, 2)
+    one = world(2, _bucket_outputs, 1)
+    for r2, r1 in zip(two, one):
+        assert len(r2["in_place"]) >= 4 and all(r2["in_place"]), r2       # several buckets, every step
+        assert len(r1["in_place"]) == len(r2["in_place"]) and not any(r1["in_place"]), r1
+        assert r2["losses"] == r1["losses"]
