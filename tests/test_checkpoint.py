@@ -10,15 +10,16 @@ a step LR schedule, so optimizer moments, step counts and the scheduler must all
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
-import shutil
 import signal
 from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 
 import shardlib as sl
 from shardlib.algebra.boxes import overlap, range_boxes
@@ -142,7 +143,28 @@ def test_bad_checkpoints_are_named(world, tmp_path):
     data.write_bytes(raw[:-1] + bytes([raw[-1] ^ 0xFF]))
     assert f"{data.name} is corrupt" in world(2, _errors, good, str(tmp_path / "plain"))[0]["good"]
     data.write_bytes(raw)
-    (Path(good) / "manifest.json").unlink()
+    # the files' hashes are XXH3-128 of their bytes, computed here apart from the library
+    mpath = Path(good) / "manifest.json"
+    manifest = json.loads(mpath.read_text())
+    assert manifest["hash"] == "xxh3_128"
+    files = sorted(p for p in Path(good).iterdir() if p.name != "manifest.json")
+    assert sorted(manifest["files"]) == [p.name for p in files]
+    assert all(manifest["files"][p.name] == xxhash.xxh3_128(p.read_bytes()).hexdigest() for p in files)
+    # a checkpoint written before (no "hash": SHA-256 of every file) loads, and its corruption is named
+    old = {k: v for k, v in manifest.items() if k != "hash"}
+    old["files"] = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+    mpath.write_text(json.dumps(old))
+    data.write_bytes(raw[:-1] + bytes([raw[-1] ^ 0xFF]))
+    mpath.write_text(json.dumps({**old, "hash": "md5"}))
+    out = [world(2, _errors, good, str(tmp_path / "plain"))[0]["good"]]
+    mpath.write_text(json.dumps(old))
+    out += [world(2, _errors, good, str(tmp_path / "plain"))[0]["good"]]
+    data.write_bytes(raw)
+    out += [world(2, _errors, good, str(tmp_path / "plain"))[0]["good"]]
+    assert "the manifest names hash 'md5' — this shardlib checks xxh3_128, sha256" in out[0]
+    assert f"{data.name} is corrupt (its sha256 hash differs" in out[1]
+    assert out[2] == "ok"
+    mpath.unlink()
     assert "no manifest.json" in world(2, _errors, good, str(tmp_path / "plain"))[0]["good"]
 
 
@@ -199,9 +221,8 @@ def test_loss_scale_and_rng_come_back(world, tmp_path):
 
 
 def test_metadata_that_asks_for_code_is_never_unpickled(tmp_path):
-    """DCP pickles ``.metadata``; a tampered one (its SHA-256 put in the manifest too) that would run
+    """DCP pickles ``.metadata``; a tampered one (its hash put in the manifest too) that would run
     code when unpickled is refused by name, and the code does not run."""
-    import hashlib
     import pickle
 
     folder = tmp_path / "ck"
@@ -215,7 +236,7 @@ def test_metadata_that_asks_for_code_is_never_unpickled(tmp_path):
     meta = folder / ".metadata"
     meta.write_bytes(pickle.dumps(Evil()))
     manifest = json.loads((folder / "manifest.json").read_text())
-    manifest["files"][".metadata"] = hashlib.sha256(meta.read_bytes()).hexdigest()
+    manifest["files"][".metadata"] = xxhash.xxh3_128(meta.read_bytes()).hexdigest()
     (folder / "manifest.json").write_text(json.dumps(manifest))
     engine = build({"data": 1}, {})
     with pytest.raises(CheckpointError, match="refusing to unpickle"):

@@ -8,7 +8,7 @@ counts), the buffers, and every rank's RNG states (torch CPU, CUDA where there i
 torch versions, the mesh and a plan summary, the model's parameters and shapes, every saved
 tensor's shape by its name, the optimizer's class and hyper-parameters, the LR scheduler's
 state, the fp16 loss scale, the step, the samples consumed, the caller's ``extra`` (e.g. a data
-loader's position) and a SHA-256 of every file.
+loader's position) and a hash of every file (XXH3-128; SHA-256 without ``xxhash``).
 
 **Any mesh.** A rank's piece of a tensor is a flat range of its tensor-parallel block, and the block
 a box of the global tensor; ``algebra/boxes.py`` turns it into a few boxes in global coordinates,
@@ -25,7 +25,7 @@ manifest: weights, optimizer state and step count from it; RNG and schedule the 
 **Nothing lost.** A save writes into a temporary folder beside ``path`` and moves it into place only
 after every rank has written and the manifest is complete; a process killed at any point leaves the
 previous checkpoint at ``path`` (``save_step``/``latest`` keep a series, the pointer replaced
-atomically). ``load`` checks the manifest and the files' SHA-256 before DCP reads anything (DCP
+atomically). ``load`` checks the manifest and the files' hashes before DCP reads anything (DCP
 unpickles its own ``.metadata``: only a file whose hash the manifest vouches for is read), and
 refuses a checkpoint of another model naming every missing or mis-shaped parameter.
 
@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint_files import (FORMAT, LATEST, MANIFEST, VERSION, CheckpointError, _dcp_error, _fsync_dir, _install,
-                               _sha, _why, _writable, hashing_writer, params_problems,
+                               _why, default_hash, file_hash, _writable, hashing_writer, params_problems,
                                read_manifest, resolve, safe_reader)
 from .checkpoint_files import clean_partial as clean_partial, latest as latest   # the series' users import them here
 from .checkpoint_pieces import _block, _param_of, _Piece, _pieces, _quantized_names
@@ -124,12 +124,10 @@ def save(engine: Engine, path: str | os.PathLike, *, extra: dict | None = None, 
     if not isinstance(frozen, bool):
         raise CheckpointError(f"save: frozen must be True or False — got {frozen!r}; expected True (write the frozen "
                               "parameters too) or False (leave them out).")
-    token = _one(engine, uuid.uuid4().hex[:12])
+    # rank 0's temporary name, hash and verdict on the folder, on every rank (one broadcast)
+    token, algo, problem = _one(engine, (uuid.uuid4().hex[:12], default_hash(),
+                                         _writable(path.parent) if engine.mesh.rank == 0 else None))
     tmp = path.parent / f".{path.name}.tmp-{token}"
-    problem = None
-    if engine.mesh.rank == 0:
-        problem = _writable(path.parent)
-    problem = _one(engine, problem)
     if problem:
         raise CheckpointError(problem)
     if rank_zero(engine):           # a save killed earlier left its temporary folder: clear it
@@ -137,27 +135,29 @@ def save(engine: Engine, path: str | os.PathLike, *, extra: dict | None = None, 
             shutil.rmtree(stale, ignore_errors=True)
     planner = _save_planner(engine, frozen)
     rank = engine.mesh.rank
-    failed = None
+    failed, hashes = None, {}
     try:
-        writer = hashing_writer(tmp)
+        writer = hashing_writer(tmp, algo)
         with _no_zip_crc():
             dcp.save({}, storage_writer=writer, planner=planner, no_dist=_world(engine) == 1)
+        hashes = writer.hashes()                    # hashed as written (DCP fsynced the files)
     except (Exception, _dcp_error()) as e:      # DCP raises on every rank when any rank's write failed
         failed = _why(e)
-    failed = [f for f in _gather(engine, failed) if f]
+    got = _gather(engine, (failed, hashes))         # one exchange: every rank's failure and hashes
+    failed = [f for f, _ in got if f]
     if failed:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"save: writing {path} failed — {failed[0]}. The previous checkpoint (if any) "
                               "is untouched. Free disk space or fix the permissions, then save again.")
-    hashes = _gather(engine, writer.hashes())         # hashed as written (DCP fsynced the files)
     if rank == 0:
-        files = {k: v for h in hashes for k, v in h.items()}
+        files = {k: v for _, h in got for k, v in h.items()}
         for f in tmp.iterdir():
             if f.name not in files:
-                files[f.name] = _sha(f)
+                files[f.name] = file_hash(f, algo)
         merged = {k: list(m.size) for k, m in planner.metadata.state_dict_metadata.items() if hasattr(m, "size")}
         manifest = _manifest(engine, merged, files, extra, frozen)
+        manifest["hash"] = algo
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         _fsync_dir(tmp, (MANIFEST,))
         _install(tmp, path)
@@ -169,7 +169,7 @@ def save(engine: Engine, path: str | os.PathLike, *, extra: dict | None = None, 
 @contextmanager
 def _no_zip_crc():
     """``torch.save`` without its zip records' CRC-32 (nothing reading a checkpoint checks it —
-    ``torch.load`` does not; the manifest's SHA-256 of every file does): a third of what hashing the
+    ``torch.load`` does not; the manifest's hash of every file does): a third of what hashing the
     files costs, saved."""
     from torch import serialization as ser
 
@@ -256,9 +256,11 @@ def save_step(engine: Engine, folder: str | os.PathLike, step: int, *, extra: di
 # ---- load ---------------------------------------------------------------------------------------
 
 def check_files(engine: Engine, path: Path, manifest: dict) -> None:
-    """Every file the manifest names is there, whole (SHA-256), checked over the ranks (rank r hashes
-    files r, r + world, ...); and no data file it does not name."""
+    """Every file the manifest names is there, whole (its hash: the manifest's ``hash``, SHA-256 where it
+    names none), checked over the ranks (rank r hashes files r, r + world, ...); and no data file it does
+    not name."""
     names = sorted(manifest["files"])
+    algo = manifest.get("hash", "sha256")
     bad = []
     for i, name in enumerate(names):
         if i % _world(engine) != engine.mesh.rank:
@@ -266,8 +268,8 @@ def check_files(engine: Engine, path: Path, manifest: dict) -> None:
         f = path / name
         if not f.is_file():
             bad.append(f"{name} is missing")
-        elif _sha(f) != manifest["files"][name]:
-            bad.append(f"{name} is corrupt (its SHA-256 differs from the manifest's)")
+        elif file_hash(f, algo) != manifest["files"][name]:
+            bad.append(f"{name} is corrupt (its {algo} hash differs from the manifest's)")
     if engine.mesh.rank == 0:
         extra = sorted(f.name for f in path.glob("*.distcp") if f.name not in manifest["files"])
         bad += [f"{n} is not part of the checkpoint" for n in extra[:5]]
