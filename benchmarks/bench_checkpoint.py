@@ -11,7 +11,7 @@ Configs (one ``sl.launch`` world each, 1 thread per rank):
   the torch side: FSDP2 over the 4 ranks.
 
 Both sides hold fp32 AdamW state after one step. shardlib: ``engine.save(dir)`` (DCP underneath, plus its
-manifest with SHA-256 of every file, moved into place when complete) and ``engine.load(dir)`` (the files
+manifest with a hash (XXH3-128) of every file, moved into place when complete) and ``engine.load(dir)`` (the files
 checked, then DCP). torch: ``get_state_dict(model, optimizer)`` -> ``dcp.save`` and ``dcp.load`` ->
 ``set_state_dict`` (torch's recommended FSDP2 path). Each is repeated, alternating the sides; medians of the
 slowest rank's wall clock, and of the CPU seconds all ranks spent (process time: what other tenants of a
