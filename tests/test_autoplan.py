@@ -62,10 +62,16 @@ def test_every_plan_returned_plans():
             assert c["exact"] and c["fits"] and c["step_ms"] > 0
 
 
-def _train(overrides: list[str]) -> list[float]:
+def _composed(overrides: list[str]) -> dict:
+    """The config a plan's overrides give, composed once here (as the main job's parent does), not in
+    every rank."""
+    return check_overrides(overrides + ["data.megabytes=0.2"])
+
+
+def _train(cfg: dict) -> list[float]:
     from shardlib.frontend.run import Trainer
     from shardlib.testing import get_mesh
-    run = run_config(check_overrides(overrides + ["data.megabytes=0.2"]))
+    run = run_config(cfg)
     trainer = Trainer(run, get_mesh(run.mesh.shape))
     return [trainer.step(i, record=False)["loss"] for i in range(2)]
 
@@ -73,7 +79,7 @@ def _train(overrides: list[str]) -> list[float]:
 def test_the_plans_run(world):
     for devices, mesh in ((4, "dp4"), (8, "2x2x2")):
         for c in sl.autoplan(model="tiny", mesh=mesh, devices=devices, top=1)["candidates"]:
-            losses = world(devices, _train, c["overrides"])
+            losses = world(devices, _train, _composed(c["overrides"]))
             assert all(r == losses[0] for r in losses) and all(torch.isfinite(torch.tensor(r)).all() for r in losses)
 
 
@@ -176,5 +182,5 @@ def test_a_transformers_config_is_planned_and_its_plans_run(world, llama_folder)
         run = run_config(check_overrides(c["overrides"]))
         assert run.model.kind == "hf" and run.mesh.size == 4 and check(run) == [], c["overrides"]
         assert c["exact"] and c["fits"]
-    losses = world(4, _train, got["candidates"][0]["overrides"])
+    losses = world(4, _train, _composed(got["candidates"][0]["overrides"]))
     assert all(r == losses[0] for r in losses) and all(torch.isfinite(torch.tensor(r)).all() for r in losses)

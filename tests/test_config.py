@@ -153,3 +153,20 @@ def test_the_library_never_imports_hydra():
             "print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_a_composition_is_remembered_until_conf_changes(tmp_path):
+    """``check_overrides`` composes once per (overrides, conf/ as it is): an edited preset is read again,
+    and each call gets its own copy (a caller's edit never reaches the next caller)."""
+    import shutil
+
+    from shardlib.cli.compose import conf_dir
+    root = tmp_path / "conf"
+    shutil.copytree(conf_dir(), root)
+    first = check_overrides(["mesh=dp4"], root=root)
+    assert first["mesh"]["axes"] == {"data": 4}
+    first["mesh"]["axes"]["data"] = 99
+    assert check_overrides(["mesh=dp4"], root=root)["mesh"]["axes"] == {"data": 4}
+    preset = root / "mesh" / "dp4.yaml"
+    preset.write_text(preset.read_text().replace("axes: {data: 4}", "axes: {data: 2, tensor: 2}"))
+    assert check_overrides(["mesh=dp4"], root=root)["mesh"]["axes"] == {"data": 2, "tensor": 2}

@@ -8,6 +8,7 @@ and the fix, raised before any process starts.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import os
 from pathlib import Path
@@ -54,14 +55,37 @@ def whole_axes(overrides: list[str]) -> list[str]:
     return out
 
 
+_COMPOSED: dict[tuple, dict[str, Any]] = {}     # (overrides, conf/ as it is) -> the config
+
+
+def _signature(root: Path) -> tuple:
+    """What ``conf/`` holds now: every YAML file's path, size and modification time."""
+    out = []
+    for p in sorted(root.rglob("*.yaml")):
+        st = p.stat()
+        out.append((str(p.relative_to(root)), st.st_size, st.st_mtime_ns))
+    return tuple(out)
+
+
 def check_overrides(overrides: list[str], root: Path | None = None) -> dict[str, Any]:
     """Compose with ``overrides``; return the plain config (groups only) or raise a ``ConfigError``
     naming every bad override: an unknown preset (with the presets there are), an unknown key
-    (with the nearest one), a malformed ``key=value``."""
+    (with the nearest one), a malformed ``key=value``. A composition is remembered for this process
+    while ``conf/``'s files are unchanged (Hydra takes ~0.4 CPU-s a compose, and the auto-planner and the
+    checks before a launch compose the same overrides again); each call returns its own copy."""
+    root = root or conf_dir()
+    key = (tuple(overrides), str(root), _signature(root))
+    if key not in _COMPOSED:
+        if len(_COMPOSED) >= 256:
+            _COMPOSED.clear()
+        _COMPOSED[key] = _compose(overrides, root)
+    return copy.deepcopy(_COMPOSED[key])
+
+
+def _compose(overrides: list[str], root: Path) -> dict[str, Any]:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    root = root or conf_dir()
     _, mine = _split(whole_axes(overrides))
     # the rules are an open table: a new logical dim is added, a mapping changed, null unmaps one
     mine = [f"++{o}" if o.startswith(("parallel.rules=", "parallel.rules.")) else o for o in mine]
