@@ -25,8 +25,9 @@ which imports torch (with ``torch._dynamo``, ``torch.distributed``'s checkpoint,
 tensor-parallel modules) and shardlib once (``PRELOAD``): a spawned rank spends 3-4 CPU-seconds on those
 imports before its first collective, a forked one about 0.02 (an 8-rank world: 14-17 s wall -> 3 s on two
 cores). A rank still sees the parent's environment, working directory and ``sys.path`` as of
-``start()``, as a spawned one does. Nothing is forked from a process that has touched threads, gloo or
-the allocator: the fork server only imports.
+``start()``, as a spawned one does. The fork server only imports: it never opens a process group or
+sets the allocator (torch's import starts one native thread of its own, as it does before DataLoader
+forks its workers).
 """
 
 from __future__ import annotations

@@ -113,10 +113,10 @@ def test_mixed_precision_checkpoints_cross_precisions(world, tmp_path):
 
 # ---- bad input: clear errors, the previous checkpoint intact ---------------------------------------
 
-def _errors(folder: str, other: str) -> dict:
+def _errors(folder: str, other: str, data: int = 2) -> dict:
     """Load attempts that must fail, with what each raised."""
     out = {}
-    engine = build({"data": 2}, {"zero": 2})
+    engine = build({"data": data}, {"zero": 2})
     for label, path in (("missing", other + "/nope"), ("not a checkpoint", other), ("good", folder)):
         try:
             engine.load(path)
@@ -156,7 +156,10 @@ def test_bad_checkpoints_are_named(world, tmp_path):
     mpath.write_text(json.dumps(old))
     data.write_bytes(raw[:-1] + bytes([raw[-1] ^ 0xFF]))
     mpath.write_text(json.dumps({**old, "hash": "md5"}))
-    out = [world(2, _errors, good, str(tmp_path / "plain"))[0]["good"]]
+    # at 4 ranks two of them hash none of the 2 files: each refuses all the same (none waits in a collective)
+    refusals = world(4, _errors, good, str(tmp_path / "plain"), 4)
+    assert len(manifest["files"]) < 4 and len({r["good"] for r in refusals}) == 1
+    out = [refusals[0]["good"]]
     mpath.write_text(json.dumps(old))
     out += [world(2, _errors, good, str(tmp_path / "plain"))[0]["good"]]
     data.write_bytes(raw)

@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint_files import (FORMAT, LATEST, MANIFEST, VERSION, CheckpointError, _dcp_error, _fsync_dir, _install,
-                               _why, default_hash, file_hash, _writable, hashing_writer, params_problems,
+                               _why, default_hash, file_hash, hasher, _writable, hashing_writer, params_problems,
                                read_manifest, resolve, safe_reader)
 from .checkpoint_files import clean_partial as clean_partial, latest as latest   # the series' users import them here
 from .checkpoint_pieces import _block, _param_of, _Piece, _pieces, _quantized_names
@@ -261,6 +261,7 @@ def check_files(engine: Engine, path: Path, manifest: dict) -> None:
     not name."""
     names = sorted(manifest["files"])
     algo = manifest.get("hash", "sha256")
+    hasher(algo)         # an unknown hash (or xxhash missing) refused on every rank, before any collective
     bad = []
     for i, name in enumerate(names):
         if i % _world(engine) != engine.mesh.rank:
