@@ -20,14 +20,11 @@ it is stuck in, and restarts the world.
 ``get_mesh(shape)`` returns a ``Mesh`` cached per worker, so tests do not create fresh process
 groups each time (gloo groups hold sockets; thousands would exhaust file descriptors).
 
-**Starting ranks.** Where the platform has it, ranks are forked from multiprocessing's fork server,
-which imports torch (with ``torch._dynamo``, ``torch.distributed``'s checkpoint, FSDP, pipelining and
-tensor-parallel modules) and shardlib once (``PRELOAD``): a spawned rank spends 3-4 CPU-seconds on those
-imports before its first collective, a forked one about 0.02 (an 8-rank world: 14-17 s wall -> 3 s on two
-cores). A rank still sees the parent's environment, working directory and ``sys.path`` as of
-``start()``, as a spawned one does. The fork server only imports: it never opens a process group or
-sets the allocator (torch's import starts one native thread of its own, as it does before DataLoader
-forks its workers).
+**Starting ranks.** As ``sl.launch`` starts its ranks (``frontend/launcher.py``): forked from
+multiprocessing's fork server, which imports torch's parts and shardlib once (an 8-rank world: 14-17 s
+wall -> 3 s on two cores), each rank taking the parent's environment, working directory and ``sys.path``
+as of ``start()``. (torch's import starts one native thread of its own in the server, as it does before
+DataLoader forks its workers; a fork copies none.)
 """
 
 from __future__ import annotations
@@ -36,7 +33,6 @@ import faulthandler
 import os
 import pickle
 import signal
-import sys
 import threading
 import time
 import traceback
@@ -44,28 +40,12 @@ from collections.abc import Callable, Mapping
 from multiprocessing.connection import wait
 from typing import Any
 
-from .frontend.launcher import WorkerError, finish_rank, free_port, init_world, set_rank_env
+from .frontend.launcher import (WorkerError, adopt_parent_state, finish_rank, free_port, init_world, parent_state,
+                                set_rank_env, start_method)
 
 _MESHES: dict = {}   # worker-process cache; the library itself never reads it
 _WORKER: dict = {}   # worker-process state: this rank's progress slot; empty outside a pool worker
 _MIN_CPU = 0.05      # seconds of main-thread CPU time that count as progress
-# imported once by the fork server; torch's own parts only (importing transformers or peft starts native
-# threads, and a fork copies none of them)
-PRELOAD = ("torch", "torch._dynamo", "torch.fx.experimental.symbolic_shapes", "torch.distributed",
-           "torch.distributed.checkpoint", "torch.distributed.fsdp", "torch.distributed.pipelining",
-           "torch.distributed.tensor.parallel", "shardlib")
-
-
-def _start_method() -> str:
-    """``forkserver`` (preloading ``PRELOAD``) where the platform has it, else ``spawn``."""
-    import multiprocessing
-
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return "spawn"
-    multiprocessing.set_forkserver_preload(list(PRELOAD))     # read when the server starts (once a process)
-    return "forkserver"
-
-
 def get_mesh(shape: Mapping[str, int], **options: Any):
     """A ``Mesh`` over this worker's world, built once per shape (and ``Mesh`` keyword options)."""
     from .algebra.mesh import Mesh
@@ -127,11 +107,7 @@ def _heartbeat(cpu, rank: int, interval: float) -> None:
 
 def _pool_worker(local_rank: int, nprocs: int, port: int, conns: list, timeout: float,
                  steps, cpu, interval: float, stack_pipes: list, parent: dict) -> None:
-    # a forked rank starts from the fork server's state: take the parent's, as a spawned rank would
-    os.chdir(parent["cwd"])
-    os.environ.clear()
-    os.environ.update(parent["env"])
-    sys.path[:] = parent["path"]
+    adopt_parent_state(parent)   # a forked rank starts from the fork server's state: take the parent's
     _WORKER.update(steps=steps, rank=local_rank, stack_pipe=stack_pipes[local_rank])   # kept open
     if hasattr(signal, "SIGUSR1"):   # the parent asks for our stack when we stall; it reads the pipe
         faulthandler.register(signal.SIGUSR1, file=stack_pipes[local_rank].fileno(), all_threads=True)
@@ -187,7 +163,7 @@ class WorldPool:
     def start(self) -> None:
         import torch.multiprocessing as mp
 
-        method = _start_method()
+        method = start_method()
         ctx = mp.get_context(method)
         pairs = [ctx.Pipe() for _ in range(self.nprocs)]
         self._conns = [a for a, _ in pairs]
@@ -198,8 +174,7 @@ class WorldPool:
         pc = mp.start_processes(_pool_worker, args=(self.nprocs, free_port(), [b for _, b in pairs],
                                                     self.timeout, self._steps, self._cpu, self.heartbeat,
                                                     [b for _, b in stack_pipes],
-                                                    {"cwd": os.getcwd(), "env": dict(os.environ),
-                                                     "path": list(sys.path)}),
+                                                    parent_state()),
                                 nprocs=self.nprocs, join=False, start_method=method)
         self._procs = pc.processes
         for _, b in pairs + stack_pipes:

@@ -240,6 +240,19 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def _ranks(pid: int) -> list[int]:
+    """The ranks of the launch in process ``pid``: forked by its fork server (``sl.launch``'s default), or
+    spawned by it (``SHARDLIB_START_METHOD=spawn``)."""
+    def cmdline(p):
+        try:
+            return (Path("/proc") / str(p) / "cmdline").read_bytes()
+        except OSError:
+            return b""
+    kids = _children(pid)
+    servers = [k for k in kids if b"multiprocessing.forkserver" in cmdline(k)]
+    return sorted([r for s in servers for r in _children(s)] + [k for k in kids if b"spawn_main" in cmdline(k)])
+
+
 def _alive(pid: int) -> bool:
     try:
         return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
@@ -273,12 +286,13 @@ def interrupted(tmp_path_factory):
     while not ((ck / "latest").exists() and (ck / "latest").read_text().strip() >= "step-000004"):
         assert first.poll() is None and time.monotonic() < deadline, "no checkpoint at step 4 before the run ended"
         time.sleep(0.05)
-    ranks = _children(first.pid)
+    ranks = _ranks(first.pid)
+    assert len(ranks) == 2, ranks                      # COMMON's mesh: dp2
     first.send_signal(signal.SIGINT)                   # Ctrl-C
     first.wait(timeout=300)
 
-    def leftovers():       # the launcher's and the save's temporary files (torch's own caches may stay)
-        return list(tmp.glob("shardlib-launch-*")) + list(ck.glob(".*.tmp-*"))
+    def leftovers():       # the launcher's, multiprocessing's and the save's temporary files (torch's caches may stay)
+        return list(tmp.glob("shardlib-launch-*")) + list(tmp.glob("pymp-*")) + list(ck.glob(".*.tmp-*"))
     deadline = time.monotonic() + 30
     while (any(_alive(p) for p in ranks) or leftovers()) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -321,8 +335,7 @@ def moved_then_killed(interrupted):
         while not (metrics.exists() and metrics.read_text().count("\n") >= 4):      # 4 whole lines written
             assert job.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
             time.sleep(0.1)
-        ranks = sorted(p for p in _children(job.pid)
-                       if b"spawn_main" in (Path("/proc") / str(p) / "cmdline").read_bytes())
+        ranks = _ranks(job.pid)
         assert len(ranks) == 4, ranks
         os.kill(ranks[-1], signal.SIGKILL)             # the last started: not rank 0, which writes the metrics
         err = job.communicate(timeout=120)[1]

@@ -4,12 +4,14 @@
 removes it when it returns or raises. A launcher killed outright (``kill -9``, the OOM killer)
 runs no ``finally``, so two things cover that case:
 
-* every rank asks the kernel to kill it when the launcher dies (``prctl(PR_SET_PDEATHSIG)`` on
-  Linux; ``die_with_parent``), so no rank outlives it, even one stuck in C code;
+* every rank asks the kernel to kill it when its parent dies (``prctl(PR_SET_PDEATHSIG)`` on
+  Linux; ``die_with_parent``): the launcher, or the fork server that forked it, which exits when
+  the launcher's end of its pipe closes — so no rank outlives the launcher, even one stuck in C code;
 * a tiny watcher process (``Reaper``: the Python standard library only, no torch) holds the read
   end of a pipe from the launcher. The kernel closes the write end however the launcher exits;
   on end-of-file the watcher kills the ranks it was told of (where the kernel could not), waits
-  for them to go, and removes the directory. It runs in its own session, so a signal to the
+  for them to go, and removes the directory (and multiprocessing's, which holds the fork server's
+  socket and which the launcher would have removed at its exit). It runs in its own session, so a signal to the
   launcher's process group (Ctrl-C, a terminal hang-up) does not take it down first.
 
 When the launcher exits normally it says ``forget`` first (its ranks are already reaped, and
@@ -28,13 +30,16 @@ import threading
 _WATCHER = r"""
 import os, shutil, signal, sys, time
 path = sys.argv[1]
-pids = set()
+pids, dirs = set(), set()
 for line in sys.stdin:                      # ends at EOF: the launcher closed the pipe, or died
     cmd, _, arg = line.strip().partition(" ")
     if cmd == "pid":
         pids.add(int(arg))
+    elif cmd == "dir":
+        dirs.add(arg)
     elif cmd == "forget":
         pids.clear()
+        dirs.clear()
 for pid in pids:
     try:
         os.kill(pid, signal.SIGKILL)
@@ -56,11 +61,14 @@ def alive(pid):
 
 end = time.monotonic() + 10
 while True:                                 # a rank still dying may create a file after a first pass
-    shutil.rmtree(path, ignore_errors=True)
-    if (not os.path.exists(path) and not any(alive(p) for p in pids)) or time.monotonic() > end:
+    for d in (path, *dirs):
+        shutil.rmtree(d, ignore_errors=True)
+    if (not any(map(os.path.exists, (path, *dirs))) and not any(alive(p) for p in pids)) \
+            or time.monotonic() > end:
         break
     time.sleep(0.05)
-shutil.rmtree(path, ignore_errors=True)
+for d in (path, *dirs):
+    shutil.rmtree(d, ignore_errors=True)
 """
 
 
@@ -88,6 +96,11 @@ class Reaper:
         for pid in pids:
             self._send(f"pid {pid}")
 
+    def remove_if_killed(self, path: str) -> None:
+        """Also remove ``path`` if this process dies before ``close`` (a directory it would remove
+        at a normal exit: multiprocessing's, which holds the fork server's socket)."""
+        self._send(f"dir {path}")
+
     def close(self) -> None:
         """The launcher cleaned up itself: the watcher removes whatever is left and exits."""
         if self._proc is None:
@@ -103,8 +116,9 @@ class Reaper:
             threading.Thread(target=proc.wait, daemon=True).start()
 
 
-def die_with_parent(parent_pid: int) -> None:
-    """Have the kernel kill this process when its parent dies (Linux); exit now if it already has."""
+def die_with_parent(parent_pid: int, launcher_pid: int | None = None) -> None:
+    """Have the kernel kill this process when its parent dies (Linux); exit now if it already has,
+    or if ``launcher_pid`` (the process the parent serves, when that is not the parent) has."""
     if sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL(None, use_errno=True)
@@ -113,3 +127,10 @@ def die_with_parent(parent_pid: int) -> None:
             pass
     if os.getppid() != parent_pid:   # the parent died before the request was in place
         os._exit(1)
+    if launcher_pid is not None and launcher_pid != parent_pid:
+        try:
+            os.kill(launcher_pid, 0)
+        except ProcessLookupError:   # gone before this rank started: its server is leaving too
+            os._exit(1)
+        except OSError:
+            pass
