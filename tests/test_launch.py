@@ -187,6 +187,18 @@ def test_launch_rejects_bad_arguments():
         sl.launch("not a function", 2)
 
 
+def test_start_method_is_the_fork_server_unless_told_and_a_bad_one_is_named(monkeypatch):
+    from shardlib.frontend.launcher import start_method
+
+    monkeypatch.delenv("SHARDLIB_START_METHOD", raising=False)
+    assert start_method() == ("forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn")
+    monkeypatch.setenv("SHARDLIB_START_METHOD", "spawn")
+    assert start_method() == "spawn"
+    monkeypatch.setenv("SHARDLIB_START_METHOD", "fork")
+    with pytest.raises(sl.ShardingError, match="SHARDLIB_START_METHOD='fork' — expected 'forkserver' or 'spawn'"):
+        sl.launch(_pid_and_rank, 2)
+
+
 # ---- collect(): success is decided from the result files ------------------------------------------------
 
 # A plain child (no torch import, starts in a fraction of a second): it moves a result file that
