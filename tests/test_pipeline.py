@@ -251,3 +251,37 @@ def test_failure_on_one_rank_raises_everywhere():
         pool.close()
     assert out[1].startswith("ValueError: bad data on this rank"), out
     assert out[0].startswith("PipelineError") and "rank 1" in out[0] and "bad data" in out[0], out
+
+
+def _split_kinds(p: int) -> dict:
+    """zb_h1 on the GPT, 3 steps, twice from one seed: the blocks' Linear weight gradients deferred to W
+    (``runtime/weight_grads.py``), and torch's generic split (the store taken away after the build)."""
+    mesh = get_mesh({"data": 1, "pipe": p})
+    data = batches(3)
+    out = {}
+    for kind in ("deferred", "generic"):
+        model = make_model("gpt_pp")
+        plan = sl.plan(model, mesh, rules=PIPE, schedule="zb_h1", microbatches=4, batch=data[0])
+        engine = sl.parallelize(model, plan, optimizer=make_optimizer("adamw"))
+        store, deferred = engine.pipe.deferred, engine.pipe.deferred_layers
+        if kind == "generic":
+            engine.pipe.deferred = None
+        losses = [engine.step(b) for b in data]
+        out[kind] = {"losses": losses, "state": engine.full_state_dict(), "store": store is not None,
+                     "deferred": deferred, "left": len(store.pending) if store is not None else 0}
+    return out
+
+
+def test_zero_bubble_deferred_weight_gradients_equal_the_generic_split(world):
+    """Deferring the Linear weight gradients to W changes no bit of the losses or the weights (AdamW), at pipe 2
+    and 4; the stages with an input defer them (the first stage's W runs its whole backward)."""
+    for p in (2, 4):
+        for r, got in enumerate(world(p, _split_kinds, p)):
+            d, g = got["deferred"], got["generic"]
+            assert d["store"] and d["left"] == 0, (p, r)
+            # rank 0 holds the first stage; a GPT block has 4 Linear layers (qkv, proj, fc, out)
+            assert (d["deferred"] > 0) == (r > 0) and d["deferred"] % 4 == 0, (p, r, d["deferred"])
+            assert d["losses"] == g["losses"], (p, r)
+            assert d["state"].keys() == g["state"].keys()
+            for k in d["state"]:
+                assert torch.equal(d["state"][k], g["state"][k]), (p, r, k)

@@ -19,8 +19,10 @@ which walks the rank's lowered action list (``planner/schedules.py``) in order:
   received gradient elsewhere); ``SEND_B`` sends its input gradient with the micro-batch's loss
   behind it (``planner.pipeline.loss_words``: its fp32 bits), so every stage knows every
   micro-batch's loss when the schedule ends and the step needs no collective for it;
-* ``I`` / ``W`` (``zb_h1``): the input-gradient half of ``B`` now, the weight-gradient half later
-  (torch's ``stage_backward_input`` / ``stage_backward_weight``);
+* ``I`` / ``W`` (``zb_h1``): the input-gradient half of ``B`` now, the weight-gradient half later:
+  the blocks' ``nn.Linear`` weight gradients deferred to ``W`` (``runtime/weight_grads.py``), or
+  where the layers are not plain (the tensor axis's), torch's ``stage_backward_input`` /
+  ``stage_backward_weight``;
 * ``UNSHARD`` / ``REDUCE_GRAD`` (ZeRO-3, ``pipe_gather="step"``): gather the stage's units once per
   step and keep them through all its micro-batches; reduce-scatter its accumulated gradients once
   after its last backward, which frees them (``RESHARD``). With ``pipe_gather="microbatch"`` the
@@ -52,6 +54,7 @@ from ..errors import CollectiveError
 from ..planner.pipeline import loss_words, stream_shape
 from ..planner.stack import stage_functions
 from ..planner.simulate import Record
+from .weight_grads import WeightGradStore, defer_linears
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -127,6 +130,15 @@ class PipelineRuntime:
         self._shapes: dict[tuple, tuple[torch.Size, torch.dtype]] = {}
         self.recvs = [k for k, a in enumerate(self.actions) if a.kind in ("RECV_F", "RECV_B")]
         self.window = pp.recv_window
+        # the split backward: the blocks' Linear weight gradients deferred to W, on stages with an input
+        # (the first stage's W runs its whole backward); torch's generic split where that does not apply
+        self.deferred: WeightGradStore | None = None
+        self.deferred_layers = 0
+        if (any(a.kind == "I" for a in self.actions) and engine.tensor is None and (not self.zero3 or self.per_step)
+                and dict(engine.plan.offload).get("params") is None):
+            self.deferred = WeightGradStore()
+            self.deferred_layers = sum(defer_linears(self.blocks[i], self.deferred)
+                                       for i, st in self.stages.items() if not st.pre)
 
     def _params_of(self, stage) -> list[nn.Parameter]:
         named = dict(self.engine.model.named_parameters())
@@ -176,8 +188,12 @@ class PipelineRuntime:
                 self._wait(w, "a send")
             self.sends = []
         except PipelineError:
+            if self.deferred is not None:
+                self.deferred.clear()
             raise
         except BaseException as e:
+            if self.deferred is not None:
+                self.deferred.clear()
             self._report(e)
             raise
         if eng.units is not None:
@@ -356,6 +372,15 @@ class PipelineRuntime:
             self.weight_work[(s, i)] = ("whole", target, grad)
             self.inputs.pop((s, i))
             return
+        if self.deferred is not None:
+            self.deferred.key = (s, i)
+            try:
+                target.backward(grad)
+            finally:
+                self.deferred.key = None
+            self.weight_work[(s, i)] = ("deferred",)
+            self._keep_input_grad(s, i)
+            return
         _, groups = stage_backward_input([target], None if grad is None else [grad], [inp],
                                          iter(self.stage_params[s]))
         self.weight_work[(s, i)] = ("split", groups)
@@ -367,6 +392,8 @@ class PipelineRuntime:
         work = self.weight_work.pop((s, i))
         if work[0] == "whole":
             work[1].backward(work[2])
+        elif work[0] == "deferred":
+            self.deferred.flush((s, i))
         else:
             # retain_graph: parameter groups can share nodes (SP's one fused f per block); the graph
             # goes with the last reference to the groups, here
