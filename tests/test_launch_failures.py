@@ -161,8 +161,9 @@ import shardlib as sl
 from shardlib.comm import core
 
 def main():
-    mesh = sl.Mesh({"data": 2}, timeout=3)
+    mesh = sl.Mesh({"data": 2}, timeout=5)
     x = torch.ones(2)
+    torch.distributed.barrier()          # the world's timeout: however late a busy machine starts rank 1
     core.all_reduce(x, mesh, "data")
     if mesh.rank == 1:
         time.sleep(600)
