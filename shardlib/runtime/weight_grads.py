@@ -20,7 +20,7 @@ plain (the tensor axis's parallel layers).
 
 from __future__ import annotations
 
-import types
+import functools
 from collections.abc import Iterable
 
 import torch
@@ -70,7 +70,7 @@ class _DeferredLinear(torch.autograd.Function):
         return gx, None, gb, None
 
 
-def _forward(self: nn.Linear, x: torch.Tensor, store: WeightGradStore) -> torch.Tensor:
+def _forward(self: nn.Linear, store: WeightGradStore, x: torch.Tensor) -> torch.Tensor:
     if not torch.is_grad_enabled():
         return F.linear(x, self.weight, self.bias)
     return _DeferredLinear.apply(x, self.weight, self.bias, store)
@@ -83,6 +83,6 @@ def defer_linears(modules: Iterable[nn.Module], store: WeightGradStore) -> int:
     for root in modules:
         for m in root.modules():
             if type(m) is nn.Linear and m.weight.requires_grad and type(m.weight) is nn.Parameter:
-                m.forward = types.MethodType(lambda self, x, _s=store: _forward(self, x, _s), m)
+                m.forward = functools.partial(_forward, m, store)    # a partial: the model still copies and pickles
                 n += 1
     return n
