@@ -187,14 +187,11 @@ class PipelineRuntime:
             for w in self.sends:
                 self._wait(w, "a send")
             self.sends = []
-        except PipelineError:
-            if self.deferred is not None:
-                self.deferred.clear()
-            raise
         except BaseException as e:
             if self.deferred is not None:
                 self.deferred.clear()
-            self._report(e)
+            if not isinstance(e, PipelineError):
+                self._report(e)
             raise
         if eng.units is not None:
             eng.units.end_micro()
