@@ -14,11 +14,15 @@ minutes on a busy machine hides what is slow.
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("SHARDLIB_TEST_TIMEOUT", "60")
+if "torch" in sys.modules:   # imported before us (a plugin): its thread pool ignored the variable above; the
+    # references computed here must round as the one-thread ranks do (another thread count blocks another way)
+    sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(scope="session")

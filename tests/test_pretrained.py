@@ -184,8 +184,8 @@ def _check_round_trip(per_rank: list[dict], sources: dict, root, tag: str, famil
         for k, v in back.state_dict().items():         # the file holds the engine's values exactly
             assert torch.equal(v, per_rank[0][dst]["full"][k]), f"{tag} {case}: {k}"
         b = hf_models.batch("llama", 2, 77)
-        with torch.no_grad():     # Adam moves round-off-level gradients by up to lr: 1e-3 (test_tensor_llama)
-            torch.testing.assert_close(back(**b).logits, trained(**b).logits, rtol=1e-3, atol=1e-3)
+        with torch.no_grad():     # round-off summed over 4 steps (1.5e-7 measured at tensor 2; hf_models.adamw)
+            torch.testing.assert_close(back(**b).logits, trained(**b).logits, rtol=1e-4, atol=1e-4)
 
 
 def test_meta_build_loads_into_data2_tensor2_zero3_and_saves_back(world, tmp_path):
