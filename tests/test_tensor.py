@@ -124,6 +124,36 @@ def test_data_by_tensor_mixed_precision(world, precision):
     _check(world, [cfg], {"data": 2, "tensor": 2}, rtol=2.5 * eps, param_tol={"rtol": 1.0, "atol": 1.0})
 
 
+def fused_vs_plain(steps: int) -> dict:
+    """GPT at tensor 2: which column layers run fused (``comm/column_async.py``), and the losses and
+    collectives of ``steps`` steps with them fused and, on a fresh copy, with none fused."""
+    mesh = get_mesh({"data": 1, "tensor": 2})
+    batches = make_batches("gpt_tp", steps)
+    out = {}
+    for mode in ("fused", "plain"):
+        model = make_model("gpt_tp")
+        plan = sl.plan(model, mesh, rules=RULES, batch=batches[0])
+        engine = sl.parallelize(model, plan, optimizer=make_optimizer("adamw"))
+        fusion = engine.tensor.boundaries._fusion
+        out[f"{mode}_names"] = sorted(n for n, m in model.named_modules() if id(m) in fusion.eligible)
+        if mode == "plain":
+            fusion.eligible.clear()
+        out[mode] = train_counting(engine, plan, batches)
+    return out
+
+
+def test_column_layers_alone_in_their_region_all_reduce_their_input_gradient_during_the_weight_gradient(world):
+    """Megatron's async input-gradient all-reduce: GPT's qkv and fc (each alone in its attention or MLP)
+    run fused; training is the unfused run's within round-off, with the same collectives and bytes."""
+    res = world(2, fused_vs_plain, 3)[0]
+    blocks = len(make_model("gpt_tp").blocks)
+    assert res["fused_names"] == sorted([f"blocks.{i}.attn.qkv" for i in range(blocks)]
+                                        + [f"blocks.{i}.mlp.fc" for i in range(blocks)])
+    (fused, fused_counts), (plain, plain_counts) = res["fused"], res["plain"]
+    assert max(abs(a - b) / abs(b) for a, b in zip(fused, plain)) <= 1e-6, (fused, plain)
+    assert fused_counts == plain_counts and fused_counts["counted"] == fused_counts["planned"]
+
+
 # ---- the plan: Megatron's collectives per block ---------------------------------------------
 
 def _per_block(plan, unit: str) -> collections.Counter:

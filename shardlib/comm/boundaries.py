@@ -48,6 +48,7 @@ runs and what the plan counts are one code path.
 
 from __future__ import annotations
 
+import collections
 import copy
 import types
 from typing import Any
@@ -59,6 +60,7 @@ from torch import nn
 from ..errors import ShardingError
 from . import core as comm
 from .autograd import _AllGather, _PBroadcast, _Psum, _PsumScatter
+from .column_async import ColumnFusion, fusable
 from .execute import gather_dim
 from .seq_edges import SeqEdges, _Regathered
 
@@ -170,7 +172,9 @@ class Boundaries(SeqEdges):
         shortened layer stack): sites, units and SP modules it does not hold are skipped."""
         self.model, self.tplan, self.ops = model, tplan, ops
         self.on_logits = on_logits
-        self._memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # id(input) -> [input, what the columns see: f of it (None while only fused layers took it)]
+        self._memo: dict[int, list] = {}
+        self._fusion = ColumnFusion(getattr(ops, "mesh", None), getattr(ops, "axes", None))   # None: a trace
         self._handles: list[Any] = []
         self._forwards: list[nn.Module] = []
         modules = dict(model.named_modules())
@@ -181,6 +185,7 @@ class Boundaries(SeqEdges):
             units = [u for u in units if not u or u in modules]
         self._saved_attrs: list[tuple[nn.Module, str, Any]] = []
         self._local_attrs(modules, tplan.local_attrs, partial)
+        columns_in = collections.Counter(site.region for site in tplan.sites if site.kind == "column")
         for site in tplan.sites:
             if partial and site.module not in modules:
                 continue
@@ -200,7 +205,12 @@ class Boundaries(SeqEdges):
                     self._handles.append(modules[region].register_forward_pre_hook(self._region_pre, with_kwargs=True))
                 continue
             if site.kind in ("column", "logits"):
-                self._handles.append(mod.register_forward_pre_hook(self._column_pre(in_sp)))
+                fuse = (site.kind == "column" and not in_sp and not site.conv1d and fusable(mod)
+                        and columns_in[site.region] == 1 and self._fusion.mesh is not None)
+                if fuse:       # Megatron's async input-gradient all-reduce (column_async.py)
+                    self._fusion.eligible.add(id(mod))
+                    self._override(mod, _fused_column_forward(self._fusion))
+                self._handles.append(mod.register_forward_pre_hook(self._column_pre(in_sp, fuse)))
                 if site.kind == "logits":
                     self._handles.append(mod.register_forward_hook(self._logits_post(site)))
             elif site.kind == "row":
@@ -240,23 +250,26 @@ class Boundaries(SeqEdges):
                                                            for s in tplan.sites))
 
     # ---- hooks ---------------------------------------------------------------------------------
-    def _column_pre(self, in_sp: bool):
+    def _column_pre(self, in_sp: bool, fuse: bool):
         def hook(module, args):
             if not args:
                 return None
             x = args[0]
             hit = self._memo.get(id(x))
             if hit is None or hit[0] is not x:
+                hit = self._memo[id(x)] = [x, None]
+            if fuse and not self._tails and self._fusion.runs_fused(module, x):
+                return None              # its own backward all-reduces the input's gradient
+            if hit[1] is None:
                 if in_sp:
-                    y = self.ops.gather_seq(x)
+                    hit[1] = self.ops.gather_seq(x)
                 else:
                     twin = self._twin(x) if self._tails and x.requires_grad and torch.is_grad_enabled() else None
-                    y = twin if twin is not None and twin.requires_grad else self.ops.f(x)
-                self._memo[id(x)] = (x, y)
-            else:
-                y = hit[1]
-            return (y, *args[1:])
+                    hit[1] = twin if twin is not None and twin.requires_grad else self.ops.f(x)
+            return (hit[1], *args[1:])
         return hook
+
+
 
     def _region_pre(self, module, args, kwargs):
         """SP: gather the sequence of the region's stream input (its first tensor argument)."""
@@ -304,6 +317,11 @@ class Boundaries(SeqEdges):
             return None
         return hook
 
+    def unfuse_columns(self) -> None:
+        """Every column layer takes ``f`` (``column_async.py``'s fused backward assumes it runs once:
+        a split backward — torch's ``stage_backward_input`` then ``..._weight`` — runs it twice)."""
+        self._fusion.eligible.clear()
+
     def sp_value(self, mod: nn.Module, attr: str) -> torch.Tensor:
         """The parameter as its unit's forward uses it under SP (a view of the unit's f)."""
         v = self._sp_values.get((id(mod), attr))
@@ -350,6 +368,12 @@ class Boundaries(SeqEdges):
             setattr(mod, attr, value)
         self._handles, self._forwards, self._saved_attrs = [], [], []
         self.clear()
+
+
+def _fused_column_forward(fusion: ColumnFusion):
+    def forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        return fusion.forward(self, x)
+    return forward
 
 
 def _unit_of(name: str, units: set[str]) -> str:

@@ -134,6 +134,8 @@ class PipelineRuntime:
         # (the first stage's W runs its whole backward); torch's generic split where that does not apply
         self.deferred: WeightGradStore | None = None
         self.deferred_layers = 0
+        if any(a.kind == "I" for a in self.actions) and engine.tensor is not None:
+            engine.tensor.boundaries.unfuse_columns()    # the generic split runs a layer's backward twice
         if (any(a.kind == "I" for a in self.actions) and engine.tensor is None and (not self.zero3 or self.per_step)
                 and dict(engine.plan.offload).get("params") is None):
             self.deferred = WeightGradStore()
