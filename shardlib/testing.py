@@ -40,8 +40,8 @@ from collections.abc import Callable, Mapping
 from multiprocessing.connection import wait
 from typing import Any
 
-from .frontend.launcher import (WorkerError, adopt_parent_state, finish_rank, free_port, init_world, parent_state,
-                                set_rank_env, start_method)
+from .frontend.launcher import (WorkerError, adopt_parent_state, finish_rank, init_world, parent_state, set_rank_env,
+                                start_method, world_store)
 
 _MESHES: dict = {}   # worker-process cache; the library itself never reads it
 _WORKER: dict = {}   # worker-process state: this rank's progress slot; empty outside a pool worker
@@ -159,6 +159,7 @@ class WorldPool:
         self._conns: list = []
         self._steps = self._cpu = None
         self._stack_pipes: list = []   # read ends: where each rank's faulthandler writes its stack
+        self._store = None
 
     def start(self) -> None:
         import torch.multiprocessing as mp
@@ -171,7 +172,8 @@ class WorldPool:
         self._cpu = ctx.RawArray("d", [-1.0] * self.nprocs)   # -1: no heartbeat yet (still starting)
         stack_pipes = [ctx.Pipe(duplex=False) for _ in range(self.nprocs)]
         self._stack_pipes = [a for a, _ in stack_pipes]
-        pc = mp.start_processes(_pool_worker, args=(self.nprocs, free_port(), [b for _, b in pairs],
+        self._store = world_store()    # the world's rendezvous, hosted here until close()
+        pc = mp.start_processes(_pool_worker, args=(self.nprocs, self._store.port, [b for _, b in pairs],
                                                     self.timeout, self._steps, self._cpu, self.heartbeat,
                                                     [b for _, b in stack_pipes],
                                                     parent_state()),
@@ -325,6 +327,7 @@ class WorldPool:
         for c in self._conns + self._stack_pipes:
             c.close()
         self._procs, self._conns, self._stack_pipes = [], [], []
+        self._store = None
 
     def __enter__(self) -> WorldPool:
         self.start()

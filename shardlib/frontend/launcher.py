@@ -38,7 +38,6 @@ import os
 import pickle
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -129,10 +128,17 @@ class _StdFds:
                 os.close(fd)
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def world_store():
+    """The rendezvous store of a world this process starts, hosted here (``store.port`` goes to the ranks).
+
+    The OS picks its port as the store binds it. A port chosen first (bind to port 0, close) and bound
+    later by rank 0 can be taken in between by any other process — a gloo connection's ephemeral port, a
+    second test worker's world — and rank 0 then fails with EADDRINUSE. The ranks join it as clients,
+    as torchrun's ranks join their agent's store (``set_rank_env``). Keep it referenced until the ranks
+    have left."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
 
 def under_torchrun() -> bool:
@@ -169,8 +175,10 @@ def init_world(backend: str | None = None, timeout: float | datetime.timedelta |
 
 
 def set_rank_env(rank: int, nprocs: int, port: int) -> None:
+    """torchrun's variables for a rank of a world whose store (``world_store``) the parent hosts at ``port``."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs))
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
+                      TORCHELASTIC_USE_AGENT_STORE="True")     # every rank a client of the parent's store
 
 
 def leave_world() -> None:
@@ -313,10 +321,11 @@ def launch(fn: Callable, nprocs: int, *args: Any, backend: str | None = None,
     result_dir = tempfile.mkdtemp(prefix="shardlib-launch-")
     reaper = Reaper(result_dir)   # removes the directory and the ranks if this process is killed
     saved = os.environ.get(_LAUNCH_DIR_ENV)
+    store = world_store()         # held until the ranks are collected
     try:
         os.environ[_LAUNCH_DIR_ENV] = result_dir
         try:
-            ctx = mp.start_processes(_worker, args=(fn, args, kwargs, nprocs, free_port(), result_dir, backend,
+            ctx = mp.start_processes(_worker, args=(fn, args, kwargs, nprocs, store.port, result_dir, backend,
                                                     timeout, threads, os.getpid(), parent_state(), _StdStreams()),
                                      nprocs=nprocs, join=False, start_method=method)
         finally:
