@@ -269,8 +269,6 @@ class Boundaries(SeqEdges):
             return (hit[1], *args[1:])
         return hook
 
-
-
     def _region_pre(self, module, args, kwargs):
         """SP: gather the sequence of the region's stream input (its first tensor argument)."""
         if args and isinstance(args[0], torch.Tensor):
