@@ -7,7 +7,7 @@ A multi-process test's work runs in pool ranks (forked by a fork server), subpro
 workers, not in pytest's process, so ``--durations`` (wall time) hides what a test costs a busy
 machine. Before and after each test this sums, over pytest's process and every descendant alive,
 user + system time plus what each has reaped of its children (``/proc/<pid>/stat``: utime, stime,
-cutime, cstime). A descendant that exits unreaped by one of them is missed (none in this suite).
+cutime, cstime). A descendant that exits and is reaped by no process of the tree is missed.
 Writes ``[[nodeid, wall_s, cpu_s], ...]`` to ``$SUITE_CPU_OUT`` (default ``suite_cpu.json``; under
 pytest-xdist, one file per worker, its name suffixed). ``tests/conftest.py``'s ``HEAVY_FIRST`` comes
 from this count.
@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+_TICK = os.sysconf("SC_CLK_TCK")       # Linux: /proc counts CPU time in clock ticks
 _rows: list = []
 
 
