@@ -168,3 +168,67 @@ def test_zero2_buckets_reduce_scatter_in_place_zero1_apart(world):
         assert len(r2["in_place"]) >= 4 and all(r2["in_place"]), r2       # several buckets, every step
         assert len(r1["in_place"]) == len(r2["in_place"]) and not any(r1["in_place"]), r1
         assert r2["losses"] == r1["losses"]
+
+
+def _exchanges() -> dict:
+    """Two-member groups' asynchronous reduce-scatters and all-gathers (``comm/pairwise.py``): several
+    in flight at once, waited in reverse order, in place and into buffers, sum/max/min, fp32 and bf16
+    — and the same calls with the exchange off (gloo's collectives)."""
+    import os
+
+    from shardlib.comm import pairwise
+    from shardlib.testing import get_mesh
+    mesh = get_mesh(SHAPE)
+    rank, posted, real = mesh.rank, [], pairwise._post
+
+    def spy(*a):
+        posted.append(a[0].numel())
+        return real(*a)
+
+    def run() -> list:
+        results = []
+        for t, (axes, dtype, op) in enumerate([("data", torch.float32, "sum"), ("tensor", torch.bfloat16, "sum"),
+                                               ("data", torch.float32, "max"), ("tensor", torch.float32, "min")]):
+            canon = mesh.canonical_axes(axes)
+            members = mesh.group_ranks(rank, canon)
+            i, c = members.index(rank), 3 + t
+            y = _full(200 + t, mesh.size, 2 * c).to(dtype)
+            x = _full(300 + t, mesh.size, c).to(dtype)
+            inp = y[rank].clone()
+            pend = [comm.reduce_scatter(inp, mesh, axes, op=op, out=inp[i * c:(i + 1) * c], async_op=True),
+                    comm.reduce_scatter(y[rank].clone(), mesh, axes, op=op, async_op=True)]
+            if op == "sum":
+                buf = torch.full((2 * c,), float("nan"), dtype=dtype)
+                buf[i * c:(i + 1) * c] = x[rank]
+                pend += [comm.all_gather(buf[i * c:(i + 1) * c], mesh, axes, out=buf, async_op=True),
+                         comm.all_gather(x[rank], mesh, axes, async_op=True)]
+            got = [p.wait() for p in reversed(pend)][::-1]
+            fold = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}[op]
+            want_rs = fold(y[members[0]], y[members[1]])[i * c:(i + 1) * c]
+            own = inp.data_ptr() + i * c * inp.element_size()
+            results.append([torch.equal(got[0], want_rs) and got[0].data_ptr() == own, torch.equal(got[1], want_rs)]
+                           + ([torch.equal(g, torch.cat([x[m] for m in members])) for g in got[2:]] +
+                              [got[2].data_ptr() == buf.data_ptr()] if op == "sum" else []))
+        return results
+
+    pairwise._post = spy
+    try:
+        on = run()
+        n_on = len(posted)
+        os.environ["SHARDLIB_GLOO_PAIRWISE"] = "0"
+        off = run()
+    finally:
+        pairwise._post = real
+        os.environ.pop("SHARDLIB_GLOO_PAIRWISE", None)
+    return {"on": on, "off": off, "posted": (n_on, len(posted) - n_on)}
+
+
+def test_two_member_groups_exchange_asynchronous_reduce_scatters_and_gathers(world):
+    """On gloo, a two-member group's asynchronous reduce-scatter and all-gather are one pairwise
+    exchange each: the results equal the reference bit for bit (one add, max or min of the two members'
+    values, which commutes), with several in flight waited in reverse order; with the exchange turned
+    off, gloo's collectives give the same."""
+    for r in world(4, _exchanges):
+        assert all(all(checks) for checks in r["on"]), r
+        assert all(all(checks) for checks in r["off"]), r
+        assert r["posted"] == (4 * 2 + 2 * 2, 0), r      # 2 reduce-scatters per case, 2 all-gathers per sum

@@ -1,0 +1,125 @@
+"""Two-member groups on gloo: the pairwise exchange (``shardlib/comm/pairwise.py``) vs gloo's collectives.
+
+    PYTHONPATH=. python3 benchmarks/bench_gloo_pair.py                     # both parts, Markdown tables
+    PYTHONPATH=. python3 benchmarks/bench_gloo_pair.py --parts steps --steps 40
+
+``SHARDLIB_GLOO_PAIRWISE`` is read at every call, so one process can run the same thing both ways,
+alternated (A B, B A, ...), and a change in machine load hits both alike. Two gloo ranks, 1 thread each.
+
+* **calls**: ``comm.reduce_scatter`` (in place, as ZeRO-2's buckets call it) and ``comm.all_gather``
+  (into a buffer, as ZeRO-3's units), ``async_op=True`` then ``wait()``, after a barrier; median over
+  ``--calls`` of the slower rank's time, for each message size.
+* **steps**: one engine per form (the GPT of ``bench_data_parallel.py``, AdamW), its steps alternated
+  between the exchange on and off; median over ``--steps`` of the step time (slowest rank). The forms:
+  ZeRO-2 and ZeRO-3 at data 2 (their buckets' and units' collectives are the asynchronous ones the
+  exchange takes), and tensor 2 with sequence parallel, whose all-gathers and reduce-scatters are
+  synchronous and stay gloo's: an A/A check of the method's noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import shardlib as sl
+from shardlib.comm import core as comm
+from shardlib.models import GPT, token_batch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_data_parallel import CFG  # noqa: E402
+
+SIZES_MB = (0.25, 1.0, 2.3, 13.75)
+FORMS = {"ZeRO-2": {"zero": 2}, "ZeRO-3": {"zero": 3},
+         "TP2+SP (A/A)": {"rules": {"heads": "tensor", "mlp": "tensor", "vocab": "tensor"},
+                          "sequence_parallel": True}}
+
+
+def _slowest(t: float) -> float:
+    v = torch.tensor([t])
+    dist.all_reduce(v, op=dist.ReduceOp.MAX)
+    return v.item()
+
+
+def _alternate(fn, reps: int) -> dict[str, float]:
+    times: dict[str, list[float]] = {"0": [], "1": []}
+    for i in range(reps):
+        for mode in (("0", "1") if i % 2 == 0 else ("1", "0")):
+            os.environ["SHARDLIB_GLOO_PAIRWISE"] = mode
+            dist.barrier()
+            start = time.perf_counter()
+            fn(i)
+            times[mode].append(_slowest(time.perf_counter() - start))
+    os.environ.pop("SHARDLIB_GLOO_PAIRWISE", None)
+    return {m: statistics.median(v) * 1e3 for m, v in times.items()}
+
+
+def calls(reps: int) -> list[dict]:
+    mesh = sl.Mesh({"data": 2})
+    me = mesh.group_index(mesh.rank, ("data",))
+    rows = []
+    for mb in SIZES_MB:
+        n = int(mb * 1e6 / 4) // 2 * 2
+        x, c = torch.randn(n), n // 2
+        gathered = torch.empty(n)
+        rs = _alternate(lambda i: comm.reduce_scatter(x, mesh, "data", out=x[me * c:(me + 1) * c],
+                                                      async_op=True).wait(), reps)
+        ag = _alternate(lambda i: comm.all_gather(x[:c], mesh, "data", out=gathered, async_op=True).wait(), reps)
+        rows.append({"MB": mb, "rs_gloo": rs["0"], "rs_pair": rs["1"], "ag_gloo": ag["0"], "ag_pair": ag["1"]})
+    return rows
+
+
+def steps(reps: int, warmup: int) -> list[dict]:
+    rows = []
+    for form, kw in FORMS.items():
+        tensor = "rules" in kw
+        mesh = sl.Mesh({"tensor": 2} if tensor else {"data": 2})
+        model = GPT(CFG, seed=0)
+        plan = sl.plan(model, mesh, batch=token_batch(CFG, 8, 0), **kw)
+        engine = sl.parallelize(model, plan, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+        batches = [token_batch(CFG, 8, s) for s in range(4)]
+        for i in range(warmup):
+            engine.step(batches[i % 4])
+        t = _alternate(lambda i: engine.step(batches[i % 4]), reps)
+        rows.append({"form": form, "gloo_ms": t["0"], "pair_ms": t["1"], "ratio": t["1"] / t["0"]})
+    return rows
+
+
+def rank_main(parts: list[str], n_calls: int, n_steps: int, warmup: int) -> dict:
+    torch.set_num_threads(1)
+    out = {}
+    if "calls" in parts:
+        out["calls"] = calls(n_calls)
+    if "steps" in parts:
+        out["steps"] = steps(n_steps, warmup)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--parts", nargs="*", default=["calls", "steps"], choices=["calls", "steps"])
+    ap.add_argument("--calls", type=int, default=41)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=3)
+    args = ap.parse_args()
+    load = os.getloadavg()[0]
+    res = sl.launch(rank_main, 2, args.parts, args.calls, args.steps, args.warmup, threads=1)[0]
+    print(f"torch {torch.__version__}, gloo, 2 ranks x 1 thread; load average {load:.1f} -> {os.getloadavg()[0]:.1f}")
+    if "calls" in res:
+        print("\n| message | reduce-scatter gloo ms | exchange ms | all-gather gloo ms | exchange ms |\n|---|---|---|---|---|")
+        for r in res["calls"]:
+            print(f"| {r['MB']} MB | {r['rs_gloo']:.2f} | {r['rs_pair']:.2f} | {r['ag_gloo']:.2f} | {r['ag_pair']:.2f} |")
+    if "steps" in res:
+        print("\n| form | step ms, gloo | step ms, exchange | ratio |\n|---|---|---|---|")
+        for r in res["steps"]:
+            print(f"| {r['form']} | {r['gloo_ms']:.1f} | {r['pair_ms']:.1f} | **{r['ratio']:.3f}** |")
+
+
+if __name__ == "__main__":
+    main()
