@@ -214,6 +214,12 @@ def _exchanges() -> dict:
     pairwise._post = spy
     try:
         on = run()
+        # a reduce-scatter whose output (the exchange's scratch) passes 4 MiB stays gloo's
+        big = torch.full((2 * (pairwise.SCRATCH_MAX_BYTES // 4 + 1),), float(rank + 1))
+        half = big.numel() // 2
+        i = mesh.group_index(rank, ("data",))
+        got = comm.reduce_scatter(big, mesh, "data", out=big[i * half:(i + 1) * half], async_op=True).wait()
+        on.append([bool((got == sum(r + 1 for r in mesh.group_ranks(rank, ("data",)))).all())])
         n_on = len(posted)
         os.environ["SHARDLIB_GLOO_PAIRWISE"] = "0"
         off = run()

@@ -309,7 +309,7 @@ def reduce_scatter(x: torch.Tensor, mesh: Mesh, axes: str | Sequence[str], *, op
         raise CollectiveError(f"reduce_scatter over {canon}: out must be a contiguous {x.dtype} tensor of shape "
                               f"{shape} — got {out.dtype} {tuple(out.shape)}. Pass a buffer of that shape.")
     _record("reduce_scatter", canon, reduce_scatter_bytes(out.numel(), k, x.element_size()), x, k)
-    if pairwise.applies(k, x, _gloo(mesh, x), async_op, op):
+    if pairwise.applies(k, x, _gloo(mesh, x), async_op, op, scratch=out.numel() * out.element_size()):
         ex = pairwise.reduce_scatter(x, out, mesh.group_index(mesh.rank, canon), op, _pair_peer(mesh, canon),
                                      mesh.group(canon))
         return Pending(ex, out)

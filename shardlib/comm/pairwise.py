@@ -12,15 +12,15 @@ ZeRO-2 steps 0.90-0.95 and ZeRO-3 steps 0.92-0.94 of gloo's at 2 ranks.
 Only the asynchronous calls take it (what ZeRO's units and buckets issue, overlapped with
 compute): as synchronous calls on the critical path, the same exchanges made tensor-parallel
 steps slower (sequence parallel's all-gathers and reduce-scatters 1.13x, the tensor axis's
-all-reduces as exchanges 1.03-1.10x), so those stay gloo's collectives, as do groups of other
-sizes. The reduction is ``mine ⊕ theirs`` (``+``, ``max``, ``min``), which commutes bit for bit:
-the result is the one gloo's collective gives two ranks.
+all-reduces as exchanges 1.03-1.10x), so those stay gloo's collectives. So do groups of other
+sizes, and reduce-scatters whose output passes ``SCRATCH_MAX_BYTES`` (the exchange receives the
+peer's half into a scratch of that size). The reduction is ``mine ⊕ theirs`` (``+``, ``max``,
+``min``), which commutes bit for bit: the result is the one gloo's collective gives two ranks.
 
 The exchanges of a group share one tag, above the pipeline's: gloo delivers a pair's messages of
 one tag in the order they were posted, and every member posts its group's collectives in the same
 order. ``SHARDLIB_GLOO_PAIRWISE=0`` turns the exchange off.
 """
-
 
 from __future__ import annotations
 
@@ -36,10 +36,17 @@ _OPS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "min": lambda a, b: torch.minimum(a, b, out=a)}
 
 
-def applies(k: int, x: torch.Tensor, gloo: bool, async_op: bool, op: str = "sum") -> bool:
-    """Whether a reduce-scatter or all-gather of ``k`` members over ``x`` runs as a pairwise exchange."""
+SCRATCH_MAX_BYTES = 4 << 20
+
+
+def applies(k: int, x: torch.Tensor, gloo: bool, async_op: bool, op: str = "sum", scratch: int = 0) -> bool:
+    """Whether a reduce-scatter or all-gather of ``k`` members over ``x`` runs as a pairwise exchange.
+    ``scratch``: the bytes it needs for the peer's half (a reduce-scatter's output), at most
+    ``SCRATCH_MAX_BYTES`` (shardlib's mmap threshold, ``allocator.py``: below it the scratch comes from
+    the heap and goes back to it; a larger one would be mapped and faulted in anew each call, and add
+    its size to the peak beside the gradients it reduces)."""
     return (k == 2 and gloo and async_op and op in _OPS and x.numel() > 0 and x.is_contiguous()
-            and os.environ.get("SHARDLIB_GLOO_PAIRWISE", "1") != "0")
+            and scratch <= SCRATCH_MAX_BYTES and os.environ.get("SHARDLIB_GLOO_PAIRWISE", "1") != "0")
 
 
 class Exchange:
