@@ -1,19 +1,19 @@
-"""Two-member groups on gloo: the pairwise exchange (``shardlib/comm/pairwise.py``) vs gloo's collectives.
+"""Groups on gloo: the direct pairwise exchanges (``shardlib/comm/pairwise.py``) vs gloo's collectives.
 
     PYTHONPATH=. python3 benchmarks/bench_gloo_pair.py                     # both parts, Markdown tables
     PYTHONPATH=. python3 benchmarks/bench_gloo_pair.py --parts steps --steps 40
 
 ``SHARDLIB_GLOO_PAIRWISE`` is read at every call, so one process can run the same thing both ways,
-alternated (A B, B A, ...), and a change in machine load hits both alike. Two gloo ranks, 1 thread each.
+alternated (A B, B A, ...), and a change in machine load hits both alike. gloo ranks of 1 thread each.
 
 * **calls**: ``comm.reduce_scatter`` (in place, as ZeRO-2's buckets call it) and ``comm.all_gather``
   (into a buffer, as ZeRO-3's units), ``async_op=True`` then ``wait()``, after a barrier; median over
-  ``--calls`` of the slower rank's time, for each message size.
+  ``--calls`` of the slower rank's time, for each message size; two ranks.
 * **steps**: one engine per form (the GPT of ``bench_data_parallel.py``, AdamW), its steps alternated
-  between the exchange on and off; median over ``--steps`` of the step time (slowest rank). The forms:
-  ZeRO-2 and ZeRO-3 at data 2 (their buckets' and units' collectives are the asynchronous ones the
-  exchange takes), and tensor 2 with sequence parallel, whose all-gathers and reduce-scatters are
-  synchronous and stay gloo's: an A/A check of the method's noise.
+  between the exchanges on and off; median over ``--steps`` of the step time (slowest rank). The forms:
+  ZeRO-2 and ZeRO-3 at data = each of ``--ranks`` (their buckets' and units' collectives are the
+  asynchronous ones the exchanges take), and at 2 ranks tensor 2 with sequence parallel, whose
+  all-gathers and reduce-scatters are synchronous and stay gloo's: an A/A check of the method's noise.
 """
 
 from __future__ import annotations
@@ -76,10 +76,12 @@ def calls(reps: int) -> list[dict]:
 
 
 def steps(reps: int, warmup: int) -> list[dict]:
-    rows = []
+    n, rows = dist.get_world_size(), []
     for form, kw in FORMS.items():
         tensor = "rules" in kw
-        mesh = sl.Mesh({"tensor": 2} if tensor else {"data": 2})
+        if tensor and n != 2:
+            continue
+        mesh = sl.Mesh({"tensor": 2} if tensor else {"data": n})
         model = GPT(CFG, seed=0)
         plan = sl.plan(model, mesh, batch=token_batch(CFG, 8, 0), **kw)
         engine = sl.parallelize(model, plan, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
@@ -87,14 +89,14 @@ def steps(reps: int, warmup: int) -> list[dict]:
         for i in range(warmup):
             engine.step(batches[i % 4])
         t = _alternate(lambda i: engine.step(batches[i % 4]), reps)
-        rows.append({"form": form, "gloo_ms": t["0"], "pair_ms": t["1"], "ratio": t["1"] / t["0"]})
+        rows.append({"form": form, "ranks": n, "gloo_ms": t["0"], "pair_ms": t["1"], "ratio": t["1"] / t["0"]})
     return rows
 
 
 def rank_main(parts: list[str], n_calls: int, n_steps: int, warmup: int) -> dict:
     torch.set_num_threads(1)
     out = {}
-    if "calls" in parts:
+    if "calls" in parts and dist.get_world_size() == 2:
         out["calls"] = calls(n_calls)
     if "steps" in parts:
         out["steps"] = steps(n_steps, warmup)
@@ -107,18 +109,24 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=41)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--ranks", type=int, nargs="*", default=[2, 4])
     args = ap.parse_args()
     load = os.getloadavg()[0]
-    res = sl.launch(rank_main, 2, args.parts, args.calls, args.steps, args.warmup, threads=1)[0]
-    print(f"torch {torch.__version__}, gloo, 2 ranks x 1 thread; load average {load:.1f} -> {os.getloadavg()[0]:.1f}")
+    res: dict = {}
+    for n in args.ranks:
+        got = sl.launch(rank_main, n, args.parts, args.calls, args.steps, args.warmup, threads=1)[0]
+        res.setdefault("calls", got.get("calls"))
+        res.setdefault("steps", []).extend(got.get("steps", []))
+    res = {k: v for k, v in res.items() if v}
+    print(f"torch {torch.__version__}, gloo, ranks of 1 thread; load average {load:.1f} -> {os.getloadavg()[0]:.1f}")
     if "calls" in res:
         print("\n| message | reduce-scatter gloo ms | exchange ms | all-gather gloo ms | exchange ms |\n|---|---|---|---|---|")
         for r in res["calls"]:
             print(f"| {r['MB']} MB | {r['rs_gloo']:.2f} | {r['rs_pair']:.2f} | {r['ag_gloo']:.2f} | {r['ag_pair']:.2f} |")
     if "steps" in res:
-        print("\n| form | step ms, gloo | step ms, exchange | ratio |\n|---|---|---|---|")
+        print("\n| form | ranks | step ms, gloo | step ms, exchanges | ratio |\n|---|---|---|---|---|")
         for r in res["steps"]:
-            print(f"| {r['form']} | {r['gloo_ms']:.1f} | {r['pair_ms']:.1f} | **{r['ratio']:.3f}** |")
+            print(f"| {r['form']} | {r['ranks']} | {r['gloo_ms']:.1f} | {r['pair_ms']:.1f} | **{r['ratio']:.3f}** |")
 
 
 if __name__ == "__main__":

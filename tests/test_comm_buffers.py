@@ -179,42 +179,49 @@ def _exchanges() -> dict:
     from shardlib.comm import pairwise
     from shardlib.testing import get_mesh
     mesh = get_mesh(SHAPE)
-    rank, posted, real = mesh.rank, [], pairwise._post
+    rank, posted, real = mesh.rank, [], (pairwise.reduce_scatter, pairwise.all_gather)
 
-    def spy(*a):
-        posted.append(a[0].numel())
-        return real(*a)
+    def spy(fn):
+        def call(*a):
+            posted.append(fn.__name__)
+            return fn(*a)
+        return call
 
-    def run() -> list:
+    def run(exact: bool) -> list:
         results = []
         for t, (axes, dtype, op) in enumerate([("data", torch.float32, "sum"), ("tensor", torch.bfloat16, "sum"),
-                                               ("data", torch.float32, "max"), ("tensor", torch.float32, "min")]):
+                                               ("data", torch.float32, "max"), ("tensor", torch.float32, "min"),
+                                               (("tensor", "data"), torch.float32, "sum")]):
             canon = mesh.canonical_axes(axes)
             members = mesh.group_ranks(rank, canon)
-            i, c = members.index(rank), 3 + t
-            y = _full(200 + t, mesh.size, 2 * c).to(dtype)
+            i, c, k = members.index(rank), 3 + t, len(members)
+            y = _full(200 + t, mesh.size, k * c).to(dtype)
             x = _full(300 + t, mesh.size, c).to(dtype)
             inp = y[rank].clone()
             pend = [comm.reduce_scatter(inp, mesh, axes, op=op, out=inp[i * c:(i + 1) * c], async_op=True),
                     comm.reduce_scatter(y[rank].clone(), mesh, axes, op=op, async_op=True)]
             if op == "sum":
-                buf = torch.full((2 * c,), float("nan"), dtype=dtype)
+                buf = torch.full((k * c,), float("nan"), dtype=dtype)
                 buf[i * c:(i + 1) * c] = x[rank]
                 pend += [comm.all_gather(buf[i * c:(i + 1) * c], mesh, axes, out=buf, async_op=True),
                          comm.all_gather(x[rank], mesh, axes, async_op=True)]
             got = [p.wait() for p in reversed(pend)][::-1]
             fold = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}[op]
-            want_rs = fold(y[members[0]], y[members[1]])[i * c:(i + 1) * c]
+            # this member's part first, then the peers' in member order (one op over two members: commutes)
+            want_rs = y[rank][i * c:(i + 1) * c]
+            for m in members:
+                want_rs = want_rs if m == rank else fold(want_rs, y[m][i * c:(i + 1) * c])
             own = inp.data_ptr() + i * c * inp.element_size()
-            results.append([torch.equal(got[0], want_rs) and got[0].data_ptr() == own, torch.equal(got[1], want_rs)]
+            same = torch.equal if exact or k == 2 else lambda a, b: torch.allclose(a, b, rtol=1e-6, atol=1e-6)
+            results.append([same(got[0], want_rs) and got[0].data_ptr() == own, same(got[1], want_rs)]
                            + ([torch.equal(g, torch.cat([x[m] for m in members])) for g in got[2:]] +
                               [got[2].data_ptr() == buf.data_ptr()] if op == "sum" else []))
         return results
 
-    pairwise._post = spy
+    pairwise.reduce_scatter, pairwise.all_gather = map(spy, real)
     try:
-        on = run()
-        # a reduce-scatter whose output (the exchange's scratch) passes 4 MiB stays gloo's
+        on = run(exact=True)
+        # a reduce-scatter whose peer's part (the exchange's scratch) passes 4 MiB stays gloo's
         big = torch.full((2 * (pairwise.SCRATCH_MAX_BYTES // 4 + 1),), float(rank + 1))
         half = big.numel() // 2
         i = mesh.group_index(rank, ("data",))
@@ -222,19 +229,20 @@ def _exchanges() -> dict:
         on.append([bool((got == sum(r + 1 for r in mesh.group_ranks(rank, ("data",)))).all())])
         n_on = len(posted)
         os.environ["SHARDLIB_GLOO_PAIRWISE"] = "0"
-        off = run()
+        off = run(exact=False)
     finally:
-        pairwise._post = real
+        pairwise.reduce_scatter, pairwise.all_gather = real
         os.environ.pop("SHARDLIB_GLOO_PAIRWISE", None)
     return {"on": on, "off": off, "posted": (n_on, len(posted) - n_on)}
 
 
-def test_two_member_groups_exchange_asynchronous_reduce_scatters_and_gathers(world):
-    """On gloo, a two-member group's asynchronous reduce-scatter and all-gather are one pairwise
-    exchange each: the results equal the reference bit for bit (one add, max or min of the two members'
-    values, which commutes), with several in flight waited in reverse order; with the exchange turned
-    off, gloo's collectives give the same."""
+def test_groups_exchange_asynchronous_reduce_scatters_and_gathers_pairwise(world):
+    """On gloo, a group's asynchronous reduce-scatter and all-gather are direct pairwise exchanges
+    (groups of 2 and 4 here): the results equal the reference bit for bit (this member's part, then the
+    peers' in member order), with several in flight waited in reverse order; with the exchanges turned
+    off, gloo's collectives give the same (bit for bit over two members, where one add commutes; within
+    round-off over four, whose ring sums in another order)."""
     for r in world(4, _exchanges):
         assert all(all(checks) for checks in r["on"]), r
         assert all(all(checks) for checks in r["off"]), r
-        assert r["posted"] == (4 * 2 + 2 * 2, 0), r      # 2 reduce-scatters per case, 2 all-gathers per sum
+        assert r["posted"] == (5 * 2 + 3 * 2, 0), r      # 2 reduce-scatters per case, 2 all-gathers per sum

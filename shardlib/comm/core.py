@@ -272,7 +272,7 @@ def all_gather(x: torch.Tensor, mesh: Mesh, axes: str | Sequence[str], *, async_
                               f"{shape} — got {out.dtype} {tuple(out.shape)}. Pass a buffer of that shape.")
     _record("all_gather", canon, all_gather_bytes(x.numel(), k, x.element_size()), x, k, tag)
     if pairwise.applies(k, x, _gloo(mesh, x), async_op):
-        ex = pairwise.all_gather(x, out, mesh.group_index(mesh.rank, canon), _pair_peer(mesh, canon),
+        ex = pairwise.all_gather(x, out, mesh.group_index(mesh.rank, canon), mesh.group_ranks(mesh.rank, canon),
                                  mesh.group(canon))
         return Pending(ex, out)
     work = _all_gather_single()(out, x.reshape(-1) if x.dim() == 0 else x, group=mesh.group(canon),
@@ -310,8 +310,8 @@ def reduce_scatter(x: torch.Tensor, mesh: Mesh, axes: str | Sequence[str], *, op
                               f"{shape} — got {out.dtype} {tuple(out.shape)}. Pass a buffer of that shape.")
     _record("reduce_scatter", canon, reduce_scatter_bytes(out.numel(), k, x.element_size()), x, k)
     if pairwise.applies(k, x, _gloo(mesh, x), async_op, op, scratch=out.numel() * out.element_size()):
-        ex = pairwise.reduce_scatter(x, out, mesh.group_index(mesh.rank, canon), op, _pair_peer(mesh, canon),
-                                     mesh.group(canon))
+        ex = pairwise.reduce_scatter(x, out, mesh.group_index(mesh.rank, canon), op,
+                                     mesh.group_ranks(mesh.rank, canon), mesh.group(canon))
         return Pending(ex, out)
     if _gloo(mesh, x) and out.data_ptr() == x.data_ptr() + mesh.group_index(mesh.rank, canon) * out.nbytes:
         work = dist.all_reduce(x, op=_REDUCE_OPS[op], group=mesh.group(canon), async_op=async_op)
@@ -319,11 +319,6 @@ def reduce_scatter(x: torch.Tensor, mesh: Mesh, axes: str | Sequence[str], *, op
         work = _reduce_scatter_single()(out, x, op=_REDUCE_OPS[op], group=mesh.group(canon),
                                         async_op=async_op)
     return Pending(work, out) if async_op else out
-
-
-def _pair_peer(mesh: Mesh, canon: tuple[str, ...]) -> int:
-    """The other member (global rank) of this rank's two-member group over ``canon``."""
-    return next(r for r in mesh.group_ranks(mesh.rank, canon) if r != mesh.rank)
 
 
 def _gloo(mesh: Mesh, x: torch.Tensor) -> bool:
