@@ -14,6 +14,9 @@ alternated (A B, B A, ...), and a change in machine load hits both alike. gloo r
   ZeRO-2 and ZeRO-3 at data = each of ``--ranks`` (their buckets' and units' collectives are the
   asynchronous ones the exchanges take), and at 2 ranks tensor 2 with sequence parallel, whose
   all-gathers and reduce-scatters are synchronous and stay gloo's: an A/A check of the method's noise.
+
+Reduce-scatters are exchanged only where the host's ranks fill its cores (``pairwise.cores_filled``, printed
+per world); ``--force-rs`` exchanges them anyway, to measure the exchange on a host with cores to spare.
 """
 
 from __future__ import annotations
@@ -93,9 +96,12 @@ def steps(reps: int, warmup: int) -> list[dict]:
     return rows
 
 
-def rank_main(parts: list[str], n_calls: int, n_steps: int, warmup: int) -> dict:
+def rank_main(parts: list[str], n_calls: int, n_steps: int, warmup: int, force_rs: bool) -> dict:
+    from shardlib.comm import pairwise
     torch.set_num_threads(1)
-    out = {}
+    out = {"filled": pairwise.cores_filled()}
+    if force_rs:
+        pairwise.cores_filled = lambda: True
     if "calls" in parts and dist.get_world_size() == 2:
         out["calls"] = calls(n_calls)
     if "steps" in parts:
@@ -110,11 +116,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--ranks", type=int, nargs="*", default=[2, 4])
+    ap.add_argument("--force-rs", action="store_true", help="exchange reduce-scatters even where cores are to spare")
     args = ap.parse_args()
     load = os.getloadavg()[0]
     res: dict = {}
     for n in args.ranks:
-        got = sl.launch(rank_main, n, args.parts, args.calls, args.steps, args.warmup, threads=1)[0]
+        got = sl.launch(rank_main, n, args.parts, args.calls, args.steps, args.warmup, args.force_rs, threads=1)[0]
+        print(f"{n} ranks on {len(os.sched_getaffinity(0))} cores: ranks fill the cores: {got['filled']}"
+              + (" (reduce-scatters exchanged anyway: --force-rs)" if args.force_rs else ""))
         res.setdefault("calls", got.get("calls"))
         res.setdefault("steps", []).extend(got.get("steps", []))
     res = {k: v for k, v in res.items() if v}

@@ -219,7 +219,12 @@ def _exchanges() -> dict:
         return results
 
     pairwise.reduce_scatter, pairwise.all_gather = map(spy, real)
+    filled = pairwise.cores_filled
     try:
+        pairwise.cores_filled = lambda: False     # a core to spare: reduce-scatters stay gloo's, gathers exchange
+        spare = run(exact=False)
+        n_spare = len(posted)
+        pairwise.cores_filled = lambda: True      # this host's ranks fill its cores (2 ranks on 2: the reference)
         on = run(exact=True)
         # a reduce-scatter whose peer's part (the exchange's scratch) passes 4 MiB stays gloo's
         big = torch.full((2 * (pairwise.SCRATCH_MAX_BYTES // 4 + 1),), float(rank + 1))
@@ -232,17 +237,21 @@ def _exchanges() -> dict:
         off = run(exact=False)
     finally:
         pairwise.reduce_scatter, pairwise.all_gather = real
+        pairwise.cores_filled = filled
         os.environ.pop("SHARDLIB_GLOO_PAIRWISE", None)
-    return {"on": on, "off": off, "posted": (n_on, len(posted) - n_on)}
+    return {"on": on, "off": off, "spare": spare, "posted": (n_spare, n_on - n_spare, len(posted) - n_on),
+            "names": posted[:n_spare]}
 
 
 def test_groups_exchange_asynchronous_reduce_scatters_and_gathers_pairwise(world):
     """On gloo, a group's asynchronous reduce-scatter and all-gather are direct pairwise exchanges
     (groups of 2 and 4 here): the results equal the reference bit for bit (this member's part, then the
-    peers' in member order), with several in flight waited in reverse order; with the exchanges turned
-    off, gloo's collectives give the same (bit for bit over two members, where one add commutes; within
+    peers' in member order), with several in flight waited in reverse order; reduce-scatters only where
+    the host's ranks fill its cores; with the exchanges turned off, gloo's collectives give the same (bit for bit over two members, where one add commutes; within
     round-off over four, whose ring sums in another order)."""
     for r in world(4, _exchanges):
         assert all(all(checks) for checks in r["on"]), r
-        assert all(all(checks) for checks in r["off"]), r
-        assert r["posted"] == (5 * 2 + 3 * 2, 0), r      # 2 reduce-scatters per case, 2 all-gathers per sum
+        assert all(all(checks) for checks in r["off"] + r["spare"]), r
+        # with the cores filled: 2 reduce-scatters per case and 2 all-gathers per sum; with one to spare
+        # the all-gathers alone; turned off, none
+        assert r["posted"] == (3 * 2, 5 * 2 + 3 * 2, 0) and set(r["names"]) == {"all_gather"}, r

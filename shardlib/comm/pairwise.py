@@ -8,17 +8,18 @@ chunks per member: ``core``'s byte models count them unchanged) in one round ins
 dependent steps. Gloo's own ``reduce_scatter_tensor`` all-reduces a copy of the whole input and its
 ``all_gather`` runs on its collective thread; the exchanges are the faster for ZeRO's buckets and
 units (``benchmarks/bench_gloo_pair.py``: the same engine stepping with and without them,
-alternated): ZeRO-2 steps 0.90-0.97 of gloo's at 2 ranks, 0.93-0.96 at 4, 0.84 at 8; ZeRO-3 steps
-0.90-0.94, 0.89 and 0.85.
+alternated; ``benchmarks/results/gloo_pair-2026-11-26.md``): on the 2-core reference machine ZeRO-2
+steps 0.90-1.00 of gloo's at 2-4 ranks, 0.84 at 8, ZeRO-3 steps 0.89-0.96, 0.85 at 8.
 
 Only the asynchronous calls take them (what ZeRO's units and buckets issue, overlapped with
 compute): as synchronous calls on the critical path, the same exchanges made tensor-parallel
 steps slower (sequence parallel's all-gathers and reduce-scatters 1.13x, the tensor axis's
 all-reduces as exchanges 1.03-1.10x), so those stay gloo's collectives. So do groups of more than
-``MAX_MEMBERS`` (``k-1`` messages each way per member; not measured beyond 8), and reduce-scatters
-whose peers' parts pass ``SCRATCH_MAX_BYTES`` (they are received into a scratch of that size). The
-reduction folds each peer's part into this member's own in member order (``+``, ``max``, ``min``):
-over two members ``mine ⊕ theirs``, which commutes bit for bit, the value gloo gives two ranks.
+``MAX_MEMBERS`` (``k-1`` messages each way per member; not measured beyond 8); and a reduce-scatter
+is exchanged only where this host's ranks fill its cores (``cores_filled``) and its peers' parts fit
+in ``SCRATCH_MAX_BYTES`` (they are received into a scratch of that size). The reduction folds each
+peer's part into this member's own in member order (``+``, ``max``, ``min``): over two members
+``mine ⊕ theirs``, which commutes bit for bit, the value gloo gives two ranks.
 
 The exchanges of a group share one tag, above the pipeline's: gloo delivers a pair's messages of
 one tag in the order they were posted, and every member posts its group's collectives in the same
@@ -27,6 +28,7 @@ order. ``SHARDLIB_GLOO_PAIRWISE=0`` turns the exchanges off.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 
@@ -41,14 +43,33 @@ SCRATCH_MAX_BYTES = 4 << 20
 MAX_MEMBERS = 8
 
 
-def applies(k: int, x: torch.Tensor, gloo: bool, async_op: bool, op: str = "sum", scratch: int = 0) -> bool:
-    """Whether a reduce-scatter or all-gather of ``k`` members over ``x`` runs as pairwise exchanges.
-    ``scratch``: the bytes it needs for the peers' parts (a reduce-scatter's output per peer), at most
-    ``SCRATCH_MAX_BYTES`` (shardlib's mmap threshold, ``allocator.py``: below it the scratch comes from
-    the heap and goes back to it; a larger one would be mapped and faulted in anew each call, and add
-    its size to the peak beside the gradients it reduces)."""
-    return (2 <= k <= MAX_MEMBERS and gloo and async_op and op in _OPS and x.numel() > 0 and x.is_contiguous()
-            and (k - 1) * scratch <= SCRATCH_MAX_BYTES and os.environ.get("SHARDLIB_GLOO_PAIRWISE", "1") != "0")
+def applies(k: int, x: torch.Tensor, gloo: bool, async_op: bool, op: str = "sum", scratch: int | None = None) -> bool:
+    """Whether a reduce-scatter (``scratch`` given) or all-gather of ``k`` members over ``x`` runs as
+    pairwise exchanges. ``scratch``: the bytes a reduce-scatter needs for each peer's part (its output),
+    at most ``SCRATCH_MAX_BYTES`` for all peers (shardlib's mmap threshold, ``allocator.py``: below it
+    the scratch comes from the heap and goes back to it; a larger one would be mapped and faulted in
+    anew each call, and add its size to the peak beside the gradients it reduces); and only where this
+    host's ranks fill its cores (``cores_filled``)."""
+    if not (2 <= k <= MAX_MEMBERS and gloo and async_op and op in _OPS and x.numel() > 0 and x.is_contiguous()
+            and os.environ.get("SHARDLIB_GLOO_PAIRWISE", "1") != "0"):
+        return False
+    return scratch is None or ((k - 1) * scratch <= SCRATCH_MAX_BYTES and cores_filled())
+
+
+@functools.cache
+def cores_filled() -> bool:
+    """Whether this host's ranks (``LOCAL_WORLD_SIZE``, as torchrun and ``sl.launch`` set it) times this
+    rank's threads take all the cores it may run on. A reduce-scatter's exchange adds the peers' parts
+    on the caller's thread when it is waited for, where gloo's collective reduces on its own thread:
+    with a core to spare, gloo's runs beside the backward and the exchange only lengthens the step
+    (ZeRO-2 1.02-1.07x on 16 cores with 2-4 ranks); with none (2 ranks on 2 cores), that thread takes
+    the same core time as the fold, and the exchange's fewer hand-offs win (ZeRO-2 0.90-0.98x)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:          # not Linux
+        cores = os.cpu_count() or 1
+    return local > 0 and local * torch.get_num_threads() >= cores
 
 
 class Exchange:
