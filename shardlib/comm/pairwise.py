@@ -13,13 +13,14 @@ steps 0.90-1.00 of gloo's at 2-4 ranks, 0.84 at 8, ZeRO-3 steps 0.89-0.96, 0.85 
 
 Only the asynchronous calls take them (what ZeRO's units and buckets issue, overlapped with
 compute): as synchronous calls on the critical path, the same exchanges made tensor-parallel
-steps slower (sequence parallel's all-gathers and reduce-scatters 1.13x, the tensor axis's
-all-reduces as exchanges 1.03-1.10x), so those stay gloo's collectives. So do groups of more than
-``MAX_MEMBERS`` (``k-1`` messages each way per member; not measured beyond 8); and a reduce-scatter
-is exchanged only where this host's ranks fill its cores (``cores_filled``) and its peers' parts fit
-in ``SCRATCH_MAX_BYTES`` (they are received into a scratch of that size). The reduction folds each
-peer's part into this member's own in member order (``+``, ``max``, ``min``): over two members
-``mine ⊕ theirs``, which commutes bit for bit, the value gloo gives two ranks.
+steps no faster (sequence parallel's all-gathers and reduce-scatters 1.13x in one run, the tensor
+axis's all-reduces as exchanges 0.99-1.10x in seven, where A/A runs read 1.00-1.06), so those stay
+gloo's collectives. So do groups of more than ``MAX_MEMBERS`` (``k-1`` messages each way per
+member; not measured beyond 8); and a reduce-scatter is exchanged only where this host's ranks
+fill its cores (``cores_filled``) and its peers' parts fit in ``SCRATCH_MAX_BYTES`` (they are
+received into a scratch of that size). The reduction folds each peer's part into this member's own
+in member order (``+``, ``max``, ``min``): over two members ``mine ⊕ theirs``, which commutes bit
+for bit, the value gloo gives two ranks.
 
 The exchanges of a group share one tag, above the pipeline's: gloo delivers a pair's messages of
 one tag in the order they were posted, and every member posts its group's collectives in the same
