@@ -12,7 +12,7 @@ alternated; ``benchmarks/results/gloo_pair-2026-11-26.md``): on the 2-core refer
 steps 0.90-1.00 of gloo's at 2-4 ranks, 0.84 at 8, ZeRO-3 steps 0.89-0.96, 0.85 at 8.
 
 Only the asynchronous calls take them (what ZeRO's units and buckets issue, overlapped with
-compute): as synchronous calls on the critical path, the same exchanges made tensor-parallel
+compute, and ZeRO-1/2's gathers of the updated parameters, waited for at once): as synchronous calls on the critical path, the same exchanges made tensor-parallel
 steps no faster (sequence parallel's all-gathers and reduce-scatters 1.13x in one run, the tensor
 axis's all-reduces as exchanges 0.99-1.10x in seven, where A/A runs read 1.00-1.06), so those stay
 gloo's collectives. So do groups of more than ``MAX_MEMBERS`` (``k-1`` messages each way per
