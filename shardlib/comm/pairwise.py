@@ -9,7 +9,7 @@ dependent steps. Gloo's own ``reduce_scatter_tensor`` all-reduces a copy of the 
 ``all_gather`` runs on its collective thread; the exchanges are the faster for ZeRO's buckets and
 units (``benchmarks/bench_gloo_pair.py``: the same engine stepping with and without them,
 alternated; ``benchmarks/results/gloo_pair-2026-11-26.md``): on the 2-core reference machine ZeRO-2
-steps 0.90-1.00 of gloo's at 2-4 ranks, 0.84 at 8, ZeRO-3 steps 0.89-0.96, 0.85 at 8.
+steps 0.90-1.00 of gloo's at 2-4 ranks, 0.84 at 8, ZeRO-3 steps 0.89-0.99, 0.85 at 8.
 
 Only the asynchronous calls take them (what ZeRO's units and buckets issue, overlapped with
 compute, and ZeRO-1/2's gathers of the updated parameters, waited for at once): as synchronous calls on the critical path, the same exchanges made tensor-parallel
