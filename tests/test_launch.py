@@ -92,6 +92,24 @@ def test_rank_that_dies_is_named_not_the_peer_it_took_down():
     assert "_abort_on_rank_one" in err.remote_traceback   # its stack, from faulthandler
 
 
+def test_a_death_is_dated_by_its_stack_when_the_parent_learns_of_it_late(tmp_path):
+    """A rank killed by a signal is dated by when faulthandler wrote its stack, not by when the parent last
+    saw it alive: on a busy machine the fork server reports a forked rank's exit late, after the peer that
+    lost its connection to it wrote its error (the race a loaded run of the test above hit once)."""
+    from shardlib.frontend.launcher import _death, _fault_path
+
+    path = _fault_path(str(tmp_path), 1)
+    with open(path, "w") as f:
+        f.write('Fatal Python error: Aborted\n  File "x.py", line 1 in f\n')
+    died = time.time() - 10.0
+    os.utime(path, (died, died))
+    late = time.time()                     # "still alive" as the parent last saw it
+    assert _death(1, -6, late, str(tmp_path))["time"] == pytest.approx(died, abs=1e-3)
+    assert _death(1, 1, late, str(tmp_path))["time"] == late       # an exit code: no fatal signal, no stack time
+    open(path, "w").close()                                          # killed without a stack (SIGKILL)
+    assert _death(1, -9, late, str(tmp_path))["time"] == late
+
+
 # ---- the same program under torchrun ----------------------------------------------------------------
 
 _TORCHRUN_SCRIPT = '''

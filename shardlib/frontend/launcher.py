@@ -486,7 +486,11 @@ def _worker_error(errors: dict[int, dict], results: dict[int, dict], nprocs: int
 
 
 def _death(rank: int, exitcode: int, last_alive: float, result_dir: str) -> dict:
-    """The outcome of a rank that exited without writing a result."""
+    """The outcome of a rank that exited without writing a result, dated by the last time it was seen
+    alive or, where a fatal signal made faulthandler write its stack, by when that was written: the
+    moment it died. The parent learns of a forked rank's exit through the fork server, which a busy
+    machine can delay past the error of a peer that lost its connection to the dead rank; the stack's
+    time still puts the death first."""
     if exitcode < 0:
         try:
             how = f"was killed by {signal.Signals(-exitcode).name}"
@@ -494,12 +498,15 @@ def _death(rank: int, exitcode: int, last_alive: float, result_dir: str) -> dict
             how = f"was killed by signal {-exitcode}"
     else:
         how = f"exited with code {exitcode}"
+    when = last_alive
     try:
         with open(_fault_path(result_dir, rank)) as f:
             stack = f.read().strip()
+        if stack and exitcode < 0:
+            when = min(last_alive, os.path.getmtime(_fault_path(result_dir, rank)))
     except OSError:
         stack = ""
-    return {"ok": False, "time": last_alive, "traceback": stack,
+    return {"ok": False, "time": when, "traceback": stack,
             "error": f"rank {rank} {how} before returning a result"}
 
 
