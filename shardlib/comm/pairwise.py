@@ -63,8 +63,8 @@ def cores_filled() -> bool:
     rank's threads take all the cores it may run on. A reduce-scatter's exchange adds the peers' parts
     on the caller's thread when it is waited for, where gloo's collective reduces on its own thread:
     with a core to spare, gloo's runs beside the backward and the exchange only lengthens the step
-    (ZeRO-2 1.02-1.07x on 16 cores with 2-4 ranks); with none (2 ranks on 2 cores), that thread takes
-    the same core time as the fold, and the exchange's fewer hand-offs win (ZeRO-2 0.90-0.98x)."""
+    (ZeRO-2 1.00-1.08x on 16 cores with 2-4 ranks); with none (2-4 ranks on 2 cores), that thread
+    takes the same core time as the fold, and the exchange's fewer hand-offs win (ZeRO-2 0.90-1.00x)."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
     try:
         cores = len(os.sched_getaffinity(0))

@@ -498,12 +498,12 @@ def _death(rank: int, exitcode: int, last_alive: float, result_dir: str) -> dict
             how = f"was killed by signal {-exitcode}"
     else:
         how = f"exited with code {exitcode}"
-    when = last_alive
+    when, path = last_alive, _fault_path(result_dir, rank)
     try:
-        with open(_fault_path(result_dir, rank)) as f:
+        with open(path) as f:
             stack = f.read().strip()
         if stack and exitcode < 0:
-            when = min(last_alive, os.path.getmtime(_fault_path(result_dir, rank)))
+            when = min(last_alive, os.path.getmtime(path))
     except OSError:
         stack = ""
     return {"ok": False, "time": when, "traceback": stack,
