@@ -220,6 +220,7 @@ def _exchanges() -> dict:
 
     pairwise.reduce_scatter, pairwise.all_gather = map(spy, real)
     filled = pairwise.cores_filled
+    os.environ["SHARDLIB_SHM"] = "0"      # the exchanges are the path where the shared-memory channel is not
     try:
         pairwise.cores_filled = lambda: False     # a core to spare: reduce-scatters stay gloo's, gathers exchange
         spare = run(exact=False)
@@ -239,6 +240,7 @@ def _exchanges() -> dict:
         pairwise.reduce_scatter, pairwise.all_gather = real
         pairwise.cores_filled = filled
         os.environ.pop("SHARDLIB_GLOO_PAIRWISE", None)
+        os.environ.pop("SHARDLIB_SHM", None)
     return {"on": on, "off": off, "spare": spare, "posted": (n_spare, n_on - n_spare, len(posted) - n_on),
             "names": posted[:n_spare]}
 

@@ -1,0 +1,341 @@
+"""A group's all-reduces through shared memory, where all its members run on this host (gloo, CPU).
+
+Gloo moves every message through a TCP socket and hands it between the caller's thread and its
+own; for the tensor axis's activations (hundreds of KB, several per block, on the critical path)
+that hand-off, not the bytes, is the cost: a 512 KB all-reduce over two ranks of the 2-core
+reference machine takes 1.0 ms alone and 1.4-2.5 ms inside a step, where copying it in, waiting
+for the peer and adding takes 0.1-0.2 ms (``benchmarks/bench_gloo_pair.py --shm``). DeepSpeed's CPU
+backend (its ``shm`` all-reduce) and oneCCL do the same for ranks that share a host.
+
+**Channel.** The first eligible all-reduce on a group sets one up, collectively: every member
+creates a file under ``/dev/shm`` (named by a random token member 0 draws), maps every peer's,
+checks the peer's pid in it, and unlinks its own once all are mapped — nothing is left behind, even
+if a rank dies later. If any member fails any step, every member learns it in the same collective
+and the group keeps gloo. A member's file holds a header (two counters on their own cache lines,
+its pid) and ``SLOTS`` slots of ``SLOT_BYTES``; only the pages an all-reduce touches take memory.
+
+**One all-reduce** (the group's ``n``-th): this member copies its input into slot ``n % SLOTS`` of
+its file and raises its *arrived* counter to ``n`` (issue: it never blocks); to complete it, it waits
+for every member's *arrived* to reach ``n``, reduces the members' slots in member order into the
+output, and raises its *done* counter to ``n``. A slot is written again only when every member's
+*done* has passed its last use; an input whose slot is still being read is copied in when the
+group's earlier all-reduces complete. Every member reduces in the same order, so all hold the same
+bits; over two members, ``a + b`` is the sum gloo gives. Waiting spins briefly, then sleeps on a
+futex on the counter (woken by the writer), and fails by the group's timeout or as soon as a peer's
+process is gone, naming it.
+
+x86-64 Linux only (the counters rely on its store order; elsewhere gloo as before); all-reduces of
+``sum``/``max``/``min`` on float or integer tensors up to ``SLOT_BYTES``, groups of 2 to
+``MAX_MEMBERS``. ``SHARDLIB_SHM=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import ctypes
+import datetime
+import mmap
+import os
+import platform
+import secrets
+import time
+import weakref
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import _disable_current_modes
+
+from ..algebra.mesh import default_timeout
+from ..errors import CollectiveError
+
+SLOT_BYTES = 1 << 20
+SLOTS = 8
+MAX_MEMBERS = 8
+SPIN = 2000                      # counter reads before sleeping on the futex (~0.1 ms)
+_HEADER = 4096
+_ARRIVED, _DONE, _PID = 0, 8, 16  # int64 indices into the header: separate cache lines
+_SYS_FUTEX, _FUTEX_WAIT, _FUTEX_WAKE = 202, 0, 1
+_REDUCE = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
+_CHANNELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # group -> Channel | None (gloo)
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+_LIBC = None
+
+
+def _libc():
+    global _LIBC
+    if _LIBC is None:
+        _LIBC = ctypes.CDLL(None, use_errno=True)
+    return _LIBC
+
+
+def supported() -> bool:
+    """Whether this host can run the channel at all (x86-64 Linux with ``/dev/shm``), and it is on."""
+    return (os.environ.get("SHARDLIB_SHM", "1") != "0" and platform.system() == "Linux"
+            and platform.machine() in ("x86_64", "AMD64") and os.path.isdir("/dev/shm"))
+
+
+def applies(k: int, x: torch.Tensor, gloo: bool, op: str = "sum") -> bool:
+    """Whether a collective of ``x`` over ``k`` members may go through shared memory (the same answer on
+    every member: it depends only on what they all share)."""
+    return (gloo and 2 <= k <= MAX_MEMBERS and op in _REDUCE and x.dtype != torch.bool and not x.is_complex()
+            and x.numel() > 0 and x.is_contiguous() and supported())
+
+
+def channel(group) -> Channel | None:
+    """The group's channel, set up on first use (collective over the group); None where it keeps gloo."""
+    try:
+        return _CHANNELS[group]
+    except KeyError:
+        ch = Channel.open(group)
+        _CHANNELS[group] = ch
+        return ch
+
+
+def all_reduce(x: torch.Tensor, op: str, group) -> Issued | None:
+    """Issue an all-reduce of ``x`` in place through the group's channel; ``wait()`` completes it.
+    None when the group keeps gloo (decided once, by every member alike)."""
+    ch = channel(group)
+    return None if ch is None else ch.issue("ar", x.view(-1), x.view(-1), op, x)
+
+
+def all_gather(x: torch.Tensor, out: torch.Tensor, group) -> Issued | None:
+    """Issue an all-gather of every member's ``x`` into ``out`` (``k`` blocks of ``x``'s size, in member
+    order; ``x`` may be this member's block of it)."""
+    ch = channel(group)
+    return None if ch is None else ch.issue("ag", x.reshape(-1), out.view(ch.k, -1), "sum", out)
+
+
+def reduce_scatter(x: torch.Tensor, out: torch.Tensor, op: str, group) -> Issued | None:
+    """Issue a reduce-scatter: ``out`` = this member's chunk of every member's ``x`` (``k`` chunks along
+    dim 0), folded in member order (``out`` may be this member's chunk of ``x``: each piece of the input
+    is copied into the slot before its result is written)."""
+    ch = channel(group)
+    return None if ch is None else ch.issue("rs", x.view(ch.k, -1), out.view(-1), op, out)
+
+
+class _Piece:
+    """One slot's worth of a collective: ``src`` (what this member copies into its slot: ``w``
+    elements, or ``k x w`` for a reduce-scatter) and ``dst`` (where the result goes)."""
+    __slots__ = ("seq", "kind", "src", "dst", "op", "copied", "finished")
+
+    def __init__(self, seq: int, kind: str, src: torch.Tensor, dst: torch.Tensor, op: str):
+        self.seq, self.kind, self.src, self.dst, self.op = seq, kind, src, dst, op
+        self.copied = self.finished = False
+
+
+class Issued:
+    """An issued collective: ``wait()`` completes its pieces (and the group's earlier ones) and returns
+    its result."""
+
+    def __init__(self, ch: Channel, last: _Piece, result: torch.Tensor):
+        self._ch, self._last, self._result = ch, last, result
+
+    def wait(self) -> torch.Tensor:
+        self._ch.complete(self._last)
+        return self._result
+
+
+class Channel:
+    """The mapped files of one group's members and the group's count of pieces issued (``seq``)."""
+
+    def __init__(self, me: int, k: int, maps: list[mmap.mmap], pids: list[int], timeout: float, name: str = ""):
+        self.me, self.k, self.pids, self.timeout, self.name = me, k, pids, timeout, name
+        self._maps = maps
+        self._heads = [memoryview(m).cast("B")[:_HEADER].cast("q") for m in maps]
+        self._bytes = [torch.frombuffer(m, dtype=torch.uint8) for m in maps]
+        self._addrs = [b.data_ptr() for b in self._bytes]
+        self._typed: dict[torch.dtype, list[torch.Tensor]] = {}
+        self.seq = 0
+        self._queue: collections.deque[_Piece] = collections.deque()
+
+    # ---- set-up -------------------------------------------------------------------------------
+    @classmethod
+    def open(cls, group) -> Channel | None:
+        me, k = dist.get_rank(group), dist.get_world_size(group)
+        mine = [secrets.token_hex(8), os.getpid()]
+        infos: list = [None] * k
+        dist.all_gather_object(infos, mine, group=group)
+        size = _HEADER + SLOTS * SLOT_BYTES
+        paths = [f"/dev/shm/shardlib-{infos[0][0]}-{j}" for j in range(k)]   # the channel's name, then j
+        maps: list = [None] * k
+        ok = True
+        try:
+            fd = os.open(paths[me], os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                os.ftruncate(fd, size)
+                maps[me] = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
+            memoryview(maps[me]).cast("B")[:_HEADER].cast("q")[_PID] = os.getpid()
+        except OSError:
+            ok = False
+        ok = _agree(ok, group)
+        if ok:
+            try:
+                for j in range(k):
+                    if j != me:
+                        fd = os.open(paths[j], os.O_RDWR)
+                        try:
+                            maps[j] = mmap.mmap(fd, size)
+                        finally:
+                            os.close(fd)
+                        if memoryview(maps[j]).cast("B")[:_HEADER].cast("q")[_PID] != infos[j][1]:
+                            ok = False      # not the peer's file: another host's /dev/shm
+            except OSError:
+                ok = False
+            ok = _agree(ok, group)
+        if maps[me] is not None:
+            try:
+                os.unlink(paths[me])
+            except OSError:
+                pass
+        if not ok:
+            return None
+        return cls(me, k, maps, [int(i[1]) for i in infos], _timeout_of(group), f"shardlib-{infos[0][0]}")
+
+    # ---- collectives -------------------------------------------------------------------------
+    def issue(self, kind: str, src: torch.Tensor, dst: torch.Tensor, op: str, result: torch.Tensor) -> Issued:
+        """Split a collective into slot-sized pieces along its last dim and queue them; copy in those
+        whose slots are free (never waits)."""
+        n = src.shape[-1]
+        w = max(1, SLOT_BYTES // (src.element_size() * (self.k if kind == "rs" else 1)))
+        with _unseen():
+            for a in range(0, n, w):
+                self.seq += 1
+                piece = _Piece(self.seq, kind, src[..., a:a + w], dst[..., a:a + w], op)
+                self._queue.append(piece)
+            self._copy_ready()
+        return Issued(self, piece, result)
+
+    def complete(self, last: _Piece) -> None:
+        """Complete the group's pieces in order, up to and including ``last``."""
+        with _unseen():
+            while not last.finished:
+                h = self._queue[0]
+                if not h.copied:
+                    self._wait_all(_DONE, h.seq - SLOTS, "to finish reading a slot")
+                    self._copy_in(h)
+                self._wait_all(_ARRIVED, h.seq, "to arrive")
+                self._finish(h)
+                self._raise(_DONE, h.seq)
+                self._queue.popleft()
+                h.finished = True
+            self._copy_ready()
+
+    def _finish(self, h: _Piece) -> None:
+        k, me = self.k, self.me
+        if h.kind == "ag":
+            for j in range(k):
+                if j != me or h.dst[me].data_ptr() != h.src.data_ptr():
+                    h.dst[j].copy_(self._slot(j, h))
+            return
+        views = [self._slot(j, h) for j in range(k)]
+        if h.kind == "rs":
+            views = [v.view(k, -1)[me] for v in views]
+        fold = _REDUCE[h.op]
+        fold(views[0], views[1], out=h.dst)
+        for v in views[2:]:
+            fold(h.dst, v, out=h.dst)
+
+    def _copy_ready(self) -> None:
+        """Copy in, in order, the issued pieces whose slots every member has finished reading."""
+        for h in self._queue:
+            if h.copied:
+                continue
+            if any(self._heads[j][_DONE] < h.seq - SLOTS for j in range(self.k)):
+                return
+            self._copy_in(h)
+
+    def _slot(self, j: int, h: _Piece) -> torch.Tensor:
+        typed = self._typed.get(h.src.dtype)
+        if typed is None:
+            typed = self._typed[h.src.dtype] = [b[_HEADER:].view(h.src.dtype) for b in self._bytes]
+        per = SLOT_BYTES // h.src.element_size()
+        off = (h.seq % SLOTS) * per
+        return typed[j][off:off + h.src.numel()]
+
+    def _copy_in(self, h: _Piece) -> None:
+        self._slot(self.me, h).view(h.src.shape).copy_(h.src)
+        h.copied = True
+        self._raise(_ARRIVED, h.seq)
+
+    def _raise(self, idx: int, seq: int) -> None:
+        self._heads[self.me][idx] = seq
+        _libc().syscall(_SYS_FUTEX, ctypes.c_void_p(self._addrs[self.me] + idx * 8), _FUTEX_WAKE,
+                        0x7FFFFFFF, None, None, 0)
+
+    def _wait_all(self, idx: int, target: int, what: str) -> None:
+        for j in range(self.k):
+            if j == self.me:
+                continue
+            head = self._heads[j]
+            if head[idx] >= target:
+                continue
+            for _ in range(SPIN):
+                if head[idx] >= target:
+                    break
+            else:
+                self._sleep_until(j, idx, target, what)
+
+    def _sleep_until(self, j: int, idx: int, target: int, what: str) -> None:
+        head, addr = self._heads[j], ctypes.c_void_p(self._addrs[j] + idx * 8)
+        ts = _Timespec(0, 20_000_000)
+        start = last_check = time.monotonic()
+        while True:
+            v = head[idx]
+            if v >= target:
+                return
+            _libc().syscall(_SYS_FUTEX, addr, _FUTEX_WAIT, ctypes.c_uint(v & 0xFFFFFFFF), ctypes.byref(ts), None, 0)
+            now = time.monotonic()
+            if now - last_check > 1.0:
+                last_check = now
+                if not _alive(self.pids[j]):
+                    raise CollectiveError(f"collective through shared memory: group member {j} (pid "
+                                          f"{self.pids[j]}) exited while member {self.me} waited for it {what} "
+                                          f"(piece #{target}).")
+                if now - start > self.timeout:
+                    raise CollectiveError(f"collective through shared memory: group member {j} (pid "
+                                          f"{self.pids[j]}) did not {what.removeprefix('to ')} for piece "
+                                          f"#{target} within {self.timeout:.0f} s (the group's timeout) — "
+                                          "a rank that stopped issuing this group's collectives, or a hang.")
+
+
+def _unseen():
+    """The channel's copies and adds are the collective's inside, as gloo's are: a dispatch mode the
+    caller runs under (a counter of ops or of tensor sizes) sees the all-reduce, not them."""
+    if torch._C._len_torch_dispatch_stack() == 0:
+        return contextlib.nullcontext()
+    return _disable_current_modes()
+
+
+def _agree(ok: bool, group) -> bool:
+    """Whether every member of the group says ``ok`` (one all-reduce over gloo)."""
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _timeout_of(group) -> float:
+    try:
+        t = group._get_backend(torch.device("cpu")).options._timeout
+    except Exception:
+        t = None
+    if isinstance(t, datetime.timedelta):
+        return t.total_seconds()
+    return default_timeout().total_seconds()

@@ -1,0 +1,155 @@
+"""Collectives through shared memory (``comm/shm.py``) on real gloo ranks of one host, and the
+channel's failures in one process.
+
+References are plain torch ops on the full tensors (same seed on every rank): members' values
+folded in member order — over two members exactly gloo's ``a + b``."""
+
+from __future__ import annotations
+
+import glob
+import mmap
+import os
+import subprocess
+import time
+
+import pytest
+import torch
+
+from shardlib.comm import core as comm
+from shardlib.comm import shm
+from shardlib.errors import CollectiveError
+
+SHAPE = {"data": 2, "tensor": 2}
+FOLD = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
+CASES = [("data", torch.float32, "sum"), ("tensor", torch.bfloat16, "sum"), ("data", torch.int64, "sum"),
+         ("tensor", torch.float32, "max"), ("data", torch.float64, "min"), (("tensor", "data"), torch.float32, "sum")]
+pytestmark = pytest.mark.skipif(not shm.supported(), reason="the shared-memory channel runs on x86-64 Linux only")
+
+
+def _values(seed: int, world: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(world, n, generator=g) * 100
+    return x.round().to(dtype) if not dtype.is_floating_point else x.to(dtype)
+
+
+def _collectives() -> dict:
+    """Every case as an all-reduce in place, an all-gather in place and a reduce-scatter in place (all
+    synchronous); then asynchronous all-reduces, more than ``SLOTS`` in flight on one group waited in
+    reverse order; then one input of several slots (split into pieces) of each kind; then all again
+    with the channel off (gloo's). Returns, per pass, the results and the collectives the channels took."""
+    from shardlib.testing import get_mesh
+    mesh = get_mesh(SHAPE)
+    rank, issued, real = mesh.rank, [], shm.Channel.issue
+
+    def spy(self, kind, *a):
+        issued.append(kind)
+        return real(self, kind, *a)
+
+    def run() -> tuple[list, list]:
+        start, out = len(issued), []
+        for t, (axes, dtype, op) in enumerate(CASES):
+            members = mesh.group_ranks(rank, mesh.canonical_axes(axes))
+            i, k, c = members.index(rank), len(members), 3 + t
+            x = _values(100 + t, mesh.size, k * c, dtype)
+            mine = x[rank].clone()
+            ar = comm.all_reduce(mine, mesh, axes, op=op, inplace=True).clone()
+            buf = torch.zeros(k * c, dtype=dtype)
+            buf[i * c:(i + 1) * c] = x[rank][:c]
+            ag = comm.all_gather(buf[i * c:(i + 1) * c], mesh, axes, out=buf)
+            inp = x[rank].clone()
+            rs = comm.reduce_scatter(inp, mesh, axes, op=op, out=inp[i * c:(i + 1) * c])
+            out.append((ar, ag.clone(), rs.clone(), ag.data_ptr() == buf.data_ptr(),
+                        rs.data_ptr() == inp.data_ptr() + i * c * inp.element_size()))
+        xs = [_values(200 + j, mesh.size, 3 + j, torch.float32) for j in range(shm.SLOTS + 3)]
+        pend = [comm.all_reduce(x[rank], mesh, "data", async_op=True) for x in xs]
+        out.append([p.wait().clone() for p in reversed(pend)][::-1])
+        n = 3 * shm.SLOT_BYTES // 4 + 5          # pieces of every kind, the last one short
+        big = _values(300, mesh.size, 2 * n, torch.float32)
+        i = mesh.group_index(rank, ("data",))
+        out.append((comm.all_reduce(big[rank], mesh, "data", async_op=True).wait(),
+                    comm.all_gather(big[rank][:n], mesh, "data"),
+                    comm.reduce_scatter(big[rank], mesh, "data", async_op=True).wait(), i))
+        return out, issued[start:]
+
+    shm.Channel.issue = spy
+    try:
+        on, kinds_on = run()
+        os.environ["SHARDLIB_SHM"] = "0"
+        off, kinds_off = run()
+    finally:
+        shm.Channel.issue = real
+        os.environ.pop("SHARDLIB_SHM", None)
+    names = [ch.name for ch in shm._CHANNELS.values() if ch is not None]
+    left = [p for name in names for p in glob.glob(f"/dev/shm/{name}-*")]
+    return {"on": on, "off": off, "kinds": (kinds_on, kinds_off), "left": left, "members": {
+        repr(axes): mesh.group_ranks(rank, mesh.canonical_axes(axes)) for axes, _, _ in CASES}}
+
+
+def test_collectives_through_shared_memory_equal_the_reference_and_gloo(world):
+    """On one host, gloo groups' all-reduces, all-gathers and reduce-scatters (sync and async, in place,
+    sum/max/min, fp32/bf16/fp64/int64, groups of 2 and 4) go through shared memory: every member gets
+    the members' values folded in member order, the same bits on every member; over two members gloo's
+    own result bit for bit, over four gloo's within round-off; more than ``SLOTS`` in flight complete
+    whatever order they are waited in; inputs of several slots go in pieces; ``SHARDLIB_SHM=0`` keeps
+    gloo; no file stays in /dev/shm."""
+    results = world(4, _collectives)
+    for r, res in enumerate(results):
+        n_cases = len(CASES)
+        kinds_on, kinds_off = res["kinds"]
+        assert kinds_on == ["ar", "ag", "rs"] * n_cases + ["ar"] * (shm.SLOTS + 3) + ["ar", "ag", "rs"], kinds_on
+        assert kinds_off == [] and res["left"] == [], res
+        for t, (axes, dtype, op) in enumerate(CASES):
+            members = res["members"][repr(axes)]
+            k, c = len(members), 3 + t
+            i = members.index(r)
+            x = _values(100 + t, 4, k * c, dtype)
+            want = x[members[0]]
+            for m in members[1:]:
+                want = FOLD[op](want, x[m])
+            ar, ag, rs, ag_in_place, rs_in_place = res["on"][t]
+            assert ar.dtype == dtype and ag_in_place and rs_in_place
+            assert torch.equal(ar, want), (r, t, ar, want)
+            assert torch.equal(ag, torch.cat([x[m][:c] for m in members])), (r, t)
+            assert torch.equal(rs, want[i * c:(i + 1) * c]), (r, t)
+            assert torch.equal(ar, results[members[0]]["on"][t][0])      # every member: the same bits
+            off = res["off"][t]
+            assert torch.equal(off[1], ag)
+            for a, b in ((off[0], ar), (off[2], rs)):
+                if k == 2 or op != "sum":
+                    assert torch.equal(a, b), (r, t)
+                else:
+                    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-5)
+        dm = res["members"][repr("data")]
+        for j, (a, b) in enumerate(zip(res["on"][n_cases], res["off"][n_cases])):
+            x = _values(200 + j, 4, 3 + j, torch.float32)
+            assert torch.equal(a, x[dm[0]] + x[dm[1]]) and torch.equal(a, b), (r, j)
+        big = _values(300, 4, 2 * (3 * shm.SLOT_BYTES // 4 + 5), torch.float32)
+        n = big.shape[1] // 2
+        (ar, ag, rs, i), (ar_off, ag_off, rs_off, _) = res["on"][-1], res["off"][-1]
+        assert torch.equal(ar, big[dm[0]] + big[dm[1]]) and torch.equal(ar, ar_off)
+        assert torch.equal(ag, torch.cat([big[m][:n] for m in dm])) and torch.equal(ag, ag_off)
+        assert torch.equal(rs, ar[i * n:(i + 1) * n]) and torch.equal(rs, rs_off)
+
+
+def _lonely_channel(peer_pid: int, timeout: float) -> shm.Channel:
+    """A two-member channel whose other member never arrives (anonymous maps: nothing shared)."""
+    size = 4096 + shm.SLOTS * shm.SLOT_BYTES
+    return shm.Channel(0, 2, [mmap.mmap(-1, size), mmap.mmap(-1, size)], [os.getpid(), peer_pid], timeout)
+
+
+def test_a_peer_that_is_gone_or_silent_fails_the_wait_naming_it():
+    """A member whose peer's process has exited fails within about a second, naming the peer's pid; one
+    whose peer lives but never arrives fails at the group's timeout — neither hangs."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    x = torch.ones(4)
+    op = _lonely_channel(dead.pid, timeout=60.0).issue("ar", x, x, "sum", x)
+    start = time.monotonic()
+    with pytest.raises(CollectiveError, match=rf"member 1 \(pid {dead.pid}\) exited"):
+        op.wait()
+    assert time.monotonic() - start < 10
+    op = _lonely_channel(os.getpid(), timeout=1.5).issue("ar", x, x, "sum", x)
+    start = time.monotonic()
+    with pytest.raises(CollectiveError, match=r"did not arrive for piece #1 within 2 s"):
+        op.wait()
+    assert 1.5 <= time.monotonic() - start < 10
