@@ -17,7 +17,7 @@ import torch
 
 from shardlib.comm import core as comm
 from shardlib.comm import shm
-from shardlib.errors import CollectiveError
+import torch.distributed as dist
 
 SHAPE = {"data": 2, "tensor": 2}
 FOLD = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
@@ -79,7 +79,7 @@ def _collectives() -> dict:
     finally:
         shm.Channel.issue = real
         os.environ.pop("SHARDLIB_SHM", None)
-    names = [ch.name for ch in shm._CHANNELS.values() if ch is not None]
+    names = [ch.f.name for ch in shm._CHANNELS.values() if ch is not None]
     left = [p for name in names for p in glob.glob(f"/dev/shm/{name}-*")]
     return {"on": on, "off": off, "kinds": (kinds_on, kinds_off), "left": left, "members": {
         repr(axes): mesh.group_ranks(rank, mesh.canonical_axes(axes)) for axes, _, _ in CASES}}
@@ -134,22 +134,52 @@ def test_collectives_through_shared_memory_equal_the_reference_and_gloo(world):
 def _lonely_channel(peer_pid: int, timeout: float) -> shm.Channel:
     """A two-member channel whose other member never arrives (anonymous maps: nothing shared)."""
     size = 4096 + shm.SLOTS * shm.SLOT_BYTES
-    return shm.Channel(0, 2, [mmap.mmap(-1, size), mmap.mmap(-1, size)], [os.getpid(), peer_pid], timeout)
+    return shm.Channel(shm.Files(0, 2, [mmap.mmap(-1, size), mmap.mmap(-1, size)], [os.getpid(), peer_pid], timeout))
 
 
 def test_a_peer_that_is_gone_or_silent_fails_the_wait_naming_it():
     """A member whose peer's process has exited fails within about a second, naming the peer's pid; one
-    whose peer lives but never arrives fails at the group's timeout — neither hangs."""
+    whose peer lives but never arrives fails at the group's timeout — neither hangs; both raise what
+    gloo raises for a lost peer (``DistBackendError``, a ``RuntimeError``)."""
     dead = subprocess.Popen(["true"])
     dead.wait()
     x = torch.ones(4)
     op = _lonely_channel(dead.pid, timeout=60.0).issue("ar", x, x, "sum", x)
     start = time.monotonic()
-    with pytest.raises(CollectiveError, match=rf"member 1 \(pid {dead.pid}\) exited"):
+    with pytest.raises(dist.DistBackendError, match=rf"member 1 \(pid {dead.pid}\) exited"):
         op.wait()
     assert time.monotonic() - start < 10
     op = _lonely_channel(os.getpid(), timeout=1.5).issue("ar", x, x, "sum", x)
     start = time.monotonic()
-    with pytest.raises(CollectiveError, match=r"did not arrive for piece #1 within 2 s"):
+    with pytest.raises(dist.DistBackendError, match=r"did not arrive at piece #1 within 2 s"):
         op.wait()
     assert 1.5 <= time.monotonic() - start < 10
+
+
+def _one_member_without_room() -> dict:
+    """Two fresh groups, {0, 1} and {2, 3}; rank 1's /dev/shm has no room (``_room`` says no)."""
+    import torch.distributed as dist
+    rank = dist.get_rank()
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]     # every rank takes part in both
+    group = groups[rank // 2]
+    real = shm._room
+    shm._room = (lambda nbytes: False) if rank == 1 else real
+    try:
+        x = torch.full((5,), float(rank + 1))
+        issued = shm.all_reduce(x, "sum", group)
+        if issued is None:                 # the group kept gloo: what core does then
+            dist.all_reduce(x, group=group)
+        else:
+            issued.wait()
+    finally:
+        shm._room = real
+    return {"channel": shm._CHANNELS[group] is not None, "sum": x.tolist()}
+
+
+def test_a_member_without_room_keeps_its_whole_group_on_gloo(world):
+    """A member whose /dev/shm cannot hold the group's files says so in the set-up's collective: every
+    member of that group keeps gloo (same answer, so no member waits on a channel its peer lacks); the
+    other group, with room everywhere, takes the channel; both sum right."""
+    res = world(4, _one_member_without_room)
+    assert [r["channel"] for r in res] == [False, False, True, True], res
+    assert [r["sum"] for r in res] == [[3.0] * 5] * 2 + [[7.0] * 5] * 2, res

@@ -1,32 +1,38 @@
-"""A group's all-reduces through shared memory, where all its members run on this host (gloo, CPU).
+"""A group's collectives through shared memory, where all its members run on this host (gloo, CPU).
 
-Gloo moves every message through a TCP socket and hands it between the caller's thread and its
-own; for the tensor axis's activations (hundreds of KB, several per block, on the critical path)
-that hand-off, not the bytes, is the cost: a 512 KB all-reduce over two ranks of the 2-core
-reference machine takes 1.0 ms alone and 1.4-2.5 ms inside a step, where copying it in, waiting
-for the peer and adding takes 0.1-0.2 ms (``benchmarks/bench_gloo_pair.py --shm``). DeepSpeed's CPU
-backend (its ``shm`` all-reduce) and oneCCL do the same for ranks that share a host.
+Gloo moves every message through a TCP socket and hands it between the caller's thread and its own;
+for the tensor axis's activations (hundreds of KB, several per block, on the critical path) those
+hand-offs, not the bytes, are the cost: a 512 KB all-reduce over two ranks of the 2-core reference
+machine takes 1.0 ms alone and 1.4-2.5 ms inside a step; copying it in, waiting for the peer and
+adding takes 0.1-0.2 ms. DeepSpeed's CPU backend (its ``shm`` all-reduce) and oneCCL do the same for
+ranks that share a host. All-reduces, all-gathers and reduce-scatters (``core``'s, what every axis
+issues) take it; sends and receives stay gloo's (a pipeline's through shared memory measured no
+faster: ``benchmarks/README.md``).
 
-**Channel.** The first eligible all-reduce on a group sets one up, collectively: every member
-creates a file under ``/dev/shm`` (named by a random token member 0 draws), maps every peer's,
-checks the peer's pid in it, and unlinks its own once all are mapped — nothing is left behind, even
-if a rank dies later. If any member fails any step, every member learns it in the same collective
-and the group keeps gloo. A member's file holds a header (two counters on their own cache lines,
-its pid) and ``SLOTS`` slots of ``SLOT_BYTES``; only the pages an all-reduce touches take memory.
+**Set-up.** The group's first collective sets up its channel, collectively: every member creates a
+file under ``/dev/shm`` (named by a random token member 0 draws), maps every peer's, checks the
+peer's pid in it, and unlinks its own once all are mapped — nothing is left behind, even if a rank
+dies later. A member whose /dev/shm lacks room for the group's files when fully used
+(``_room``: a container's 64 MB default can; a write past a full tmpfs would kill the process with
+SIGBUS) or that fails any step says so in the same collective, and every member keeps gloo. A
+member's file holds a header (two counters on cache lines of their own, its pid) and ``SLOTS``
+slots of ``SLOT_BYTES``; only the pages a collective touches take memory.
 
-**One all-reduce** (the group's ``n``-th): this member copies its input into slot ``n % SLOTS`` of
-its file and raises its *arrived* counter to ``n`` (issue: it never blocks); to complete it, it waits
-for every member's *arrived* to reach ``n``, reduces the members' slots in member order into the
-output, and raises its *done* counter to ``n``. A slot is written again only when every member's
-*done* has passed its last use; an input whose slot is still being read is copied in when the
-group's earlier all-reduces complete. Every member reduces in the same order, so all hold the same
-bits; over two members, ``a + b`` is the sum gloo gives. Waiting spins briefly, then sleeps on a
-futex on the counter (woken by the writer), and fails by the group's timeout or as soon as a peer's
-process is gone, naming it.
+**A collective** is cut into pieces of one slot along its last dim (the group's ``n``-th piece uses
+slot ``n % SLOTS``). Issuing copies each piece's input into this member's slot and raises its
+*arrived* counter to ``n`` — never waiting: a piece whose slot a member still reads is copied in
+later, in order. Completing (``wait()``) waits for every member's *arrived* to reach ``n``, writes
+the result from the members' slots — all-reduce: their values folded in member order; all-gather:
+each member's block; reduce-scatter: this member's chunk of each folded in member order — and
+raises *done* to ``n``; a slot is written again once every member's *done* passed its last use.
+Every member folds in the same order, so all hold the same bits; over two members ``a + b`` is
+gloo's result bit for bit. Waiting spins briefly, then sleeps on a futex on the counter (the writer
+wakes it); it fails, with what gloo raises for a lost peer, at the group's timeout or within a
+second of a peer's process exiting, naming it.
 
-x86-64 Linux only (the counters rely on its store order; elsewhere gloo as before); all-reduces of
-``sum``/``max``/``min`` on float or integer tensors up to ``SLOT_BYTES``, groups of 2 to
-``MAX_MEMBERS``. ``SHARDLIB_SHM=0`` turns it off.
+x86-64 Linux only (the counters rely on its store order; elsewhere gloo as before); ``sum``/
+``max``/``min`` on float and integer tensors; groups of 2 to ``MAX_MEMBERS``. ``SHARDLIB_SHM=0``
+turns it off.
 """
 
 from __future__ import annotations
@@ -47,10 +53,9 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..algebra.mesh import default_timeout
-from ..errors import CollectiveError
 
 SLOT_BYTES = 1 << 20
-SLOTS = 8
+SLOTS = 4
 MAX_MEMBERS = 8
 SPIN = 2000                      # counter reads before sleeping on the futex (~0.1 ms)
 _HEADER = 4096
@@ -141,63 +146,98 @@ class Issued:
         return self._result
 
 
-class Channel:
-    """The mapped files of one group's members and the group's count of pieces issued (``seq``)."""
+class Files:
+    """The mapped files of a group's members (one per member, a header of int64 words first), set up
+    collectively by ``open``; each word is written by one process and read by the others, with a
+    futex wake-up on every write."""
 
-    def __init__(self, me: int, k: int, maps: list[mmap.mmap], pids: list[int], timeout: float, name: str = ""):
+    def __init__(self, me: int, k: int, maps: list, pids: list[int], timeout: float, name: str = ""):
         self.me, self.k, self.pids, self.timeout, self.name = me, k, pids, timeout, name
-        self._maps = maps
-        self._heads = [memoryview(m).cast("B")[:_HEADER].cast("q") for m in maps]
-        self._bytes = [torch.frombuffer(m, dtype=torch.uint8) for m in maps]
-        self._addrs = [b.data_ptr() for b in self._bytes]
-        self._typed: dict[torch.dtype, list[torch.Tensor]] = {}
-        self.seq = 0
-        self._queue: collections.deque[_Piece] = collections.deque()
+        self.maps = maps
+        self.heads = [_words(m) for m in maps]
+        self.bytes = [torch.frombuffer(m, dtype=torch.uint8) for m in maps]
+        self.addrs = [b.data_ptr() for b in self.bytes]
 
-    # ---- set-up -------------------------------------------------------------------------------
     @classmethod
-    def open(cls, group) -> Channel | None:
+    def open(cls, group, size: int) -> Files | None:
+        """Every member creates its file under /dev/shm (named by a token member 0 draws), maps every
+        peer's and checks the peer's pid in it, then unlinks its own; None on every member if any failed."""
         me, k = dist.get_rank(group), dist.get_world_size(group)
-        mine = [secrets.token_hex(8), os.getpid()]
         infos: list = [None] * k
-        dist.all_gather_object(infos, mine, group=group)
-        size = _HEADER + SLOTS * SLOT_BYTES
-        paths = [f"/dev/shm/shardlib-{infos[0][0]}-{j}" for j in range(k)]   # the channel's name, then j
+        dist.all_gather_object(infos, [secrets.token_hex(8), os.getpid()], group=group)
+        name = f"shardlib-{infos[0][0]}"
+        paths = [f"/dev/shm/{name}-{j}" for j in range(k)]
         maps: list = [None] * k
-        ok = True
-        try:
-            fd = os.open(paths[me], os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        ok, created = _room(k * size), False
+        if ok:
             try:
-                os.ftruncate(fd, size)
-                maps[me] = mmap.mmap(fd, size)
-            finally:
-                os.close(fd)
-            memoryview(maps[me]).cast("B")[:_HEADER].cast("q")[_PID] = os.getpid()
-        except OSError:
-            ok = False
+                fd = os.open(paths[me], os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+                created = True
+                maps[me] = _map(fd, size, grow=True)
+                _words(maps[me])[_PID] = os.getpid()
+            except OSError:
+                ok = False
         ok = _agree(ok, group)
         if ok:
             try:
                 for j in range(k):
                     if j != me:
-                        fd = os.open(paths[j], os.O_RDWR)
-                        try:
-                            maps[j] = mmap.mmap(fd, size)
-                        finally:
-                            os.close(fd)
-                        if memoryview(maps[j]).cast("B")[:_HEADER].cast("q")[_PID] != infos[j][1]:
-                            ok = False      # not the peer's file: another host's /dev/shm
+                        maps[j] = _map(os.open(paths[j], os.O_RDWR), size, grow=False)
+                        ok = ok and _words(maps[j])[_PID] == infos[j][1]   # else another host's /dev/shm
             except OSError:
                 ok = False
             ok = _agree(ok, group)
-        if maps[me] is not None:
-            try:
+        if created:
+            with contextlib.suppress(OSError):
                 os.unlink(paths[me])
-            except OSError:
-                pass
-        if not ok:
-            return None
-        return cls(me, k, maps, [int(i[1]) for i in infos], _timeout_of(group), f"shardlib-{infos[0][0]}")
+        return cls(me, k, maps, [int(i[1]) for i in infos], _timeout_of(group), name) if ok else None
+
+    def put(self, j: int, idx: int, value: int) -> None:
+        """Write word ``idx`` of member ``j``'s header and wake whoever sleeps on it."""
+        self.heads[j][idx] = value
+        _libc().syscall(_SYS_FUTEX, ctypes.c_void_p(self.addrs[j] + idx * 8), _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
+
+    def wait(self, ready, j: int, idx: int, what: str) -> None:
+        """Until ``ready()``: spin briefly, then sleep on word ``idx`` of member ``j``'s header (whose
+        writer wakes it). Fails when member ``j``'s process is gone (checked each second) or at the
+        group's timeout."""
+        for _ in range(SPIN):
+            if ready():
+                return
+        head, addr = self.heads[j], ctypes.c_void_p(self.addrs[j] + idx * 8)
+        ts = _Timespec(0, 20_000_000)
+        start = last_check = time.monotonic()
+        while True:
+            v = head[idx]
+            if ready():
+                return
+            _libc().syscall(_SYS_FUTEX, addr, _FUTEX_WAIT, ctypes.c_uint(v & 0xFFFFFFFF), ctypes.byref(ts), None, 0)
+            now = time.monotonic()
+            if now - last_check > 1.0:
+                last_check = now
+                if not _alive(self.pids[j]):
+                    raise dist.DistBackendError(f"shared memory: group member {j} (pid {self.pids[j]}) exited while "
+                                          f"member {self.me} waited for it {what}.")
+                if now - start > self.timeout:
+                    raise dist.DistBackendError(f"shared memory: group member {j} (pid {self.pids[j]}) did not "
+                                          f"{what.removeprefix('to ')} within {self.timeout:.0f} s (the group's "
+                                          "timeout) — a rank that stopped issuing this group's collectives, or "
+                                          "a hang.")
+
+
+class Channel:
+    """A group's collectives through its members' files: ``seq`` counts the pieces issued."""
+
+    def __init__(self, files: Files):
+        self.f, self.me, self.k = files, files.me, files.k
+        self._typed: dict[torch.dtype, list[torch.Tensor]] = {}
+        self.seq = 0
+        self._queue: collections.deque[_Piece] = collections.deque()
+
+    @classmethod
+    def open(cls, group) -> Channel | None:
+        files = Files.open(group, _HEADER + SLOTS * SLOT_BYTES)
+        return None if files is None else cls(files)
 
     # ---- collectives -------------------------------------------------------------------------
     def issue(self, kind: str, src: torch.Tensor, dst: torch.Tensor, op: str, result: torch.Tensor) -> Issued:
@@ -219,11 +259,11 @@ class Channel:
             while not last.finished:
                 h = self._queue[0]
                 if not h.copied:
-                    self._wait_all(_DONE, h.seq - SLOTS, "to finish reading a slot")
+                    self._wait_all(_DONE, h.seq - SLOTS, f"to finish reading slot {h.seq % SLOTS} (piece #{h.seq - SLOTS})")
                     self._copy_in(h)
-                self._wait_all(_ARRIVED, h.seq, "to arrive")
+                self._wait_all(_ARRIVED, h.seq, f"to arrive at piece #{h.seq}")
                 self._finish(h)
-                self._raise(_DONE, h.seq)
+                self.f.put(self.me, _DONE, h.seq)
                 self._queue.popleft()
                 h.finished = True
             self._copy_ready()
@@ -248,14 +288,14 @@ class Channel:
         for h in self._queue:
             if h.copied:
                 continue
-            if any(self._heads[j][_DONE] < h.seq - SLOTS for j in range(self.k)):
+            if any(self.f.heads[j][_DONE] < h.seq - SLOTS for j in range(self.k)):
                 return
             self._copy_in(h)
 
     def _slot(self, j: int, h: _Piece) -> torch.Tensor:
         typed = self._typed.get(h.src.dtype)
         if typed is None:
-            typed = self._typed[h.src.dtype] = [b[_HEADER:].view(h.src.dtype) for b in self._bytes]
+            typed = self._typed[h.src.dtype] = [b[_HEADER:].view(h.src.dtype) for b in self.f.bytes]
         per = SLOT_BYTES // h.src.element_size()
         off = (h.seq % SLOTS) * per
         return typed[j][off:off + h.src.numel()]
@@ -263,47 +303,13 @@ class Channel:
     def _copy_in(self, h: _Piece) -> None:
         self._slot(self.me, h).view(h.src.shape).copy_(h.src)
         h.copied = True
-        self._raise(_ARRIVED, h.seq)
-
-    def _raise(self, idx: int, seq: int) -> None:
-        self._heads[self.me][idx] = seq
-        _libc().syscall(_SYS_FUTEX, ctypes.c_void_p(self._addrs[self.me] + idx * 8), _FUTEX_WAKE,
-                        0x7FFFFFFF, None, None, 0)
+        self.f.put(self.me, _ARRIVED, h.seq)
 
     def _wait_all(self, idx: int, target: int, what: str) -> None:
         for j in range(self.k):
-            if j == self.me:
-                continue
-            head = self._heads[j]
-            if head[idx] >= target:
-                continue
-            for _ in range(SPIN):
-                if head[idx] >= target:
-                    break
-            else:
-                self._sleep_until(j, idx, target, what)
-
-    def _sleep_until(self, j: int, idx: int, target: int, what: str) -> None:
-        head, addr = self._heads[j], ctypes.c_void_p(self._addrs[j] + idx * 8)
-        ts = _Timespec(0, 20_000_000)
-        start = last_check = time.monotonic()
-        while True:
-            v = head[idx]
-            if v >= target:
-                return
-            _libc().syscall(_SYS_FUTEX, addr, _FUTEX_WAIT, ctypes.c_uint(v & 0xFFFFFFFF), ctypes.byref(ts), None, 0)
-            now = time.monotonic()
-            if now - last_check > 1.0:
-                last_check = now
-                if not _alive(self.pids[j]):
-                    raise CollectiveError(f"collective through shared memory: group member {j} (pid "
-                                          f"{self.pids[j]}) exited while member {self.me} waited for it {what} "
-                                          f"(piece #{target}).")
-                if now - start > self.timeout:
-                    raise CollectiveError(f"collective through shared memory: group member {j} (pid "
-                                          f"{self.pids[j]}) did not {what.removeprefix('to ')} for piece "
-                                          f"#{target} within {self.timeout:.0f} s (the group's timeout) — "
-                                          "a rank that stopped issuing this group's collectives, or a hang.")
+            if j != self.me:
+                head = self.f.heads[j]
+                self.f.wait(lambda: head[idx] >= target, j, idx, what)
 
 
 def _unseen():
@@ -312,6 +318,29 @@ def _unseen():
     if torch._C._len_torch_dispatch_stack() == 0:
         return contextlib.nullcontext()
     return _disable_current_modes()
+
+
+def _map(fd: int, size: int, grow: bool) -> mmap.mmap:
+    try:
+        if grow:
+            os.ftruncate(fd, size)
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
+def _words(m: mmap.mmap) -> memoryview:
+    return memoryview(m).cast("B")[:_HEADER].cast("q")
+
+
+def _room(nbytes: int) -> bool:
+    """Whether /dev/shm has room for ``nbytes`` more, twice over (the files are sparse: what they take
+    grows as collectives touch them, and other groups' files grow beside them)."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize >= 2 * nbytes
 
 
 def _agree(ok: bool, group) -> bool:
