@@ -15,7 +15,9 @@ alternated (A B, B A, ...), and a change in machine load hits both alike. gloo r
   asynchronous ones the exchanges take), and at 2 ranks tensor 2 with sequence parallel, whose
   all-gathers and reduce-scatters are synchronous and stay gloo's: an A/A check of the method's noise.
 
-Reduce-scatters are exchanged only where the host's ranks fill its cores (``pairwise.cores_filled``, printed
+The shared-memory channel (``comm/shm.py``, ``bench_shm.py``), which takes these collectives first
+where a group's ranks share a host, is off here (``SHARDLIB_SHM=0``): the exchanges are what groups
+spanning hosts get. Reduce-scatters are exchanged only where the host's ranks fill its cores (``pairwise.cores_filled``, printed
 per world); ``--force-rs`` exchanges them anyway, to measure the exchange on a host with cores to spare.
 """
 
@@ -50,16 +52,17 @@ def _slowest(t: float) -> float:
     return v.item()
 
 
-def _alternate(fn, reps: int) -> dict[str, float]:
+def _alternate(fn, reps: int, var: str = "SHARDLIB_GLOO_PAIRWISE") -> dict[str, float]:
+    """``fn(i)`` with ``var`` = "0" and "1" alternated (A B, B A, ...): median ms of the slowest rank, by value."""
     times: dict[str, list[float]] = {"0": [], "1": []}
     for i in range(reps):
         for mode in (("0", "1") if i % 2 == 0 else ("1", "0")):
-            os.environ["SHARDLIB_GLOO_PAIRWISE"] = mode
+            os.environ[var] = mode
             dist.barrier()
             start = time.perf_counter()
             fn(i)
             times[mode].append(_slowest(time.perf_counter() - start))
-    os.environ.pop("SHARDLIB_GLOO_PAIRWISE", None)
+    os.environ.pop(var, None)
     return {m: statistics.median(v) * 1e3 for m, v in times.items()}
 
 
@@ -99,6 +102,7 @@ def steps(reps: int, warmup: int) -> list[dict]:
 def rank_main(parts: list[str], n_calls: int, n_steps: int, warmup: int, force_rs: bool) -> dict:
     from shardlib.comm import pairwise
     torch.set_num_threads(1)
+    os.environ["SHARDLIB_SHM"] = "0"      # the exchanges are the path where the shared-memory channel is not
     out = {"filled": pairwise.cores_filled()}
     if force_rs:
         pairwise.cores_filled = lambda: True
