@@ -71,17 +71,31 @@ def _collectives() -> dict:
                     comm.reduce_scatter(big[rank], mesh, "data", async_op=True).wait(), i))
         return out, issued[start:]
 
+    from shardlib.comm import pairwise
+    filled = pairwise.cores_filled
     shm.Channel.issue = spy
     try:
+        pairwise.cores_filled = lambda: True    # this host's ranks fill its cores (2 ranks on 2: the reference)
         on, kinds_on = run()
+        # with a core to spare, an asynchronous reduce-scatter stays gloo's (it folds on gloo's thread beside
+        # the caller's work); a synchronous one, and an asynchronous all-reduce, take the channel
+        pairwise.cores_filled = lambda: False
+        x = _values(400, mesh.size, 8, torch.float32)
+        start = len(issued)
+        spare = [comm.reduce_scatter(x[rank].clone(), mesh, "data", async_op=True).wait(),
+                 comm.reduce_scatter(x[rank].clone(), mesh, "data"),
+                 comm.all_reduce(x[rank], mesh, "data", async_op=True).wait()]
+        kinds_spare = issued[start:]
         os.environ["SHARDLIB_SHM"] = "0"
         off, kinds_off = run()
     finally:
         shm.Channel.issue = real
+        pairwise.cores_filled = filled
         os.environ.pop("SHARDLIB_SHM", None)
     names = [ch.f.name for ch in shm._CHANNELS.values() if ch is not None]
     left = [p for name in names for p in glob.glob(f"/dev/shm/{name}-*")]
-    return {"on": on, "off": off, "kinds": (kinds_on, kinds_off), "left": left, "members": {
+    return {"on": on, "off": off, "kinds": (kinds_on, kinds_off), "left": left, "spare": (spare, kinds_spare),
+            "members": {
         repr(axes): mesh.group_ranks(rank, mesh.canonical_axes(axes)) for axes, _, _ in CASES}}
 
 
@@ -90,14 +104,21 @@ def test_collectives_through_shared_memory_equal_the_reference_and_gloo(world):
     sum/max/min, fp32/bf16/fp64/int64, groups of 2 and 4) go through shared memory: every member gets
     the members' values folded in member order, the same bits on every member; over two members gloo's
     own result bit for bit, over four gloo's within round-off; more than ``SLOTS`` in flight complete
-    whatever order they are waited in; inputs of several slots go in pieces; ``SHARDLIB_SHM=0`` keeps
-    gloo; no file stays in /dev/shm."""
+    whatever order they are waited in; inputs of several slots go in pieces; on a host with cores to spare
+    an asynchronous reduce-scatter keeps gloo; ``SHARDLIB_SHM=0`` keeps gloo; no file stays in /dev/shm."""
     results = world(4, _collectives)
     for r, res in enumerate(results):
         n_cases = len(CASES)
         kinds_on, kinds_off = res["kinds"]
         assert kinds_on == ["ar", "ag", "rs"] * n_cases + ["ar"] * (shm.SLOTS + 3) + ["ar", "ag", "rs"], kinds_on
         assert kinds_off == [] and res["left"] == [], res
+        (rs_async, rs_sync, ar_async), kinds_spare = res["spare"]
+        assert kinds_spare == ["rs", "ar"], kinds_spare
+        x = _values(400, 4, 8, torch.float32)
+        dm = res["members"][repr("data")]
+        i = dm.index(r)
+        assert torch.equal(rs_async, rs_sync) and torch.equal(rs_sync, (x[dm[0]] + x[dm[1]])[i * 4:(i + 1) * 4])
+        assert torch.equal(ar_async, x[dm[0]] + x[dm[1]])
         for t, (axes, dtype, op) in enumerate(CASES):
             members = res["members"][repr(axes)]
             k, c = len(members), 3 + t

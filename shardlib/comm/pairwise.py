@@ -1,5 +1,8 @@
 """A group's asynchronous reduce-scatter and all-gather on gloo as direct pairwise exchanges.
 
+Where the group's ranks share a host, the shared-memory channel (``shm.py``) takes these collectives
+first; the exchanges are for groups it cannot serve (ranks on several hosts, ``SHARDLIB_SHM=0``).
+
 Each member sends every peer what the peer needs and receives what it needs from every peer, all
 posted at once as ``irecv``/``isend`` pairs on the group: all-gather sends this member's block to each
 peer and receives each peer's block into place; reduce-scatter sends each peer its chunk of the input

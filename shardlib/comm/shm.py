@@ -31,8 +31,11 @@ wakes it); it fails, with what gloo raises for a lost peer, at the group's timeo
 second of a peer's process exiting, naming it.
 
 x86-64 Linux only (the counters rely on its store order; elsewhere gloo as before); ``sum``/
-``max``/``min`` on float and integer tensors; groups of 2 to ``MAX_MEMBERS``. ``SHARDLIB_SHM=0``
-turns it off.
+``max``/``min`` on float and integer tensors; groups of 2 to ``MAX_MEMBERS``; an asynchronous
+reduce-scatter only where the host's ranks fill its cores (``core.reduce_scatter``: with a core to
+spare, gloo folds on its own thread beside the caller's work, where the channel folds on the caller's
+when waited for). ``SHARDLIB_SHM=0`` turns it off. Measured: ``benchmarks/bench_shm.py``,
+``benchmarks/results/shm-2026-11-27.md``.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ..algebra.mesh import default_timeout
 
-SLOT_BYTES = 1 << 20
+SLOT_BYTES = 1 << 19            # half-MiB pieces stay in cache (faster than 1 MiB ones per call)
 SLOTS = 4
 MAX_MEMBERS = 8
 SPIN = 2000                      # counter reads before sleeping on the futex (~0.1 ms)
