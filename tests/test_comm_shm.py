@@ -73,13 +73,21 @@ def _collectives() -> dict:
 
     from shardlib.comm import pairwise
     filled = pairwise.cores_filled
+
+    def cores_filled(value: bool) -> None:
+        """What the group's members agreed at set-up (channels made later, and those made already)."""
+        pairwise.cores_filled = lambda: value
+        for ch in shm._CHANNELS.values():
+            if ch is not None:
+                ch.filled = value
+
     shm.Channel.issue = spy
     try:
-        pairwise.cores_filled = lambda: True    # this host's ranks fill its cores (2 ranks on 2: the reference)
+        cores_filled(True)         # this host's ranks fill its cores (4 ranks on 2: the reference machine)
         on, kinds_on = run()
         # with a core to spare, an asynchronous reduce-scatter stays gloo's (it folds on gloo's thread beside
         # the caller's work); a synchronous one, and an asynchronous all-reduce, take the channel
-        pairwise.cores_filled = lambda: False
+        cores_filled(False)
         x = _values(400, mesh.size, 8, torch.float32)
         start = len(issued)
         spare = [comm.reduce_scatter(x[rank].clone(), mesh, "data", async_op=True).wait(),
@@ -90,6 +98,7 @@ def _collectives() -> dict:
         off, kinds_off = run()
     finally:
         shm.Channel.issue = real
+        cores_filled(filled())
         pairwise.cores_filled = filled
         os.environ.pop("SHARDLIB_SHM", None)
     names = [ch.f.name for ch in shm._CHANNELS.values() if ch is not None]
@@ -177,30 +186,52 @@ def test_a_peer_that_is_gone_or_silent_fails_the_wait_naming_it():
     assert 1.5 <= time.monotonic() - start < 10
 
 
-def _one_member_without_room() -> dict:
-    """Two fresh groups, {0, 1} and {2, 3}; rank 1's /dev/shm has no room (``_room`` says no)."""
+def _set_up_refusals_and_modes() -> dict:
+    """Fresh groups {0, 1} and {2, 3}: rank 1's /dev/shm has no room (``_room`` says no), rank 3 cannot
+    reserve its file's pages (``posix_fallocate`` fails, as on a full tmpfs). Then fresh groups again,
+    first used under ``torch.inference_mode()``, then outside it and on a tensor that requires grad."""
     import torch.distributed as dist
     rank = dist.get_rank()
-    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]     # every rank takes part in both
-    group = groups[rank // 2]
-    real = shm._room
-    shm._room = (lambda nbytes: False) if rank == 1 else real
-    try:
-        x = torch.full((5,), float(rank + 1))
+
+    def total(group, x: torch.Tensor) -> torch.Tensor:
         issued = shm.all_reduce(x, "sum", group)
         if issued is None:                 # the group kept gloo: what core does then
             dist.all_reduce(x, group=group)
-        else:
-            issued.wait()
+            return x
+        return issued.wait()
+
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]     # every rank takes part in both
+    group = groups[rank // 2]
+    room, fallocate = shm._room, os.posix_fallocate
+
+    def no_space(*a):
+        raise OSError(28, "No space left on device")
+
+    if rank == 1:
+        shm._room = lambda nbytes: False
+    if rank == 3:
+        os.posix_fallocate = no_space
+    try:
+        refused = total(group, torch.full((5,), float(rank + 1))).tolist()
     finally:
-        shm._room = real
-    return {"channel": shm._CHANNELS[group] is not None, "sum": x.tolist()}
+        shm._room, os.posix_fallocate = room, fallocate
+    fresh = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
+    with torch.inference_mode():
+        first = total(fresh, torch.full((3,), float(rank + 1))).tolist()
+    y = (torch.full((3,), float(rank + 1), requires_grad=True) * 2).contiguous()
+    later = total(fresh, y)
+    return {"channels": (shm._CHANNELS[group] is not None, shm._CHANNELS[fresh] is not None), "refused": refused,
+            "first": first, "later": later.detach().tolist()}
 
 
-def test_a_member_without_room_keeps_its_whole_group_on_gloo(world):
-    """A member whose /dev/shm cannot hold the group's files says so in the set-up's collective: every
-    member of that group keeps gloo (same answer, so no member waits on a channel its peer lacks); the
-    other group, with room everywhere, takes the channel; both sum right."""
-    res = world(4, _one_member_without_room)
-    assert [r["channel"] for r in res] == [False, False, True, True], res
-    assert [r["sum"] for r in res] == [[3.0] * 5] * 2 + [[7.0] * 5] * 2, res
+def test_set_up_refusals_keep_the_whole_group_on_gloo_and_modes_do_not_break_it(world):
+    """A member whose /dev/shm cannot hold the group's files — no room, or its pages cannot be reserved —
+    says so in the set-up's collective: every member of that group keeps gloo (no member waits on a
+    channel its peer lacks), and the sums are right. A group first used under inference mode takes the
+    channel and keeps working outside it, on a tensor that requires grad too (the channel's fold is
+    outside autograd, as gloo's is: the result keeps the tensor's own history)."""
+    res = world(4, _set_up_refusals_and_modes)
+    assert [r["channels"] for r in res] == [(False, True)] * 4, res
+    assert [r["refused"] for r in res] == [[3.0] * 5] * 2 + [[7.0] * 5] * 2, res
+    assert [r["first"] for r in res] == [[3.0] * 3] * 2 + [[7.0] * 3] * 2, res
+    assert [r["later"] for r in res] == [[6.0] * 3] * 2 + [[14.0] * 3] * 2, res

@@ -311,10 +311,8 @@ def reduce_scatter(x: torch.Tensor, mesh: Mesh, axes: str | Sequence[str], *, op
         raise CollectiveError(f"reduce_scatter over {canon}: out must be a contiguous {x.dtype} tensor of shape "
                               f"{shape} — got {out.dtype} {tuple(out.shape)}. Pass a buffer of that shape.")
     _record("reduce_scatter", canon, reduce_scatter_bytes(out.numel(), k, x.element_size()), x, k)
-    # an async reduce-scatter (ZeRO's buckets and units) folds on the caller's thread when waited for; with a
-    # core to spare gloo's folds on its own beside the backward (ZeRO-2 1.09x through shared memory on 16 cores)
-    if (shm.applies(k, x, _gloo(mesh, x), op) and (not async_op or pairwise.cores_filled())
-            and (work := shm.reduce_scatter(x, out, op, mesh.group(canon))) is not None):
+    if (shm.applies(k, x, _gloo(mesh, x), op)
+            and (work := shm.reduce_scatter(x, out, op, mesh.group(canon), async_op)) is not None):
         return Pending(work, out) if async_op else work.wait()
     if pairwise.applies(k, x, _gloo(mesh, x), async_op, op, scratch=out.numel() * out.element_size()):
         ex = pairwise.reduce_scatter(x, out, mesh.group_index(mesh.rank, canon), op,

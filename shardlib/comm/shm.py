@@ -9,14 +9,16 @@ ranks that share a host. All-reduces, all-gathers and reduce-scatters (``core``'
 issues) take it; sends and receives stay gloo's (a pipeline's through shared memory measured no
 faster: ``benchmarks/README.md``).
 
-**Set-up.** The group's first collective sets up its channel, collectively: every member creates a
-file under ``/dev/shm`` (named by a random token member 0 draws), maps every peer's, checks the
-peer's pid in it, and unlinks its own once all are mapped — nothing is left behind, even if a rank
-dies later. A member whose /dev/shm lacks room for the group's files when fully used
-(``_room``: a container's 64 MB default can; a write past a full tmpfs would kill the process with
-SIGBUS) or that fails any step says so in the same collective, and every member keeps gloo. A
-member's file holds a header (two counters on cache lines of their own, its pid) and ``SLOTS``
-slots of ``SLOT_BYTES``; only the pages a collective touches take memory.
+**Set-up.** The group's first collective that asks for the channel sets it up, collectively: every
+member creates a file under ``/dev/shm`` (named by a random token member 0 draws) with its pages
+reserved, maps every peer's, checks the peer's pid in it, and unlinks its own once all are mapped —
+nothing is left behind, even if a rank dies later. Every member keeps gloo for the group if any
+member's host cannot run the channel (``supported``), its /dev/shm lacks room (``_room``: a
+container's 64 MB default can; reserving the pages turns a full tmpfs into an error here, not a
+SIGBUS on a later write), or any step failed: all learn it in the same collective. They also agree
+on whether every member's ranks fill its host's cores (``Channel.filled``, for asynchronous
+reduce-scatters) and whether they see each other's pids (the liveness check). A member's file holds
+a header (two counters on cache lines of their own, its pid) and ``SLOTS`` slots of ``SLOT_BYTES``.
 
 **A collective** is cut into pieces of one slot along its last dim (the group's ``n``-th piece uses
 slot ``n % SLOTS``). Issuing copies each piece's input into this member's slot and raises its
@@ -32,9 +34,11 @@ second of a peer's process exiting, naming it.
 
 x86-64 Linux only (the counters rely on its store order; elsewhere gloo as before); ``sum``/
 ``max``/``min`` on float and integer tensors; groups of 2 to ``MAX_MEMBERS``; an asynchronous
-reduce-scatter only where the host's ranks fill its cores (``core.reduce_scatter``: with a core to
-spare, gloo folds on its own thread beside the caller's work, where the channel folds on the caller's
-when waited for). ``SHARDLIB_SHM=0`` turns it off. Measured: ``benchmarks/bench_shm.py``,
+reduce-scatter only where the ranks fill their hosts' cores (``reduce_scatter``). A collective of more
+than ``SLOTS`` pieces (over 2 MiB) moves its later pieces only inside ``wait()``: a member's wait then
+needs its peers to reach their wait of it too, as every rank of a shardlib step does; a program whose
+ranks wait for the group's collectives in different orders from each other should keep gloo.
+``SHARDLIB_SHM=0`` (alike on every rank) turns it off. Measured: ``benchmarks/bench_shm.py``,
 ``benchmarks/results/shm-2026-11-27.md``.
 """
 
@@ -83,16 +87,19 @@ def _libc():
 
 
 def supported() -> bool:
-    """Whether this host can run the channel at all (x86-64 Linux with ``/dev/shm``), and it is on."""
-    return (os.environ.get("SHARDLIB_SHM", "1") != "0" and platform.system() == "Linux"
-            and platform.machine() in ("x86_64", "AMD64") and os.path.isdir("/dev/shm"))
+    """Whether this host can run the channel at all: x86-64 Linux with ``/dev/shm`` (each member's own
+    answer; a group agrees on all of them at set-up)."""
+    return (platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64")
+            and os.path.isdir("/dev/shm"))
 
 
 def applies(k: int, x: torch.Tensor, gloo: bool, op: str = "sum") -> bool:
-    """Whether a collective of ``x`` over ``k`` members may go through shared memory (the same answer on
-    every member: it depends only on what they all share)."""
+    """Whether a collective of ``x`` over ``k`` members asks for the group's channel: it depends only on
+    what every member shares — the call's tensor, op and group, and ``SHARDLIB_SHM`` (read at every call
+    so one process can measure both ways: set it alike on every rank). Whether the group has a channel
+    is agreed at its set-up."""
     return (gloo and 2 <= k <= MAX_MEMBERS and op in _REDUCE and x.dtype != torch.bool and not x.is_complex()
-            and x.numel() > 0 and x.is_contiguous() and supported())
+            and x.numel() > 0 and x.is_contiguous() and os.environ.get("SHARDLIB_SHM", "1") != "0")
 
 
 def channel(group) -> Channel | None:
@@ -119,12 +126,17 @@ def all_gather(x: torch.Tensor, out: torch.Tensor, group) -> Issued | None:
     return None if ch is None else ch.issue("ag", x.reshape(-1), out.view(ch.k, -1), "sum", out)
 
 
-def reduce_scatter(x: torch.Tensor, out: torch.Tensor, op: str, group) -> Issued | None:
+def reduce_scatter(x: torch.Tensor, out: torch.Tensor, op: str, group, async_op: bool = False) -> Issued | None:
     """Issue a reduce-scatter: ``out`` = this member's chunk of every member's ``x`` (``k`` chunks along
     dim 0), folded in member order (``out`` may be this member's chunk of ``x``: each piece of the input
-    is copied into the slot before its result is written)."""
+    is copied into the slot before its result is written). An asynchronous one (ZeRO's buckets and
+    units) only where every member's ranks fill its host's cores (``Channel.filled``): it folds on the
+    caller's thread when waited for, where gloo folds on its own thread, beside the caller's work when a
+    core is to spare (ZeRO-2 1.09x through shared memory on 16 cores)."""
     ch = channel(group)
-    return None if ch is None else ch.issue("rs", x.view(ch.k, -1), out.view(-1), op, out)
+    if ch is None or (async_op and not ch.filled):
+        return None
+    return ch.issue("rs", x.view(ch.k, -1), out.view(-1), op, out)
 
 
 class _Piece:
@@ -154,46 +166,60 @@ class Files:
     collectively by ``open``; each word is written by one process and read by the others, with a
     futex wake-up on every write."""
 
-    def __init__(self, me: int, k: int, maps: list, pids: list[int], timeout: float, name: str = ""):
+    def __init__(self, me: int, k: int, maps: list, pids: list[int], timeout: float, name: str = "",
+                 filled: bool = True, see_pids: bool = True):
         self.me, self.k, self.pids, self.timeout, self.name = me, k, pids, timeout, name
+        self.filled, self.see_pids = filled, see_pids
         self.maps = maps
         self.heads = [_words(m) for m in maps]
-        self.bytes = [torch.frombuffer(m, dtype=torch.uint8) for m in maps]
+        with torch.inference_mode(False):      # plain tensors, whatever mode the first collective runs in
+            self.bytes = [torch.frombuffer(m, dtype=torch.uint8) for m in maps]
         self.addrs = [b.data_ptr() for b in self.bytes]
 
     @classmethod
     def open(cls, group, size: int) -> Files | None:
-        """Every member creates its file under /dev/shm (named by a token member 0 draws), maps every
-        peer's and checks the peer's pid in it, then unlinks its own; None on every member if any failed."""
+        """Every member creates its file under /dev/shm (named by a token member 0 draws; its pages
+        reserved, so a full /dev/shm fails here and not as SIGBUS later), maps every peer's and checks
+        the peer's pid in it, then unlinks its own; None on every member if any member's host cannot
+        (``supported``) or any step failed. Also agreed: whether every member's ranks fill their host's
+        cores (``filled``), and whether all members see each other's pids (one pid namespace: the
+        liveness check)."""
+        from .pairwise import cores_filled
         me, k = dist.get_rank(group), dist.get_world_size(group)
         infos: list = [None] * k
-        dist.all_gather_object(infos, [secrets.token_hex(8), os.getpid()], group=group)
+        dist.all_gather_object(infos, [secrets.token_hex(8), os.getpid(), supported(), cores_filled(),
+                                       _pid_namespace()], group=group)
         name = f"shardlib-{infos[0][0]}"
         paths = [f"/dev/shm/{name}-{j}" for j in range(k)]
         maps: list = [None] * k
-        ok, created = _room(k * size), False
-        if ok:
-            try:
-                fd = os.open(paths[me], os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-                created = True
-                maps[me] = _map(fd, size, grow=True)
-                _words(maps[me])[_PID] = os.getpid()
-            except OSError:
-                ok = False
-        ok = _agree(ok, group)
-        if ok:
-            try:
-                for j in range(k):
-                    if j != me:
-                        maps[j] = _map(os.open(paths[j], os.O_RDWR), size, grow=False)
-                        ok = ok and _words(maps[j])[_PID] == infos[j][1]   # else another host's /dev/shm
-            except OSError:
-                ok = False
+        ok, created = all(i[2] for i in infos) and _room(k * size), False
+        try:
+            if ok:
+                try:
+                    fd = os.open(paths[me], os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+                    created = True
+                    maps[me] = _map(fd, size, grow=True)
+                    _words(maps[me])[_PID] = os.getpid()
+                except Exception:   # noqa: BLE001 — any failure here is agreed on below, never raised alone
+                    ok = False
             ok = _agree(ok, group)
-        if created:
-            with contextlib.suppress(OSError):
-                os.unlink(paths[me])
-        return cls(me, k, maps, [int(i[1]) for i in infos], _timeout_of(group), name) if ok else None
+            if ok:
+                try:
+                    for j in range(k):
+                        if j != me:
+                            maps[j] = _map(os.open(paths[j], os.O_RDWR), size, grow=False)
+                            ok = ok and _words(maps[j])[_PID] == infos[j][1]   # else another host's /dev/shm
+                except Exception:   # noqa: BLE001
+                    ok = False
+                ok = _agree(ok, group)
+        finally:
+            if created:
+                with contextlib.suppress(OSError):
+                    os.unlink(paths[me])
+        if not ok:
+            return None
+        return cls(me, k, maps, [int(i[1]) for i in infos], _timeout_of(group), name,
+                   filled=all(i[3] for i in infos), see_pids=len({i[4] for i in infos}) == 1)
 
     def put(self, j: int, idx: int, value: int) -> None:
         """Write word ``idx`` of member ``j``'s header and wake whoever sleeps on it."""
@@ -218,7 +244,7 @@ class Files:
             now = time.monotonic()
             if now - last_check > 1.0:
                 last_check = now
-                if not _alive(self.pids[j]):
+                if self.see_pids and not _alive(self.pids[j]):
                     raise dist.DistBackendError(f"shared memory: group member {j} (pid {self.pids[j]}) exited while "
                                           f"member {self.me} waited for it {what}.")
                 if now - start > self.timeout:
@@ -232,7 +258,7 @@ class Channel:
     """A group's collectives through its members' files: ``seq`` counts the pieces issued."""
 
     def __init__(self, files: Files):
-        self.f, self.me, self.k = files, files.me, files.k
+        self.f, self.me, self.k, self.filled = files, files.me, files.k, files.filled
         self._typed: dict[torch.dtype, list[torch.Tensor]] = {}
         self.seq = 0
         self._queue: collections.deque[_Piece] = collections.deque()
@@ -298,7 +324,8 @@ class Channel:
     def _slot(self, j: int, h: _Piece) -> torch.Tensor:
         typed = self._typed.get(h.src.dtype)
         if typed is None:
-            typed = self._typed[h.src.dtype] = [b[_HEADER:].view(h.src.dtype) for b in self.f.bytes]
+            with torch.inference_mode(False):
+                typed = self._typed[h.src.dtype] = [b[_HEADER:].view(h.src.dtype) for b in self.f.bytes]
         per = SLOT_BYTES // h.src.element_size()
         off = (h.seq % SLOTS) * per
         return typed[j][off:off + h.src.numel()]
@@ -315,18 +342,24 @@ class Channel:
                 self.f.wait(lambda: head[idx] >= target, j, idx, what)
 
 
+@contextlib.contextmanager
 def _unseen():
-    """The channel's copies and adds are the collective's inside, as gloo's are: a dispatch mode the
-    caller runs under (a counter of ops or of tensor sizes) sees the all-reduce, not them."""
-    if torch._C._len_torch_dispatch_stack() == 0:
-        return contextlib.nullcontext()
-    return _disable_current_modes()
+    """The channel's copies and folds run outside autograd (as gloo's do: a gradient all-reduced under
+    ``create_graph`` stays a plain value) and outside any dispatch mode the caller runs under (a counter
+    of ops or of tensor sizes sees neither them nor a c10d op: ``sl.count_collectives`` still counts
+    the collective, torch's ``CommDebugMode`` does not)."""
+    with torch.no_grad():
+        if torch._C._len_torch_dispatch_stack() == 0:
+            yield
+        else:
+            with _disable_current_modes():
+                yield
 
 
 def _map(fd: int, size: int, grow: bool) -> mmap.mmap:
     try:
         if grow:
-            os.ftruncate(fd, size)
+            os.posix_fallocate(fd, 0, size)      # the pages reserved now: ENOSPC here, not SIGBUS on a write
         return mmap.mmap(fd, size)
     finally:
         os.close(fd)
@@ -337,8 +370,8 @@ def _words(m: mmap.mmap) -> memoryview:
 
 
 def _room(nbytes: int) -> bool:
-    """Whether /dev/shm has room for ``nbytes`` more, twice over (the files are sparse: what they take
-    grows as collectives touch them, and other groups' files grow beside them)."""
+    """Whether /dev/shm has room for ``nbytes`` more, twice over: the group's files are reserved whole,
+    and other users of /dev/shm (a data loader's workers) should find it not full."""
     try:
         st = os.statvfs("/dev/shm")
     except OSError:
@@ -351,6 +384,13 @@ def _agree(ok: bool, group) -> bool:
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())
+
+
+def _pid_namespace() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
 
 
 def _alive(pid: int) -> bool:
