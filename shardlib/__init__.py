@@ -33,7 +33,7 @@ from .errors import MeshError as MeshError
 from .errors import ShardingError as ShardingError
 from .errors import ShardingTypeError as ShardingTypeError
 from .errors import SpecError as SpecError
-from .frontend.launcher import WorkerError as WorkerError
+from .frontend.outcomes import WorkerError as WorkerError
 from .frontend.launcher import launch as launch
 from .frontend.shard_map import shard_map as shard_map
 from .planner.rules import AxisRules as AxisRules

@@ -40,8 +40,9 @@ from collections.abc import Callable, Mapping
 from multiprocessing.connection import wait
 from typing import Any
 
-from .frontend.launcher import (WorkerError, adopt_parent_state, finish_rank, init_world, parent_state, set_rank_env,
-                                start_method, world_store)
+from .frontend.launcher import (adopt_parent_state, finish_rank, init_world, parent_state, set_rank_env, start_method,
+                                world_store)
+from .frontend.outcomes import WorkerError
 
 _MESHES: dict = {}   # worker-process cache; the library itself never reads it
 _WORKER: dict = {}   # worker-process state: this rank's progress slot; empty outside a pool worker

@@ -32,6 +32,10 @@ def _values(seed: int, world: int, n: int, dtype: torch.dtype) -> torch.Tensor:
     return x.round().to(dtype) if not dtype.is_floating_point else x.to(dtype)
 
 
+def _channels(mesh) -> list:
+    return [ch for ch in mesh.__dict__.get("_shm_channels", {}).values() if ch is not None]
+
+
 def _collectives() -> dict:
     """Every case as an all-reduce in place, an all-gather in place and a reduce-scatter in place (all
     synchronous); then asynchronous all-reduces, more than ``SLOTS`` in flight on one group waited in
@@ -77,9 +81,8 @@ def _collectives() -> dict:
     def cores_filled(value: bool) -> None:
         """What the group's members agreed at set-up (channels made later, and those made already)."""
         pairwise.cores_filled = lambda: value
-        for ch in shm._CHANNELS.values():
-            if ch is not None:
-                ch.filled = value
+        for ch in _channels(mesh):
+            ch.filled = value
 
     shm.Channel.issue = spy
     try:
@@ -101,9 +104,21 @@ def _collectives() -> dict:
         cores_filled(filled())
         pairwise.cores_filled = filled
         os.environ.pop("SHARDLIB_SHM", None)
-    names = [ch.f.name for ch in shm._CHANNELS.values() if ch is not None]
+    names = [ch.f.name for ch in _channels(mesh)]
     left = [p for name in names for p in glob.glob(f"/dev/shm/{name}-*")]
+    # a mesh's channels close with it (torch keeps its process groups alive)
+    import gc
+    import weakref
+
+    import shardlib as sl
+    other = sl.Mesh(SHAPE)
+    comm.all_reduce(torch.ones(3), other, "data")
+    held = [weakref.ref(ch) for ch in _channels(other)]
+    del other
+    gc.collect()
+    closed = bool(held) and all(r() is None for r in held)
     return {"on": on, "off": off, "kinds": (kinds_on, kinds_off), "left": left, "spare": (spare, kinds_spare),
+            "closed": closed,
             "members": {
         repr(axes): mesh.group_ranks(rank, mesh.canonical_axes(axes)) for axes, _, _ in CASES}}
 
@@ -114,13 +129,14 @@ def test_collectives_through_shared_memory_equal_the_reference_and_gloo(world):
     the members' values folded in member order, the same bits on every member; over two members gloo's
     own result bit for bit, over four gloo's within round-off; more than ``SLOTS`` in flight complete
     whatever order they are waited in; inputs of several slots go in pieces; on a host with cores to spare
-    an asynchronous reduce-scatter keeps gloo; ``SHARDLIB_SHM=0`` keeps gloo; no file stays in /dev/shm."""
+    an asynchronous reduce-scatter keeps gloo; ``SHARDLIB_SHM=0`` keeps gloo; no file stays in /dev/shm; a mesh's
+    channels close when the mesh is collected."""
     results = world(4, _collectives)
     for r, res in enumerate(results):
         n_cases = len(CASES)
         kinds_on, kinds_off = res["kinds"]
         assert kinds_on == ["ar", "ag", "rs"] * n_cases + ["ar"] * (shm.SLOTS + 3) + ["ar", "ag", "rs"], kinds_on
-        assert kinds_off == [] and res["left"] == [], res
+        assert kinds_off == [] and res["left"] == [] and res["closed"], res
         (rs_async, rs_sync, ar_async), kinds_spare = res["spare"]
         assert kinds_spare == ["rs", "ar"], kinds_spare
         x = _values(400, 4, 8, torch.float32)

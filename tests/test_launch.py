@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import shardlib as sl
-from shardlib.frontend.launcher import _write, collect
+from shardlib.frontend.outcomes import collect
+from shardlib.frontend.outcomes import write as _write
 
 # ---- sl.launch over a spawned gloo world -----------------------------------------------------------
 
@@ -96,7 +97,7 @@ def test_a_death_is_dated_by_its_stack_when_the_parent_learns_of_it_late(tmp_pat
     """A rank killed by a signal is dated by when faulthandler wrote its stack, not by when the parent last
     saw it alive: on a busy machine the fork server reports a forked rank's exit late, after the peer that
     lost its connection to it wrote its error (the race a loaded run of the test above hit once)."""
-    from shardlib.frontend.launcher import _death, _fault_path
+    from shardlib.frontend.outcomes import _death, _fault_path
 
     path = _fault_path(str(tmp_path), 1)
     with open(path, "w") as f:

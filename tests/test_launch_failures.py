@@ -20,7 +20,8 @@ import torch
 import shardlib as sl
 from shardlib.comm import core, progress
 from shardlib.frontend import diagnose
-from shardlib.frontend.launcher import UNGUARDED, _write, collect
+from shardlib.frontend.outcomes import UNGUARDED, collect
+from shardlib.frontend.outcomes import write as _write
 from shardlib.testing import get_mesh
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -86,7 +86,8 @@ def _case_overrides(spec: str) -> tuple[str, list[str]]:
 def main(argv: list[str] | None = None, *, run_case: Callable[[RunConfig, int], list] | None = None) -> int:
     """The command. ``run_case(run, steps)`` returns every rank's losses for one case; by default
     each case is a fresh process world (``sl.launch``) — a test passes its warm worker pools."""
-    from ..frontend.launcher import WorkerError, launch
+    from ..frontend.launcher import launch
+    from ..frontend.outcomes import WorkerError
 
     if run_case is None:
         def run_case(run: RunConfig, steps: int) -> list:

@@ -271,7 +271,7 @@ def all_gather(x: torch.Tensor, mesh: Mesh, axes: str | Sequence[str], *, async_
         raise CollectiveError(f"all_gather over {canon}: out must be a contiguous {x.dtype} tensor of shape "
                               f"{shape} — got {out.dtype} {tuple(out.shape)}. Pass a buffer of that shape.")
     _record("all_gather", canon, all_gather_bytes(x.numel(), k, x.element_size()), x, k, tag)
-    if shm.applies(k, x, _gloo(mesh, x)) and (work := shm.all_gather(x, out, mesh.group(canon))) is not None:
+    if shm.applies(k, x, _gloo(mesh, x)) and (work := shm.all_gather(x, out, mesh.group(canon), mesh)) is not None:
         return Pending(work, out) if async_op else work.wait()
     if pairwise.applies(k, x, _gloo(mesh, x), async_op):
         ex = pairwise.all_gather(x, out, mesh.group_index(mesh.rank, canon), mesh.group_ranks(mesh.rank, canon),
@@ -312,7 +312,7 @@ def reduce_scatter(x: torch.Tensor, mesh: Mesh, axes: str | Sequence[str], *, op
                               f"{shape} — got {out.dtype} {tuple(out.shape)}. Pass a buffer of that shape.")
     _record("reduce_scatter", canon, reduce_scatter_bytes(out.numel(), k, x.element_size()), x, k)
     if (shm.applies(k, x, _gloo(mesh, x), op)
-            and (work := shm.reduce_scatter(x, out, op, mesh.group(canon), async_op)) is not None):
+            and (work := shm.reduce_scatter(x, out, op, mesh.group(canon), async_op, mesh)) is not None):
         return Pending(work, out) if async_op else work.wait()
     if pairwise.applies(k, x, _gloo(mesh, x), async_op, op, scratch=out.numel() * out.element_size()):
         ex = pairwise.reduce_scatter(x, out, mesh.group_index(mesh.rank, canon), op,
@@ -350,7 +350,7 @@ def all_reduce(x: torch.Tensor, mesh: Mesh, axes: str | Sequence[str], *, op: st
         raise CollectiveError(f"all_reduce: op 'avg' on dtype {out.dtype} — expected a floating dtype "
                               "(gloo cannot average integers). Sum, then divide.")
     _record("all_reduce", canon, all_reduce_bytes(out.numel(), k, out.element_size()), out, k)
-    if shm.applies(k, out, _gloo(mesh, out), op) and (work := shm.all_reduce(out, op, mesh.group(canon))) is not None:
+    if shm.applies(k, out, _gloo(mesh, out), op) and (work := shm.all_reduce(out, op, mesh.group(canon), mesh)) is not None:
         return Pending(work, out) if async_op else work.wait()
     work = dist.all_reduce(out, op=_REDUCE_OPS[op], group=mesh.group(canon), async_op=async_op)
     return Pending(work, out) if async_op else out

@@ -69,7 +69,7 @@ _HEADER = 4096
 _ARRIVED, _DONE, _PID = 0, 8, 16  # int64 indices into the header: separate cache lines
 _SYS_FUTEX, _FUTEX_WAIT, _FUTEX_WAKE = 202, 0, 1
 _REDUCE = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
-_CHANNELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # group -> Channel | None (gloo)
+_CHANNELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # group -> Channel | None, without a mesh
 
 
 class _Timespec(ctypes.Structure):
@@ -102,38 +102,42 @@ def applies(k: int, x: torch.Tensor, gloo: bool, op: str = "sum") -> bool:
             and x.numel() > 0 and x.is_contiguous() and os.environ.get("SHARDLIB_SHM", "1") != "0")
 
 
-def channel(group) -> Channel | None:
-    """The group's channel, set up on first use (collective over the group); None where it keeps gloo."""
+def channel(group, owner=None) -> Channel | None:
+    """The group's channel, set up on first use (collective over the group); None where it keeps gloo.
+    ``owner`` (the mesh that holds the group) keeps its channels, so they close when it is collected:
+    their files' pages are reserved, and torch keeps a process group alive after its mesh is gone.
+    Every member uses the group through the same mesh, so each mesh's channel is set up by all alike."""
+    held = _CHANNELS if owner is None else owner.__dict__.setdefault("_shm_channels", {})
     try:
-        return _CHANNELS[group]
+        return held[group]
     except KeyError:
-        ch = Channel.open(group)
-        _CHANNELS[group] = ch
+        ch = held[group] = Channel.open(group)
         return ch
 
 
-def all_reduce(x: torch.Tensor, op: str, group) -> Issued | None:
+def all_reduce(x: torch.Tensor, op: str, group, owner=None) -> Issued | None:
     """Issue an all-reduce of ``x`` in place through the group's channel; ``wait()`` completes it.
     None when the group keeps gloo (decided once, by every member alike)."""
-    ch = channel(group)
+    ch = channel(group, owner)
     return None if ch is None else ch.issue("ar", x.view(-1), x.view(-1), op, x)
 
 
-def all_gather(x: torch.Tensor, out: torch.Tensor, group) -> Issued | None:
+def all_gather(x: torch.Tensor, out: torch.Tensor, group, owner=None) -> Issued | None:
     """Issue an all-gather of every member's ``x`` into ``out`` (``k`` blocks of ``x``'s size, in member
     order; ``x`` may be this member's block of it)."""
-    ch = channel(group)
+    ch = channel(group, owner)
     return None if ch is None else ch.issue("ag", x.reshape(-1), out.view(ch.k, -1), "sum", out)
 
 
-def reduce_scatter(x: torch.Tensor, out: torch.Tensor, op: str, group, async_op: bool = False) -> Issued | None:
+def reduce_scatter(x: torch.Tensor, out: torch.Tensor, op: str, group, async_op: bool = False,
+                   owner=None) -> Issued | None:
     """Issue a reduce-scatter: ``out`` = this member's chunk of every member's ``x`` (``k`` chunks along
     dim 0), folded in member order (``out`` may be this member's chunk of ``x``: each piece of the input
     is copied into the slot before its result is written). An asynchronous one (ZeRO's buckets and
     units) only where every member's ranks fill its host's cores (``Channel.filled``): it folds on the
     caller's thread when waited for, where gloo folds on its own thread, beside the caller's work when a
     core is to spare (ZeRO-2 1.09x through shared memory on 16 cores)."""
-    ch = channel(group)
+    ch = channel(group, owner)
     if ch is None or (async_op and not ch.filled):
         return None
     return ch.issue("rs", x.view(ch.k, -1), out.view(-1), op, out)
