@@ -66,14 +66,18 @@ def _alternate(fn, reps: int, var: str = "SHARDLIB_GLOO_PAIRWISE") -> dict[str, 
     return {m: statistics.median(v) * 1e3 for m, v in times.items()}
 
 
-def calls(reps: int) -> list[dict]:
+def messages(sizes_mb):
+    """Per message size, on data = 2: (MB, mesh, this member's index, x, half x's length, a buffer of x's size)."""
     mesh = sl.Mesh({"data": 2})
     me = mesh.group_index(mesh.rank, ("data",))
-    rows = []
-    for mb in SIZES_MB:
+    for mb in sizes_mb:
         n = int(mb * 1e6 / 4) // 2 * 2
-        x, c = torch.randn(n), n // 2
-        gathered = torch.empty(n)
+        yield mb, mesh, me, torch.randn(n), n // 2, torch.empty(n)
+
+
+def calls(reps: int) -> list[dict]:
+    rows = []
+    for mb, mesh, me, x, c, gathered in messages(SIZES_MB):
         rs = _alternate(lambda i: comm.reduce_scatter(x, mesh, "data", out=x[me * c:(me + 1) * c],
                                                       async_op=True).wait(), reps)
         ag = _alternate(lambda i: comm.all_gather(x[:c], mesh, "data", out=gathered, async_op=True).wait(), reps)
@@ -106,6 +110,12 @@ def rank_main(parts: list[str], n_calls: int, n_steps: int, warmup: int, force_r
     out = {"filled": pairwise.cores_filled()}
     if force_rs:
         pairwise.cores_filled = lambda: True
+    return out | run_parts(parts, n_calls, n_steps, warmup, calls, steps)
+
+
+def run_parts(parts: list[str], n_calls: int, n_steps: int, warmup: int, calls, steps) -> dict:
+    """In a rank: the per-call part (2-rank worlds only) and the per-step part, as asked."""
+    out = {}
     if "calls" in parts and dist.get_world_size() == 2:
         out["calls"] = calls(n_calls)
     if "steps" in parts:
@@ -113,13 +123,19 @@ def rank_main(parts: list[str], n_calls: int, n_steps: int, warmup: int, force_r
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parser(doc: str, steps: int) -> argparse.ArgumentParser:
+    """The arguments this benchmark and ``bench_shm.py`` share."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--parts", nargs="*", default=["calls", "steps"], choices=["calls", "steps"])
     ap.add_argument("--calls", type=int, default=41)
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=steps)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--ranks", type=int, nargs="*", default=[2, 4])
+    return ap
+
+
+def main() -> None:
+    ap = parser(__doc__, steps=30)
     ap.add_argument("--force-rs", action="store_true", help="exchange reduce-scatters even where cores are to spare")
     args = ap.parse_args()
     load = os.getloadavg()[0]

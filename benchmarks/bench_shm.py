@@ -19,7 +19,6 @@ exchanges (``comm/pairwise.py``). gloo ranks of 1 thread each.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
@@ -33,7 +32,7 @@ from shardlib.models import GPT, token_batch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_data_parallel import CFG  # noqa: E402
-from bench_gloo_pair import _alternate  # noqa: E402
+from bench_gloo_pair import _alternate, messages, parser, run_parts  # noqa: E402
 
 SIZES_MB = (0.0625, 0.5, 2.3, 13.75)
 TP = {"heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
@@ -43,13 +42,8 @@ FORMS = {"DP": ("data", {"zero": 0}), "ZeRO-2": ("data", {"zero": 2}), "ZeRO-3":
 
 
 def calls(reps: int) -> list[dict]:
-    mesh = sl.Mesh({"data": 2})
-    me = mesh.group_index(mesh.rank, ("data",))
     rows = []
-    for mb in SIZES_MB:
-        n = int(mb * 1e6 / 4) // 2 * 2
-        x, c = torch.randn(n), n // 2
-        gathered = torch.empty(n)
+    for mb, mesh, me, x, c, gathered in messages(SIZES_MB):
         ar = _alternate(lambda i: comm.all_reduce(x, mesh, "data", inplace=True), reps, "SHARDLIB_SHM")
         rs = _alternate(lambda i: comm.reduce_scatter(x, mesh, "data", out=x[me * c:(me + 1) * c]), reps,
                         "SHARDLIB_SHM")
@@ -89,22 +83,11 @@ def steps(reps: int, warmup: int) -> list[dict]:
 
 def rank_main(parts: list[str], n_calls: int, n_steps: int, warmup: int) -> dict:
     torch.set_num_threads(1)
-    out = {}
-    if "calls" in parts and dist.get_world_size() == 2:
-        out["calls"] = calls(n_calls)
-    if "steps" in parts:
-        out["steps"] = steps(n_steps, warmup)
-    return out
+    return run_parts(parts, n_calls, n_steps, warmup, calls, steps)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--parts", nargs="*", default=["calls", "steps"], choices=["calls", "steps"])
-    ap.add_argument("--calls", type=int, default=41)
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--ranks", type=int, nargs="*", default=[2, 4])
-    args = ap.parse_args()
+    args = parser(__doc__, steps=20).parse_args()
     load = os.getloadavg()[0]
     res: dict = {"steps": []}
     for n in args.ranks:

@@ -61,7 +61,7 @@ from omegaconf import DictConfig, OmegaConf
 import shardlib as sl
 from shardlib.cli.compose import check_overrides, whole_axes
 from shardlib.frontend.config import ConfigError, RunConfig, run_config
-from shardlib.frontend.launcher import WorkerError
+from shardlib.frontend.outcomes import WorkerError
 from shardlib.frontend.report import Progress, plot_loss, plot_memory, summary_lines
 from shardlib.frontend.run import SavedActivations, Trainer, check
 from shardlib.planner.pipeline_report import rank_activation_bytes

@@ -251,3 +251,21 @@ def test_set_up_refusals_keep_the_whole_group_on_gloo_and_modes_do_not_break_it(
     assert [r["refused"] for r in res] == [[3.0] * 5] * 2 + [[7.0] * 5] * 2, res
     assert [r["first"] for r in res] == [[3.0] * 3] * 2 + [[7.0] * 3] * 2, res
     assert [r["later"] for r in res] == [[6.0] * 3] * 2 + [[14.0] * 3] * 2, res
+
+
+def test_a_full_dev_shm_is_an_error_that_names_the_fix(monkeypatch, tmp_path):
+    """A member reserves its slots' pages before its first write there: when /dev/shm has filled up since
+    the set-up, the collective raises what gloo raises for a lost peer, naming the fixes (a larger
+    /dev/shm, or SHARDLIB_SHM=0) — not a SIGBUS that kills the rank without a word."""
+    ch = _lonely_channel(os.getpid(), timeout=60.0)
+    ch.f.fd = os.open(tmp_path / "slots", os.O_CREAT | os.O_RDWR)
+
+    def full(*a):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    x = torch.ones(4)
+    with pytest.raises(dist.DistBackendError, match=r"no room .*No space left on device.*--shm-size.*SHARDLIB_SHM=0"):
+        ch.issue("ar", x, x, "sum", x)
+    os.close(ch.f.fd)
+

@@ -13,12 +13,15 @@ faster: ``benchmarks/README.md``).
 member creates a file under ``/dev/shm`` (named by a random token member 0 draws) with its pages
 reserved, maps every peer's, checks the peer's pid in it, and unlinks its own once all are mapped —
 nothing is left behind, even if a rank dies later. Every member keeps gloo for the group if any
-member's host cannot run the channel (``supported``), its /dev/shm lacks room (``_room``: a
-container's 64 MB default can; reserving the pages turns a full tmpfs into an error here, not a
-SIGBUS on a later write), or any step failed: all learn it in the same collective. They also agree
-on whether every member's ranks fill its host's cores (``Channel.filled``, for asynchronous
-reduce-scatters) and whether they see each other's pids (the liveness check). A member's file holds
-a header (two counters on cache lines of their own, its pid) and ``SLOTS`` slots of ``SLOT_BYTES``.
+member's host cannot run the channel (``supported``), its /dev/shm lacks room for twice the group's
+files (``_room``: a container's 64 MB default can), or any step failed: all learn it in the same
+collective. They also agree on whether every member's ranks fill its host's cores
+(``Channel.filled``, for asynchronous reduce-scatters) and whether they see each other's pids (the
+liveness check). A member's file holds a header (two counters on cache lines of their own, its pid)
+and ``SLOTS`` slots of ``SLOT_BYTES``; a member reserves its slots' pages (``posix_fallocate``) as
+far as its pieces first reach, so a /dev/shm filled meanwhile is an error that names the fix, not a
+SIGBUS on a write, and a group of small collectives holds a few pages. A mesh holds its groups'
+channels: they close with it.
 
 **A collective** is cut into pieces of one slot along its last dim (the group's ``n``-th piece uses
 slot ``n % SLOTS``). Issuing copies each piece's input into this member's slot and raises its
@@ -174,6 +177,7 @@ class Files:
                  filled: bool = True, see_pids: bool = True):
         self.me, self.k, self.pids, self.timeout, self.name = me, k, pids, timeout, name
         self.filled, self.see_pids = filled, see_pids
+        self.fd, self.reserved = -1, 0          # this member's file, and the bytes of each slot reserved
         self.maps = maps
         self.heads = [_words(m) for m in maps]
         with torch.inference_mode(False):      # plain tensors, whatever mode the first collective runs in
@@ -182,8 +186,8 @@ class Files:
 
     @classmethod
     def open(cls, group, size: int) -> Files | None:
-        """Every member creates its file under /dev/shm (named by a token member 0 draws; its pages
-        reserved, so a full /dev/shm fails here and not as SIGBUS later), maps every peer's and checks
+        """Every member creates its file under /dev/shm (named by a token member 0 draws; its header's
+        page reserved, its slots' as they are first used: ``reserve``), maps every peer's and checks
         the peer's pid in it, then unlinks its own; None on every member if any member's host cannot
         (``supported``) or any step failed. Also agreed: whether every member's ranks fill their host's
         cores (``filled``), and whether all members see each other's pids (one pid namespace: the
@@ -202,7 +206,9 @@ class Files:
                 try:
                     fd = os.open(paths[me], os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
                     created = True
-                    maps[me] = _map(fd, size, grow=True)
+                    os.ftruncate(fd, size)
+                    os.posix_fallocate(fd, 0, _HEADER)
+                    maps[me] = mmap.mmap(fd, size)
                     _words(maps[me])[_PID] = os.getpid()
                 except Exception:   # noqa: BLE001 — any failure here is agreed on below, never raised alone
                     ok = False
@@ -211,7 +217,7 @@ class Files:
                 try:
                     for j in range(k):
                         if j != me:
-                            maps[j] = _map(os.open(paths[j], os.O_RDWR), size, grow=False)
+                            maps[j] = _map(os.open(paths[j], os.O_RDWR), size)
                             ok = ok and _words(maps[j])[_PID] == infos[j][1]   # else another host's /dev/shm
                 except Exception:   # noqa: BLE001
                     ok = False
@@ -221,9 +227,31 @@ class Files:
                 with contextlib.suppress(OSError):
                     os.unlink(paths[me])
         if not ok:
+            if created:
+                os.close(fd)
             return None
-        return cls(me, k, maps, [int(i[1]) for i in infos], _timeout_of(group), name,
-                   filled=all(i[3] for i in infos), see_pids=len({i[4] for i in infos}) == 1)
+        files = cls(me, k, maps, [int(i[1]) for i in infos], _timeout_of(group), name,
+                    filled=all(i[3] for i in infos), see_pids=len({i[4] for i in infos}) == 1)
+        files.fd = fd
+        weakref.finalize(files, os.close, fd)
+        return files
+
+    def reserve(self, nbytes: int) -> None:
+        """Reserve the pages of this member's slots up to ``nbytes`` each before writing there: a full
+        /dev/shm is then an error that says so, not a SIGBUS (only what the group's pieces need is
+        reserved: a group of small collectives holds a few pages)."""
+        if nbytes <= self.reserved or self.fd < 0:     # no file of its own: anonymous maps (tests)
+            return
+        nbytes = min(SLOT_BYTES, -(-nbytes // 4096) * 4096)
+        try:
+            for s in range(SLOTS):
+                os.posix_fallocate(self.fd, _HEADER + s * SLOT_BYTES, nbytes)
+        except OSError as e:
+            raise dist.DistBackendError(
+                f"shared memory: /dev/shm has no room for this group's slots ({e.strerror}) — give the machine "
+                "or container a larger /dev/shm (docker run --shm-size=1g), or set SHARDLIB_SHM=0 on every "
+                "rank to keep gloo's collectives.") from e
+        self.reserved = nbytes
 
     def put(self, j: int, idx: int, value: int) -> None:
         """Write word ``idx`` of member ``j``'s header and wake whoever sleeps on it."""
@@ -335,6 +363,7 @@ class Channel:
         return typed[j][off:off + h.src.numel()]
 
     def _copy_in(self, h: _Piece) -> None:
+        self.f.reserve(h.src.numel() * h.src.element_size())
         self._slot(self.me, h).view(h.src.shape).copy_(h.src)
         h.copied = True
         self.f.put(self.me, _ARRIVED, h.seq)
@@ -360,10 +389,8 @@ def _unseen():
                 yield
 
 
-def _map(fd: int, size: int, grow: bool) -> mmap.mmap:
+def _map(fd: int, size: int) -> mmap.mmap:
     try:
-        if grow:
-            os.posix_fallocate(fd, 0, size)      # the pages reserved now: ENOSPC here, not SIGBUS on a write
         return mmap.mmap(fd, size)
     finally:
         os.close(fd)
