@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 import shardlib as sl
+from shardlib.runtime import weight_grads
 from shardlib.testing import get_mesh
 from test_engine import make_batches, make_model, make_optimizer, reference_run
 from test_tensor import check_world, train_counting
@@ -285,3 +286,57 @@ def test_zero_bubble_deferred_weight_gradients_equal_the_generic_split(world):
             assert d["state"].keys() == g["state"].keys()
             for k in d["state"]:
                 assert torch.equal(d["state"][k], g["state"][k]), (p, r, k)
+
+
+def _tail_split(p: int) -> dict:
+    """1f1b on the GPT, 3 steps, twice from one seed: as built (the last stage's last backward split into I,
+    its gradient's send, then W), and with the split taken away after the build (the plain lowered list)."""
+    mesh = get_mesh({"data": 1, "pipe": p})
+    data = batches(3)
+    out = {}
+    for kind in ("split", "plain"):
+        model = make_model("gpt_pp")
+        plan = sl.plan(model, mesh, rules=PIPE, schedule="1f1b", microbatches=4, batch=data[0])
+        engine = sl.parallelize(model, plan, optimizer=make_optimizer("adamw"))
+        pipe = engine.pipe
+        split, store = pipe.split, pipe.deferred
+        if kind == "plain":
+            pipe.actions = plan.pipeline.lowered(pipe.coord)
+            pipe.recvs = [k for k, a in enumerate(pipe.actions) if a.kind in ("RECV_F", "RECV_B")]
+            pipe.deferred = pipe.split = None
+        applied = []                 # forwards through the store (runtime/weight_grads.py), per layer call
+        apply = weight_grads._DeferredLinear.apply
+        weight_grads._DeferredLinear.apply = lambda *a: (applied.append(1), apply(*a))[1]
+        try:
+            losses = [engine.step(b) for b in data]
+        finally:
+            weight_grads._DeferredLinear.apply = apply
+        out[kind] = {"losses": losses, "state": engine.full_state_dict(), "split": split,
+                     "actions": [r.action for r in engine.timeline if r.action[1:2] in "IW" or "B" in r.action],
+                     "applied": len(applied),
+                     "layers": pipe.deferred_layers, "left": len(store.pending) if store is not None else 0}
+    return out
+
+
+def test_1f1b_sends_the_last_stages_last_input_gradient_before_its_weight_gradients(world):
+    """Under 1f1b the last stage's last backward runs as I, the gradient's send, then W (its Linear weight
+    gradients deferred): only that micro-batch's forward records through the store, every other backward is
+    whole, and no bit of the losses or the AdamW weights changes against the unsplit schedule (pipe 2 and 4)."""
+    for p in (2, 4):
+        for r, got in enumerate(world(p, _tail_split, p)):
+            s, plain = got["split"], got["plain"]
+            last = r == p - 1
+            assert s["split"] == ({(p - 1, 3)} if last else None), (p, r, s["split"])
+            assert s["layers"] == (4 * (8 // p) if last else 0), (p, r, s["layers"])    # 4 Linear layers a block
+            if last:
+                acts = s["actions"]
+                assert acts[-3:] == [f"{r}I3", f"{r}SEND_B3", f"{r}W3"], acts
+                assert not [a for a in acts[:-3] if a[1] in "IW"], acts
+                # micro-batch 3's forward alone, in each of the 3 steps; nothing left over
+                assert s["applied"] == 3 * s["layers"] and s["left"] == 0, (s["applied"], s["layers"])
+            else:
+                assert not [a for a in s["actions"] if a[1] in "IW"] and s["applied"] == 0, s["actions"]
+            assert s["losses"] == plain["losses"], (p, r)
+            assert s["state"].keys() == plain["state"].keys()
+            for k in s["state"]:
+                assert torch.equal(s["state"][k], plain["state"][k]), (p, r, k)

@@ -22,6 +22,7 @@ from shardlib.planner.schedules import (
     parse_schedule,
     schedule_actions,
     schedule_problems,
+    split_last_backwards,
 )
 from shardlib.planner.simulate import Record, bubble_formula, simulate
 
@@ -236,6 +237,37 @@ def test_lowering_pairs_sends_with_receives_and_keeps_the_makespan(name):
             low = simulate(lo, p, m, v, p2p=p2p)
             assert low.makespan == base.makespan and low.busy == base.busy
             assert low.peak_live == base.peak_live
+
+
+def test_splitting_the_last_stages_last_backward_saves_one_w_under_1f1b_and_nothing_elsewhere():
+    """``split_last_backwards``: the last B of each named stage becomes I then W in its place, nothing else
+    moves; lowered, the gradient's send follows I and the stage's REDUCE_GRAD follows W. With F = 1, I = 2,
+    W = 1 (B = I + W), under 1f1b splitting the last stage's last backward ends the step one W earlier at
+    every p and m (the first stage's last backward starts a W earlier) with the same peak of live
+    micro-batches; splitting every stage's gains nothing more, and under GPipe (m >= 2) nothing at all —
+    which is why ``PipelinePlan.lowered(split_tail=True)`` splits that one backward, under 1f1b only."""
+    costs = {"F": 1, "B": 3, "I": 2, "W": 1}
+    for name in ("1f1b", "gpipe"):
+        for p, m, v in [c for c in cases(name) if c[1] in (1, 2, 3, 8, 13)]:
+            acts = schedule_actions(name, p, m, v)
+            last = split_last_backwards(acts, [p - 1])
+            every = split_last_backwards(acts, range(1, p))
+            for r, lst in acts.items():
+                expect = lst if r != p - 1 else lst[:-1] + [Action(r, "I", m - 1), Action(r, "W", m - 1)]
+                assert last[r] == expect, (name, p, m, r)
+            check_run(last, simulate(last, p, m, v), p, m, v)
+            lo = lower(last, p)[p - 1]
+            tail = [str(a) for a in lo[-4:]]
+            assert tail == [f"{p - 1}I{m - 1}", f"{p - 1}SEND_B{m - 1}", f"{p - 1}W{m - 1}", f"{p - 1}REDUCE_GRAD"]
+            base, one, all_ = (simulate(x, p, m, v, costs=costs) for x in (acts, last, every))
+            assert one.peak_live == base.peak_live
+            if name == "1f1b" or m == 1:
+                assert one.makespan == base.makespan - costs["W"], (name, p, m)
+            else:
+                assert one.makespan == base.makespan, (name, p, m)
+            if m > 1:
+                assert all_.makespan == one.makespan, (name, p, m)
+    assert split_last_backwards({0: "0F0 0B0"}, [1]) == {0: parse_schedule("0F0 0B0")}   # no B of stage 1
 
 
 def test_lowering_with_unshard_gathers_each_stage_once_before_it_runs_and_frees_it_after_its_reduce():

@@ -54,7 +54,7 @@ import torch
 from torch import nn
 
 from .hf_stages import CausalLMStages
-from .schedules import Action, lower, schedule_actions, schedule_problems
+from .schedules import Action, lower, schedule_actions, schedule_problems, split_last_backwards
 from .specs import AxisRules, find_stack
 from .stack import POST, PRE, auto_stack, stack_entry_problems, stack_modules, stage_functions
 
@@ -164,12 +164,16 @@ class PipelinePlan:
     def _actions(self) -> dict[int, list[Action]]:
         return schedule_actions(self.schedule, self.size, self.microbatches, self.virtual)
 
-    def lowered(self, coord: int, *, unshard: bool = False) -> list[Action]:
+    def lowered(self, coord: int, *, unshard: bool = False, split_tail: bool = False) -> list[Action]:
         """Rank ``coord``'s actions with the point-to-point sends and receives (and, with
-        ``unshard``, ZeRO-3's per-stage gather and free) added."""
-        key = bool(unshard)
+        ``unshard``, ZeRO-3's per-stage gather and free) added. ``split_tail``: under ``1f1b``, the
+        last stage's last backward split into ``I`` and ``W`` (``split_last_backwards``: the first
+        stage's last backward, the end of the step, starts a ``W`` earlier; the simulator finds no
+        gain in splitting other stages' or other schedules' last backwards)."""
+        key = (bool(unshard), bool(split_tail) and self.schedule == "1f1b")
         if key not in self._lowered:
-            self._lowered[key] = lower(self._actions, self.size, self.virtual, unshard=unshard)
+            acts = split_last_backwards(self._actions, [self.num_stages - 1]) if key[1] else self._actions
+            self._lowered[key] = lower(acts, self.size, self.virtual, unshard=unshard)
         return self._lowered[key][coord]
 
     @cached_property

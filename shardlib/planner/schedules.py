@@ -225,6 +225,31 @@ def _interleaved(p: int, m: int, v: int) -> dict[int, list[Action]]:
     return out
 
 
+def split_last_backwards(actions: Mapping[int, Iterable[Action | str] | str], stages: Iterable[int]
+                         ) -> dict[int, list[Action]]:
+    """The compute-only lists with the last ``B`` of each of ``stages`` split into ``I`` then ``W``.
+
+    At the end of a 1F1B, GPipe or interleaved step the previous stage waits for each stage's last
+    input gradient, and nothing on this rank needs that backward's weight gradients before the
+    optimizer: sending the gradient after ``I`` lets the previous stage start while this one runs
+    ``W`` (the drain's critical path loses a ``W`` per hop). One micro-batch per stage is split, so the
+    schedule's order and memory stay its own. Lowered, ``I`` takes the ``RECV_B``/``SEND_B`` around it
+    and ``REDUCE_GRAD`` follows ``W``."""
+    lists = as_actions(actions)
+    wanted = set(stages)
+    out = {}
+    for r, lst in lists.items():
+        last = {a.stage: i for i, a in enumerate(lst) if a.kind == "B" and a.stage in wanted}
+        res: list[Action] = []
+        for i, a in enumerate(lst):
+            if last.get(a.stage) == i:
+                res += [Action(a.stage, "I", a.mb), Action(a.stage, "W", a.mb)]
+            else:
+                res.append(a)
+        out[r] = res
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # lowering
 

@@ -105,8 +105,12 @@ class PipelineRuntime:
         self.zero3 = engine.plan.states.params is not None
         self.per_step = engine.plan.pipe_unshard          # ZeRO-3's "step" gather policy
         self.actions = pp.lowered(self.coord, unshard=self.per_step)
-        # micro-batch -> the stage of its last forward on this rank, after which its context goes
-        self.last_forward = {a.mb: a.stage for a in self.actions if a.kind == "F"}
+        zero_bubble = any(a.kind == "I" for a in self.actions)
+        # weight gradients can be deferred (runtime/weight_grads.py) except through the tensor axis's
+        # parallel layers, ZeRO-3's per-micro-batch gathers, offloaded parameters or a recomputed forward
+        deferrable = (engine.tensor is None and (not self.zero3 or self.per_step)
+                      and dict(engine.plan.offload).get("params") is None
+                      and not any(u.recompute for u in engine.plan.units))
         self.stage_params = {i: self._params_of(s) for i, s in self.stages.items()}
         self.units_of: dict[int, list] = {i: [] for i in self.stages}
         if self.zero3:
@@ -128,19 +132,30 @@ class PipelineRuntime:
         self.counts_loss = self.coord == 0 and (engine.tensor is None or engine.tensor.coord == 0)
         self.timeline: list[Record] = []
         self._shapes: dict[tuple, tuple[torch.Size, torch.dtype]] = {}
-        self.recvs = [k for k, a in enumerate(self.actions) if a.kind in ("RECV_F", "RECV_B")]
         self.window = pp.recv_window
         # the split backward: the blocks' Linear weight gradients deferred to W, on stages with an input
-        # (the first stage's W runs its whole backward); torch's generic split where that does not apply
+        # (the first stage's W runs its whole backward); torch's generic split where that does not apply.
+        # Under 1f1b the last stage's last backward only (``split_tail``): its forward alone records
         self.deferred: WeightGradStore | None = None
         self.deferred_layers = 0
-        if any(a.kind == "I" for a in self.actions) and engine.tensor is not None:
+        self.split: set[tuple[int, int]] | None = None       # (stage, micro-batch) split; None: all (zb_h1)
+        if zero_bubble and engine.tensor is not None:
             engine.tensor.boundaries.unfuse_columns()    # the generic split runs a layer's backward twice
-        if (any(a.kind == "I" for a in self.actions) and engine.tensor is None and (not self.zero3 or self.per_step)
-                and dict(engine.plan.offload).get("params") is None):
+        if deferrable and zero_bubble:
             self.deferred = WeightGradStore()
             self.deferred_layers = sum(defer_linears(self.blocks[i], self.deferred)
                                        for i, st in self.stages.items() if not st.pre)
+        elif deferrable:
+            tail = pp.lowered(self.coord, unshard=self.per_step, split_tail=True)
+            split = {(a.stage, a.mb) for a in tail if a.kind == "I"}
+            store = WeightGradStore()
+            store.capture = False
+            n = sum(defer_linears(self.blocks[s], store) for s in {s for s, _ in split})
+            if n:
+                self.deferred, self.deferred_layers, self.split, self.actions = store, n, split, tail
+        # micro-batch -> the stage of its last forward on this rank, after which its context goes
+        self.last_forward = {a.mb: a.stage for a in self.actions if a.kind == "F"}
+        self.recvs = [k for k, a in enumerate(self.actions) if a.kind in ("RECV_F", "RECV_B")]
 
     def _params_of(self, stage) -> list[nn.Parameter]:
         named = dict(self.engine.model.named_parameters())
@@ -319,6 +334,8 @@ class PipelineRuntime:
             if i not in self.ctx:
                 self.ctx[i] = fns.context(batch, eng.cdt)
         ctx = self.ctx[i]
+        if self.deferred is not None:
+            self.deferred.capture = self.split is None or (s, i) in self.split
         for blk, k in zip(self.blocks[s], self.block_index[s]):
             x = blk(x, **fns.block_kwargs(ctx, k))
         if st.post:

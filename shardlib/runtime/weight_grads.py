@@ -13,7 +13,10 @@ parameter group: on ``bench_pipeline``'s 4-block stage (d_model 128) I + W took 
 a whole backward; deferred, ~1.2x, the gradients bit-identical.
 
 A layer computes its weight gradient at once when no split backward is running (``store.key`` is
-None): a plain ``backward`` through it is unchanged. Only plain ``nn.Linear`` layers with a trainable
+None): a plain ``backward`` through it is unchanged. Under ``1f1b`` one backward per step is split
+(the last stage's last, so that the first stage's last backward starts a ``W`` earlier): the
+pipeline then turns ``store.capture`` on for that micro-batch's forward only, and every other
+forward runs ``F.linear`` itself, at no cost. Only plain ``nn.Linear`` layers with a trainable
 weight are deferred (``defer_linears``); the pipeline uses the generic split where layers are not
 plain (the tensor axis's parallel layers).
 """
@@ -33,6 +36,7 @@ class WeightGradStore:
 
     def __init__(self):
         self.key = None            # set while an ``I`` runs: where its layers' work goes
+        self.capture = True        # forwards record through the store (False: plain ``F.linear``)
         self.pending: dict = {}
 
     @torch.no_grad()
@@ -71,7 +75,7 @@ class _DeferredLinear(torch.autograd.Function):
 
 
 def _forward(self: nn.Linear, store: WeightGradStore, x: torch.Tensor) -> torch.Tensor:
-    if not torch.is_grad_enabled():
+    if not torch.is_grad_enabled() or not store.capture:
         return F.linear(x, self.weight, self.bias)
     return _DeferredLinear.apply(x, self.weight, self.bias, store)
 
