@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from ..algebra.mesh import Mesh
 from ..errors import CollectiveError, ShardingTypeError
-from . import pairwise, shm
+from . import mailbox, pairwise, shm
 from . import progress as _progress
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
@@ -453,6 +453,9 @@ def send(x: torch.Tensor, mesh: Mesh, axis: str, dst: int, *, tag: int = 0) -> P
     x = _check_tensor(x, "send", mesh)
     peer = _peer(mesh, axis, dst, "send")
     _record("send", (axis,), x.numel() * x.element_size(), x, 2)
+    box = mesh.__dict__.get("_mailboxes", {}).get(axis)
+    if mailbox.takes(box, dst, x):
+        return Pending(box.send(x, dst, tag), x)
     return Pending(dist.isend(x, dst=peer, tag=tag), x)
 
 
@@ -462,14 +465,36 @@ def recv(out: torch.Tensor, mesh: Mesh, axis: str, src: int, *, tag: int = 0) ->
     mesh = _require_mesh(mesh, "recv")
     peer = _peer(mesh, axis, src, "recv")
     _record("recv", (axis,), 0, out, 2)
+    box = mesh.__dict__.get("_mailboxes", {}).get(axis)
+    if mailbox.takes(box, src, out):
+        return Pending(box.recv(out, src, tag), out)
     return Pending(dist.irecv(out, src=peer, tag=tag), out)
 
 
+def open_mailboxes(mesh: Mesh, axis: str) -> bool:
+    """Let ``send``/``recv`` between neighbours along ``axis`` go through shared memory where the
+    group's members share a host (``comm/mailbox.py``). A collective over ``axis`` on every rank, once
+    per mesh (later calls return at once); True where the group took it."""
+    mesh = _require_mesh(mesh, "open_mailboxes")
+    held = mesh.__dict__.setdefault("_mailboxes", {})
+    if axis not in held:
+        group = mesh.group((axis,))
+        held[axis] = (mailbox.open(group) if group is not None and _gloo(mesh, torch.empty(0))
+                      and shm.supported() else None)
+    return held[axis] is not None
+
+
 def _peer(mesh: Mesh, axis: str, index: int, api: str) -> int:
+    """The global rank of member ``index`` of this rank's group over ``axis`` (kept on the mesh: a
+    pipeline asks twice per micro-batch)."""
+    known = mesh.__dict__.setdefault("_peers", {})
+    if type(index) is int and type(axis) is str and (axis, index) in known:
+        return known[(axis, index)]
     k = mesh.axis_size(axis)
     if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < k:
         raise CollectiveError(f"{api} over {axis!r}: peer {index!r} is not a member — expected 0..{k - 1}.")
     members = sorted(mesh.group_ranks(mesh.rank, (axis,)), key=lambda r: mesh.group_index(r, (axis,)))
+    known[(axis, index)] = members[index]
     return members[index]
 
 

@@ -6,8 +6,8 @@ hand-offs, not the bytes, are the cost: a 512 KB all-reduce over two ranks of th
 machine takes 1.0 ms alone and 1.4-2.5 ms inside a step; copying it in, waiting for the peer and
 adding takes 0.1-0.2 ms. DeepSpeed's CPU backend (its ``shm`` all-reduce) and oneCCL do the same for
 ranks that share a host. All-reduces, all-gathers and reduce-scatters (``core``'s, what every axis
-issues) take it; sends and receives stay gloo's (a pipeline's through shared memory measured no
-faster: ``benchmarks/README.md``).
+issues) take it; a pipeline's sends and receives between neighbours take ``comm/mailbox.py``, on the
+same ``Files``.
 
 **Set-up.** The group's first collective that asks for the channel sets it up, collectively: every
 member creates a file under ``/dev/shm`` (named by a random token member 0 draws) with its pages
@@ -243,25 +243,33 @@ class Files:
         if nbytes <= self.reserved or self.fd < 0:     # no file of its own: anonymous maps (tests)
             return
         nbytes = min(SLOT_BYTES, -(-nbytes // 4096) * 4096)
+        for s in range(SLOTS):
+            self.reserve_range(_HEADER + s * SLOT_BYTES, nbytes)
+        self.reserved = nbytes
+
+    def reserve_range(self, offset: int, nbytes: int) -> None:
+        """Reserve ``nbytes`` of this member's file from ``offset`` (whole pages)."""
+        if self.fd < 0:
+            return
         try:
-            for s in range(SLOTS):
-                os.posix_fallocate(self.fd, _HEADER + s * SLOT_BYTES, nbytes)
+            os.posix_fallocate(self.fd, offset, -(-nbytes // 4096) * 4096)
         except OSError as e:
             raise dist.DistBackendError(
                 f"shared memory: /dev/shm has no room for this group's slots ({e.strerror}) — give the machine "
                 "or container a larger /dev/shm (docker run --shm-size=1g), or set SHARDLIB_SHM=0 on every "
-                "rank to keep gloo's collectives.") from e
-        self.reserved = nbytes
+                "rank to keep gloo's collectives and messages.") from e
 
     def put(self, j: int, idx: int, value: int) -> None:
         """Write word ``idx`` of member ``j``'s header and wake whoever sleeps on it."""
         self.heads[j][idx] = value
         _libc().syscall(_SYS_FUTEX, ctypes.c_void_p(self.addrs[j] + idx * 8), _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
 
-    def wait(self, ready, j: int, idx: int, what: str) -> None:
+    def wait(self, ready, j: int, idx: int, what: str, peer: int | None = None) -> None:
         """Until ``ready()``: spin briefly, then sleep on word ``idx`` of member ``j``'s header (whose
-        writer wakes it). Fails when member ``j``'s process is gone (checked each second) or at the
-        group's timeout."""
+        writer wakes it). Fails when member ``peer``'s (default ``j``'s) process is gone (checked each
+        second) or at the group's timeout."""
+        if peer is None:
+            peer = j
         for _ in range(SPIN):
             if ready():
                 return
@@ -276,11 +284,11 @@ class Files:
             now = time.monotonic()
             if now - last_check > 1.0:
                 last_check = now
-                if self.see_pids and not _alive(self.pids[j]):
-                    raise dist.DistBackendError(f"shared memory: group member {j} (pid {self.pids[j]}) exited while "
-                                          f"member {self.me} waited for it {what}.")
+                if self.see_pids and not _alive(self.pids[peer]):
+                    raise dist.DistBackendError(f"shared memory: group member {peer} (pid {self.pids[peer]}) exited "
+                                          f"while member {self.me} waited for it {what}.")
                 if now - start > self.timeout:
-                    raise dist.DistBackendError(f"shared memory: group member {j} (pid {self.pids[j]}) did not "
+                    raise dist.DistBackendError(f"shared memory: group member {peer} (pid {self.pids[peer]}) did not "
                                           f"{what.removeprefix('to ')} within {self.timeout:.0f} s (the group's "
                                           "timeout) — a rank that stopped issuing this group's collectives, or "
                                           "a hang.")

@@ -133,6 +133,7 @@ class PipelineRuntime:
         self.timeline: list[Record] = []
         self._shapes: dict[tuple, tuple[torch.Size, torch.dtype]] = {}
         self.window = pp.recv_window
+        comm.open_mailboxes(mesh, pp.axis)     # neighbours' messages through shared memory, where they can
         # the split backward: the blocks' Linear weight gradients deferred to W, on stages with an input
         # (the first stage's W runs its whole backward); torch's generic split where that does not apply.
         # Under 1f1b the last stage's last backward only (``split_tail``): its forward alone records
