@@ -124,8 +124,6 @@ class Mailboxes:
     def complete(self, msg: _Message) -> None:
         """Move the queues until ``msg`` is done: sleep on the doorbell between tries."""
         f, bell = self.f, self.f.heads[self.me]
-        what = (f"to post the receive of tag {msg.tag} (a send of {msg.nbytes} bytes)" if msg in self.sends[msg.peer]
-                else f"to send the message of tag {msg.tag} ({msg.nbytes} bytes)")
         with shm._unseen():
             while True:
                 rung = bell[_BELL]
@@ -135,6 +133,8 @@ class Mailboxes:
                     self._post(j)
                 if msg.done:
                     return
+                what = (f"to post the receive of tag {msg.tag} (a send of {msg.nbytes} bytes)"
+                        if msg in self.sends[msg.peer] else f"to send the message of tag {msg.tag} ({msg.nbytes} bytes)")
                 f.wait(lambda: bell[_BELL] != rung, self.me, _BELL, what, peer=msg.peer)
 
     # ---- the slots ------------------------------------------------------------------------------
