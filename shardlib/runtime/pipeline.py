@@ -133,7 +133,8 @@ class PipelineRuntime:
         self.timeline: list[Record] = []
         self._shapes: dict[tuple, tuple[torch.Size, torch.dtype]] = {}
         self.window = pp.recv_window
-        comm.open_mailboxes(mesh, pp.axis)     # neighbours' messages through shared memory, where they can
+        if mesh.device.type == "cpu":           # neighbours' messages through shared memory, where they can
+            comm.open_mailboxes(mesh, pp.axis)
         # the split backward: the blocks' Linear weight gradients deferred to W, on stages with an input
         # (the first stage's W runs its whole backward); torch's generic split where that does not apply.
         # Under 1f1b the last stage's last backward only (``split_tail``): its forward alone records
