@@ -323,3 +323,37 @@ def test_an_unknown_model_without_a_stack_or_protocol():
             self.a = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
             self.b = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
     _has(_refused(Two()), "several lists of identical blocks", "['a', 'b']", "sl.shard({'a': ('layers',)})(model)")
+
+
+def test_a_stage_computes_its_block_arguments_once_per_batch_shape():
+    """``context`` (every stage but the first, every micro-batch): the blocks' arguments depend on the batch's
+    shape alone when it holds only input_ids and labels, so they are computed once per shape (the latest few
+    kept) — not when it holds a mask, nor while a dropout draws (its draws would be skipped)."""
+    from shardlib.planner.hf_stages import CausalLMStages
+    model = hf_models.build("llama")
+    stages = CausalLMStages(model, "model.layers")
+    runs = []
+    record = stages._record
+    stages._record = lambda *a, **k: (runs.append(1), record(*a, **k))[1]
+    plain = hf_models.batch("llama", 2, 0)
+    first = stages.context(plain, torch.float32)
+    again = stages.context(hf_models.batch("llama", 2, 1), torch.float32)     # other tokens, same shape
+    assert again is first and len(runs) == 1
+    masked = hf_models.batch("llama", 2, 0, mask=True)
+    stages.context(masked, torch.float32)
+    stages.context(masked, torch.float32)
+    assert len(runs) == 3
+    for rows in (1, 3, 4, 5, 6):                                       # other shapes: at most 4 kept
+        stages.context(hf_models.batch("llama", rows, 0), torch.float32)
+    assert len(runs) == 8 and len(stages._contexts) == 4
+    assert stages.context(hf_models.batch("llama", 6, 2), torch.float32) is not None and len(runs) == 8
+    model.extra = nn.Dropout(0.1)                                      # a dropout that draws in training
+    drawing = CausalLMStages(model, "model.layers")
+    drawing._record = lambda *a, **k: (runs.append(1), record.__func__(drawing, *a, **k))[1]
+    drawing.context(plain, torch.float32)
+    drawing.context(plain, torch.float32)
+    assert len(runs) == 10
+    model.eval()
+    drawing.context(plain, torch.float32)
+    drawing.context(plain, torch.float32)
+    assert len(runs) == 11

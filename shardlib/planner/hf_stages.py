@@ -113,6 +113,13 @@ class CausalLMStages:
         self.blocks = list(model.get_submodule(stack))
         self.width = int(model.config.hidden_size)
         self._sigs: dict[type, inspect.Signature] = {}
+        self._stubs: nn.ModuleList | None = None
+        self._zeros: dict = {}         # _zeros_for's places and zeros, kept (see there)
+        self._fn: Callable | None = None
+        # a stage's block arguments by batch shape, where they cannot depend on anything else: the batch
+        # holds only input_ids and LOSS_KEYS, and no dropout runs (its draws would be skipped)
+        self._contexts: dict[tuple, Context] = {}
+        self._random = any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules())
 
     # ---- what a step runs ------------------------------------------------------------------------
     def pre(self, batch: Mapping[str, Any], dtype: torch.dtype) -> tuple[torch.Tensor, Context]:
@@ -123,11 +130,25 @@ class CausalLMStages:
         return self._hidden(0, calls[0]), [self._kwargs(i, c) for i, c in enumerate(calls)]
 
     def context(self, batch: Mapping[str, Any], dtype: torch.dtype) -> Context:
-        """Another stage: every block's keyword arguments, from the batch's shape and mask alone."""
+        """Another stage: every block's keyword arguments, from the batch's shape and mask alone (the
+        same for every micro-batch of a shape when the batch has no mask or positions of its own: kept,
+        and read only by the blocks)."""
+        ids = batch["input_ids"]
+        key = None
+        if not (self.model.training and self._random) and all(k == "input_ids" or k in LOSS_KEYS for k in batch):
+            key = (tuple(ids.shape), dtype, ids.device)
+            hit = self._contexts.get(key)
+            if hit is not None:
+                return hit
         kwargs = self._embedded(batch, dtype, labels=False)
         with torch.no_grad():
             calls = self._record(kwargs, "meta", dtype)
-        return [self._kwargs(i, c) for i, c in enumerate(calls)]
+        ctx = [self._kwargs(i, c) for i, c in enumerate(calls)]
+        if key is not None:
+            if len(self._contexts) >= 4:          # a few shapes (a dataset of many lengths: the latest)
+                self._contexts.pop(next(iter(self._contexts)))
+            self._contexts[key] = ctx
+        return ctx
 
     @staticmethod
     def block_kwargs(ctx: Context, index: int) -> dict[str, Any]:
@@ -139,7 +160,7 @@ class CausalLMStages:
 
         def fn(i: int, args: tuple, kwargs: dict) -> torch.Tensor:
             return x if i == last else self._hidden(i, (args, kwargs))
-        with self._swapped(fn), _zeros_for(self.model, "meta", x.dtype, x.device):
+        with self._swapped(fn), _zeros_for(self.model, "meta", x.dtype, x.device, memo=self._zeros):
             out = self.model.forward(**self._embedded(batch, x.dtype, labels=True), use_cache=False)
         loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
         if loss is None and isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor) \
@@ -311,7 +332,8 @@ class CausalLMStages:
         leaves = [t for t in kwargs.values() if isinstance(t, torch.Tensor)]
         device = leaves[0].device if leaves else torch.device("cpu")
         try:
-            with self._swapped(fn), (_zeros_for(self.model, params, dtype, device) if params else nullcontext()):
+            memo = self._zeros if params == "meta" else None
+            with self._swapped(fn), (_zeros_for(self.model, params, dtype, device, memo=memo) if params else nullcontext()):
                 self.model.forward(**kwargs, use_cache=False)
         except _Stop:
             pass
@@ -332,12 +354,20 @@ class CausalLMStages:
 
     @contextmanager
     def _swapped(self, fn: Callable) -> Iterator[None]:
+        """The stack replaced by stubs calling ``fn`` (built once: every micro-batch's stage runs this)."""
+        if self._stubs is None:
+            self._stubs = nn.ModuleList([_Stub(i, b, self._dispatch) for i, b in enumerate(self.blocks)])
         real = self.parent._modules[self.attr]
-        self.parent._modules[self.attr] = nn.ModuleList([_Stub(i, b, fn) for i, b in enumerate(self.blocks)])
+        self.parent._modules[self.attr] = self._stubs
+        self._fn = fn
         try:
             yield
         finally:
             self.parent._modules[self.attr] = real
+            self._fn = None
+
+    def _dispatch(self, i: int, args: tuple, kwargs: dict) -> Any:
+        return self._fn(i, args, kwargs)
 
     def _bound(self, i: int, call: tuple) -> tuple[Any, dict[str, Any]]:
         args, kwargs = call
@@ -366,7 +396,8 @@ class CausalLMStages:
         return x, out
 
     def _hidden(self, i: int, call: tuple) -> Any:
-        return self._bound(i, call)[0]
+        args = call[0]
+        return args[0] if args else self._bound(i, call)[0]      # given by position: the first parameter
 
     def _kwargs(self, i: int, call: tuple) -> dict[str, Any]:
         return self._bound(i, call)[1]
@@ -374,30 +405,39 @@ class CausalLMStages:
 
 @contextmanager
 def _zeros_for(model: nn.Module, which: str, dtype: torch.dtype, device: torch.device, *,
-               grad: bool = False) -> Iterator[None]:
+               grad: bool = False, memo: dict | None = None) -> Iterator[None]:
     """Read parameters (``which="meta"``: those on the meta device; ``"all"``: every one, and meta
     buffers) as zeros of stride 0 — no storage. Floating ones in ``dtype``; ``grad``: zeros that
-    require a gradient, so what is computed from them is seen to be."""
-    made: dict[int, torch.Tensor] = {}
-    swapped: list[tuple[dict, str, torch.Tensor]] = []
+    require a gradient, so what is computed from them is seen to be. ``memo`` keeps the found places
+    and their zeros between calls (a stage's step: its meta parameters are the other stages', fixed
+    at the build; a place whose tensor was replaced since is found again)."""
+    key = (which, dtype, device, grad)
+    swapped = memo.get(key) if memo is not None else None
+    if swapped is None or any(store.get(attr) is not t for store, attr, t, _ in swapped):
+        made: dict[int, torch.Tensor] = {}
+        swapped = []
 
-    def zeros(t: torch.Tensor) -> torch.Tensor:
-        if id(t) not in made:
-            dt = dtype if t.is_floating_point() else t.dtype
-            base = torch.zeros((), dtype=dt, device=device, requires_grad=grad and dt.is_floating_point)
-            made[id(t)] = base.expand(t.shape)
-        return made[id(t)]
-    for mod in model.modules():
-        for store, buffers in ((mod._parameters, False), (mod._buffers, True)):
-            for attr, t in store.items():
-                if t is None or (buffers and not t.is_meta) or (which == "meta" and not t.is_meta):
-                    continue
-                swapped.append((store, attr, t))
-                store[attr] = zeros(t)
+        def zeros(t: torch.Tensor) -> torch.Tensor:
+            if id(t) not in made:
+                dt = dtype if t.is_floating_point() else t.dtype
+                with torch.inference_mode(False):       # kept: usable whatever mode a later call runs in
+                    base = torch.zeros((), dtype=dt, device=device, requires_grad=grad and dt.is_floating_point)
+                    made[id(t)] = base.expand(t.shape)
+            return made[id(t)]
+        for mod in model.modules():
+            for store, buffers in ((mod._parameters, False), (mod._buffers, True)):
+                for attr, t in store.items():
+                    if t is None or (buffers and not t.is_meta) or (which == "meta" and not t.is_meta):
+                        continue
+                    swapped.append((store, attr, t, zeros(t)))
+        if memo is not None:
+            memo[key] = swapped
+    for store, attr, _, z in swapped:
+        store[attr] = z
     try:
         yield
     finally:
-        for store, attr, t in swapped:
+        for store, attr, t, _ in swapped:
             store[attr] = t
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+import weakref
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -96,7 +97,18 @@ def counts_tokens(model: nn.Module, loss_fn: Callable | None, batch: Any) -> boo
 
 
 def _causal_lm_loss(model: nn.Module) -> bool:
-    """A transformers model that takes ``num_items_in_batch`` and gives it to ``ForCausalLMLoss``."""
+    """A transformers model that takes ``num_items_in_batch`` and gives it to ``ForCausalLMLoss`` (asked
+    every step: kept per model)."""
+    hit = _LOSS_KIND.get(model)
+    if hit is None:
+        hit = _LOSS_KIND[model] = _reads_token_count(model)
+    return hit
+
+
+_LOSS_KIND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _reads_token_count(model: nn.Module) -> bool:
     model = peft_base(model)[0]            # a PEFT model computes its base model's loss
     tf = sys.modules.get("transformers")
     if tf is None or not isinstance(model, tf.PreTrainedModel):

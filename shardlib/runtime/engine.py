@@ -211,7 +211,7 @@ class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
             if off is not None:
                 off.timeline = []
         self._begin_step()
-        if plan.broadcast_buffers:                   # rank 0's buffers before the forward, as DDP
+        if plan.broadcast_buffers and plan.dp_size > 1:     # rank 0's buffers before the forward, as DDP
             broadcast_buffers(self.model, self.mesh, plan.dp_axes)
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.mesh.device)
         scale = self.scaler.scale if self.scaler else 1.0
