@@ -254,6 +254,21 @@ def test_failure_on_one_rank_raises_everywhere():
     assert out[0].startswith("PipelineError") and "rank 1" in out[0] and "bad data" in out[0], out
 
 
+def _adamw_engine(mesh, schedule: str, data: list):
+    """The GPT from its seed on ``mesh``'s pipe axis under ``schedule`` (4 micro-batches), with AdamW."""
+    model = make_model("gpt_pp")
+    plan = sl.plan(model, mesh, rules=PIPE, schedule=schedule, microbatches=4, batch=data[0])
+    return sl.parallelize(model, plan, optimizer=make_optimizer("adamw"))
+
+
+def _trained_alike(a: dict, b: dict, where) -> None:
+    """The same losses and final weights, bit for bit."""
+    assert a["losses"] == b["losses"], where
+    assert a["state"].keys() == b["state"].keys(), where
+    for k in a["state"]:
+        assert torch.equal(a["state"][k], b["state"][k]), (where, k)
+
+
 def _split_kinds(p: int) -> dict:
     """zb_h1 on the GPT, 3 steps, twice from one seed: the blocks' Linear weight gradients deferred to W
     (``runtime/weight_grads.py``), and torch's generic split (the store taken away after the build)."""
@@ -261,9 +276,7 @@ def _split_kinds(p: int) -> dict:
     data = batches(3)
     out = {}
     for kind in ("deferred", "generic"):
-        model = make_model("gpt_pp")
-        plan = sl.plan(model, mesh, rules=PIPE, schedule="zb_h1", microbatches=4, batch=data[0])
-        engine = sl.parallelize(model, plan, optimizer=make_optimizer("adamw"))
+        engine = _adamw_engine(mesh, "zb_h1", data)
         store, deferred = engine.pipe.deferred, engine.pipe.deferred_layers
         if kind == "generic":
             engine.pipe.deferred = None
@@ -282,10 +295,7 @@ def test_zero_bubble_deferred_weight_gradients_equal_the_generic_split(world):
             assert d["store"] and d["left"] == 0, (p, r)
             # rank 0 holds the first stage; a GPT block has 4 Linear layers (qkv, proj, fc, out)
             assert (d["deferred"] > 0) == (r > 0) and d["deferred"] % 4 == 0, (p, r, d["deferred"])
-            assert d["losses"] == g["losses"], (p, r)
-            assert d["state"].keys() == g["state"].keys()
-            for k in d["state"]:
-                assert torch.equal(d["state"][k], g["state"][k]), (p, r, k)
+            _trained_alike(d, g, (p, r))
 
 
 def _tail_split(p: int) -> dict:
@@ -295,10 +305,8 @@ def _tail_split(p: int) -> dict:
     data = batches(3)
     out = {}
     for kind in ("split", "plain"):
-        model = make_model("gpt_pp")
-        plan = sl.plan(model, mesh, rules=PIPE, schedule="1f1b", microbatches=4, batch=data[0])
-        engine = sl.parallelize(model, plan, optimizer=make_optimizer("adamw"))
-        pipe = engine.pipe
+        engine = _adamw_engine(mesh, "1f1b", data)
+        pipe, plan = engine.pipe, engine.plan
         split, store = pipe.split, pipe.deferred
         if kind == "plain":
             pipe.actions = plan.pipeline.lowered(pipe.coord)
@@ -336,7 +344,4 @@ def test_1f1b_sends_the_last_stages_last_input_gradient_before_its_weight_gradie
                 assert s["applied"] == 3 * s["layers"] and s["left"] == 0, (s["applied"], s["layers"])
             else:
                 assert not [a for a in s["actions"] if a[1] in "IW"] and s["applied"] == 0, s["actions"]
-            assert s["losses"] == plain["losses"], (p, r)
-            assert s["state"].keys() == plain["state"].keys()
-            for k in s["state"]:
-                assert torch.equal(s["state"][k], plain["state"][k]), (p, r, k)
+            _trained_alike(s, plain, (p, r))
