@@ -471,17 +471,7 @@ def recv(out: torch.Tensor, mesh: Mesh, axis: str, src: int, *, tag: int = 0) ->
     return Pending(dist.irecv(out, src=peer, tag=tag), out)
 
 
-def open_mailboxes(mesh: Mesh, axis: str) -> bool:
-    """Let ``send``/``recv`` between neighbours along ``axis`` go through shared memory where the
-    group's members share a host (``comm/mailbox.py``). A collective over ``axis`` on every rank, once
-    per mesh (later calls return at once); True where the group took it."""
-    mesh = _require_mesh(mesh, "open_mailboxes")
-    held = mesh.__dict__.setdefault("_mailboxes", {})
-    if axis not in held:
-        group = mesh.group((axis,))
-        held[axis] = (mailbox.open(group) if group is not None and _gloo(mesh, torch.empty(0))
-                      and shm.supported() else None)
-    return held[axis] is not None
+open_mailboxes = mailbox.open_mailboxes     # a pipeline's messages between neighbours through shared memory
 
 
 def _peer(mesh: Mesh, axis: str, index: int, api: str) -> int:

@@ -34,7 +34,8 @@ import os
 
 import torch
 
-from ..errors import CollectiveError
+from ..algebra.mesh import Mesh
+from ..errors import CollectiveError, ShardingTypeError
 from . import shm
 
 POSTS = 8                    # slots a member keeps for messages from each neighbour
@@ -55,6 +56,21 @@ def open(group) -> Mailboxes | None:   # noqa: A001 — the module's verb, as sh
         return None
     files = shm.Files.open(group, shm._HEADER + 2 * POSTS * shm.SLOT_BYTES)
     return None if files is None else Mailboxes(files)
+
+
+def open_mailboxes(mesh, axis: str) -> bool:
+    """Let ``comm.send``/``comm.recv`` between neighbours along ``axis`` go through the files where the
+    group's members share a host. A collective over ``axis`` on every rank, once per mesh (later calls
+    return at once; the mesh holds them, so they close with it); True where the group took them."""
+    if not isinstance(mesh, Mesh):
+        raise ShardingTypeError(f"open_mailboxes: expected a Mesh over running processes — got {type(mesh).__name__}.")
+    held = mesh.__dict__.setdefault("_mailboxes", {})
+    if axis not in held:
+        group = mesh.group((axis,))
+        backend = (mesh.backend or "").replace(" ", "")
+        gloo = backend == "gloo" or "cpu:gloo" in backend.split(",")      # the CPU's messages on gloo
+        held[axis] = open(group) if group is not None and gloo and shm.supported() else None
+    return held[axis] is not None
 
 
 def takes(box: Mailboxes | None, peer: int, x: torch.Tensor) -> bool:

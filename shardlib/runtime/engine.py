@@ -40,10 +40,10 @@ from .materialize import is_meta, materialize_stage_
 from .offload import Copies, DiskOptimizer, OffloadError, OptimizerOffload
 from .offload_activations import activation_offload
 from .offload_params import params_offload
-from .pipeline import PipelineRuntime, strip_to_stage
+from .pipeline import PipelineRuntime
 from .pretrained import EnginePretrained
 from .scaler import LossScaler
-from .setup import EngineSetup, _check_optimizer, _scaler, _validate
+from .setup import EngineSetup, _check_optimizer, _scaler, _validate, strip_to_stage
 from .sync import broadcast_buffers, broadcast_module, cast_buffers
 from .tensor import TensorRuntime
 

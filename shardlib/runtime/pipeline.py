@@ -19,10 +19,10 @@ which walks the rank's lowered action list (``planner/schedules.py``) in order:
   received gradient elsewhere); ``SEND_B`` sends its input gradient with the micro-batch's loss
   behind it (``planner.pipeline.loss_words``: its fp32 bits), so every stage knows every
   micro-batch's loss when the schedule ends and the step needs no collective for it;
-* ``I`` / ``W`` (``zb_h1``): the input-gradient half of ``B`` now, the weight-gradient half later:
-  the blocks' ``nn.Linear`` weight gradients deferred to ``W`` (``runtime/weight_grads.py``), or
-  where the layers are not plain (the tensor axis's), torch's ``stage_backward_input`` /
-  ``stage_backward_weight``;
+* ``I`` / ``W`` (``zb_h1``; under ``1f1b`` the last stage's last backward alone): the input-gradient
+  half of ``B`` now, the weight-gradient half later: the blocks' ``nn.Linear`` weight gradients
+  deferred to ``W`` (``runtime/weight_grads.py``), or where the layers are not plain (the tensor
+  axis's), torch's ``stage_backward_input`` / ``stage_backward_weight`` (zb_h1 only);
 * ``UNSHARD`` / ``REDUCE_GRAD`` (ZeRO-3, ``pipe_gather="step"``): gather the stage's units once per
   step and keep them through all its micro-batches; reduce-scatter its accumulated gradients once
   after its last backward, which frees them (``RESHARD``). With ``pipe_gather="microbatch"`` the
@@ -64,23 +64,6 @@ _FAILED = "shardlib/pipe/failed"
 
 class PipelineError(CollectiveError):
     """A pipeline step failed on some rank; raised on every rank, naming the one that failed."""
-
-
-def strip_to_stage(model: nn.Module, keep: set[str]) -> None:
-    """Leave every parameter not named in ``keep`` (another stage's) on the meta device: shapes
-    only, no storage. Tied parameters stay tied."""
-    named = dict(model.named_parameters())
-    kept = {id(named[n]) for n in keep if n in named}
-    done: dict[int, nn.Parameter] = {}
-    for mod in model.modules():
-        for attr, p in list(mod._parameters.items()):
-            if p is None or id(p) in kept or p.is_meta:
-                continue
-            if id(p) not in done:
-                # shapes only (a quantized weight too: another stage's weight is never used here)
-                done[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
-                                           requires_grad=p.requires_grad)
-            mod._parameters[attr] = done[id(p)]
 
 
 class PipelineRuntime:

@@ -1,5 +1,6 @@
 """Setting an engine up: validating the model, plan and optimizer; building each parameter's
-runtime state (masters, shards, gradient shards) and ZeRO-3's units; recompute wrappers."""
+runtime state (masters, shards, gradient shards) and ZeRO-3's units; recompute wrappers; a pipeline
+stage's model stripped to its own parameters."""
 
 from __future__ import annotations
 
@@ -25,6 +26,23 @@ from .units import Unit, UnitRunner
 # closure: they cannot run on shards (or be skipped by the engine)
 _NOT_ELEMENTWISE = ("LBFGS", "Adafactor", "SparseAdam", "Muon")
 _NEEDS_CLOSURE = ("LBFGS",)
+
+
+def strip_to_stage(model: nn.Module, keep: set[str]) -> None:
+    """Leave every parameter not named in ``keep`` (another stage's) on the meta device: shapes
+    only, no storage. Tied parameters stay tied."""
+    named = dict(model.named_parameters())
+    kept = {id(named[n]) for n in keep if n in named}
+    done: dict[int, nn.Parameter] = {}
+    for mod in model.modules():
+        for attr, p in list(mod._parameters.items()):
+            if p is None or id(p) in kept or p.is_meta:
+                continue
+            if id(p) not in done:
+                # shapes only (a quantized weight too: another stage's weight is never used here)
+                done[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
+                                           requires_grad=p.requires_grad)
+            mod._parameters[attr] = done[id(p)]
 
 
 class EngineSetup:
