@@ -87,11 +87,49 @@ def test_more_receives_than_slots_and_sends_in_reverse_order_all_arrive():
     assert all(len(q) == 0 for q in (*a.sends.values(), *b.unposted.values(), *b.posted.values()))
 
 
-def test_a_message_of_another_size_than_its_receive_is_an_error_naming_both():
+def test_a_message_of_another_size_than_its_receive_fails_both_sides_and_nothing_else():
     a, b = _pair()
-    b.recv(torch.empty(4), 0, tag=9)
+    bad = b.recv(torch.empty(4), 0, tag=9)
+    good = b.recv(torch.empty(2), 0, tag=8)
+    a.send(torch.ones(2), 1, tag=8)                                   # filled in the same pass, and rung
     with pytest.raises(CollectiveError, match=r"tag 9: 32 bytes, but its receive holds 16 — expected the same shape"):
         a.send(torch.ones(8), 1, tag=9)
+    with pytest.raises(CollectiveError, match=r"recv from group member 0, tag 9: the message sent is not of this "
+                                              r"receive's 16 bytes"):
+        bad.wait()
+    assert torch.equal(good.wait(), torch.ones(2))
+    again = b.recv(torch.empty(4), 0, tag=9)                          # the refused slot is free again
+    assert a.send(torch.arange(4.0), 1, tag=9).wait() is not None and torch.equal(again.wait(), torch.arange(4.0))
+    assert not a.sends[1] and not b.posted[0]
+
+
+def test_a_fill_nobody_rang_for_is_seen_within_a_few_sleeps_and_a_busy_doorbell_still_times_out():
+    """A wait looks at its slots again after every sleep (20 ms at most), so a fill whose ring was lost costs
+    milliseconds, not the timeout; and a doorbell rung all the time does not keep a wait from its timeout."""
+    import threading
+    a, b = _pair(timeout=1.5)
+    got = b.recv(torch.empty(3), 0, tag=4)
+    ring, a._ring = a._ring, lambda j: None                           # the fill's ring lost
+    a.send(torch.ones(3), 1, tag=4)
+    a._ring = ring
+    start = time.monotonic()
+    assert torch.equal(got.wait(), torch.ones(3)) and time.monotonic() - start < 1.0
+    stop = threading.Event()
+
+    def chatter():                                                   # a neighbour ringing with nothing for it
+        while not stop.is_set():
+            a._ring(1)
+            time.sleep(0.001)
+    t = threading.Thread(target=chatter)
+    t.start()
+    try:
+        start = time.monotonic()
+        with pytest.raises(dist.DistBackendError, match=r"did not send the message of tag 5"):
+            b.recv(torch.empty(3), 0, tag=5).wait()
+        assert 1.5 <= time.monotonic() - start < 10
+    finally:
+        stop.set()
+        t.join()
 
 
 def test_a_peer_that_is_gone_or_silent_fails_the_wait_naming_it():

@@ -12,12 +12,20 @@ same for collectives, and its ``Files`` are the set-up used here).
 number; the sender copies a message into the oldest posted slot of its tag and sets the slot's fill
 number to that post number. A message whose receive is not posted yet waits in the sender's queue, and
 a receive with no free slot waits in the receiver's (both move at the member's next send, receive or
-wait), so the files hold no message nobody asked for: a program that runs on gloo's matching (by peer
-and tag, in order) runs here the same, with no deadlock gloo would not have. Waiting spins briefly,
+wait, below), so the files hold no message nobody asked for; messages match as gloo's do, by peer and
+tag, in order. Waiting spins briefly,
 then sleeps on the member's *doorbell* word, which a neighbour rings after filling a slot for it or
-posting a receive from it; every wait moves the member's queues first, so a sender blocked on a
-receive still delivers what its peer asks for meanwhile. A dead neighbour fails a wait within about a
-second, a silent one at the group's timeout (``DistBackendError``, what gloo raises).
+posting a receive from it (each neighbour counts in its own 16-bit half, so every header word and half
+has one writer); every wait moves the member's queues first and looks again at least every 20 ms, so a
+sender blocked on a receive still delivers what its peer asks for meanwhile. A dead neighbour fails a
+wait within about a second, a silent one at the group's timeout (``DistBackendError``, what gloo
+raises); a message of another size than its receive fails both sides' waits.
+
+**Progress needs a call.** Gloo moves messages on its own thread; here a queued message moves at its
+member's next send, receive or wait. The pipeline runtime (the one user that opens mailboxes) always
+waits for its sends before anything else can block on its peers, so that is latency only (GPipe at
+p = 4: about one queued send per step); a program that sends on an axis with mailboxes open and then
+blocks in a collective its receiver needs first must wait for the send before it.
 
 **What takes it.** Messages between ring neighbours (member ``i`` and ``i +/- 1`` mod ``k``: a
 pipeline's stages), of CPU tensors that are contiguous and at most ``shm.SLOT_BYTES``, on a group whose
@@ -39,7 +47,7 @@ from ..errors import CollectiveError, ShardingTypeError
 from . import shm
 
 POSTS = 8                    # slots a member keeps for messages from each neighbour
-_BELL = 24                   # header word (its own cache line): the member's doorbell
+_BELL = 24                   # header word (its own cache line): the doorbell, a 16-bit count per neighbour
 _SLOTS = 32                  # header word where the slots' words start, 8 (a cache line) per slot
 _POST, _FILL, _TAG, _NBYTES = 0, 1, 2, 3
 
@@ -69,7 +77,7 @@ def open_mailboxes(mesh, axis: str) -> bool:
         group = mesh.group((axis,))
         backend = (mesh.backend or "").replace(" ", "")
         gloo = backend == "gloo" or "cpu:gloo" in backend.split(",")      # the CPU's messages on gloo
-        held[axis] = open(group) if group is not None and gloo and shm.supported() else None
+        held[axis] = open(group) if group is not None and gloo else None  # (Files.open: every host agrees)
     return held[axis] is not None
 
 
@@ -80,13 +88,14 @@ def takes(box: Mailboxes | None, peer: int, x: torch.Tensor) -> bool:
 
 
 class _Message:
-    __slots__ = ("peer", "tag", "x", "nbytes", "slot", "seq", "done")
+    __slots__ = ("peer", "tag", "x", "nbytes", "slot", "seq", "done", "error")
 
     def __init__(self, peer: int, tag: int, x: torch.Tensor):
         self.peer, self.tag, self.x = peer, tag, x
         self.nbytes = x.numel() * x.element_size()
         self.slot = self.seq = None
         self.done = False
+        self.error: str | None = None       # set with done: the message could not be delivered
 
 
 class Handle:
@@ -99,6 +108,8 @@ class Handle:
     def wait(self) -> torch.Tensor:
         if not self._msg.done:
             self._box.complete(self._msg)
+        if self._msg.error is not None:
+            raise CollectiveError(self._msg.error)
         return self._msg.x
 
     def is_completed(self) -> bool:
@@ -120,6 +131,8 @@ class Mailboxes:
         self.posted: dict[int, list[_Message]] = {j: [] for j in near}
         self.sends: dict[int, collections.deque[_Message]] = {j: collections.deque() for j in near}
         self.reserved = [0] * (2 * POSTS)
+        # the doorbells as 16-bit halves: this member rings ``j`` in half ``theirs[j]`` of j's word
+        self.bells = [memoryview(m).cast("B")[:shm._HEADER].cast("H") for m in files.maps]
         with torch.inference_mode(False):
             self.data = [[b[shm._HEADER + s * shm.SLOT_BYTES:shm._HEADER + (s + 1) * shm.SLOT_BYTES]
                           for s in range(2 * POSTS)] for b in files.bytes]
@@ -129,6 +142,8 @@ class Mailboxes:
         msg = _Message(peer, tag, x)
         self.sends[peer].append(msg)
         self._push(peer)
+        if msg.error is not None:
+            raise CollectiveError(msg.error)
         return Handle(self, msg)
 
     def recv(self, out: torch.Tensor, peer: int, tag: int) -> Handle:
@@ -138,8 +153,10 @@ class Mailboxes:
         return Handle(self, msg)
 
     def complete(self, msg: _Message) -> None:
-        """Move the queues until ``msg`` is done: sleep on the doorbell between tries."""
+        """Move the queues until ``msg`` is done; between tries, spin on the doorbell, then sleep on it
+        (20 ms at most: every try looks at the slots again). One clock for the whole wait."""
         f, bell = self.f, self.f.heads[self.me]
+        sleeper = None
         with shm._unseen():
             while True:
                 rung = bell[_BELL]
@@ -149,9 +166,16 @@ class Mailboxes:
                     self._post(j)
                 if msg.done:
                     return
-                what = (f"to post the receive of tag {msg.tag} (a send of {msg.nbytes} bytes)"
-                        if msg in self.sends[msg.peer] else f"to send the message of tag {msg.tag} ({msg.nbytes} bytes)")
-                f.wait(lambda: bell[_BELL] != rung, self.me, _BELL, what, peer=msg.peer)
+                for _ in range(shm.SPIN):
+                    if bell[_BELL] != rung:
+                        break
+                else:
+                    if sleeper is None:
+                        what = (f"to post the receive of tag {msg.tag} (a send of {msg.nbytes} bytes)"
+                                if msg in self.sends[msg.peer] else
+                                f"to send the message of tag {msg.tag} ({msg.nbytes} bytes)")
+                        sleeper = shm.Sleeper(f, msg.peer, what)
+                    sleeper.sleep(self.me, _BELL, rung)
 
     # ---- the slots ------------------------------------------------------------------------------
     @staticmethod
@@ -159,7 +183,9 @@ class Mailboxes:
         return _SLOTS + (region * POSTS + m) * 8
 
     def _ring(self, j: int) -> None:
-        self.f.put(j, _BELL, self.f.heads[j][_BELL] + 1)
+        half = _BELL * 4 + self.theirs[j]           # this member's 16-bit count in j's doorbell word
+        self.bells[j][half] = (self.bells[j][half] + 1) & 0xFFFF
+        self.f.wake(j, _BELL)
 
     def _post(self, j: int) -> None:
         """Publish queued receives from ``j`` into free slots, in order, and ring ``j``."""
@@ -168,9 +194,9 @@ class Mailboxes:
             return
         head, q = self.f.heads[self.me], self.region[j]
         while queue and free:
+            self._reserve(q * POSTS + free[-1], queue[0].nbytes)     # before taking them: nothing lost if full
             msg, m = queue.popleft(), free.pop()
             w = self._words(q, m)
-            self._reserve(q * POSTS + m, msg.nbytes)
             self.posts[j] += 1
             msg.slot, msg.seq = m, self.posts[j]
             head[w + _TAG], head[w + _NBYTES] = msg.tag, msg.nbytes
@@ -188,27 +214,30 @@ class Mailboxes:
         open_: dict[int, tuple[int, int, int]] = {}
         for m in range(POSTS):
             w = self._words(q, m)
-            post = head[w + _POST]
-            if post != head[w + _FILL]:
+            post, fill = head[w + _POST], head[w + _FILL]
+            if post != fill and post != -fill:         # posted, neither filled nor refused (-post: sizes differ)
                 tag = head[w + _TAG]
                 if tag not in open_ or post < open_[tag][0]:
                     open_[tag] = (post, m, w)
         if not open_:
             return
+        filled = False
         for msg in list(queue):
             hit = open_.pop(msg.tag, None)
             if hit is None:
                 continue
             post, m, w = hit
-            if head[w + _NBYTES] != msg.nbytes:
-                raise CollectiveError(f"send to group member {j}, tag {msg.tag}: {msg.nbytes} bytes, but its "
-                                      f"receive holds {head[w + _NBYTES]} — expected the same shape and dtype on "
-                                      "both sides.")
+            queue.remove(msg)
+            msg.done = filled = True
+            if head[w + _NBYTES] != msg.nbytes:        # both sides fail: the receive is told by its fill
+                msg.error = (f"send to group member {j}, tag {msg.tag}: {msg.nbytes} bytes, but its receive holds "
+                             f"{head[w + _NBYTES]} — expected the same shape and dtype on both sides.")
+                head[w + _FILL] = -post
+                continue
             self.data[j][q * POSTS + m][:msg.nbytes].copy_(msg.x.view(-1).view(torch.uint8))
             head[w + _FILL] = post
-            queue.remove(msg)
-            msg.done = True
-        self._ring(j)
+        if filled:
+            self._ring(j)
 
     def _take(self, j: int) -> None:
         """Copy out the filled messages from ``j``, free their slots."""
@@ -218,8 +247,13 @@ class Mailboxes:
         head, q = self.f.heads[self.me], self.region[j]
         for msg in list(posted):
             w = self._words(q, msg.slot)
-            if head[w + _FILL] == msg.seq:
-                msg.x.view(-1).view(torch.uint8).copy_(self.data[self.me][q * POSTS + msg.slot][:msg.nbytes])
+            fill = head[w + _FILL]
+            if fill == msg.seq or fill == -msg.seq:
+                if fill == msg.seq:
+                    msg.x.view(-1).view(torch.uint8).copy_(self.data[self.me][q * POSTS + msg.slot][:msg.nbytes])
+                else:
+                    msg.error = (f"recv from group member {j}, tag {msg.tag}: the message sent is not of this "
+                                 f"receive's {msg.nbytes} bytes — expected the same shape and dtype on both sides.")
                 posted.remove(msg)
                 self.free[j].append(msg.slot)
                 msg.done = True

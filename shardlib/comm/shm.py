@@ -262,36 +262,52 @@ class Files:
     def put(self, j: int, idx: int, value: int) -> None:
         """Write word ``idx`` of member ``j``'s header and wake whoever sleeps on it."""
         self.heads[j][idx] = value
+        self.wake(j, idx)
+
+    def wake(self, j: int, idx: int) -> None:
+        """Wake whoever sleeps on word ``idx`` of member ``j``'s header."""
         _libc().syscall(_SYS_FUTEX, ctypes.c_void_p(self.addrs[j] + idx * 8), _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
 
     def wait(self, ready, j: int, idx: int, what: str, peer: int | None = None) -> None:
         """Until ``ready()``: spin briefly, then sleep on word ``idx`` of member ``j``'s header (whose
         writer wakes it). Fails when member ``peer``'s (default ``j``'s) process is gone (checked each
-        second) or at the group's timeout."""
-        if peer is None:
-            peer = j
+        second) or at the group's timeout (``Sleeper``)."""
         for _ in range(SPIN):
             if ready():
                 return
-        head, addr = self.heads[j], ctypes.c_void_p(self.addrs[j] + idx * 8)
-        ts = _Timespec(0, 20_000_000)
-        start = last_check = time.monotonic()
+        sleeper, head = Sleeper(self, j if peer is None else peer, what), self.heads[j]
         while True:
             v = head[idx]
             if ready():
                 return
-            _libc().syscall(_SYS_FUTEX, addr, _FUTEX_WAIT, ctypes.c_uint(v & 0xFFFFFFFF), ctypes.byref(ts), None, 0)
-            now = time.monotonic()
-            if now - last_check > 1.0:
-                last_check = now
-                if self.see_pids and not _alive(self.pids[peer]):
-                    raise dist.DistBackendError(f"shared memory: group member {peer} (pid {self.pids[peer]}) exited "
-                                          f"while member {self.me} waited for it {what}.")
-                if now - start > self.timeout:
-                    raise dist.DistBackendError(f"shared memory: group member {peer} (pid {self.pids[peer]}) did not "
-                                          f"{what.removeprefix('to ')} within {self.timeout:.0f} s (the group's "
-                                          "timeout) — a rank that stopped issuing this group's collectives, or "
-                                          "a hang.")
+            sleeper.sleep(j, idx, v)
+
+
+class Sleeper:
+    """One wait's clock: ``sleep`` sleeps on a header word while it holds ``v`` (20 ms at most), and
+    fails when member ``peer``'s process is gone (checked each second) or the group's timeout has
+    passed since the wait began — however often the sleeper is woken meanwhile."""
+
+    def __init__(self, files: Files, peer: int, what: str):
+        self.f, self.peer, self.what = files, peer, what
+        self.start = self.last_check = time.monotonic()
+        self.ts = _Timespec(0, 20_000_000)
+
+    def sleep(self, j: int, idx: int, v: int) -> None:
+        f, peer = self.f, self.peer
+        addr = ctypes.c_void_p(f.addrs[j] + idx * 8)
+        _libc().syscall(_SYS_FUTEX, addr, _FUTEX_WAIT, ctypes.c_uint(v & 0xFFFFFFFF), ctypes.byref(self.ts), None, 0)
+        now = time.monotonic()
+        if now - self.last_check > 1.0:
+            self.last_check = now
+            if f.see_pids and not _alive(f.pids[peer]):
+                raise dist.DistBackendError(f"shared memory: group member {peer} (pid {f.pids[peer]}) exited "
+                                            f"while member {f.me} waited for it {self.what}.")
+            if now - self.start > f.timeout:
+                raise dist.DistBackendError(f"shared memory: group member {peer} (pid {f.pids[peer]}) did not "
+                                            f"{self.what.removeprefix('to ')} within {f.timeout:.0f} s (the group's "
+                                            "timeout) — a rank that stopped issuing this group's collectives, or "
+                                            "a hang.")
 
 
 class Channel:
