@@ -273,13 +273,16 @@ def test_kill_9_of_the_launcher_leaves_no_ranks_and_no_files(tmp_path):
     tmp.mkdir()
     script = tmp_path / "prog.py"
     script.write_text(_SLEEPER)
-    launcher = subprocess.Popen([sys.executable, str(script), str(tmp_path)], cwd=tmp_path,
-                                env=_env(TMPDIR=str(tmp)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = tmp_path / "launcher.log"       # outside TMPDIR: what the launcher said, if it stops early
+    with open(log, "wb") as out:
+        launcher = subprocess.Popen([sys.executable, str(script), str(tmp_path)], cwd=tmp_path,
+                                    env=_env(TMPDIR=str(tmp)), stdout=out, stderr=subprocess.STDOUT)
     try:
         pids = [tmp_path / f"rank{r}.pid" for r in range(2)]
         deadline = time.monotonic() + 180
         while not all(p.exists() for p in pids):   # both ranks running
-            assert launcher.poll() is None and time.monotonic() < deadline, "the ranks did not start"
+            assert launcher.poll() is None and time.monotonic() < deadline, \
+                f"the ranks did not start (launcher exit {launcher.poll()}): {log.read_text(errors='replace')[-3000:]}"
             time.sleep(0.1)
         ranks = [int(p.read_text()) for p in pids]
         # the run's directory, multiprocessing's (the fork server's socket); torch's compile cache
