@@ -8,11 +8,14 @@ world's own timeout long, so a slow start on a loaded machine is not mistaken fo
 
 import multiprocessing
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -269,11 +272,20 @@ def _ours(tmp):
 
 
 def test_kill_9_of_the_launcher_leaves_no_ranks_and_no_files(tmp_path):
-    tmp = tmp_path / "tmp"   # the launcher's TMPDIR: only this run's directory can appear here
-    tmp.mkdir()
+    # the launcher's TMPDIR: only this run's directory can appear here. Short: multiprocessing's fork server
+    # binds a socket in it, and an AF_UNIX path has 108 bytes (pytest's tmp_path on a machine that has run
+    # pytest a hundred times leaves too few: "AF_UNIX path too long")
+    tmp = Path(tempfile.mkdtemp(prefix="sl-k9-", dir="/tmp"))
+    try:
+        _kill_9_of_the_launcher(tmp_path, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _kill_9_of_the_launcher(tmp_path: Path, tmp: Path) -> None:
     script = tmp_path / "prog.py"
     script.write_text(_SLEEPER)
-    log = tmp_path / "launcher.log"       # outside TMPDIR: what the launcher said, if it stops early
+    log = tmp_path / "launcher.log"       # what the launcher said, if it stops early
     with open(log, "wb") as out:
         launcher = subprocess.Popen([sys.executable, str(script), str(tmp_path)], cwd=tmp_path,
                                     env=_env(TMPDIR=str(tmp)), stdout=out, stderr=subprocess.STDOUT)
