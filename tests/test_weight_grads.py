@@ -9,7 +9,7 @@ import pickle
 import torch
 from torch import nn
 
-from shardlib.runtime.weight_grads import WeightGradStore, defer_linears
+from shardlib.runtime.weight_grads import WeightGradStore, defer_linears, untied_linears
 
 
 class _Net(nn.Module):
@@ -66,3 +66,23 @@ def test_without_a_split_running_the_layers_are_plain_and_the_model_copies():
         assert torch.equal(other(x), net(x))
     with torch.no_grad():
         assert torch.equal(net(x), ref(x))
+
+
+def test_untied_linears_are_the_named_plain_linears_whose_weight_nothing_else_uses():
+    """The last stage's LM head is deferred too, unless its weight is tied (its other use adds into the same
+    ``.grad`` inside the backward): named by parameter, plain ``nn.Linear`` only, the root never."""
+    class LM(nn.Module):
+        def __init__(self, tied: bool):
+            super().__init__()
+            self.wte = nn.Embedding(10, 4)
+            self.norm = nn.LayerNorm(4)
+            self.head = nn.Linear(4, 10, bias=False)
+            self.scale = nn.Parameter(torch.ones(()))
+            if tied:
+                self.head.weight = self.wte.weight
+
+    names = ["norm.weight", "norm.bias", "head.weight", "scale"]
+    untied = LM(False)
+    assert untied_linears(untied, names) == [untied.head]
+    assert untied_linears(LM(True), names) == []
+    assert untied_linears(untied, ["norm.weight"]) == []

@@ -54,7 +54,7 @@ from ..errors import CollectiveError
 from ..planner.pipeline import loss_words, stream_shape
 from ..planner.stack import stage_functions
 from ..planner.simulate import Record
-from .weight_grads import WeightGradStore, defer_linears
+from .weight_grads import WeightGradStore, defer_linears, untied_linears
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -128,19 +128,24 @@ class PipelineRuntime:
             engine.tensor.boundaries.unfuse_columns()    # the generic split runs a layer's backward twice
         if deferrable and zero_bubble:
             self.deferred = WeightGradStore()
-            self.deferred_layers = sum(defer_linears(self.blocks[i], self.deferred)
+            self.deferred_layers = sum(defer_linears(self._deferrable(i), self.deferred)
                                        for i, st in self.stages.items() if not st.pre)
         elif deferrable:
             tail = pp.lowered(self.coord, unshard=self.per_step, split_tail=True)
             split = {(a.stage, a.mb) for a in tail if a.kind == "I"}
             store = WeightGradStore()
             store.capture = False
-            n = sum(defer_linears(self.blocks[s], store) for s in {s for s, _ in split})
+            n = sum(defer_linears(self._deferrable(s), store) for s in {s for s, _ in split})
             if n:
                 self.deferred, self.deferred_layers, self.split, self.actions = store, n, split, tail
         # micro-batch -> the stage of its last forward on this rank, after which its context goes
         self.last_forward = {a.mb: a.stage for a in self.actions if a.kind == "F"}
         self.recvs = [k for k, a in enumerate(self.actions) if a.kind in ("RECV_F", "RECV_B")]
+
+    def _deferrable(self, s: int) -> list[nn.Module]:
+        """Stage ``s``'s modules whose Linear weight gradients a split backward defers: its blocks, and
+        on the last stage ``pipeline_post``'s untied Linear layers (the LM head)."""
+        return self.blocks[s] + (untied_linears(self.engine.model, self.pp.post_params) if self.stages[s].post else [])
 
     def _params_of(self, stage) -> list[nn.Parameter]:
         named = dict(self.engine.model.named_parameters())

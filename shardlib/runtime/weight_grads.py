@@ -1,8 +1,8 @@
 """The zero-bubble schedules' split backward by deferring the ``nn.Linear`` weight gradients.
 
 ``I`` (the input-gradient half of a backward) runs the stage's whole backward except the weight
-gradients of its blocks' ``nn.Linear`` layers: each such layer stores its input and its output's
-gradient instead (``WeightGradStore``); ``W`` computes them later, one matmul per layer, and adds them
+gradients of its blocks' ``nn.Linear`` layers and the last stage's LM head (``untied_linears``): each
+such layer stores its input and its output's gradient instead (``WeightGradStore``); ``W`` computes them later, one matmul per layer, and adds them
 into ``.grad`` as autograd would. Everything else (norms, biases, the input's gradient) is done in
 ``I``. This is Megatron's and the zero-bubble paper's ``WeightGradStore``, for the layers that hold
 nearly all of a transformer block's weight-gradient work.
@@ -90,3 +90,14 @@ def defer_linears(modules: Iterable[nn.Module], store: WeightGradStore) -> int:
                 m.forward = functools.partial(_forward, m, store)    # a partial: the model still copies and pickles
                 n += 1
     return n
+
+
+def untied_linears(model: nn.Module, params: Iterable[str]) -> list[nn.Linear]:
+    """The plain ``nn.Linear`` layers holding the parameters named ``params`` whose weight no other module
+    of ``model`` uses (a tied weight's other use adds into the same ``.grad`` inside the backward)."""
+    uses: dict[int, int] = {}
+    for _, q in model.named_parameters(remove_duplicate=False):
+        uses[id(q)] = uses.get(id(q), 0) + 1
+    modules = dict(model.named_modules())
+    owners = dict.fromkeys(n.rpartition(".")[0] for n in params)
+    return [m for m in (modules.get(o) for o in owners if o) if type(m) is nn.Linear and uses.get(id(m.weight), 0) == 1]
