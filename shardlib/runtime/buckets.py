@@ -11,6 +11,9 @@ collectives in the same order even if gradients become ready in a different orde
   writes fresh ones, and the hook copies each into its place in the bucket as it is ready —
   one pass over the gradients, where zeroing a persistent buffer and accumulating into it
   takes two. The optimizer then reads the views.
+* one data rank, grads replicated in the reduce dtype (a pipeline or tensor axis at data 1, one
+  process): nothing to reduce and nothing copied; the reduced gradients are autograd's own
+  ``.grad``, kept to the next step's start as the views would be (``direct``).
 * grads sharded (ZeRO-1/2): reduce-scatter the bucket as a flat group (``flat.py``: its
   gradients laid end to end, split evenly), each rank keeping its chunk — its piece of every
   parameter; without ``keep_local_grads`` (ZeRO-2) the full local gradients are freed once
@@ -51,7 +54,11 @@ class GradBuckets:
         self.buckets = buckets
         self.sharded = plan.states.grads is not None
         self.rdt = plan.reduce_dtype
-        self.views = plan.states.keep_local_grads and plan.reduce_dtype == plan.compute_dtype
+        # one data rank, gradients replicated in their own dtype: nothing to reduce, so the reduced
+        # gradients are autograd's own (kept to the next step as the buckets' views would be)
+        self.direct = (not self.sharded and plan.dp_size == 1 and plan.replica_size == 1 and not riders
+                       and plan.reduce_dtype == plan.compute_dtype)
+        self.views = plan.states.keep_local_grads and plan.reduce_dtype == plan.compute_dtype and not self.direct
         self.riders = riders
         self.rider_values = None
         self.rider_sums: torch.Tensor | None = None
@@ -115,7 +122,7 @@ class GradBuckets:
 
     # ---- per step / micro-step -----------------------------------------------------------------
     def begin_step(self) -> None:
-        if self.copy_in:
+        if self.copy_in or self.direct:
             for states in self.buckets:
                 for s in states:
                     s.param.grad = None
@@ -191,6 +198,11 @@ class GradBuckets:
             for states in self.buckets:
                 for s in states:
                     s.used = s.used or s.param.grad is not None
+        if self.direct:
+            for b, states in enumerate(self.buckets):
+                self.results[b] = [s.param.grad if s.param.grad is not None else torch.zeros_like(s.param)
+                                   for s in states]
+            self.next = len(self.buckets)
         while self.next < len(self.buckets):
             self._launch(self.next)
             self.next += 1

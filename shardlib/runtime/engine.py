@@ -433,6 +433,8 @@ class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
         out = [s.grad_shard for s in self.states if s.grad_shard is not None]
         if self.buckets is not None and self.buckets.views:
             out += self.buckets.buffers
+        if self.buckets is not None and self.buckets.direct:     # one data rank: autograd's own gradients
+            out += [s.param.grad for s in self.states if s.trainable and s.param.grad is not None]
         return out
 
     @torch.no_grad()
