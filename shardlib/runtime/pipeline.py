@@ -35,7 +35,8 @@ schedule (DP / ZeRO-1/2 buckets, ``engine.step``). Every action is timed (``time
 ``(rank, action, start, end)``, ``time.perf_counter`` seconds) for ``frontend/timeline.py``.
 
 A rank that fails mid-step writes why into the process group's store before raising; a peer whose
-receive then times out (the process group's timeout) raises a ``PipelineError`` naming that rank.
+receive then times out (the process group's timeout) raises a ``PipelineError`` naming that rank
+(``runtime/failures.py``).
 """
 
 from __future__ import annotations
@@ -45,7 +46,6 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
@@ -54,13 +54,11 @@ from ..errors import CollectiveError
 from ..planner.pipeline import loss_words, stream_shape
 from ..planner.stack import stage_functions
 from ..planner.simulate import Record
+from .failures import clear_failure, report_failure, reported_failure
 from .weight_grads import WeightGradStore, defer_linears, untied_linears
 
 if TYPE_CHECKING:
     from .engine import Engine
-
-_FAILED = "shardlib/pipe/failed"
-
 
 class PipelineError(CollectiveError):
     """A pipeline step failed on some rank; raised on every rank, naming the one that failed."""
@@ -173,13 +171,19 @@ class PipelineRuntime:
         if eng.units is not None:
             eng.units.begin_micro(first=True)
         posted = 0                      # receives posted so far, in list order (self.recvs)
+        # receives are posted ahead before a compute action, from the first that needs none (the first
+        # stage's first forward) on only once it is done: that forward starts the whole pipeline
+        ahead = not (self.actions and self.actions[0].kind == "F" and self.stages[self.actions[0].stage].pre)
         try:
             for k, a in enumerate(self.actions):
                 self.current = a
                 if a.kind in ("RECV_F", "RECV_B"):    # where the receive completes; posted earlier
                     posted = self._post_receives(posted, through=k)
                     continue
-                posted = self._post_receives(posted, through=-1)
+                if a.kind in ("F", "B", "I", "W"):
+                    if ahead:
+                        posted = self._post_receives(posted, through=-1)
+                    ahead = True
                 # a compute action's receive is waited for first and timed as that RECV: the wait is
                 # the bubble, not the compute's time
                 key = ("F" if a.kind == "F" else "B", a.stage, a.mb) if a.kind in ("F", "B", "I") else None
@@ -454,30 +458,13 @@ class PipelineRuntime:
         return torch.cat([out[:k], out[k + self.global_index]])
 
     def _report(self, e: BaseException) -> None:
-        """Tell the other ranks (through the process group's store) that this one failed."""
-        store = _store()
-        if store is not None:
-            try:
-                store.set(_FAILED, f"{self.mesh.rank} ({type(e).__name__}: {e})"[:2000])
-            except Exception:       # the store is gone: the peers time out on their own
-                pass
+        report_failure(f"{self.mesh.rank} ({type(e).__name__}: {e})")
 
     def _failed(self) -> str | None:
-        store = _store()
-        if store is None:
-            return None
-        try:
-            if store.check([_FAILED]):
-                return store.get(_FAILED).decode()
-        except Exception:
-            return None
-        return None
+        return reported_failure()
 
     def clear_failure(self) -> None:
-        store = _store()
-        if store is not None:
-            with contextlib.suppress(Exception):
-                store.delete_key(_FAILED)
+        clear_failure()
 
 
 def _loss_to_words(loss: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -491,12 +478,3 @@ def _loss_from_words(words: torch.Tensor) -> torch.Tensor:
     if words.dtype.itemsize > 4:
         return words.float().reshape(())
     return words.clone().view(torch.float32).reshape(())     # clone: a view needs an aligned offset
-
-
-def _store():
-    if not dist.is_available() or not dist.is_initialized():
-        return None
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:
-        return None
