@@ -200,8 +200,7 @@ class GradBuckets:
                     s.used = s.used or s.param.grad is not None
         if self.direct:
             for b, states in enumerate(self.buckets):
-                self.results[b] = [s.param.grad if s.param.grad is not None else torch.zeros_like(s.param)
-                                   for s in states]
+                self.results[b] = [self._own_grad(s) for s in states]
             self.next = len(self.buckets)
         while self.next < len(self.buckets):
             self._launch(self.next)
@@ -210,6 +209,18 @@ class GradBuckets:
             self._wait(b)
         out, self.results = self.results, [None] * len(self.buckets)
         return out
+
+    @staticmethod
+    def _own_grad(s: ParamState) -> torch.Tensor:
+        """``direct``: the parameter's gradient, in storage of its own (a view into a larger tensor, as a
+        fused layer's backward may leave, is copied out: what is kept is the gradient's bytes); zeros
+        where it got none."""
+        g = s.param.grad
+        if g is None:
+            return torch.zeros_like(s.param)
+        if g.untyped_storage().nbytes() != g.numel() * g.element_size():
+            g = s.param.grad = g.clone()
+        return g
 
     def _wait(self, b: int) -> None:
         """Wait for bucket ``b``'s collective (once) and keep its reduced gradients in ``results``:
