@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves, tree_map_only
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from ..comm import core as comm
 from ..errors import ShardingError, ShardingTypeError
@@ -72,11 +72,17 @@ def split_batch(engine: Engine, batch: Any, local: bool) -> tuple[list[Any], int
     per = rows // m
     device, cdt, mixed = engine.mesh.device, engine.cdt, engine.plan.mixed
 
-    def prepare(t: torch.Tensor) -> torch.Tensor:
-        t = t.to(device)
-        return t.to(cdt) if t.is_floating_point() and mixed else t
+    def cut(t: torch.Tensor) -> tuple[torch.Tensor, ...]:      # this rank's rows, moved once, as m views
+        t = t[start:start + rows]
+        if t.device != device:
+            t = t.to(device)
+        if mixed and t.is_floating_point():
+            t = t.to(cdt)
+        return t.split(per)
 
-    micro = [_map(batch, lambda t, i=i: prepare(t[start + i * per:start + (i + 1) * per])) for i in range(m)]
+    flat, spec = tree_flatten(batch)
+    cuts = [cut(t) if isinstance(t, torch.Tensor) else None for t in flat]
+    micro = [tree_unflatten([c[i] if c is not None else x for c, x in zip(cuts, flat)], spec) for i in range(m)]
     if counts_tokens(engine.model, engine.loss_fn, batch):
         labels = batch["labels"]
         count = (labels[:, 1:] != IGNORE).sum().to(device=device, dtype=torch.float64).reshape(1)
@@ -132,7 +138,3 @@ def _reads_token_count(model: nn.Module) -> bool:
 
 def _leaves(batch: Any) -> list[torch.Tensor]:
     return [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
-
-
-def _map(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    return tree_map_only(torch.Tensor, fn, batch)
