@@ -200,8 +200,11 @@ def _receive_posts(schedule: str, m: int) -> dict:
     for k, rec in enumerate(engine.timeline):
         if "RECV" in rec.action:
             seen.setdefault(rec.action, []).append(k)
-    return {"window": plan.pipeline.recv_window, "recvs": seen,
-            "computes": [k for k, r in enumerate(engine.timeline) if "RECV" not in r.action and "SEND" not in r.action]}
+    return {"window": plan.pipeline.recv_window, "recvs": seen, "first": [r.action for r in engine.timeline[:2]],
+            "computes": [k for k, r in enumerate(engine.timeline) if "RECV" not in r.action and "SEND" not in r.action],
+            # one data rank: the optimizer read autograd's own gradients, no bucket buffer was made
+            "direct": engine.buckets.direct, "buffers": [b for b in engine.buckets.buffers if b is not None],
+            "held": engine.memory_held()["grads"], "planned": plan.memory_per_rank()["grads"]}
 
 
 def test_receives_are_posted_ahead_within_the_window(world):
@@ -218,6 +221,16 @@ def test_receives_are_posted_ahead_within_the_window(world):
             assert peak == out["window"], (schedule, rank, peak)
             # some receive spans compute: posted before another action's compute, waited after it
             assert any(any(post < c < wait for c in out["computes"]) for post, wait in out["recvs"].values())
+            if rank == 0:     # the first stage's first forward and its send come before any receive is posted
+                assert out["first"] == ["0F0", "0SEND_F0"], out["first"]
+
+
+def test_one_data_rank_steps_on_autograds_own_gradients(world):
+    """At data 1 nothing is reduced: no bucket buffer is made and nothing copied into one; the parameters'
+    own gradients are what the step keeps between steps, the plan's bytes."""
+    for rank, out in enumerate(world(2, _receive_posts, "1f1b", 4)):
+        assert out["direct"] and out["buffers"] == [], (rank, out["direct"], len(out["buffers"]))
+        assert out["held"] == out["planned"] > 0, (rank, out["held"], out["planned"])
 
 
 def _failing(shape: dict, bad_rank: int):

@@ -60,6 +60,7 @@ from .weight_grads import WeightGradStore, defer_linears, untied_linears
 if TYPE_CHECKING:
     from .engine import Engine
 
+
 class PipelineError(CollectiveError):
     """A pipeline step failed on some rank; raised on every rank, naming the one that failed."""
 

@@ -2,10 +2,10 @@
 
 ``I`` (the input-gradient half of a backward) runs the stage's whole backward except the weight
 gradients of its blocks' ``nn.Linear`` layers and the last stage's LM head (``untied_linears``): each
-such layer stores its input and its output's gradient instead (``WeightGradStore``); ``W`` computes them later, one matmul per layer, and adds them
-into ``.grad`` as autograd would. Everything else (norms, biases, the input's gradient) is done in
-``I``. This is Megatron's and the zero-bubble paper's ``WeightGradStore``, for the layers that hold
-nearly all of a transformer block's weight-gradient work.
+such layer stores its input and its output's gradient instead (``WeightGradStore``); ``W`` computes them
+later, one matmul per layer, and adds them into ``.grad`` as autograd would. Everything else (norms,
+biases, the input's gradient) is done in ``I``. This is Megatron's and the zero-bubble paper's
+``WeightGradStore``, for the layers that hold nearly all of a transformer block's weight-gradient work.
 
 The generic split (torch's ``stage_backward_input`` / ``stage_backward_weight``, which works on any
 graph) walks the autograd graph in Python for every micro-batch and runs one engine call per
