@@ -189,7 +189,8 @@ def test_loss_is_the_global_mean_whatever_the_pipeline():
 
 def _receive_posts(schedule: str, m: int) -> dict:
     """One step; from ``engine.timeline``, each receive's post and wait (a RECV record each, posted
-    first) as positions among the rank's records, and the window the plan allows."""
+    first) as positions among the rank's records, and the window the plan allows; and, the mesh having
+    one data rank, what the gradient buckets made and what the rank holds in gradients against the plan."""
     mesh = get_mesh({"data": 1, "pipe": 2})
     model = make_model("gpt_pp")
     data = batches(1)
