@@ -116,19 +116,24 @@ def _steady(zero_args: dict, vocab: int = 64) -> dict:
 def test_zero3_steps_reuse_the_same_two_buffers(world):
     """Every step gathers and reduces through the same two buffers, a block's, and gives them back
     by the step's end; what they hold between steps is what the plan states, and the gathered peak
-    tracked is the planned one. Where the root is larger (vocab 1024) it takes their place for its
-    gather and its reduce-scatter: the reduce buffer, last used by the root, is not held between
-    steps (allocated again by each step's first block)."""
-    for kw, vocab in (({}, 64), ({"recompute": True}, 64), ({"precision": "bf16"}, 64), ({}, 1024)):
+    tracked is the planned one. Where the root is larger (vocab 1024, the blocks named as the units)
+    it takes their place for its gather and its reduce-scatter: the reduce buffer, last used by the
+    root, is not held between steps (allocated again by each step's first block). With the default
+    units at vocab 1024, wte and head are units of their own: the buffers are theirs, and the root
+    (wpe, ln_f) fits them."""
+    blocks = {"units": ["blocks.0", "blocks.1"]}
+    for kw, vocab in (({}, 64), ({"recompute": True}, 64), ({"precision": "bf16"}, 64), (blocks, 1024), ({}, 1024)):
         for r in world(2, _steady, kw, vocab):
             assert r["idle"] and r["lent"] == [], (kw, r)
             assert r["held"][0] == r["planned"][0], (kw, r)
             assert sum(r["held"]) == r["planned"][1], (kw, r)
             assert r["gathered"][0] == r["gathered"][1], (kw, r)
-            if vocab == 64:
-                assert len(set(r["ptrs"])) == 1 and r["sizes"] == r["held"], (kw, r)
-            else:
+            if kw is blocks:
                 assert r["sizes"] == (r["block"], r["block"]) and r["held"] == (r["block"], 0), r
+            else:
+                assert len(set(r["ptrs"])) == 1 and r["sizes"] == r["held"], (kw, r)
+                largest = r["block"] // 4 if vocab == 64 else 1024 * 32        # elements: a block, or wte
+                assert r["sizes"][0] == largest * (2 if kw.get("precision") == "bf16" else 4), (kw, r)
 
 
 def _bucket_outputs(zero: int) -> dict:

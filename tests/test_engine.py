@@ -31,6 +31,9 @@ GPT_CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2
 GPT_TP_CFG = GPTConfig(vocab_size=67, seq_len=8, d_model=32, n_heads=4, n_layers=2, mlp_width=90)
 # the pipeline tests' GPT: 8 blocks (pipe 4 x 2 virtual stages), uneven tensor widths as above
 GPT_PP_CFG = GPTConfig(vocab_size=67, seq_len=8, d_model=32, n_heads=4, n_layers=8, mlp_width=90)
+# a vocabulary (251, prime) whose tables hold over half a block's parameters: under ZeRO-3 wte and
+# head are units of their own (planner/units.py), head kept gathered from its forward to its backward
+GPT_VOCAB_CFG = GPTConfig(vocab_size=251, seq_len=16, d_model=32, n_heads=4, n_layers=2)
 MLP_SIZES = (7, 13, 11, 5)        # odd sizes: every shard uneven at data = 2 and 4
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FP32_RTOL = 1e-5                  # the issue's bound on losses (max relative difference)
@@ -48,6 +51,8 @@ def make_model(name: str, seed: int = 0) -> torch.nn.Module:
         return GPT(GPT_TP_CFG, seed=seed)
     if name == "gpt_pp":
         return GPT(GPT_PP_CFG, seed=seed)
+    if name == "gpt_vocab":
+        return GPT(GPT_VOCAB_CFG, seed=seed)
     if name == "gpt_tied":                       # head.weight is wte.weight
         m = GPT(GPT_CFG, seed=seed)
         m.head.weight = m.wte.weight
@@ -109,6 +114,8 @@ def make_batches(model: str, steps: int = STEPS, batch: int = BATCH) -> list[tup
         return [token_batch(GPT_TP_CFG, batch, seed=100 + s) for s in range(steps)]
     if model == "gpt_pp":
         return [token_batch(GPT_PP_CFG, batch, seed=100 + s) for s in range(steps)]
+    if model == "gpt_vocab":
+        return [token_batch(GPT_VOCAB_CFG, batch, seed=100 + s) for s in range(steps)]
     if model.startswith("gpt"):
         return [token_batch(GPT_CFG, batch, seed=100 + s) for s in range(steps)]
     return [regression_batch(MLP_SIZES, batch, seed=100 + s) for s in range(steps)]
@@ -398,6 +405,10 @@ EXTRA = (
        {"model": "gpt", "states": S(None, "data", "data", False), "optimizer": "sgd"},
        {"model": "gpt", "zero": 3, "reshard_after_forward": False, "optimizer": "sgd"},
        {"model": "gpt", "zero": 3, "units": ["blocks.1"], "optimizer": "sgd", "recompute": ["blocks.1"]}]
+    # ZeRO-3's default units with the embeddings and the head as units of their own
+    + [{"model": "gpt_vocab", "zero": 3},
+       {"model": "gpt_vocab", "zero": 3, "grad_accum": 2, "recompute": True, "optimizer": "sgd"},
+       {"model": "gpt_vocab", "zero": 3, "reshard_after_forward": False, "optimizer": "sgd"}]
 )
 
 

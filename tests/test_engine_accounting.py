@@ -72,7 +72,10 @@ CONFIGS = ([{"model": m, "zero": z, "precision": p} for m in ("gpt", "mlp") for 
               {"model": "mlp", "zero": 1, "reduce_dtype": "bf16"},
               {"model": "mlp", "zero": 2, "precision": "bf16", "reduce_dtype": "fp32"},
               {"model": "gpt", "states": sl.StateLayouts(None, None, "data"), "precision": "bf16"},
-              {"model": "gpt", "zero": 2, "bucket_mb": 0.02}])
+              {"model": "gpt", "zero": 2, "bucket_mb": 0.02},
+              # wte and head units of their own (planner/units.py), the head kept from forward to backward
+              {"model": "gpt_vocab", "zero": 3},
+              {"model": "gpt_vocab", "zero": 3, "grad_accum": 2, "precision": "bf16"}])
 
 
 @pytest.fixture(scope="module", params=[3, 4])

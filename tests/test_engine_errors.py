@@ -158,3 +158,40 @@ def test_nonfinite_gradient_norm_stops_when_clipping(world):
 def test_world_of_one_raises_the_same(world):
     res = _nan_run(1, 1, "fp32", None, "nan")
     assert "step 3" in res["error"] and res["unchanged"]
+
+
+class _ReadsTheTable(torch.nn.Module):
+    """Ties its output to the token table by reading ``wte.weight`` (not sharing the Parameter): under
+    ZeRO-3's default units wte is a unit of its own (planner/units.py), freed after its forward."""
+
+    def __init__(self):
+        super().__init__()
+        from test_engine import GPT_VOCAB_CFG
+        from shardlib.models import GPT
+        self.gpt = GPT(GPT_VOCAB_CFG, seed=0)
+        self.gpt.head.weight.requires_grad_(False)
+
+    def forward(self, idx, targets):
+        g = self.gpt
+        x = g.wte(idx) + g.wpe(torch.arange(idx.shape[1]))
+        for block in g.blocks:
+            x = block(x)
+        logits = torch.nn.functional.linear(g.ln_f(x), g.wte.weight) + 0 * g.head(x[:, :1]).sum()
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def test_reading_a_freed_unit_outside_its_forward_names_the_parameter_and_the_fix():
+    mesh = get_mesh({"data": 1})
+    batch = make_batches("gpt_vocab", 1, 2)[0]
+    model = _ReadsTheTable()
+    engine = sl.parallelize(model, sl.plan(model, mesh, zero=3), optimizer=make_optimizer("sgd"))
+    with pytest.raises(sl.ShardingError) as err:
+        engine.step(batch)
+    said = str(err.value)
+    assert "gpt.wte.weight (unit 'gpt.wte')" in said and "outside its module's forward" in said, said
+    assert "units=[...]" in said and "storage of size 0" in said, said
+    # with the blocks named as the units, wte stays in the root, whole through the step
+    model = _ReadsTheTable()
+    blocks = ["gpt.blocks.0", "gpt.blocks.1"]
+    engine = sl.parallelize(model, sl.plan(model, mesh, zero=3, units=blocks), optimizer=make_optimizer("sgd"))
+    assert torch.isfinite(torch.tensor(engine.step(batch)))

@@ -83,6 +83,37 @@ def test_units_buckets_tied_and_frozen():
     assert [u.name for u in sl.plan(gpt(), mesh(2), zero=3, units=["blocks.1"]).units] == ["", "blocks.1"]
 
 
+def test_zero3_makes_large_outer_layers_units_of_their_own():
+    """Vocab 251, d 32: wte and head (8,032 parameters each) hold over half a block's 12,704, wpe
+    (512) does not. Under ZeRO-3 on the data axis they are units of their own, in the model's order,
+    the head kept gathered from its forward to its backward; not under ZeRO-0..2, a tensor or pipe
+    axis, when tied (two owners), when the units are named, or for the small vocabulary (64 x 32).
+    Recompute replays the blocks only."""
+    cfg = GPTConfig(vocab_size=251, seq_len=16, d_model=32, n_heads=4, n_layers=2)
+    blocks = ["blocks.0", "blocks.1"]
+
+    def units(model, shape=None, **kw):
+        return [u.name for u in sl.plan(model, sl.AbstractMesh(shape or {"data": 2}), **kw).units if u.name]
+
+    wide = GPT(cfg, seed=0)
+    plan = sl.plan(wide, mesh(2), zero=3, recompute=True)
+    assert [(u.name, u.reshard_after_forward, u.recompute) for u in plan.units] == [
+        ("", False, False), ("wte", True, False), ("blocks.0", True, True), ("blocks.1", True, True),
+        ("head", False, False)]
+    assert plan.param("wte.weight").unit == "wte" and plan.param("wpe.weight").unit == ""
+    assert units(wide, zero=3, reshard_after_forward=False) == ["wte", *blocks, "head"]
+    assert units(wide, zero=3, recompute=["wte"]) == ["wte", *blocks, "head"]
+    for z in range(3):
+        assert units(wide, zero=z) == blocks, z
+    assert units(wide, zero=3, units=blocks) == blocks
+    assert units(wide, {"data": 2, "tensor": 2}, zero=3, rules={"vocab": "tensor"}) == blocks
+    assert units(wide, {"data": 2, "pipe": 2}, zero=3, rules={"layers": "pipe"}, microbatches=2) == blocks
+    tied = GPT(cfg, seed=0)
+    tied.head.weight = tied.wte.weight
+    assert units(tied, zero=3) == blocks
+    assert units(gpt(), zero=3) == blocks
+
+
 # ---------------------------------------------------------------------------------------------
 # Memory: the ZeRO-paper terms
 # ---------------------------------------------------------------------------------------------

@@ -1,13 +1,10 @@
-"""Building a plan: ``sl.plan(model, mesh, ...)`` -> ``Plan``; units, owners, buckets.
-
-Linear in the number of parameter tensors: a parameter's unit is found by walking the prefixes
-of its qualified name (``a.b.c`` -> ``a.b``, ``a``) through a set of unit names, never by
-scanning the units.
+"""Building a plan: ``sl.plan(model, mesh, ...)`` -> ``Plan``; each parameter's unit (which modules
+are units: ``units.py``), its layouts and its bucket.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -31,70 +28,7 @@ from .specs import resolve_specs
 from .states import StateLayouts, zero_problem
 from .tensor import TensorPlan, derive
 from .traffic import fused_sizes
-
-# ---------------------------------------------------------------------------------------------
-
-def find_units(model: nn.Module, units: Sequence[str] | None = None) -> list[str]:
-    """Unit module names: given ones, or every child of an ``nn.ModuleList`` that has parameters
-    (the blocks of a layer stack), outermost first. The root unit ``""`` holds whatever is left."""
-    if units is not None:
-        problems = _unit_problems(model, units)
-        if problems:
-            raise ShardingError(problems, api="plan")
-        return list(units)
-    found: list[str] = []
-    seen: set[str] = set()
-    for name, mod in model.named_modules():
-        if isinstance(mod, nn.ModuleList):
-            for child_name, child in mod.named_children():
-                q = f"{name}.{child_name}" if name else child_name
-                if _unit_of(q, seen) == "" and any(True for _ in child.parameters()):
-                    found.append(q)
-                    seen.add(q)
-    return found
-
-
-def _unit_problems(model: nn.Module, units: object) -> list[str]:
-    if isinstance(units, str) or not isinstance(units, Iterable):
-        return [f"plan: units must be a list of module names — got {type(units).__name__} {units!r}; expected "
-                "qualified names such as ['blocks.0', 'blocks.1']."]
-    names = dict(model.named_modules())
-    bad = [u for u in units if not isinstance(u, str) or u not in names or u == ""]
-    if bad:
-        return [f"plan: units {_few(bad)} are not submodules of the model — expected qualified names such as "
-                f"{[n for n in names if n][:3]}."]
-    return []
-
-
-def _unit_of(name: str, units: Collection[str]) -> str:
-    """The longest of ``units`` that contains ``name`` (a proper dotted prefix of it), or ``""``
-    (the root). O(depth of ``name``) when ``units`` is a set."""
-    i = name.rfind(".")
-    while i > 0:
-        if name[:i] in units:
-            return name[:i]
-        i = name.rfind(".", 0, i)
-    return ""
-
-
-def param_owners(model: nn.Module) -> dict[int, list[tuple[str, str]]]:
-    """``id(param) -> [(module name, attribute)]`` for every module that holds it (tied weights
-    have several owners)."""
-    owners: dict[int, list[tuple[str, str]]] = {}
-    for mname, mod in model.named_modules(remove_duplicate=False):
-        for attr, p in mod._parameters.items():
-            if p is not None:
-                entry = (mname, attr)
-                if entry not in owners.setdefault(id(p), []):
-                    owners[id(p)].append(entry)
-    return owners
-
-
-def _few(items: Sequence, k: int = 8) -> str:
-    """``items`` printed in full when short, else the first ``k`` and how many more."""
-    items = list(items)
-    return repr(items) if len(items) <= k else f"{items[:k]!r} (and {len(items) - k} more)"
-
+from .units import _few, _unit_of, _unit_problems, find_units, param_owners
 
 # ---------------------------------------------------------------------------------------------
 
@@ -138,15 +72,18 @@ def plan(model: nn.Module, mesh: AbstractMesh, zero: int | None = None, *, state
     sum their gradient shards with one all-reduce (FSDP2's HSDP, ZeRO++'s hpZ).
     ``precision`` is the compute dtype (``fp32``, ``bf16``, ``fp16``); master weights stay fp32.
     ``optimizer`` names the optimizer family (or gives its state bytes per parameter) so memory
-    can be planned; ``recompute`` checkpoints units: ``True``/``"full"`` every unit but the root,
-    a list of unit names those units, ``"selective"`` only attention's core in every unit but the
-    root (Megatron's default: ``comm/recompute.py``), ``False``/``"none"`` nothing.
+    can be planned; ``recompute`` checkpoints units: ``True``/``"full"`` every block of the stacks,
+    a list of unit names those units, ``"selective"`` only attention's core in every block
+    (Megatron's default: ``comm/recompute.py``), ``False``/``"none"`` nothing.
     ``units`` names the modules gathered and freed together (default: each block of every
-    ``nn.ModuleList``; the root unit holds the rest). ``broadcast_buffers`` (DDP's): rank 0's buffers
+    ``nn.ModuleList``, and under ZeRO-3 without a tensor or pipe axis each embedding or linear layer
+    outside them of at least half a block's parameters, untied — the token table, the LM head:
+    ``planner/units.py``; the root unit holds the rest). ``broadcast_buffers`` (DDP's): rank 0's buffers
     are broadcast before each step's forward (False: each rank keeps its own, e.g. BatchNorm statistics;
     set-up always starts every rank from rank 0's parameters and buffers). Under ZeRO-3, ``reshard_after_forward`` frees
     each unit after its forward and gathers it again for its backward; the root unit, used at both
-    ends of the model, stays gathered from its forward through its backward (as in FSDP2).
+    ends of the model, stays gathered from its forward through its backward (as in FSDP2), and so
+    does a default outer unit last in forward (the head: its backward comes next).
 
     The keywords grouped by concern (``planner/policies.py``): ``data=sl.DataPolicy(...)``,
     ``tensor=sl.TensorPolicy(...)``, ``pipeline=sl.PipelinePolicy(...)``, ``memory=sl.MemoryPolicy(...)``,
@@ -225,7 +162,10 @@ def plan(model: nn.Module, mesh: AbstractMesh, zero: int | None = None, *, state
     for pp in params:
         members.setdefault(pp.unit, []).append(pp.name)
     unit_list = [UnitPlan("", tuple(members[""]), False, False)] if "" in members else []
-    unit_list += [UnitPlan(u, tuple(members[u]), reshard_after_forward, u in rec, u in sel)
+    # an outer layer last in forward (the LM head) stays gathered for its backward, which comes next
+    # (as torchtitan's fully_shard([norm, output], reshard_after_forward=False))
+    kept = unit_names[-1] if units is None and unit_names and unit_names[-1] not in find_units(model) else None
+    unit_list += [UnitPlan(u, tuple(members[u]), reshard_after_forward and u != kept, u in rec, u in sel)
                   for u in unit_names if u in members]
     buffers = list(model.buffers())
     tensors = [*(p for _, p in named), *buffers]
@@ -399,17 +339,21 @@ def _check(model: nn.Module, mesh: AbstractMesh, *, zero, states, precision, red
     if next(model.parameters(), None) is None:
         add(f"plan: the model {type(model).__name__} has no parameters — expected at least one. There is "
             "nothing to train or shard.")
+    zero3 = states.params is not None if isinstance(states, StateLayouts) else zero == 3
     if units is not None and (unit_problems := _unit_problems(model, units)):
         add(unit_problems[0], unit_problems[0].startswith("plan: units must be"))
         unit_names = [u for u in units if isinstance(u, str) and u] if isinstance(units, Iterable) else []
-    else:
-        unit_names = find_units(model, units)
+    else:        # ZeRO-3 on the data axes alone: the large outer layers too (planner/units.py)
+        sizes = mesh.axis_sizes
+        unit_names = find_units(model, units, leaves=zero3 and all(
+            not isinstance(a, str) or sizes.get(a, 1) == 1 for a in (tensor_axis, pipe_axis)))
+    stack_units = unit_names if units is not None else find_units(model)
     rec: set[str] = set()
     sel: set[str] = set()
-    if recompute is True or recompute == "full":
-        rec = set(unit_names)
+    if recompute is True or recompute == "full":       # the blocks: an embedding or a head is not replayed
+        rec = set(stack_units)
     elif recompute == "selective":
-        sel = set(unit_names)
+        sel = set(stack_units)
     elif recompute is not False and recompute is not None and recompute != "none":
         if isinstance(recompute, str) or not isinstance(recompute, Iterable):
             add(f"plan: recompute must be 'none', 'selective', 'full' (True, False) or a list of unit names to "
@@ -422,14 +366,12 @@ def _check(model: nn.Module, mesh: AbstractMesh, *, zero, states, precision, red
                 add(f"plan: recompute names {_few(unknown)}, which are not units — expected some of "
                     f"{_few(unit_names)}.")
 
-    zero3 = states.params is not None if isinstance(states, StateLayouts) else zero == 3
     kinds, offload_found = offload_problems(offload, offload_dir, zero3=zero3, recompute=bool(rec))
     for m in offload_found:
         add(m, m.startswith("plan: offload must be a mapping") or m.startswith("plan: offload_dir must be"))
     specs: dict[str, PartitionSpec] = {}
     tplan = pplan = None
     if not problems:
-        zero3 = states.params is not None if isinstance(states, StateLayouts) else zero == 3
         pplan, pproblems = derive_pipeline(model, mesh, rules=rules, axis=pipe_axis, microbatches=microbatches,
                                            schedule=schedule, virtual=virtual_stages, stages=stages,
                                            recompute=sorted(rec), gather=pipe_gather, zero3=zero3,

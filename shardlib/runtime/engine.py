@@ -29,7 +29,7 @@ from torch import nn
 
 from ..algebra.mesh import Mesh
 from ..comm import core as comm
-from ..errors import ShardingTypeError
+from ..errors import ShardingError, ShardingTypeError
 from ..planner.plan import Plan
 from .access import EngineAccess
 from .batches import split_batch
@@ -323,9 +323,14 @@ class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
                 self.buckets.begin_micro(sync=i == m - 1)
             else:
                 self.units.begin_micro(first=i == 0)
-            loss = self._loss(mb) if self.tensor is None else self.tensor.loss(mb)
-            loss_sum += loss.detach().float()
-            (loss.float() * factor).backward()
+            try:
+                loss = self._loss(mb) if self.tensor is None else self.tensor.loss(mb)
+                loss_sum += loss.detach().float()
+                (loss.float() * factor).backward()
+            except RuntimeError as e:              # a freed ZeRO-3 parameter read: name it
+                if self.units is not None and (said := self.units.freed_use(e)):
+                    raise ShardingError(said) from e
+                raise
             if self.tensor is not None:
                 self.tensor.clear()
             if self.units is not None:

@@ -12,7 +12,7 @@ from torch import nn
 from ..algebra.layout import Layout
 from ..algebra.mesh import Mesh
 from ..errors import ShardingError, ShardingTypeError
-from ..planner.build import param_owners
+from ..planner.units import param_owners
 from ..planner.plan import Plan
 from ..quant.layout import pack, slice_weight, views
 from .flat import flat_runs

@@ -43,6 +43,8 @@ is lent: ``grad_peak``), and of both at once (``total_peak``), which ``planner/p
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
@@ -329,6 +331,25 @@ class UnitRunner:
                 u.status = "free"
         while self.in_flight:
             self._finish_reduce(self.in_flight.pop(0))
+
+    def freed_use(self, err: RuntimeError) -> str | None:
+        """What to say when ``err`` is a freed parameter read: torch's "storage of size 0" after code
+        used a unit's parameter outside that module's forward (``F.linear(x, self.wte.weight)``, a
+        slice of a weight), when ZeRO-3 has freed it. ``None`` for any other error."""
+        text = str(err)
+        if "for storage of size 0" not in text:
+            return None
+        need = re.search(r"requiring a storage size of (\d+)", text)
+        free = [(u, s) for u in self.units if u.status == "free" for s in u.states]
+        exact = [(u, s) for u, s in free if need and s.storage.numel() * s.storage.element_size() == int(need[1])]
+        named = [f"{s.name} (unit {u.name!r})" for u, s in exact or free]
+        return (f"step: the model read {' or '.join(named[:4])}{' or another' if len(named) > 4 else ''} outside its "
+                "module's forward, while ZeRO-3 had it freed — a unit's parameters are whole only around its own "
+                "module's forward and backward. Call the module rather than reading its weight, tie weights by "
+                "sharing the Parameter (head.weight = wte.weight: a parameter with two owners stays in the root "
+                "unit), or choose the units with sl.plan(..., units=[...]) leaving that module out (by default "
+                "the blocks of the layer stacks, and under ZeRO-3 the large embeddings and linear layers outside "
+                f"them: planner/units.py). Torch said: {text.splitlines()[0]}")
 
     def remove(self) -> None:
         for h in self.handles:
