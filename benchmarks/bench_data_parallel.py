@@ -11,7 +11,8 @@ peak resident memory is measured separately, each approach alone in a fresh worl
 
 * shardlib DP (``zero=0``)      vs ``DistributedDataParallel``
 * shardlib ZeRO-2 (``zero=2``)  vs FSDP2 ``fully_shard(reshard_after_forward=False)``
-* shardlib ZeRO-3 (``zero=3``)  vs FSDP2 ``fully_shard`` (per block, then the root)
+* shardlib ZeRO-3 (``zero=3``)  vs FSDP2 ``fully_shard`` (per block, then the root); on request
+  (``--forms 'ZeRO-3 titan'``) vs FSDP2 wrapped as torchtitan wraps (embeddings, blocks, [norm, head], root)
 * at N = 4, shardlib HSDP (``zero=3`` on a ``replica 2 x data 2`` mesh) vs FSDP2's HSDP (``fully_shard``
   on a 2-D ``(replicate, shard)`` device mesh)
 
@@ -58,8 +59,15 @@ PAIRS = [("DP", 0, "DDP"), ("ZeRO-2", 2, "FSDP2 reshard_after_forward=False"), (
 HSDP = ("HSDP 2x2", "hsdp", "FSDP2 HSDP (replicate 2 x shard 2)")
 
 
-def pairs(n: int) -> list[tuple]:
-    return PAIRS + ([HSDP] if n == 4 else [])
+# on request (--forms 'ZeRO-3 titan'): FSDP2 wrapped as torchtitan wraps a transformer — the token embeddings,
+# each block, the final norm with the head (not resharded after forward), then the root — the units of
+# shardlib's ZeRO-3 where the tables are large (planner/units.py)
+TITAN = ("ZeRO-3 titan", "titan", "FSDP2 fully_shard, torchtitan's wrapping")
+
+
+def pairs(n: int, forms: list[str] | None = None) -> list[tuple]:
+    out = PAIRS + ([HSDP] if n == 4 else [])
+    return out + [TITAN] if forms and TITAN[0] in forms else out
 
 
 def release_memory() -> None:
@@ -74,6 +82,8 @@ def make_shardlib(mesh, zero, cfg=CFG):
     model = GPT(cfg, seed=0)
     if zero == "hsdp":            # the same world as a replica x data mesh: states sharded over data
         mesh, zero = sl.Mesh({"replica": 2, "data": mesh.size // 2}), 3
+    elif zero == "titan":
+        zero = 3
     plan = sl.plan(model, mesh, zero=zero)
     engine = sl.parallelize(model, plan, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
 
@@ -96,6 +106,12 @@ def make_torch(kind, cfg=CFG):
         for block in model.blocks:
             fully_shard(block, mesh=mesh2d)
         fully_shard(model, mesh=mesh2d)
+    elif kind == "titan":         # torchtitan's llama parallelize: apply_fsdp
+        fully_shard(model.wte)
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard([model.ln_f, model.head], reshard_after_forward=False)
+        fully_shard(model)
     else:
         reshard = kind == 3
         for block in model.blocks:
@@ -146,7 +162,7 @@ def rss_main(n: int, zero: int, which: str, steps: int, model: str = "small") ->
         with torch.device("meta"):
             shapes = GPT(cfg, seed=None)
         plan = sl.plan(shapes, sl.Mesh({"replica": 2, "data": n // 2}) if zero == "hsdp" else mesh,
-                       zero=3 if zero == "hsdp" else zero)
+                       zero=3 if zero in ("hsdp", "titan") else zero)
     with torch.device("meta"):
         shapes = GPT(cfg, seed=None)
     act = activation_bytes(shapes, batches[0])
@@ -198,7 +214,7 @@ def rank_main(n: int, warmup: int, steps: int, model: str = "small", forms: list
     mesh = sl.Mesh({"data": n})
     batches = local_batches(mesh.rank, n, warmup + steps, cfg, batch)
     out = []
-    for label, zero, torch_name in pairs(n):
+    for label, zero, torch_name in pairs(n, forms):
         if forms and label not in forms:
             continue
         res = timed_pair(lambda zero=zero: make_shardlib(mesh, zero, cfg), lambda zero=zero: (make_torch(zero, cfg),),
@@ -271,7 +287,8 @@ def main(argv=None) -> None:
     ap.add_argument("--json", default=None, help="also write the rows to this file")
     ap.add_argument("--model", choices=sorted(MODELS), default="small",
                     help="small: PLATFORM.md's 4-layer GPT; 69m: bench_memory.py's GPT (d_model 768, 8 layers)")
-    ap.add_argument("--forms", nargs="*", default=None, help="a subset of the rows (DP, ZeRO-2, ZeRO-3, 'HSDP 2x2')")
+    ap.add_argument("--forms", nargs="*", default=None, help="a subset of the rows (DP, ZeRO-2, ZeRO-3, 'HSDP 2x2'; "
+                    "'ZeRO-3 titan' adds FSDP2 wrapped as torchtitan wraps)")
     ap.add_argument("--rss-steps", type=int, default=None, help="steps in each peak-memory world (default warmup + 2)")
     args = ap.parse_args(argv)
     cfg, batch = MODELS[args.model]
@@ -279,7 +296,7 @@ def main(argv=None) -> None:
     loads = [os.getloadavg()]
     for n in args.nprocs:
         t0 = time.time()
-        chosen = [p for p in pairs(n) if not args.forms or p[0] in args.forms]
+        chosen = [p for p in pairs(n, args.forms) if not args.forms or p[0] in args.forms]
         print(f"N={n}: running {len(chosen)} pairs ...", file=sys.stderr, flush=True)
         timed = sl.launch(rank_main, n, n, args.warmup, args.steps, args.model, args.forms, threads=1)
         loads.append(os.getloadavg())
