@@ -53,6 +53,10 @@ def make_model(name: str, seed: int = 0) -> torch.nn.Module:
         return GPT(GPT_PP_CFG, seed=seed)
     if name == "gpt_vocab":
         return GPT(GPT_VOCAB_CFG, seed=seed)
+    if name == "gpt_vocab_frozen":               # a frozen token table: its unit runs no backward
+        m = GPT(GPT_VOCAB_CFG, seed=seed)
+        m.wte.weight.requires_grad_(False)
+        return m
     if name == "gpt_tied":                       # head.weight is wte.weight
         m = GPT(GPT_CFG, seed=seed)
         m.head.weight = m.wte.weight
@@ -114,7 +118,7 @@ def make_batches(model: str, steps: int = STEPS, batch: int = BATCH) -> list[tup
         return [token_batch(GPT_TP_CFG, batch, seed=100 + s) for s in range(steps)]
     if model == "gpt_pp":
         return [token_batch(GPT_PP_CFG, batch, seed=100 + s) for s in range(steps)]
-    if model == "gpt_vocab":
+    if model.startswith("gpt_vocab"):
         return [token_batch(GPT_VOCAB_CFG, batch, seed=100 + s) for s in range(steps)]
     if model.startswith("gpt"):
         return [token_batch(GPT_CFG, batch, seed=100 + s) for s in range(steps)]
@@ -408,7 +412,8 @@ EXTRA = (
     # ZeRO-3's default units with the embeddings and the head as units of their own
     + [{"model": "gpt_vocab", "zero": 3},
        {"model": "gpt_vocab", "zero": 3, "grad_accum": 2, "recompute": True, "optimizer": "sgd"},
-       {"model": "gpt_vocab", "zero": 3, "reshard_after_forward": False, "optimizer": "sgd"}]
+       {"model": "gpt_vocab", "zero": 3, "reshard_after_forward": False, "optimizer": "sgd"},
+       {"model": "gpt_vocab_frozen", "zero": 3, "grad_accum": 2, "optimizer": "sgd"}]
 )
 
 

@@ -75,7 +75,10 @@ CONFIGS = ([{"model": m, "zero": z, "precision": p} for m in ("gpt", "mlp") for 
               {"model": "gpt", "zero": 2, "bucket_mb": 0.02},
               # wte and head units of their own (planner/units.py), the head kept from forward to backward
               {"model": "gpt_vocab", "zero": 3},
-              {"model": "gpt_vocab", "zero": 3, "grad_accum": 2, "precision": "bf16"}])
+              {"model": "gpt_vocab", "zero": 3, "grad_accum": 2, "precision": "bf16"},
+              # a frozen token table: gathered for its forward only
+              {"model": "gpt_vocab_frozen", "zero": 3},
+              {"model": "gpt_vocab_frozen", "zero": 3, "reshard_after_forward": False, "optimizer": "sgd"}])
 
 
 @pytest.fixture(scope="module", params=[3, 4])

@@ -112,6 +112,14 @@ def test_zero3_makes_large_outer_layers_units_of_their_own():
     tied.head.weight = tied.wte.weight
     assert units(tied, zero=3) == blocks
     assert units(gpt(), zero=3) == blocks
+    # a frozen token table runs no backward: gathered once a step, for its forward
+    assert all(u.backward for u in plan.units)
+    wide.wte.weight.requires_grad_(False)
+    frozen = sl.plan(wide, mesh(2), zero=3)
+    assert [u.name for u in frozen.units if not u.backward] == ["wte"]
+    gathers = [(e.phase, e.count) for e in frozen.comm_per_step() if e.where == "wte" and e.op == "all_gather"]
+    assert gathers == [("forward", 1)], gathers
+    assert frozen.gather_schedule().count("W(wte)") == 1 and plan.gather_schedule().count("W(wte)") == 2
 
 
 # ---------------------------------------------------------------------------------------------

@@ -165,7 +165,12 @@ def plan(model: nn.Module, mesh: AbstractMesh, zero: int | None = None, *, state
     # an outer layer last in forward (the LM head) stays gathered for its backward, which comes next
     # (as torchtitan's fully_shard([norm, output], reshard_after_forward=False))
     kept = unit_names[-1] if units is None and unit_names and unit_names[-1] not in find_units(model) else None
-    unit_list += [UnitPlan(u, tuple(members[u]), reshard_after_forward and u != kept, u in rec, u in sel)
+    # a frozen embedding runs no backward: not gathered again for one (the pipe axis's actions gather
+    # every unit of a stage alike)
+    modules = dict(model.named_modules())
+    backward = {pp.unit for pp in params if pp.trainable} if pplan is None else set(unit_names)
+    unit_list += [UnitPlan(u, tuple(members[u]), reshard_after_forward and u != kept, u in rec, u in sel,
+                           backward=u in backward or not isinstance(modules[u], nn.Embedding))
                   for u in unit_names if u in members]
     buffers = list(model.buffers())
     tensors = [*(p for _, p in named), *buffers]

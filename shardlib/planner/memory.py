@@ -133,7 +133,9 @@ class MemoryAccounting:
         unpacks (``W``) and frees (``F``) its units, as the runtime runs it: the root when the
         model's forward starts; each unit just before its forward, then prefetching the next one;
         in backward each unit again (unless it stayed gathered), freed once its gradients are
-        reduced, then gathering the one before it; the root last. Empty when parameters are replicated.
+        reduced, then gathering the one before it — skipping a unit no gradient runs through (a frozen
+        embedding), freed at the micro-step's end if it stayed gathered; the root last. Empty when
+        parameters are replicated.
         """
         if self.states.params is None:
             return ()
@@ -172,11 +174,15 @@ class MemoryAccounting:
             gather(units[i + 1] if i + 1 < len(units) else None)
             if u.reshard_after_forward:
                 free(u)
-        for i in reversed(range(len(units))):               # backward
-            u = units[i]
+        back = [u for u in units if u.backward]          # a frozen embedding runs no backward
+        for i in reversed(range(len(back))):                # backward
+            u = back[i]
             wait(u)
             free(u)
-            gather(units[i - 1] if i > 0 else None)
+            gather(back[i - 1] if i > 0 else None)
+        for u in reversed(units):                           # at the micro-step's end (if kept gathered)
+            if not u.backward:
+                free(u)
         if root is not None:
             free(root)
         return tuple(events)

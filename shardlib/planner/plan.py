@@ -130,6 +130,14 @@ class UnitPlan:
     reshard_after_forward: bool
     recompute: bool               # the whole unit (a checkpoint keeps its input)
     selective: bool = False       # only attention's core (comm/recompute.py)
+    # False where no gradient runs through the unit: a frozen nn.Embedding (its input is indices),
+    # never gathered again for a backward
+    backward: bool = True
+
+    @property
+    def regathered(self) -> bool:
+        """Freed after its forward and gathered again for its backward (twice a step)."""
+        return self.reshard_after_forward and self.backward
 
 
 @dataclass(frozen=True)

@@ -202,7 +202,7 @@ class TrafficAccounting:
                         # one chunk of each segment per rank: ceil(T/N) trainable + frozen elements
                         gathered = comm.all_gather_bytes(tr + grp.chunk(FROZEN), n, c)
                         out.append(CommEntry("forward", "params", "all_gather", axis, gathered, k, name))
-                        if u.reshard_after_forward and not once:
+                        if u.regathered and not once:
                             out.append(CommEntry("backward", "params", "all_gather", axis, gathered, k, name))
                         if tr:
                             out.append(CommEntry("backward", "grads", "reduce_scatter", axis,
@@ -322,7 +322,7 @@ class TrafficAccounting:
                 k = 1 if once and u.name == "" else self.grad_accum
                 ps = self.unit_params(u.name)
                 trainable = sum(p.numel for p in ps if p.trainable)
-                total += k * (((2 if u.reshard_after_forward else 1) * c * sum(p.stored(c) for p in ps) + g * trainable)
+                total += k * (((2 if u.regathered else 1) * c * sum(p.stored(c) for p in ps) + g * trainable)
                               * f + replica * trainable)
             return int(total)
         if self.states.grads is None:            # all-reduce over every data-parallel rank
@@ -368,7 +368,7 @@ def copy_entries(plan, rank: int | None = None) -> list:
             k = 1 if once else plan.grad_accum
             name = u.name or "<root>"
             if pkind is not None:
-                gathers = k * (2 if u.reshard_after_forward and not once else 1)
+                gathers = k * (2 if u.regathered and not once else 1)
                 if pkind == "host":
                     held = grp.local_numel(rank, TRAIN) + grp.local_numel(rank, FROZEN)
                     out.append(CommEntry("forward", "params", "h2d", (), held * c, gathers, name))

@@ -204,7 +204,8 @@ class EngineSetup:
         flats = flat_runs(self.plan.flat.groups, by_name, self.mesh.rank)     # one per unit, in order
         root, units = None, []
         for u, fl in zip(self.plan.units, flats):
-            unit = Unit(u.name, modules[u.name], [by_name[n] for n in u.params], u.reshard_after_forward, fl)
+            unit = Unit(u.name, modules[u.name], [by_name[n] for n in u.params], u.reshard_after_forward, fl,
+                        u.backward)
             if u.name == "":
                 root = unit
             else:

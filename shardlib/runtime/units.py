@@ -70,8 +70,10 @@ class _PostBackward(torch.autograd.Function):
 
 
 class Unit:
-    def __init__(self, name: str, module: nn.Module, states: list[ParamState], reshard: bool, flat: FlatRun):
+    def __init__(self, name: str, module: nn.Module, states: list[ParamState], reshard: bool, flat: FlatRun,
+                 backward: bool = True):
         self.name, self.module, self.states, self.reshard = name, module, states, reshard
+        self.backward = backward          # False: no gradient runs through it (a frozen embedding)
         self.flat = flat                  # its parameters laid end to end, this rank's chunk
         self.status = "free"          # free | gathering | gathered
         self.pending = None           # all-gather in flight
@@ -223,8 +225,11 @@ class UnitRunner:
 
     def _neighbor(self, u: Unit, step: int) -> Unit | None:
         """The unit before or after ``u`` in forward order, within ``u``'s group (a pipeline stage:
-        the next unit on this rank may be another stage's, not needed now)."""
+        the next unit on this rank may be another stage's, not needed now); before it (the backward's
+        direction), the nearest one a gradient runs through."""
         i = self.units.index(u) + step
+        while step < 0 and 0 <= i and not self.units[i].backward:
+            i += step
         nxt = self.units[i] if 0 <= i < len(self.units) else None
         return nxt if nxt is not None and nxt.group == u.group else None
 
