@@ -60,10 +60,12 @@ def _check(world, cfgs: list[dict], shape: dict) -> list[list[dict]]:
 
 def test_hsdp_every_zero_stage(world):
     """replica 2 x data 2: DP (one all-reduce over both axes), ZeRO-1/2/3 (sharded over data, the
-    shard all-reduced over replica); accumulation, clipping and an uneven MLP."""
+    shard all-reduced over replica); accumulation, clipping, an uneven MLP, ZeRO-3's outer units."""
     cfgs = [{"model": "gpt", "zero": z} for z in range(4)]
     cfgs += [{"model": "gpt", "zero": 3, "grad_accum": 2, "clip": 0.05, "recompute": True},
-             {"model": "mlp", "zero": 2, "clip": 0.05, "optimizer": "adamw"}]
+             {"model": "mlp", "zero": 2, "clip": 0.05, "optimizer": "adamw"},
+             # the token table and the head as units of their own, the table trained or frozen
+             {"model": "gpt_vocab", "zero": 3}, {"model": "gpt_vocab_frozen", "zero": 3, "grad_accum": 2}]
     per_rank = _check(world, cfgs, {"replica": 2, "data": 2})
     # the batch splits over both axes, replica major: rank r takes chunk r
     assert [per_rank[r][0]["dp"] for r in range(4)] == [(4, r) for r in range(4)]

@@ -73,3 +73,66 @@ def test_llama_lora_trains_like_one_process(world, layout):
 @pytest.mark.parametrize("layout", ["data2", "tensor2", "pipe2", "data2xtensor2", "3d"])
 def test_gpt_lora_trains_like_one_process(world, layout):
     check(world, "gpt", layout)
+
+
+# ---------------------------------------------------------------------------------------------
+# ZeRO-3's outer units on a transformers model: the token table and the head units of their own
+# ---------------------------------------------------------------------------------------------
+
+def _wide_llama(lora: bool):
+    """The test Llama with a 512-token vocabulary, untied: its tables hold more than half a block."""
+    import transformers as tf
+
+    import hf_models
+    cfg = hf_models.config("llama", layers=2, tie=False)
+    cfg.vocab_size = 512
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(cfg)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+        torch.manual_seed(1)
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                 lora_dropout=0.0, init_lora_weights=False))
+    return model
+
+
+def _wide_batches() -> list[dict]:
+    g = torch.Generator().manual_seed(5)
+    return [{"input_ids": (ids := torch.randint(0, 512, (4, 16), generator=g)), "labels": ids} for _ in range(3)]
+
+
+def _wide_run(lora: bool) -> dict:
+    from shardlib.testing import get_mesh
+    model = _wide_llama(lora)
+    plan = sl.plan(model, get_mesh({"data": 2}), zero=3, optimizer="sgd")
+    engine = sl.parallelize(model, plan, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+                            loss_fn=lambda m, b: m(**b).loss)
+    losses = []
+    for b in _wide_batches():
+        with sl.count_collectives() as counter:
+            losses.append(engine.step(b))
+    return {"losses": losses, "units": [(u.name, u.backward) for u in plan.units if ".layers." not in u.name],
+            "events": list(engine.units.events) == list(plan.gather_schedule()),
+            "bytes": (counter.bytes, plan.comm_bytes_per_step()),
+            "held": (engine.memory_held()["total"], plan.memory_per_rank()["total"])}
+
+
+def test_llama_outer_units_train_like_one_process(world):
+    """Under ZeRO-3 at data 2, embed_tokens and lm_head are units of their own (planner/units.py); with
+    LoRA the frozen table runs no backward, gathered for its forward only. Both train like one process,
+    gather as planned, send and hold what the plan says."""
+    for lora in (False, True):
+        model = _wide_llama(lora)
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+        ref = []
+        for b in _wide_batches():
+            loss = model(**b).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            ref.append(loss.item())
+        prefix = "base_model.model." if lora else ""
+        for r in world(2, _wide_run, lora):
+            assert r["units"] == [("", True), (f"{prefix}model.embed_tokens", not lora), (f"{prefix}lm_head", True)], r
+            assert max_rel(r["losses"], ref) <= 1e-5, (lora, r["losses"], ref)
+            assert r["events"] and r["bytes"][0] == r["bytes"][1] and r["held"][0] == r["held"][1], (lora, r)
