@@ -28,7 +28,7 @@ from .specs import resolve_specs
 from .states import StateLayouts, zero_problem
 from .tensor import TensorPlan, derive
 from .traffic import fused_sizes
-from .units import _few, _unit_of, _unit_problems, find_units, param_owners
+from .units import _few, _unit_of, _unit_problems, find_units, param_owners, with_leaf_units
 
 # ---------------------------------------------------------------------------------------------
 
@@ -99,7 +99,7 @@ def plan(model: nn.Module, mesh: AbstractMesh, zero: int | None = None, *, state
         raise ShardingTypeError(f"plan: expected a Mesh or AbstractMesh — got {type(mesh).__name__}.")
     if data_axis == "data":          # a mesh without a data axis is one whose data size is 1
         mesh = mesh.with_axis(data_axis)
-    states, rdt, unit_names, rec, sel, state_bytes, specs, tplan, pplan, kinds = _check(
+    states, rdt, (unit_names, stack_units), rec, sel, state_bytes, specs, tplan, pplan, kinds = _check(
         model, mesh, zero=zero, states=states, precision=precision, reduce_dtype=reduce_dtype,
         grad_accum=grad_accum, clip_grad_norm=clip_grad_norm, recompute=recompute, units=units,
         bucket_mb=bucket_mb, optimizer=optimizer, reshard_after_forward=reshard_after_forward,
@@ -164,7 +164,7 @@ def plan(model: nn.Module, mesh: AbstractMesh, zero: int | None = None, *, state
     unit_list = [UnitPlan("", tuple(members[""]), False, False)] if "" in members else []
     # an outer layer last in forward (the LM head) stays gathered for its backward, which comes next
     # (as torchtitan's fully_shard([norm, output], reshard_after_forward=False))
-    kept = unit_names[-1] if units is None and unit_names and unit_names[-1] not in find_units(model) else None
+    kept = unit_names[-1] if unit_names and unit_names[-1] not in stack_units else None
     # a frozen embedding runs no backward: not gathered again for one (the pipe axis's actions gather
     # every unit of a stage alike)
     modules = dict(model.named_modules())
@@ -348,11 +348,12 @@ def _check(model: nn.Module, mesh: AbstractMesh, *, zero, states, precision, red
     if units is not None and (unit_problems := _unit_problems(model, units)):
         add(unit_problems[0], unit_problems[0].startswith("plan: units must be"))
         unit_names = [u for u in units if isinstance(u, str) and u] if isinstance(units, Iterable) else []
-    else:        # ZeRO-3 on the data axes alone: the large outer layers too (planner/units.py)
-        sizes = mesh.axis_sizes
-        unit_names = find_units(model, units, leaves=zero3 and all(
-            not isinstance(a, str) or sizes.get(a, 1) == 1 for a in (tensor_axis, pipe_axis)))
-    stack_units = unit_names if units is not None else find_units(model)
+    else:
+        unit_names = find_units(model, units)
+    stack_units = unit_names
+    sizes = mesh.axis_sizes
+    if units is None and zero3 and all(not isinstance(a, str) or sizes.get(a, 1) == 1 for a in (tensor_axis, pipe_axis)):
+        unit_names = with_leaf_units(model, stack_units)    # ZeRO-3 on the data axes alone (planner/units.py)
     rec: set[str] = set()
     sel: set[str] = set()
     if recompute is True or recompute == "full":       # the blocks: an embedding or a head is not replayed
@@ -401,4 +402,4 @@ def _check(model: nn.Module, mesh: AbstractMesh, *, zero, states, precision, red
         raise ShardingError(messages, api="plan")
     if states is None:
         states = StateLayouts.zero(0 if zero is None else zero, data_axis)
-    return states, rdt, unit_names, rec, sel, state_bytes, specs, tplan, pplan, kinds
+    return states, rdt, (unit_names, set(stack_units)), rec, sel, state_bytes, specs, tplan, pplan, kinds

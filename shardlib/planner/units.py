@@ -27,10 +27,9 @@ from ..errors import ShardingError
 LEAF_UNIT_SHARE = 0.5
 
 
-def find_units(model: nn.Module, units: Sequence[str] | None = None, *, leaves: bool = False) -> list[str]:
-    """Unit module names in the order of ``model.named_modules()``: given ones, or every child of an
-    ``nn.ModuleList`` that has parameters (the blocks of a layer stack), outermost first — and with
-    ``leaves``, the large embeddings and linear layers outside the stacks (``leaf_units``)."""
+def find_units(model: nn.Module, units: Sequence[str] | None = None) -> list[str]:
+    """Unit module names: given ones, or every child of an ``nn.ModuleList`` that has parameters
+    (the blocks of a layer stack), outermost first."""
     if units is not None:
         problems = _unit_problems(model, units)
         if problems:
@@ -45,10 +44,16 @@ def find_units(model: nn.Module, units: Sequence[str] | None = None, *, leaves: 
                 if _unit_of(q, seen) == "" and any(True for _ in child.parameters()):
                     found.append(q)
                     seen.add(q)
-    if not leaves or not found:
-        return found
-    extra = set(leaf_units(model, found))
-    return [n for n, _ in model.named_modules() if n in seen or n in extra]
+    return found
+
+
+def with_leaf_units(model: nn.Module, stack_units: Sequence[str]) -> list[str]:
+    """``stack_units`` and the large outer layers (``leaf_units``), in the order of
+    ``model.named_modules()`` (forward order for the usual model: embeddings, blocks, head)."""
+    if not stack_units:
+        return list(stack_units)
+    chosen = set(stack_units) | set(leaf_units(model, stack_units))
+    return [n for n, _ in model.named_modules() if n in chosen]
 
 
 def leaf_units(model: nn.Module, stack_units: Sequence[str]) -> list[str]:
