@@ -168,9 +168,10 @@ def plan(model: nn.Module, mesh: AbstractMesh, zero: int | None = None, *, state
     # a frozen embedding runs no backward: not gathered again for one (the pipe axis's actions gather
     # every unit of a stage alike)
     modules = dict(model.named_modules())
-    backward = {pp.unit for pp in params if pp.trainable} if pplan is None else set(unit_names)
+    trained = {pp.unit for pp in params if pp.trainable}
+    no_backward = {u for u in unit_names if pplan is None and u not in trained and isinstance(modules[u], nn.Embedding)}
     unit_list += [UnitPlan(u, tuple(members[u]), reshard_after_forward and u != kept, u in rec, u in sel,
-                           backward=u in backward or not isinstance(modules[u], nn.Embedding))
+                           backward=u not in no_backward)
                   for u in unit_names if u in members]
     buffers = list(model.buffers())
     tensors = [*(p for _, p in named), *buffers]
