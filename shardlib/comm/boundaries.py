@@ -179,7 +179,7 @@ class Boundaries(SeqEdges):
         self._forwards: list[nn.Module] = []
         modules = dict(model.named_modules())
         sp = tplan.sequence_parallel and tplan.size > 1
-        sp_modules = set(tplan.sp_modules)
+        sp_modules = set(tplan.f_modules)
         regions: list[str] = []
         if partial:
             units = [u for u in units if not u or u in modules]
@@ -222,7 +222,7 @@ class Boundaries(SeqEdges):
         # unit in backward (Megatron sums these "sequence-parallel gradients" in one all-reduce too)
         self._sp_params: dict[str, list[tuple[nn.Module, str]]] = {}
         self._sp_values: dict[tuple[int, str], torch.Tensor] = {}
-        for name in tplan.sp_modules:
+        for name in tplan.f_modules:
             if partial and name not in modules:
                 continue
             mod = modules[name]

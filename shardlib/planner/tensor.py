@@ -132,6 +132,14 @@ class TensorPlan:
     sp_modules: tuple[str, ...] = ()
     seq_dim: int = 1
     local_attrs: tuple[LocalAttr, ...] = ()
+    # modules with tensor-replicated parameters that meet split values (``planner/varying.py``): their
+    # gradients are partial sums, so the parameters enter through ``f`` as SP's do
+    partial_modules: tuple[str, ...] = ()
+
+    @property
+    def f_modules(self) -> tuple[str, ...]:
+        """Modules whose tensor-replicated parameters enter their unit's forward through ``f``."""
+        return self.sp_modules + tuple(m for m in self.partial_modules if m not in self.sp_modules)
 
     def site(self, module: str) -> Site | None:
         return self._by_module.get(module)

@@ -11,6 +11,8 @@ again in backward. Traced once per tensor coordinate (uneven widths give uneven 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -98,6 +100,10 @@ class RecordingOps:
             self._rec("backward", "all_reduce", self._bytes("all_reduce", p), what="sp-grads")
         return p
 
+    def full_logits(self, output: torch.Tensor, width: int) -> torch.Tensor:
+        """What the code after a vocab-split head sees: logits of the full width."""
+        return output.new_zeros((*output.shape[:-1], width))
+
     def coord(self) -> int:
         return self._coord
 
@@ -130,7 +136,7 @@ def trace_activations(model: nn.Module, plan: Plan, batch: Any) -> tuple[tuple[i
     groups: dict[tuple, list[int]] = {}
     for coord in range(plan.tensor.size):
         groups.setdefault(_shard_signature(plan, coord), []).append(coord)
-    stack = _uniform_stack(model, plan)
+    stack = uniform_stack(model, plan)
     for device in ("meta", "cpu"):
         try:
             out: dict[int, tuple[CommEntry, ...]] = {}
@@ -162,7 +168,7 @@ def _shard_signature(plan: Plan, coord: int) -> tuple:
     return tuple(out)
 
 
-def _uniform_stack(model: nn.Module, plan: Plan) -> tuple[str, list[str]] | None:
+def uniform_stack(model: nn.Module, plan: Plan) -> tuple[str, list[str]] | None:
     """The largest ``nn.ModuleList`` of at least 4 units of one class with the same parameter names
     and shapes and recompute flags (a transformer's blocks): ``(its name, its children's keys)``."""
     units = {u.name: u for u in plan.units}
@@ -182,6 +188,21 @@ def _uniform_stack(model: nn.Module, plan: Plan) -> tuple[str, list[str]] | None
     return best
 
 
+@contextlib.contextmanager
+def short_stack(model: nn.Module, stack: tuple[str, list[str]]) -> Iterator[list[str]]:
+    """``model`` with its uniform stack ``stack`` cut to its first, second and last block while the
+    block runs; yields the keys kept."""
+    name, keys = stack
+    lst = dict(model.named_modules())[name]
+    saved = lst._modules
+    keep = [keys[0], keys[1], keys[-1]]
+    lst._modules = type(saved)((k, saved[k]) for k in keep)
+    try:
+        yield keep
+    finally:
+        lst._modules = saved
+
+
 def _trace_short(model: nn.Module, plan: Plan, batch: Any, coord: int, device: str,
                  stack: tuple[str, list[str]] | None) -> tuple[CommEntry, ...]:
     """``_trace`` with the uniform stack cut to its first, second and last block; the second's
@@ -189,16 +210,11 @@ def _trace_short(model: nn.Module, plan: Plan, batch: Any, coord: int, device: s
     if stack is None:
         return _trace(model, plan, batch, coord, device)
     name, keys = stack
-    lst = dict(model.named_modules())[name]
-    saved = lst._modules
-    keep = [keys[0], keys[1], keys[-1]]
-    lst._modules = type(saved)((k, saved[k]) for k in keep)
     try:
-        entries = _trace(model, plan, batch, coord, device, partial=True)
+        with short_stack(model, stack):
+            entries = _trace(model, plan, batch, coord, device, partial=True)
     except Exception:
         entries = None
-    finally:
-        lst._modules = saved
     if entries is None:                   # the model's forward needs its whole stack (indexes it, ...)
         return _trace(model, plan, batch, coord, device)
     prefix = f"{name}." if name else ""
@@ -211,8 +227,10 @@ def _trace_short(model: nn.Module, plan: Plan, batch: Any, coord: int, device: s
     return tuple(out)
 
 
-def _trace(model: nn.Module, plan: Plan, batch: Any, coord: int, device: str, *,
-           partial: bool = False) -> tuple[CommEntry, ...]:
+def trace_values(model: nn.Module, plan: Plan, batch: Any, coord: int, device: str, *,
+                 partial: bool = False) -> tuple[Any, dict[str, torch.Tensor]]:
+    """The micro-batch and the ``functional_call`` values (tensor coordinate ``coord``'s shard shapes,
+    zero-filled, trainable ones requiring a gradient) of one traced forward."""
     tp, mesh = plan.tensor, plan.mesh
     mb = _micro_batch(plan, batch, device)
     coords = [0] * mesh.ndim
@@ -231,7 +249,15 @@ def _trace(model: nn.Module, plan: Plan, batch: Any, coord: int, device: str, *,
             values[name] = torch.zeros(b.shape, dtype=dt, device=device)
         else:
             values[name] = b.to(device=device, dtype=dt)
-    ops = RecordingOps(tp.axis, tp.size, coord, tp.seq_dim, {u.name for u in plan.units if u.recompute})
+    return mb, values
+
+
+def run_traced(model: nn.Module, plan: Plan, mb: Any, values: dict[str, torch.Tensor], ops: Any, *,
+               partial: bool = False) -> None:
+    """One forward of ``model`` on ``values`` with the tensor plan's boundaries installed over ``ops``
+    (a ``RecordingOps``): the vocab-split logits become full-width zeros, as ``ShardedLogits`` makes
+    the code after the head see them."""
+    tp = plan.tensor
 
     def logits(output: torch.Tensor, site) -> torch.Tensor:
         # vocab-parallel cross-entropy (runtime/vocab.py): max, then sum-exp and target logit; the
@@ -239,7 +265,7 @@ def _trace(model: nn.Module, plan: Plan, batch: Any, coord: int, device: str, *,
         n = output.numel() // max(output.shape[-1], 1)
         ops._rec("forward", "all_reduce", comm.all_reduce_bytes(n, ops.size, 4), what="loss")
         ops._rec("forward", "all_reduce", comm.all_reduce_bytes(2 * n, ops.size, 4), what="loss")
-        return output.new_zeros((*output.shape[:-1], site.width))
+        return ops.full_logits(output, site.width)
     bounds = Boundaries(model, tp, ops, [u.name for u in plan.units], on_logits=logits, partial=partial)
     try:
         # with autograd on (the values of trainable parameters require gradients): a backward
@@ -253,4 +279,12 @@ def _trace(model: nn.Module, plan: Plan, batch: Any, coord: int, device: str, *,
             torch.func.functional_call(model, values, args, kwargs, strict=False, tie_weights=True)
     finally:
         bounds.remove()
+
+
+def _trace(model: nn.Module, plan: Plan, batch: Any, coord: int, device: str, *,
+           partial: bool = False) -> tuple[CommEntry, ...]:
+    tp = plan.tensor
+    mb, values = trace_values(model, plan, batch, coord, device, partial=partial)
+    ops = RecordingOps(tp.axis, tp.size, coord, tp.seq_dim, {u.name for u in plan.units if u.recompute})
+    run_traced(model, plan, mb, values, ops, partial=partial)
     return tuple(ops.entries)

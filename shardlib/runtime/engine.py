@@ -54,7 +54,8 @@ class NonFiniteLossError(FloatingPointError):
 
 class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
     def __init__(self, model: nn.Module, plan: Plan, optimizer, *, lr_scheduler=None, loss_fn=None,
-                 loss_scale: LossScaler | None = None, mesh: Mesh | None = None, init: bool = True):
+                 loss_scale: LossScaler | None = None, mesh: Mesh | None = None, init: bool = True,
+                 check_replicas: bool = False):
         if mesh is None:
             mesh = plan.mesh
         elif plan.data_axis not in mesh.axis_names:      # planned as data = 1 (sl.plan's reading)
@@ -62,6 +63,9 @@ class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
         _validate(model, plan, optimizer, mesh, loss_fn)
         if not isinstance(init, bool):
             raise ShardingTypeError(f"parallelize: init must be True or False — got {init!r}.")
+        if not isinstance(check_replicas, bool):
+            raise ShardingTypeError(f"parallelize: check_replicas must be True or False — got {check_replicas!r}.")
+        self.check_replicas = check_replicas      # after every step: replicated masters bit-equal (replicas.py)
         # the whole-mesh plan; the engine runs this rank's tensor-local plan (the plan itself when
         # nothing is split over tensor): data parallel and ZeRO act on the tensor shards
         self.global_plan = plan
@@ -139,6 +143,9 @@ class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
         with self._stepping():
             loss = self._step(micro)
         self.samples_seen += rows
+        if self.check_replicas:
+            from .replicas import check_replicas
+            check_replicas(self)
         return loss
 
     # ---- checkpoints (runtime/checkpoint.py) -------------------------------------------------------

@@ -18,7 +18,8 @@ from .scaler import LossScaler
 def parallelize(model: nn.Module, plan: Plan, optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer], *,
                 lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
                 loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
-                loss_scale: LossScaler | float | None = None, mesh: Mesh | None = None, init: bool = True) -> Engine:
+                loss_scale: LossScaler | float | None = None, mesh: Mesh | None = None, init: bool = True,
+                check_replicas: bool = False) -> Engine:
     """Shard ``model`` in place by ``plan`` and return the engine that trains it.
 
     ``optimizer`` is a factory ``params -> torch.optim.Optimizer``: the engine decides which
@@ -48,6 +49,11 @@ def parallelize(model: nn.Module, plan: Plan, optimizer: Callable[[list[nn.Param
     nothing is replayed or broadcast, each rank allocates only what it holds (ZeRO-3: its pieces; a
     pipe axis: its stages', a meta model allowed) — see ``runtime/pretrained_empty.py``. A model built
     normally is allowed too (its values are dropped). A step before the load is refused.
+
+    ``check_replicas=True``: after every step, every trainable parameter's replicated copies (over the
+    axes that do not split its master: data without ZeRO, tensor for a replicated norm, HSDP's replica)
+    must be bit-equal, or ``ShardingError`` names the first that is not (``shardlib.verify.check_replicas``,
+    callable on its own at any time; one small all-gather per set of axes).
     """
     return Engine(model, plan, optimizer, lr_scheduler=lr_scheduler, loss_fn=loss_fn,
-                  loss_scale=loss_scale, mesh=mesh, init=init)
+                  loss_scale=loss_scale, mesh=mesh, init=init, check_replicas=check_replicas)
