@@ -39,6 +39,7 @@ from .frontend.shard_map import shard_map as shard_map
 from .planner.rules import AxisRules as AxisRules
 from .planner.specs import shard as shard
 from .planner.build import plan as plan
+from .planner.hf_dims import hf_dims as hf_dims
 from .planner.plan import Plan as Plan
 from .planner.policies import DataPolicy as DataPolicy
 from .planner.policies import MemoryPolicy as MemoryPolicy
@@ -57,7 +58,7 @@ __version__ = "0.2.0"
 
 __all__ = [
     "AbstractMesh", "AxisRules", "CheckpointError", "CollectiveCounter", "CommEntry", "Engine", "Fused", "NonFiniteLossError", "Plan", "StateLayouts",
-    "DataPolicy", "MemoryPolicy", "PipelinePolicy", "TensorPolicy", "TrainingPolicy",
+    "DataPolicy", "hf_dims", "MemoryPolicy", "PipelinePolicy", "TensorPolicy", "TrainingPolicy",
     "parallelize", "plan", "autoplan", "CollectiveError", "CollectiveRecord", "Layout", "Mesh", "MeshError",
     "P", "PartitionSpec", "RedistributePlan", "ShardingError", "ShardingTypeError", "SpecError", "Step",
     "WorkerError", "all_gather", "all_to_all", "axis_index", "count_collectives", "current_mesh",

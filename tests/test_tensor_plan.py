@@ -405,20 +405,17 @@ def test_explain_without_batch_says_how_to_get_collectives():
     assert "activation collectives per micro-step" not in text
 
 
-def test_no_rules_splits_nothing():
-    """The GPT names its dims but, with no rules, every name is replicated: nothing runs split,
-    no activation collective is planned, every rank holds whole parameters."""
+def test_no_rules_on_a_tensor_axis_is_an_error():
+    """The GPT names its dims but, with no rules, every name is replicated: a tensor axis of size 2 would
+    split nothing, its ranks computing the same thing (issue 38: an axis that splits nothing is a bug, not
+    a fallback). Refused at plan time, naming the axis and the rules that would split it."""
     ids = torch.randint(0, CFG.vocab_size, (4, 8))
     model = GPT(CFG)
-    plan = sl.plan(model, MESH, rules=None, batch=(ids, ids))
-    assert all(p.spec.axes == () for p in plan.params)
-    assert plan.tensor is None or plan.tensor.sites == ()
-    for rank in range(MESH.size):
-        assert plan.activation_entries(rank) == ()
-        assert not [e for e in plan.comm_per_step(rank) if e.what in ("activations", "loss", "sp-grads")]
-        assert {p.name: p.shape for p in plan.local(rank).params} == {n: tuple(p.shape)
-                                                                      for n, p in model.named_parameters()}
-    assert "split modules: none" in plan.explain()
+    with pytest.raises(sl.ShardingError, match="'tensor' has size 2 but the plan splits nothing") as e:
+        sl.plan(model, MESH, rules=None, batch=(ids, ids))
+    assert "'heads': 'tensor'" in str(e.value) or "'mlp': 'tensor'" in str(e.value)
+    plan = sl.plan(model, sl.AbstractMesh({"data": 2, "tensor": 1}), rules=None, batch=(ids, ids))
+    assert all(p.spec.axes == () for p in plan.params) and plan.tensor is None
 
 
 # ---- Conv1D and Fused columns (transformers models) ------------------------------------------------

@@ -27,6 +27,7 @@ from .policies import DataPolicy, MemoryPolicy, PipelinePolicy, TensorPolicy, Tr
 from .specs import resolve_specs
 from .states import StateLayouts, zero_problem
 from .tensor import TensorPlan, derive
+from .tensor_use import axis_use_problems
 from .traffic import fused_sizes
 from .units import _few, _unit_of, _unit_problems, find_units, param_owners, with_leaf_units
 
@@ -398,7 +399,7 @@ def _check(model: nn.Module, mesh: AbstractMesh, *, zero, states, precision, red
         if t > 1:       # with the spec problems: every problem at once
             tplan, tproblems = derive(model, specs, axis=tensor_axis, size=t, units=unit_names,
                                       sequence_parallel=bool(sequence_parallel))
-            for m in tproblems:
+            for m in tproblems + axis_use_problems(model, tplan, mesh, tensor_axis, rules):
                 add(m)
     if problems:
         messages = [m for _, m in problems]

@@ -152,6 +152,11 @@ class Explain:
                                                              "rules= or sl.shard specs)"), "    ", "      ")
         out.append(f"    residual stream at every unit boundary: {stream}; outside the units "
                    f"P({d!r}, None, None)")
+        if tp.partial_modules:
+            out += _wrap("partial gradients (replicated over "
+                         f"{t!r}, they meet split values; their parameters enter through f, all-reduced in backward): "
+                         + (_collapse(list(tp.partial_modules)) if not full else ", ".join(tp.partial_modules)),
+                         "    ", "      ")
         entries = self.activation_entries()
         if not entries:
             out.append("    activation collectives: pass batch= to sl.plan to trace them")

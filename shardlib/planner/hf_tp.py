@@ -1,6 +1,8 @@
 """Megatron tensor-parallel tables for the causal-LM families ``transformers`` ships.
 
-``tp_table(model)`` returns ``{parameter pattern: PartitionSpec}`` for ``sl.shard(table)(model)``:
+``tp_table(model)`` returns ``{parameter pattern: PartitionSpec}`` for ``sl.shard(table)(model)``; for a
+family beyond the six below it is ``sl.hf_dims(model)`` (the model's own plans, ``planner/hf_dims.py``)
+resolved over the axis. For the six:
 attention and MLP input projections column-split (output features), output projections row-split
 (input features), column biases following their weights; norms, positions and (by default) the
 embeddings replicated. Read off ``model.config.model_type``; transformers is not imported.
@@ -81,6 +83,8 @@ def tp_table(model: nn.Module, *, vocab: bool = False, axis: str = "tensor") -> 
     embedding and LM head split on the vocabulary."""
     cfg = getattr(model, "config", None)
     family = getattr(cfg, "model_type", None)
+    if family not in _TABLES and family is not None:     # every other family: its own plans, resolved
+        return _from_dims(model, vocab=vocab, axis=axis)
     if family not in _TABLES:
         raise ShardingError(f"tp_table: {type(model).__name__} is of family {family!r} — expected a transformers "
                             f"causal LM of one of {FAMILIES}. Write its table by hand: column projections "
@@ -95,3 +99,17 @@ def tp_table(model: nn.Module, *, vocab: bool = False, axis: str = "tensor") -> 
             table[names[id(head.weight)]] = P(axis, None)
     names = [base_name(n, root) for n, _ in model.named_parameters()]
     return {k: v for k, v in table.items() if any(fnmatchcase(n, k) for n in names)}
+
+
+def _from_dims(model: nn.Module, *, vocab: bool, axis: str) -> dict[str, PartitionSpec]:
+    """``sl.hf_dims(model)`` resolved over ``axis`` (heads and mlp; vocab with ``vocab=True``): the split
+    entries only, the layer stack left out."""
+    from .hf_dims import hf_dims
+    from .rules import AxisRules
+    rules = AxisRules({"heads": axis, "mlp": axis, **({"vocab": axis} if vocab else {})})
+    out = {}
+    for pattern, dims in hf_dims(model).items():
+        spec, _ = rules.map(dims, pattern)
+        if dims != ("layers",) and spec.axes:
+            out[pattern] = spec
+    return out

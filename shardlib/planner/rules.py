@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 
 from ..algebra.mesh import AbstractMesh, unknown_axis_message
-from ..algebra.spec import PartitionSpec
+from ..algebra.spec import Fused, PartitionSpec
 from ..errors import Problems, ShardingTypeError, SpecError
 
 RuleValue = str | tuple[str, ...] | None
@@ -119,7 +119,9 @@ class AxisRules(Mapping):
         seen: dict[str, tuple[int, str]] = {}
         entries: list[tuple[str, ...]] = []
         problems: list[str] = []
-        for d, lname in enumerate(logical):
+        for d, entry in enumerate(logical):
+            # Fused(parts, "heads"): a fused dim named logically; its blocks split over the rule's axes
+            lname = entry[0] if isinstance(entry, Fused) else entry
             kept = []
             for a in _entry_axes(None if lname is None else self._rules.get(lname)):
                 if a in seen:
@@ -132,7 +134,7 @@ class AxisRules(Mapping):
                 else:
                     seen[a] = (d, lname)
                     kept.append(a)
-            entries.append(tuple(kept))
+            entries.append(Fused(entry.parts, tuple(kept)) if isinstance(entry, Fused) and kept else tuple(kept))
         return PartitionSpec(*entries), problems
 
     def resolve(self, logical: Logical, *, mesh: AbstractMesh | None = None, name: str | None = None,
@@ -157,7 +159,7 @@ class AxisRules(Mapping):
 
 def _check_logical(logical: object, api: str) -> Logical:
     if isinstance(logical, (tuple, list)) and not isinstance(logical, PartitionSpec) and all(
-            n is None or _nonempty_str(n) for n in logical):
+            n is None or _nonempty_str(n) or (isinstance(n, Fused) and len(n) == 1) for n in logical):
         return tuple(logical)
     raise ShardingTypeError(f"{api}: expected a tuple of logical dim names (str, or None for a replicated "
                             f"dim), one per tensor dim — got {logical!r} of type {type(logical).__name__}. "
@@ -182,7 +184,8 @@ def _axis_problems(spec: PartitionSpec, mesh: AbstractMesh | None, where: str, *
     out = []
     for d, axes in spec.dims():
         for a in axes:
-            via = f", dim {d}" + (f" ({logical[d]!r} -> {rules[logical[d]]!r} by the rules)" if logical else "")
+            name = logical[d][0] if logical and isinstance(logical[d], Fused) else logical[d] if logical else None
+            via = f", dim {d}" + (f" ({logical[d]!r} -> {rules[name]!r} by the rules)" if logical else "")
             if forbid and a in _FORBIDDEN:
                 out.append(f"{where}{via}: puts mesh axis {a!r} on a parameter — got {spec}; expected parameter "
                            f"specs over 'tensor' (or other model axes). {_FORBIDDEN[a]}.")

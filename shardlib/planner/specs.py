@@ -36,8 +36,9 @@ from typing import TypeVar
 from torch import nn
 
 from ..algebra.mesh import AbstractMesh, current_mesh
-from ..algebra.spec import PartitionSpec
+from ..algebra.spec import Fused, PartitionSpec
 from ..errors import MeshError, Problems, ShardingTypeError, SpecError
+from .hf_dims import hf_dims
 from .names import closest, relative_names
 from .peft import base_name, is_adapter, is_peft
 from .rules import AxisRules as AxisRules      # re-exported: sl.AxisRules was first defined here
@@ -77,7 +78,8 @@ class ShardTable:
                            "fnmatch pattern (str) such as '*.o_proj.weight'.")
             elif isinstance(value, PartitionSpec):
                 entries.append(_Entry(i, pattern, value, None))
-            elif isinstance(value, (tuple, list)) and all(n is None or _nonempty_str(n) for n in value):
+            elif isinstance(value, (tuple, list)) and all(n is None or _nonempty_str(n) or _logical_fused(n)
+                                                          for n in value):
                 entries.append(_Entry(i, pattern, None, tuple(value)))
             else:
                 bad.append(f"{API}: pattern {pattern!r} maps to {value!r} of type {type(value).__name__} — "
@@ -164,7 +166,7 @@ def _owner(prefix: str, module: nn.Module, cls: type | None) -> str:
     return f"sl.shard on {at} ({type(module).__qualname__})"
 
 
-def _tables_by_prefix(model: nn.Module) -> dict[str, list[tuple[ShardTable, str]]]:
+def tables_by_prefix(model: nn.Module) -> dict[str, list[tuple[ShardTable, str]]]:
     """Qualified module name -> the tables attached there (base classes, class, then instance)."""
     out: dict[str, list[tuple[ShardTable, str]]] = {}
     for prefix, module in model.named_modules(remove_duplicate=False):
@@ -173,7 +175,23 @@ def _tables_by_prefix(model: nn.Module) -> dict[str, list[tuple[ShardTable, str]
         found += [(t, _owner(prefix, module, None)) for t in _INSTANCE_TABLES.get(module, ())]
         if found:
             out[prefix] = found
+    if not out:          # a transformers model with no table: the dims its own plans give (planner/hf_dims.py)
+        table = _model_table(model)
+        if table is not None:
+            out[""] = [(table, OWN_PLANS)]
     return out
+
+
+OWN_PLANS = "the model's own plans (sl.hf_dims)"
+_MODEL_TABLES: weakref.WeakKeyDictionary[nn.Module, ShardTable | None] = weakref.WeakKeyDictionary()
+
+
+def _model_table(model: nn.Module) -> ShardTable | None:
+    """The table ``hf_dims(model)`` makes (built once per model), or None for a model without one."""
+    if model not in _MODEL_TABLES:
+        dims = hf_dims(model)
+        _MODEL_TABLES[model] = ShardTable(dims, strict=False, mesh=None) if dims else None
+    return _MODEL_TABLES[model]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -203,7 +221,7 @@ def resolve_specs(model: nn.Module, mesh: AbstractMesh | None = None,
     if strict is not None and not isinstance(strict, bool):
         raise ShardingTypeError(f"resolve_specs: strict must be True, False or None — got {strict!r}.")
     rules = AxisRules.coerce(rules)
-    by_prefix = _tables_by_prefix(model)
+    by_prefix = tables_by_prefix(model)
     aliases: dict[int, tuple[nn.Parameter, list[str]]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), (p, []))[1].append(name)
@@ -297,6 +315,11 @@ def resolve_specs(model: nn.Module, mesh: AbstractMesh | None = None,
     return out
 
 
+def _logical_fused(n: object) -> bool:
+    """``Fused(parts, "heads")``: a fused dim named by one logical name."""
+    return isinstance(n, Fused) and len(n) == 1
+
+
 def _origin(e: _Entry, owner: str, spec: PartitionSpec | None = None) -> str:
     """Where a parameter's spec came from, for messages."""
     if e.spec is not None:
@@ -343,7 +366,7 @@ def find_stack(model: nn.Module, rules: AxisRules | Mapping[str, RuleValue] | No
     logical (``{"blocks": ("layers",)}``, mapped through ``rules``) or a mesh-axis spec
     (``{"blocks": P("pipe")}``)."""
     rules = AxisRules.coerce(rules)
-    hits = _stack_hits(model, _tables_by_prefix(model))
+    hits = _stack_hits(model, tables_by_prefix(model))
     problems: list[str] = []
     found: dict[str, tuple[tuple[str, ...], str]] = {}
     for name, _, e, owner in hits:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .hf_stages import CausalLMStages, is_causal_lm
-from .specs import AxisRules, _tables_by_prefix
+from .specs import AxisRules, tables_by_prefix
 
 PRE, POST = "pipeline_pre", "pipeline_post"
 
@@ -108,7 +108,7 @@ def stack_entry_problems(model: nn.Module, rules, axis: str) -> list[str]:
     rules = AxisRules.coerce(rules)
     modules = dict(model.named_modules())
     out = []
-    for prefix, tables in _tables_by_prefix(model).items():
+    for prefix, tables in tables_by_prefix(model).items():
         for table, owner in tables:
             for e in table.entries:
                 dims = tuple(e.spec) if e.spec is not None else e.logical

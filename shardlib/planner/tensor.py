@@ -84,6 +84,7 @@ COLUMN, ROW, VOCAB, LOGITS = "column", "row", "vocab", "logits"
 _HEADS = ("n_heads", "num_heads", "num_attention_heads")
 _KV_HEADS = ("n_kv_heads", "num_kv_heads", "num_key_value_heads")
 _WIDTH_ATTRS = ("split_size",)
+_WIDTHS = ("embed_dim", "hidden_size", "all_head_size")      # an attention's full q width, where it reshapes by it
 _ATTENTION_MARKS = ("head_dim", "head_size", "num_key_value_groups")
 
 
@@ -252,13 +253,17 @@ def derive(model: nn.Module, specs: dict[str, PartitionSpec], *, axis: str, size
         problems += _head_problems(parent, modules[parent], size, axis, weights)
     local_attrs: list[LocalAttr] = []
     for site in sites:
+        parent = _parent(site.module)
         if site.fused > 1:
-            parent = _parent(site.module)
             found, why = _fused_attrs(parent, modules[parent], site)
             if why:
                 problems.append(f"plan: {site.weight} of {type(modules[site.module]).__name__} {site.module!r} is "
                                 f"{_fmt(specs[site.weight])}: {why}")
-            local_attrs += [a for a in found if a not in local_attrs]
+        elif site.kind == COLUMN:
+            found = _head_attrs(parent, modules[parent])
+        else:
+            continue
+        local_attrs += [a for a in found if a not in local_attrs]
     # a column whose output no row of the same parent consumes ends the model: the LM head
     row_parents = {_parent(s.module) for s in sites if s.kind == ROW}
     sites = [replace(s, kind=LOGITS)
@@ -342,6 +347,34 @@ def _fused_attrs(name: str, mod: nn.Module, site: Site) -> tuple[list[LocalAttr]
             if isinstance(v, int) and not isinstance(v, bool):
                 out.append(LocalAttr(name, f"config.{n}", v))
     return out, ""
+
+
+def _head_attrs(name: str, mod: nn.Module) -> list[LocalAttr]:
+    """The local attributes of an attention module ``mod`` holding plain column projections: its head
+    counts (its own and its ``config``'s), and the widths equal to heads x head_dim that its code reshapes
+    by (``embed_dim``, ``hidden_size``, ``all_head_size``: GPT-J, GPT-Neo, OPT, StableLM). Nothing for a
+    module with no head count of its own (an MLP)."""
+    heads = _count(mod, _HEADS)
+    if heads is None:
+        return []
+    out: list[LocalAttr] = []
+    for n in _HEADS + _KV_HEADS:
+        v = getattr(mod, n, None)
+        if isinstance(v, int) and not isinstance(v, bool):
+            out.append(LocalAttr(name, n, v))
+    head_dim = getattr(mod, "head_dim", None) or getattr(mod, "head_size", None)
+    if isinstance(head_dim, int) and head_dim > 0:
+        for n in _WIDTHS:
+            v = getattr(mod, n, None)
+            if isinstance(v, int) and not isinstance(v, bool) and v == heads * head_dim:
+                out.append(LocalAttr(name, n, v))
+    cfg = getattr(mod, "config", None)
+    if cfg is not None and any(hasattr(mod, a) for a in _ATTENTION_MARKS):
+        for n in _HEADS + _KV_HEADS:
+            v = getattr(cfg, n, None)
+            if isinstance(v, int) and not isinstance(v, bool):
+                out.append(LocalAttr(name, f"config.{n}", v))
+    return out
 
 
 def _count(mod: nn.Module, names: tuple[str, ...]) -> int | None:

@@ -126,6 +126,12 @@ class _Vma(TorchFunctionMode):
     def pop(self, module, args, output):
         if self.stack:
             self.stack.pop()
+        # a module's output is an activation: a value derived from parameters is treated as theirs only
+        # inside the forward that uses them (Gemma's ``1 + weight``), where ``f`` on the module's own
+        # parameters sums exactly their partial uses; past it the value may also reach a column's f
+        for t in tree_leaves(output):
+            if isinstance(t, torch.Tensor) and t.requires_grad and t not in self.varying and id(t) not in self.names:
+                self.origin[t] = frozenset((_ACT,))
 
 
 class VaryingOps(RecordingOps):

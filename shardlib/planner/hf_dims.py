@@ -1,0 +1,188 @@
+"""The logical dims of a ``transformers`` model, read off the model itself: ``sl.hf_dims(model)``.
+
+A transformers model with no ``sl.shard`` table is planned with this table, so ``rules`` alone decide
+the axes: ``sl.plan(model, mesh, rules={"heads": "tensor", "mlp": "tensor", "vocab": "tensor",
+"layers": "pipe"})`` is the whole recipe. A user's own table wins (any table on the model or a submodule).
+
+Where the entries come from, in order (``hf_dims(model, sources=True)`` says which, per entry):
+
+1. **the project's table** for the families whose config plan is missing, or whose plan gathers what
+   shardlib keeps split and so would not say the layout of what it splits (``BUILTIN``);
+2. **the config's plans**: ``config.base_model_tp_plan`` (``colwise`` -> ``(X, "embed")`` on the weight
+   and ``(X,)`` on the bias, ``rowwise`` -> ``("embed", X)``; X is ``heads`` under an attention module,
+   ``mlp`` elsewhere; ``replicated_with_grad_allreduce`` stays replicated: its partial gradient is derived,
+   ``planner/varying.py``) and ``base_model_pp_plan`` (its ``ModuleList`` -> ``("layers",)``);
+3. **the embeddings**: untied input and output embeddings -> ``("vocab", "embed")`` (a biased head's bias
+   ``("vocab",)``); a tied pair stays replicated.
+
+A config plan entry of a kind shardlib does not lower (MoE experts' ``moe_tp_experts``/``packed_colwise``,
+``local_*``, ``sequence_parallel``, ...) is not in the table; ``unsupported(model)`` lists it with what
+supporting it would take, and ``sl.plan`` refuses it when the mesh's tensor axis would split the model.
+Patterns are written against the model's own parameter names (a PEFT model's: its base model's); only
+patterns that match a parameter are returned. transformers is not imported here.
+"""
+
+from __future__ import annotations
+
+from fnmatch import fnmatchcase
+
+from torch import nn
+
+from ..algebra.spec import Fused
+from .peft import ROOT, base_name, is_peft, peft_base
+
+COL, ROW, REPLICATED = "colwise", "rowwise", "replicated"
+COL3, COL2 = "colwise_fused3", "colwise_fused2"       # q|k|v (gate|up) end to end: each block split
+_KINDS = {"colwise": COL, "rowwise": ROW, "replicated_with_grad_allreduce": REPLICATED}
+_WHY = {
+    "packed_colwise": "MoE experts' fused gate|up weights (E, 2I, H) split on I per expert",
+    "moe_tp_experts": "the experts' forward on split expert widths, its output summed over tensor",
+    "local_colwise": "a column kept local (its output never gathered)",
+    "local_rowwise": "a row kept local (its output never summed)",
+    "local_packed_rowwise": "a local row over packed experts",
+    "sequence_parallel": "a module run on sequence shards (sl.plan's sequence_parallel=True does this itself)",
+    "gather": "a module output gathered over tensor",
+    "colwise_gather_output": "a column whose output is gathered back to the full width",
+    "rowwise_split_input": "a row that splits its own (replicated) input",
+}
+
+# family -> (the layer stack under the base model, {module pattern under the base model: kind}); the
+# attention of ALiBi families (bloom, mpt), multi-query families (gpt_bigcode, falcon) and CodeGen's
+# interleaved qkv stays replicated until its layout is lowered: their MLPs split
+BUILTIN: dict[str, tuple[str, dict[str, str]]] = {
+    "gpt2": ("h", {"h.*.attn.c_attn": COL3, "h.*.attn.c_proj": ROW, "h.*.mlp.c_fc": COL, "h.*.mlp.c_proj": ROW}),
+    "gptj": ("h", {"h.*.attn.q_proj": COL, "h.*.attn.k_proj": COL, "h.*.attn.v_proj": COL,
+                   "h.*.attn.out_proj": ROW, "h.*.mlp.fc_in": COL, "h.*.mlp.fc_out": ROW}),
+    "gpt_neo": ("h", {"h.*.attn.attention.q_proj": COL, "h.*.attn.attention.k_proj": COL,
+                      "h.*.attn.attention.v_proj": COL, "h.*.attn.attention.out_proj": ROW,
+                      "h.*.mlp.c_fc": COL, "h.*.mlp.c_proj": ROW}),
+    "codegen": ("h", {"h.*.mlp.fc_in": COL, "h.*.mlp.fc_out": ROW}),
+    "opt": ("decoder.layers", {"decoder.layers.*.self_attn.q_proj": COL, "decoder.layers.*.self_attn.k_proj": COL,
+                               "decoder.layers.*.self_attn.v_proj": COL, "decoder.layers.*.self_attn.out_proj": ROW,
+                               "decoder.layers.*.fc1": COL, "decoder.layers.*.fc2": ROW}),
+    "bloom": ("h", {"h.*.mlp.dense_h_to_4h": COL, "h.*.mlp.dense_4h_to_h": ROW}),
+    "falcon": ("h", {"h.*.mlp.dense_h_to_4h": COL, "h.*.mlp.dense_4h_to_h": ROW}),
+    "mpt": ("blocks", {"blocks.*.ffn.up_proj": COL, "blocks.*.ffn.down_proj": ROW}),
+    "gpt_bigcode": ("h", {"h.*.mlp.c_fc": COL, "h.*.mlp.c_proj": ROW}),
+    "stablelm": ("layers", {"layers.*.self_attn.q_proj": COL, "layers.*.self_attn.k_proj": COL,
+                            "layers.*.self_attn.v_proj": COL, "layers.*.self_attn.o_proj": ROW,
+                            "layers.*.mlp.gate_proj": COL, "layers.*.mlp.up_proj": COL,
+                            "layers.*.mlp.down_proj": ROW}),
+    # plans that gather a fused column's output: shardlib keeps it split, so the blocks are declared
+    "phi3": ("layers", {"layers.*.self_attn.qkv_proj": COL3, "layers.*.self_attn.o_proj": ROW,
+                        "layers.*.mlp.gate_up_proj": COL2, "layers.*.mlp.down_proj": ROW}),
+    "glm": ("layers", {"layers.*.self_attn.q_proj": COL, "layers.*.self_attn.k_proj": COL,
+                       "layers.*.self_attn.v_proj": COL, "layers.*.self_attn.o_proj": ROW,
+                       "layers.*.mlp.gate_up_proj": COL2, "layers.*.mlp.down_proj": ROW}),
+}
+# config plan entries kept replicated: OLMo-2's and OLMoE's q_norm / k_norm normalise the whole q and k
+# width (their plans gather the columns' output for it), so their attention stays replicated
+KEEP_REPLICATED: dict[str, tuple[str, ...]] = {"olmo2": ("self_attn.",), "olmoe": ("self_attn.",)}
+
+
+
+def _family(model: nn.Module) -> str | None:
+    return getattr(getattr(model, "config", None), "model_type", None)
+
+
+def _roles(model: nn.Module) -> tuple[nn.Module, str, dict[str, str], str | None, list[tuple[str, str, str]]]:
+    """``(the transformers model, its base model's prefix, {module pattern: kind}, stack pattern,
+    unsupported (pattern, kind, what it would take))``, patterns relative to the transformers model."""
+    hf, _ = peft_base(model)
+    cfg = getattr(hf, "config", None)
+    prefix = getattr(hf, "base_model_prefix", "") or ""
+    if prefix and not isinstance(getattr(hf, prefix, None), nn.Module):
+        prefix = ""                 # the base model itself
+    pre = f"{prefix}." if prefix else ""
+    family = _family(hf)
+    kinds: dict[str, str] = {}
+    unsupported: list[tuple[str, str, str]] = []
+    stack = None
+    if family in BUILTIN:
+        stack_rel, table = BUILTIN[family]
+        stack = pre + stack_rel
+        kinds = {pre + k: v for k, v in table.items()}
+        kv = getattr(cfg, "num_key_value_heads", None)
+        if family == "phi3" and kv not in (None, cfg.num_attention_heads):
+            # grouped-query Phi-3: q|k|v blocks of unequal width; its attention stays replicated
+            kinds = {k: v for k, v in kinds.items() if "self_attn" not in k}
+    else:
+        for key, kind in (getattr(cfg, "base_model_tp_plan", None) or {}).items():
+            if any(k in key for k in KEEP_REPLICATED.get(family, ())):
+                continue
+            if kind in _KINDS:
+                kinds[pre + key] = _KINDS[kind]
+            else:
+                unsupported.append((pre + key, kind, _WHY.get(kind, "a tensor-parallel style shardlib has "
+                                                                   "no lowering for")))
+        for key in (getattr(cfg, "base_model_pp_plan", None) or {}):
+            if isinstance(_get(hf, pre + key), nn.ModuleList):
+                stack = pre + key
+    return hf, pre, kinds, stack, unsupported
+
+
+def _get(model: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
+
+
+def _is_attention(module_name: str) -> bool:
+    parent = module_name.rpartition(".")[0].lower()
+    return "attn" in parent or "attention" in parent
+
+
+def hf_dims(model: nn.Module, *, sources: bool = False) -> dict:
+    """``{parameter pattern: logical dims}`` of a transformers model (or a PEFT model over one), for a
+    user to read or edit and pass to ``sl.shard``; ``{}`` for a model with no ``config.model_type``.
+    With ``sources=True``: ``{pattern: (dims, where it came from)}``."""
+    if _family(peft_base(model)[0]) is None:
+        return {}
+    hf, pre, kinds, stack, _ = _roles(model)
+    root = is_peft(model)
+    names = [base_name(n, root) for n, _ in model.named_parameters()]
+    modules = {base_name(n, root): m for n, m in model.named_modules()}
+    src = "the project's table (hf_dims.BUILTIN)" if _family(hf) in BUILTIN else "config.base_model_tp_plan"
+    out: dict[str, tuple] = {}
+    for pattern, kind in kinds.items():
+        if kind == REPLICATED:
+            continue
+        hits = [m for n, m in modules.items() if fnmatchcase(n, pattern)]
+        if not hits:
+            continue
+        x = "heads" if _is_attention(pattern) else "mlp"
+        conv = type(hits[0]).__name__ == "Conv1D"
+        out_dim = Fused(3, x) if kind == COL3 else Fused(2, x) if kind == COL2 else x
+        if kind == ROW:
+            weight = (x, "embed") if conv else ("embed", x)
+        else:
+            weight = ("embed", out_dim) if conv else (out_dim, "embed")
+        out[f"{pattern}.weight"] = (weight, src)
+        if kind != ROW and any(getattr(m, "bias", None) is not None for m in hits):
+            out[f"{pattern}.bias"] = ((out_dim,), src)
+    emb, head = hf.get_input_embeddings(), hf.get_output_embeddings()
+    if emb is not None and head is not None and emb.weight is not head.weight:
+        ids = {id(p): n for n, p in model.named_parameters()}
+        out[base_name(ids[id(emb.weight)], root)] = (("vocab", "embed"), "the untied input embeddings")
+        out[base_name(ids[id(head.weight)], root)] = (("vocab", "embed"), "the untied output embeddings")
+        if getattr(head, "bias", None) is not None:
+            out[base_name(ids[id(head.bias)], root)] = (("vocab",), "the untied output embeddings")
+    if stack is not None:     # a module name, relative to the model (a PEFT model's: through its wrapper)
+        stack = (ROOT if root else "") + stack
+        out[stack] = (("layers",), "config.base_model_pp_plan" if _family(hf) not in BUILTIN
+                      else "the project's table (hf_dims.BUILTIN)")
+    out = {k: v for k, v in out.items()
+           if k == stack or any(fnmatchcase(n, k) for n in names)}
+    return out if sources else {k: v[0] for k, v in out.items()}
+
+
+def unsupported(model: nn.Module) -> list[str]:
+    """The config plan entries of ``model`` that ``hf_dims`` could not translate, one line each naming
+    the module pattern, its kind and what lowering it would take."""
+    if _family(peft_base(model)[0]) is None:
+        return []
+    hf, _, _, _, bad = _roles(model)
+    found = {base_name(n, is_peft(model)) for n, _ in model.named_modules()}
+    return [f"{pattern}: base_model_tp_plan kind {kind!r} ({why})" for pattern, kind, why in bad
+            if any(fnmatchcase(n, pattern) or fnmatchcase(n, pattern.rpartition(".")[0]) for n in found)]

@@ -1,0 +1,230 @@
+"""The family matrix (issue 38): transformers causal LMs of every family in ``hf_families`` split over the
+tensor axis by their own plans (``sl.hf_dims``: the config's ``base_model_tp_plan``, or the project's
+table), no table written — ``rules`` alone decide the axes.
+
+Each family trains 3 AdamW steps and is checked against the same model in one process:
+- losses within 1e-5 relative, the same on every rank;
+- **every final parameter** (``full_state_dict``) equal to one process's;
+- every replicated copy **bit-equal** across its axis (``shardlib.verify.replica_mismatches``): a per-head
+  norm whose partial gradient went unreduced (Qwen3, Gemma-3, EXAONE-4) drifts here while the losses agree.
+
+MoE families are refused at plan time (their plans' expert kinds are not lowered yet), by entry. Bad
+input is refused before any collective: an axis that splits nothing, an activation meeting split values
+unreduced.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+import hf_families as hf
+import shardlib as sl
+from shardlib.planner.hf_dims import unsupported
+from shardlib.testing import get_mesh
+from shardlib.verify import replica_mismatches
+
+RULES = {"heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
+STEPS, LR = 3, 1e-2
+DENSE = tuple(f for f in hf.FAMILIES if f not in hf.MOE)
+
+
+def _batches(family: str) -> list[dict]:
+    return [hf.batch(family, 4, 300 + s) for s in range(STEPS)]
+
+
+def _loss(model, batch):
+    return model(**batch).loss
+
+
+def _run(family: str, shape: dict, zero: int) -> dict:
+    model = hf.build(family)
+    plan = sl.plan(model, get_mesh(shape), rules=RULES, zero=zero, batch=_batches(family)[0])
+    engine = sl.parallelize(model, plan, optimizer=functools.partial(hf.adamw, lr=LR), loss_fn=_loss)
+    losses = [engine.step(b) for b in _batches(family)]
+    return {"losses": losses, "state": engine.full_state_dict(), "replicas": replica_mismatches(engine),
+            "partial": plan.tensor.partial_modules, "sites": len(plan.tensor.sites)}
+
+
+def _runs(families: list[str], shape: dict, zero: int) -> dict:
+    return {f: _run(f, shape, zero) for f in families}
+
+
+@functools.cache
+def _reference(family: str) -> tuple[list[float], dict]:
+    model = hf.build(family)
+    losses = hf.train_alone(model, _batches(family), lr=LR)
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _check(family: str, per_rank: list[dict], where: str) -> None:
+    want_losses, want_state = _reference(family)
+    for r, res in enumerate(per_rank):
+        at = f"{family} {where} rank {r}"
+        assert res["sites"] > 0, f"{at}: nothing split over tensor"
+        rel = max(abs(a - b) / abs(b) for a, b in zip(res["losses"], want_losses))
+        assert rel <= 1e-5, f"{at}: losses {res['losses']} vs one process {want_losses} ({rel:.3g})"
+        assert res["losses"] == per_rank[0]["losses"], f"{at}: losses differ from rank 0's"
+        assert res["replicas"] == [], f"{at}: {res['replicas']}"
+        assert res["state"].keys() == want_state.keys(), at
+        for k, want in want_state.items():
+            torch.testing.assert_close(res["state"][k], want, rtol=1e-4, atol=1e-5,
+                                       msg=lambda m, k=k: f"{at}, {k}: {m}")
+
+
+CHUNKS = [DENSE[i::4] for i in range(4)]
+
+
+@pytest.mark.parametrize("chunk", range(len(CHUNKS)))
+def test_every_dense_family_at_tensor_2_trains_like_one_process(world, chunk):
+    families = list(CHUNKS[chunk])
+    per_rank = world(2, _runs, families, {"data": 1, "tensor": 2}, 0)
+    for f in families:
+        _check(f, [per_rank[r][f] for r in range(2)], "tensor 2")
+    # the per-head norms' partial gradients were found, and only where they are
+    for f in families:
+        partial = per_rank[0][f]["partial"]
+        if f in ("qwen3", "gemma3_text", "exaone4"):
+            assert partial and all(m.endswith(("q_norm", "k_norm")) for m in partial), (f, partial)
+        else:
+            assert partial == (), (f, partial)
+
+
+# the families whose attention needed something new: per-head norms, local head counts and widths
+ZERO3 = ["qwen3", "gemma3_text", "gptj", "opt", "stablelm", "gpt_neo", "phi3", "glm"]
+
+
+def test_families_at_data_2_x_tensor_2_zero3(world):
+    per_rank = world(4, _runs, ZERO3, {"data": 2, "tensor": 2}, 3)
+    for f in ZERO3:
+        _check(f, [per_rank[r][f] for r in range(4)], "data 2 x tensor 2, ZeRO-3")
+
+
+# ---- the drift the replica check exists for ------------------------------------------------------
+
+def _drifting(shape: dict) -> dict:
+    """Qwen3 at tensor 2 with the partial-gradient derivation switched off: what every version before it did."""
+    import shardlib.planner.varying as varying
+    from shardlib.verify import check_replicas
+    saved = varying.partial_modules
+    varying.partial_modules = lambda *a: ()
+    try:
+        res = _run("qwen3", shape, 0)
+        model = hf.build("qwen3")
+        plan = sl.plan(model, get_mesh(shape), rules=RULES, batch=_batches("qwen3")[0])
+    finally:
+        varying.partial_modules = saved
+    engine = sl.parallelize(model, plan, optimizer=functools.partial(hf.adamw, lr=LR), loss_fn=_loss,
+                            check_replicas=True)
+    try:
+        engine.step(_batches("qwen3")[0])
+        raised = None
+    except sl.ShardingError as e:
+        raised = str(e)
+    return {**res, "raised": raised}
+
+
+def test_replica_check_names_the_drifting_norm(world):
+    per_rank = world(2, _drifting, {"data": 1, "tensor": 2})
+    want_losses, _ = _reference("qwen3")
+    for res in per_rank:
+        # the losses agree closely while the norms' copies drift: only the parameters show it
+        assert max(abs(a - b) / abs(b) for a, b in zip(res["losses"], want_losses)) < 1e-3
+        assert res["replicas"] and res["replicas"][0].startswith("model.layers.0.self_attn.q_norm.weight"), res
+        assert "('tensor',)" in res["replicas"][0]
+        assert res["raised"] is not None and "q_norm.weight" in res["raised"], res["raised"]
+
+
+# ---- plan-time refusals (no processes) -----------------------------------------------------------
+
+def test_moe_plans_are_refused_by_entry_on_the_tensor_axis():
+    mesh = sl.AbstractMesh({"data": 1, "tensor": 2})
+    for f in sorted(hf.MOE):
+        model = hf.build(f, meta=True)
+        assert unsupported(model), f
+        with pytest.raises(sl.ShardingError, match="moe_tp_experts") as e:
+            sl.plan(model, mesh, rules=RULES)
+        assert "sl.shard" in str(e.value)
+    # without a tensor axis the same models plan: data parallel needs no split
+    sl.plan(hf.build("qwen3_moe", meta=True), sl.AbstractMesh({"data": 2}), zero=3)
+
+
+def test_an_axis_that_splits_nothing_is_an_error():
+    mesh = sl.AbstractMesh({"data": 2, "tensor": 2})
+    with pytest.raises(sl.ShardingError, match="splits nothing") as e:
+        sl.plan(hf.build("llama", meta=True), mesh)          # no rules: the model's dims map to nothing
+    assert "'heads': 'tensor'" in str(e.value)
+    with pytest.raises(sl.ShardingError, match="'tensor' has size 2 but the plan splits nothing"):
+        sl.plan(nn.Sequential(nn.Linear(4, 4)), mesh)
+    sl.plan(hf.build("llama", meta=True), sl.AbstractMesh({"data": 2, "tensor": 1}))    # size 1: fine
+
+
+class _SharedKey(nn.Module):
+    """An attention-like module whose shared value (a replicated projection's output, as DeepSeek-V3's rope
+    key) meets the column-split per-head values without passing a column layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre = nn.Linear(8, 8)
+        self.q = nn.Linear(8, 8)
+        self.shared = nn.Linear(8, 1)
+        self.o = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.pre(x)
+        return self.o(self.q(h) * self.shared(h))
+
+
+def test_an_activation_meeting_split_values_unreduced_is_refused():
+    # without the layer before it the shared value derives from parameters alone: their gradients are
+    # summed (the module enters through f) and the plan is exact; after it, the stream's gradient would be
+    # partial too, and nothing reduces it
+    model = _SharedKey()
+    sl.shard({"q.weight": sl.P("tensor", None), "q.bias": sl.P("tensor"), "o.weight": sl.P(None, "tensor")})(model)
+    with pytest.raises(sl.ShardingError, match="without having passed a column layer") as e:
+        sl.plan(model, sl.AbstractMesh({"tensor": 2}), batch=torch.zeros(2, 3, 8))
+    assert "<root> (mul)" in str(e.value)
+
+
+# ---- the table itself ------------------------------------------------------------------------------
+
+def test_hf_dims_reads_the_models_own_plans():
+    llama = hf.build("llama", meta=True)
+    dims = sl.hf_dims(llama)
+    assert dims["model.layers.*.self_attn.q_proj.weight"] == ("heads", "embed")
+    assert dims["model.layers.*.self_attn.o_proj.weight"] == ("embed", "heads")
+    assert dims["model.layers.*.mlp.down_proj.weight"] == ("embed", "mlp")
+    assert dims["model.embed_tokens.weight"] == dims["lm_head.weight"] == ("vocab", "embed")
+    assert dims["model.layers"] == ("layers",)
+    src = sl.hf_dims(llama, sources=True)
+    assert src["model.layers.*.self_attn.q_proj.weight"][1] == "config.base_model_tp_plan"
+    assert src["model.layers"][1] == "config.base_model_pp_plan"
+    # GPT-2 has no config plan: the project's table, its fused q|k|v declared as blocks
+    gpt2 = sl.hf_dims(hf.build("gpt2", meta=True), sources=True)
+    assert gpt2["transformer.h.*.attn.c_attn.weight"] == (("embed", sl.Fused(3, "heads")),
+                                                          "the project's table (hf_dims.BUILTIN)")
+    assert "transformer.wte.weight" not in gpt2          # tied: stays replicated
+    # Qwen3's per-head norms are not split: their gradients are derived partial, not declared
+    assert not any("norm" in k for k in sl.hf_dims(hf.build("qwen3", meta=True)))
+
+
+def test_a_user_table_wins_over_the_models_plans():
+    model = hf.build("llama", meta=True)
+    sl.shard({"*.mlp.up_proj.weight": sl.P("tensor", None), "*.mlp.gate_proj.weight": sl.P("tensor", None),
+              "*.mlp.down_proj.weight": sl.P(None, "tensor")})(model)
+    plan = sl.plan(model, sl.AbstractMesh({"tensor": 2}), rules=RULES)
+    split = {p.name for p in plan.params if p.spec != sl.P()}
+    assert split and all(".mlp." in n for n in split), split
+
+
+def test_explain_names_the_partial_gradients():
+    model = hf.build("qwen3")
+    plan = sl.plan(model, sl.AbstractMesh({"tensor": 2}), rules=RULES, batch=_batches("qwen3")[0])
+    text = plan.explain()
+    assert "partial gradients" in text and "q_norm" in text
+    sp = sl.plan(hf.build("qwen3"), sl.AbstractMesh({"tensor": 2}), rules=RULES, sequence_parallel=True,
+                 batch=_batches("qwen3")[0])
+    assert sp.tensor.partial_modules == ()      # under SP every unit's norms already enter through f
