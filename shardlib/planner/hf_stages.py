@@ -111,7 +111,14 @@ class CausalLMStages:
         parent, _, self.attr = stack.rpartition(".")
         self.parent = model.get_submodule(parent) if parent else model
         self.blocks = list(model.get_submodule(stack))
-        self.width = int(model.config.hidden_size)
+        emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        dim = getattr(emb, "embedding_dim", None)
+        # what inputs_embeds holds: the input embeddings' width (OPT's word_embed_proj_dim, projected up
+        # before the stack), which the stream's need not be
+        self.width = int(dim) if isinstance(dim, int) else int(model.config.hidden_size)
+        # a block returning a tuple whose first item is the hidden state (GPT-J, BLOOM, Falcon, MPT, ...):
+        # its length, 0 for a block returning the tensor; None until a block has run (``_block_out``)
+        self.tuple_out: int | None = None
         self._sigs: dict[type, inspect.Signature] = {}
         self._stubs: nn.ModuleList | None = None
         self._zeros: dict = {}         # _zeros_for's places and zeros, kept (see there)
@@ -158,8 +165,8 @@ class CausalLMStages:
         """The last stage: the model's own forward after the stack on ``x`` — norm, head, loss."""
         last = len(self.blocks) - 1
 
-        def fn(i: int, args: tuple, kwargs: dict) -> torch.Tensor:
-            return x if i == last else self._hidden(i, (args, kwargs))
+        def fn(i: int, args: tuple, kwargs: dict) -> Any:
+            return self._as_block(x if i == last else self._hidden(i, (args, kwargs)))
         with self._swapped(fn), _zeros_for(self.model, "meta", x.dtype, x.device, memo=self._zeros):
             out = self.model.forward(**self._embedded(batch, x.dtype, labels=True), use_cache=False)
         loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
@@ -183,7 +190,7 @@ class CausalLMStages:
             calls = self._record(kwargs, "all", dtype)
         ctx = [self._kwargs(i, c) for i, c in enumerate(calls)]
         meta = tree_map_only(torch.Tensor, lambda t: torch.empty_like(t, device="meta"), ctx)
-        return kwargs["inputs_embeds"].shape, meta
+        return self._hidden(0, calls[0]).shape, meta
 
     # ---- plan-time checks -------------------------------------------------------------------------
     def batch_problems(self, batch: Any, api: str, what: str) -> list[str]:
@@ -285,24 +292,56 @@ class CausalLMStages:
                 break
         return out
 
+    def run_block(self, call: tuple, index: int = 0) -> tuple[Any, torch.Tensor]:
+        """``(output, input)`` of block ``index`` run on ``call``'s arguments with its parameters as
+        placeholders on the meta device (``meta_or_zeros``: zeros on the CPU for a block meta cannot run)."""
+        block = self.blocks[index]
+        x = self._hidden(index, call)
+
+        def meta(t: torch.Tensor) -> torch.Tensor:
+            return torch.empty(t.shape, dtype=t.dtype, device="meta")
+        kwargs = tree_map_only(torch.Tensor, meta, self._kwargs(index, call))
+        values = {n: meta(t) for n, t in [*block.named_parameters(), *block.named_buffers()]}
+        xm = meta(x)
+
+        def run(values, xm, kwargs):
+            with torch.no_grad():
+                return torch.func.functional_call(block, values, (xm,), kwargs, strict=False), xm
+        return meta_or_zeros(run, values, xm, kwargs)
+
+    def _block_out(self, call: tuple) -> None:
+        """Learn whether the blocks return a tuple (``tuple_out``), from block 0 on ``call``."""
+        if self.tuple_out is not None:
+            return
+        try:
+            out, _ = self.run_block(call)
+        except Exception:            # reported by the plan's check; run as a tensor-returning block
+            self.tuple_out = 0
+            return
+        self.tuple_out = len(out) if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor) else 0
+
+    def _as_block(self, x: Any) -> Any:
+        """What a stub returns in place of the block: the hidden state, or the block's tuple around it."""
+        return (x, *(None,) * (self.tuple_out - 1)) if self.tuple_out else x
+
+    @staticmethod
+    def hidden_out(out: Any) -> Any:
+        """The hidden state in what a block returned (the first item of a tuple)."""
+        return out[0] if isinstance(out, tuple) else out
+
     def _check_block(self, calls: dict[int, tuple]) -> list[str]:
         block = self.blocks[0]
-        x = self._hidden(0, calls[0][0])
-        kwargs = tree_map_only(torch.Tensor, lambda t: torch.empty_like(t, device="meta"), self._kwargs(0, calls[0][0]))
-        values = {n: torch.empty(p.shape, dtype=p.dtype, device="meta") for n, p in block.named_parameters()}
-        values.update((n, torch.empty(b.shape, dtype=b.dtype, device="meta")) for n, b in block.named_buffers())
-        xm = torch.empty(x.shape, dtype=x.dtype, device="meta")
         try:
-            with torch.no_grad():
-                out = torch.func.functional_call(block, values, (xm,), kwargs, strict=False)
+            out, xm = self.run_block(calls[0][0])
         except Exception as e:         # the family's own code: report what it said
-            return [f"plan: block 0 of {self.stack!r} ({type(block).__name__}) failed on the meta device with the "
-                    f"arguments the model's forward gives it — got {type(e).__name__}: {str(e)[:300]}. Plan without "
-                    "the pipe axis for this model."]
+            return [f"plan: block 0 of {self.stack!r} ({type(block).__name__}) failed on the meta device and on zeros "
+                    f"with the arguments the model's forward gives it — got {type(e).__name__}: {str(e)[:300]}. Plan "
+                    "without the pipe axis for this model."]
+        out = self.hidden_out(out)
         if not isinstance(out, torch.Tensor) or out.shape != xm.shape:
             got = type(out).__name__ + (str(tuple(out.shape)) if isinstance(out, torch.Tensor) else "")
             return [f"plan: block 0 of {self.stack!r} ({type(block).__name__}) returns {got} — expected the hidden "
-                    f"state alone, of its input's shape {tuple(xm.shape)}: only it crosses stages. Plan without the "
+                    f"state (alone or first in a tuple), of its input's shape {tuple(xm.shape)}: only it crosses stages. Plan without the "
                     "pipe axis for this model."]
         return []
 
@@ -328,7 +367,9 @@ class CausalLMStages:
             calls.setdefault(i, []).append((args, kw))
             if i == last:
                 raise _Stop
-            return self._hidden(i, (args, kw))
+            if i == 0 and self.tuple_out is None:       # the blocks' output structure, before the next call
+                self._block_out((args, kw))
+            return self._as_block(self._hidden(i, (args, kw)))
         leaves = [t for t in kwargs.values() if isinstance(t, torch.Tensor)]
         device = leaves[0].device if leaves else torch.device("cpu")
         try:
@@ -456,3 +497,26 @@ def _concrete(batch: Mapping[str, Any], rows: int) -> dict[str, Any]:
                 v = torch.ones(v.shape, dtype=v.dtype)
         out[k] = v
     return out
+
+
+def _no_meta_kernel(e: Exception) -> bool:
+    """``e`` says an op has no meta kernel (an MoE block's ``nonzero``) or the meta device cannot run it."""
+    return isinstance(e, NotImplementedError) or (isinstance(e, RuntimeError) and "meta" in str(e))
+
+
+def meta_or_zeros(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` on meta tensors; where that fails for want of a meta kernel (MoE blocks:
+    ``nonzero``, ``grouped_mm``), again on zeros on the CPU of the same shapes, dtypes and
+    ``requires_grad`` (one micro-batch's worth, allocated while it runs)."""
+    try:
+        return fn(*args, **kwargs)
+    except (NotImplementedError, RuntimeError) as e:
+        if not _no_meta_kernel(e):
+            raise
+
+    def zeros(t: torch.Tensor) -> torch.Tensor:
+        if not t.is_meta:
+            return t
+        z = torch.zeros(t.shape, dtype=t.dtype)
+        return z.requires_grad_(True) if t.requires_grad and z.is_floating_point() else z
+    return fn(*tree_map_only(torch.Tensor, zeros, args), **tree_map_only(torch.Tensor, zeros, kwargs))

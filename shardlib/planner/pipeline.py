@@ -53,7 +53,7 @@ import math
 import torch
 from torch import nn
 
-from .hf_stages import CausalLMStages
+from .hf_stages import CausalLMStages, meta_or_zeros
 from .schedules import Action, lower, schedule_actions, schedule_problems, split_last_backwards
 from .specs import AxisRules, find_stack
 from .stack import POST, PRE, auto_stack, stack_entry_problems, stack_modules, stage_functions
@@ -104,6 +104,8 @@ class PipelinePlan:
     gather: str = "step"
     # what runs before, between and after the blocks (``stage_functions``), and how the stack was found
     source: str = ""
+    # a transformers block returning a tuple around the hidden state (GPT-J, BLOOM, MPT): its length; 0: a tensor
+    block_tuple: int = 0
 
     @property
     def stream_bytes(self) -> int | None:
@@ -397,7 +399,8 @@ def derive(model: nn.Module, mesh, *, rules, axis: str, microbatches: int | None
               if isinstance(fns, CausalLMStages) else f"the model's {PRE} / {POST}")
     return PipelinePlan(axis, p, v, m, name, stack, stage_plans, how,
                         tuple(n for n, _ in pre_params), tuple(n for n, _ in post_params), gather=gather,
-                        source=source + how_found), problems
+                        source=source + how_found,
+                        block_tuple=fns.tuple_out or 0 if isinstance(fns, CausalLMStages) else 0), problems
 
 
 def _explicit(stages, n_stages: int, n_blocks: int, axis: str, p: int, v: int, problems: list[str]
@@ -446,9 +449,11 @@ def stream_shape(model: nn.Module, stack: str, batch, rows: int, dtype) -> tuple
                                  device="meta")
                   for n, t in [*first.named_parameters(), *first.named_buffers()]}
         x = torch.empty(shape, dtype=dtype, device="meta")
-        with torch.no_grad():
-            out = torch.func.functional_call(first, values, (x,), ctx[0], strict=False)
-        return tuple(out.shape)
+
+        def run(values, x, kwargs):
+            with torch.no_grad():
+                return CausalLMStages.hidden_out(torch.func.functional_call(first, values, (x,), kwargs, strict=False))
+        return tuple(meta_or_zeros(run, values, x, ctx[0]).shape)
 
     class Probe(nn.Module):
         def __init__(self):

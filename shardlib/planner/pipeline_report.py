@@ -86,7 +86,7 @@ def block_saved_bytes(model: nn.Module, plan: Plan, *, rank: int = 0, batch: Any
     the keyword arguments its forward gives them (``planner/hf_stages.py``) for a micro-batch of
     ``batch`` (the plan's example batch; without it, tokens of the stream's shape and no mask)."""
     from ..comm.boundaries import Boundaries, Ops
-    from .hf_stages import CausalLMStages
+    from .hf_stages import CausalLMStages, meta_or_zeros
     from .stack import stage_functions
 
     pp = plan.pipeline
@@ -154,8 +154,10 @@ def block_saved_bytes(model: nn.Module, plan: Plan, *, rank: int = 0, batch: Any
                         def call(*a, _mode=mode, **k):      # the unit's own mode innermost, as a step runs it
                             with _mode:
                                 return torch.func.functional_call(*a, **k)
-                        memo[key] = saved_bytes(call, block, values, (x,), kwargs, exclude=list(values.values()),
-                                                strict=False)
+                        memo[key] = meta_or_zeros(
+                            lambda values, x, kwargs, _call=call, _block=block: saved_bytes(
+                                _call, _block, values, (x,), kwargs, exclude=list(values.values()), strict=False),
+                            values, x, kwargs)
                         cores += getattr(mode, "calls", 0)
                 out.append(memo[key])
     finally:

@@ -81,6 +81,8 @@ class PipelineRuntime:
         self.modules = modules
         self.blocks = {i: [modules[b] for b in s.blocks] for i, s in self.stages.items()}
         self.fns = stage_functions(engine.model, pp.stack)
+        if hasattr(self.fns, "tuple_out"):          # what the plan's check found the blocks return
+            self.fns.tuple_out = pp.block_tuple
         order = {f"{pp.stack}.{n}": k for k, (n, _) in enumerate(modules[pp.stack].named_children())}
         self.block_index = {i: [order[b] for b in s.blocks] for i, s in self.stages.items()}
         self.ctx: dict[int, Any] = {}      # micro-batch -> the blocks' keyword arguments (this step)
@@ -333,6 +335,8 @@ class PipelineRuntime:
             self.deferred.capture = self.split is None or (s, i) in self.split
         for blk, k in zip(self.blocks[s], self.block_index[s]):
             x = blk(x, **fns.block_kwargs(ctx, k))
+            if isinstance(x, tuple):        # a transformers block returning (hidden, ...): GPT-J, BLOOM, MPT
+                x = x[0]
         if st.post:
             logits = eng.tensor.logits if eng.tensor is not None else None
             try:
