@@ -142,14 +142,18 @@ def plan(model: nn.Module, mesh: AbstractMesh, zero: int | None = None, *, state
     # unit's full gradients are freed as soon as its bucket is reduce-scattered (as FSDP2 does per
     # unit), which bounds the transient memory at no measured cost in time.
     buckets: dict[str, int] = {}
+    # A weight tied across the first and last pipeline stage is a bucket of its own: both stages then lay it
+    # out alike (the same pieces of it under ZeRO-1/2), so its two gradients add up piece by piece.
+    tied = set(pplan.tied) if pplan is not None else set()
     if states.params is None:
         b, filled, last_unit = 0, 0, None
         for name, p in reversed(named):
             if not p.requires_grad:
                 continue
             size = p.numel() * itemsize
-            unit = unit_of[name]
-            if filled and (filled + size > bucket_bytes or (states.grads is not None and unit != last_unit)):
+            unit = unit_of[name] if name not in tied else f"<tied {name}>"
+            alone = name in tied or (last_unit or "").startswith("<tied ")
+            if filled and (filled + size > bucket_bytes or ((states.grads is not None or alone) and unit != last_unit)):
                 b, filled = b + 1, 0
             buckets[name] = b
             filled += size

@@ -106,6 +106,13 @@ class PipelinePlan:
     source: str = ""
     # a transformers block returning a tuple around the hidden state (GPT-J, BLOOM, MPT): its length; 0: a tensor
     block_tuple: int = 0
+    # parameters held by both the first and the last stage (tied embeddings): their gradients are summed
+    # over the pipe axis once a step
+    tied: tuple[str, ...] = ()
+
+    def stages_of_param(self, param: str) -> tuple[int, ...]:
+        """Every virtual stage holding ``param``: one, or the first and the last for a tied one."""
+        return (0, len(self.stages) - 1) if param in self.tied else (self.stage_of(param),)
 
     @property
     def stream_bytes(self) -> int | None:
@@ -361,15 +368,35 @@ def derive(model: nn.Module, mesh, *, rules, axis: str, microbatches: int | None
     for c in counts:
         ranges.append(range(start, start + c))
         start += c
+    canonical = {id(t): n for n, t in model.named_parameters()}
+    tied: list[str] = []
     for s, r in enumerate(ranges):
         held = [*(pre_params if s == 0 else ()), *(ps for i in r for ps in block_params[i]),
                 *(post_params if s == n_stages - 1 else ())]
         for pname, t in held:
             prev = owner.setdefault(id(t), (s, pname))
-            if prev[0] != s:
+            if prev[0] == s:
+                continue
+            if (prev[0], s) == (0, n_stages - 1) and p == 2 and zero3:
+                problems.append(f"plan: parameter {pname!r} is the same tensor as {prev[1]!r} (tied), on the first "
+                                "and last stages, under ZeRO-3 — the two stages would shard it at rest inside "
+                                "different units, so their pieces of it differ and cannot be summed. Use zero=2 (or "
+                                "less) with the pipe axis, untie them (tie_word_embeddings=False), or plan without "
+                                "the pipe axis.")
+            elif (prev[0], s) == (0, n_stages - 1) and p == 2:
+                # Megatron's embedding group: one tensor held by the first and the last stage, its two
+                # gradients summed once a step (runtime/pipeline.py), the same update on both
+                tied.append(canonical[id(t)])
+            elif (prev[0], s) == (0, n_stages - 1):
+                problems.append(f"plan: parameter {pname!r} is the same tensor as {prev[1]!r} (tied), on the first "
+                                f"and last stages of {axis}={p} — shared weights across stages are summed over the "
+                                f"{axis!r} axis, so far at {axis}=2 only (the stages between would take part in the "
+                                f"sum). Use {axis}=2, untie them (tie_word_embeddings=False), or plan without the pipe axis.")
+            else:
                 problems.append(f"plan: parameter {pname!r} is the same tensor as {prev[1]!r} (tied), on stages "
-                                f"{prev[0]} and {s} — expected each parameter on one stage. Untie them (e.g. "
-                                "tie_word_embeddings=False), or plan without the pipe axis.")
+                                f"{prev[0]} and {s} — expected a weight shared only by the first and the last stage "
+                                "(tied embeddings); another pair of stages cannot hold one tensor. Untie them, or cut "
+                                "the stack so both uses fall on one stage (stages=...), or plan without the pipe axis.")
     if zero3 and gather == "microbatch":
         if name == "zb_h1":
             problems.append("plan: pipe_gather='microbatch' reduce-scatters a unit's gradients when its backward "
@@ -400,7 +427,8 @@ def derive(model: nn.Module, mesh, *, rules, axis: str, microbatches: int | None
     return PipelinePlan(axis, p, v, m, name, stack, stage_plans, how,
                         tuple(n for n, _ in pre_params), tuple(n for n, _ in post_params), gather=gather,
                         source=source + how_found,
-                        block_tuple=fns.tuple_out or 0 if isinstance(fns, CausalLMStages) else 0), problems
+                        block_tuple=fns.tuple_out or 0 if isinstance(fns, CausalLMStages) else 0,
+                        tied=tuple(dict.fromkeys(tied))), problems
 
 
 def _explicit(stages, n_stages: int, n_blocks: int, axis: str, p: int, v: int, problems: list[str]

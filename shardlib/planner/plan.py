@@ -379,7 +379,7 @@ def _localize(plan: Plan, rank: int, key: tuple[int, int | None]) -> Plan:
     if plan.pipeline is not None and plan.pipe_size > 1:
         pp = plan.pipeline
         mine = {s.index for s in pp.stages_of(pcoord)}
-        keep = tuple(p for p in plan.params if pp.stage_of(p.name) in mine)
+        keep = tuple(p for p in plan.params if any(s in mine for s in pp.stages_of_param(p.name)))
         names = {p.name for p in keep}
         units = []
         for u in plan.units:

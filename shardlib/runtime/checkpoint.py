@@ -190,6 +190,11 @@ def _save_planner(engine: Engine, frozen: bool):
 
     names = Names.of(engine)
     pieces, whole = _pieces(engine, frozen=frozen, quantized=frozen)
+    pp = engine.global_plan.pipeline
+    if pp is not None and pp.tied and engine.pipe is not None and not engine.pipe.counts_tied:
+        # a weight tied across the first and last stage is written once, by the first stage's ranks
+        pieces = [p for p in pieces if _param_of(p.key) not in pp.tied]
+        whole = {k: v for k, v in whole.items() if k.rpartition("/")[2] not in pp.tied}
     chunked: dict[str, Chunked] = {}
     for p in pieces:
         for name in names.saved(p.key):

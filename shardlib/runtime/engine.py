@@ -238,6 +238,8 @@ class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
         reduced = self.buckets.finish() if self.buckets is not None else None
         trainable = [s for s in self.states if s.trainable]
         grads = self._master_grads(reduced, scale)
+        if self.pipe is not None and self.pipe.tied_index:
+            self.pipe.sum_tied(grads)         # tied embeddings: the first and last stage's shares summed
         scalars = [loss_sum]
         split = self.tensor is not None
         sharded = plan.states.grads is not None or split or self.pipe is not None
@@ -249,9 +251,10 @@ class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
                 scalars.append(found_inf)
         sumsq = None
         if plan.clip_grad_norm is not None:
-            sumsq = (self.tensor.sum_of_squares(grads) if split else
-                     self.pipe.sum_of_squares(grads) if self.pipe is not None else
-                     sum((g.double() ** 2).sum() for g in grads).float() if grads else torch.zeros(()))
+            norm = self.pipe.norm_grads(grads) if self.pipe is not None else grads
+            sumsq = (self.tensor.sum_of_squares(norm) if split else
+                     self.pipe.sum_of_squares(norm) if self.pipe is not None else
+                     sum((g.double() ** 2).sum() for g in norm).float() if norm else torch.zeros(()))
             sumsq = sumsq.to(self.mesh.device)
             if sharded and self.replica_coord != 0:
                 sumsq = torch.zeros_like(sumsq)           # HSDP: the first replica counts the shards

@@ -100,12 +100,18 @@ class PipelineRuntime:
         if self.zero3:
             for u in engine.units.all:
                 names = [s.name for s in u.states]
-                if names:
-                    self.units_of[pp.stage_of(names[0])].append(u)
-                    u.group = pp.stage_of(names[0])       # prefetch within a stage only
+                if names:     # (a tied parameter is held by the first and the last stage: this rank's of them)
+                    stage = next(s for s in pp.stages_of_param(names[0]) if s in self.stages)
+                    self.units_of[stage].append(u)
+                    u.group = stage       # prefetch within a stage only
         # the root (pre/post parameters) of the microbatch policy: gathered at its stage's first action
         root = engine.units.root if self.zero3 else None
         self.root_stage = next((i for i, us in self.units_of.items() if root is not None and root in us), None)
+        # weights tied across the first and last stage: their places among this rank's trainable states,
+        # and whether this rank counts them in the clipping norm (the first stage's copy does)
+        mine = [s.name for s in engine.states if s.trainable]
+        self.tied_index = [i for i, n in enumerate(mine) if n in pp.tied]
+        self.counts_tied = 0 in self.stages
         # the step's scalars: this rank's trainable parameters' places among all of the model's
         trainable = [p.name for p in gplan.params if p.trainable]
         where = {n: i for i, n in enumerate(trainable)}
@@ -150,7 +156,7 @@ class PipelineRuntime:
 
     def _params_of(self, stage) -> list[nn.Parameter]:
         named = dict(self.engine.model.named_parameters())
-        names = [n for n in named if self.pp.stage_of(n) == stage.index]
+        names = [n for n in named if stage.index in self.pp.stages_of_param(n)]
         return [named[n] for n in names if named[n].requires_grad and not named[n].is_meta]
 
     # ---- the step ------------------------------------------------------------------------------
@@ -431,6 +437,22 @@ class PipelineRuntime:
                 self.engine.tensor.clear()
             hit = self._shapes[key] = (torch.Size(shape), self.engine.cdt)
         return hit
+
+    def sum_tied(self, grads: list[torch.Tensor]) -> None:
+        """Sum the gradients of the weights tied across the first and last stage over the pipe axis, in
+        place: each stage computed its own use's share (the embedding's, the head's); both then apply the
+        same update to the same values, so the copies stay one tensor (Megatron's embedding group)."""
+        for i in self.tied_index:
+            comm.all_reduce(grads[i], self.mesh, (self.pp.axis,), inplace=True)
+
+    def norm_grads(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``grads`` for the clipping norm: a tied weight's summed gradient counted on the first stage only."""
+        if not self.tied_index or self.counts_tied:
+            return grads
+        out = list(grads)
+        for i in self.tied_index:
+            out[i] = grads[i].new_zeros(())
+        return out
 
     def sum_of_squares(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """This rank's share of the squared global norm (no tensor axis): its stages' gradients,

@@ -36,9 +36,12 @@ def _fingerprint(t: torch.Tensor) -> torch.Tensor:
 
 def replica_axes(engine: Engine, name: str) -> tuple[str, ...]:
     """The mesh axes (size > 1, mesh order) over which parameter ``name``'s master is replicated."""
-    gp = engine.global_plan.param(name)
+    gplan = engine.global_plan
+    gp = gplan.param(name)
     mesh = engine.mesh
-    pipe = engine.global_plan.pipeline.axis if engine.global_plan.pipe_size > 1 else None
+    pipe = gplan.pipeline.axis if gplan.pipe_size > 1 else None
+    if pipe is not None and name in gplan.pipeline.tied:
+        pipe = None              # tied across the first and last stage: one tensor, held by both
     spec = gp.optim.spec
     return tuple(a for a in mesh.axis_names if mesh.axis_size(a) > 1 and a != pipe and not uses_axis(spec, a))
 
