@@ -26,6 +26,7 @@ import shardlib as sl
 from shardlib.planner.hf_dims import unsupported
 from shardlib.testing import get_mesh
 from shardlib.verify import replica_mismatches
+from test_tensor import train_counting
 
 RULES = {"heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
 STEPS, LR = 3, 1e-2
@@ -40,31 +41,48 @@ def _loss(model, batch):
     return model(**batch).loss
 
 
-def _run(family: str, shape: dict, zero: int) -> dict:
+def _run(family: str, shape: dict, zero: int, lora: bool = False) -> dict:
     model = hf.build(family)
-    plan = sl.plan(model, get_mesh(shape), rules=RULES, zero=zero, batch=_batches(family)[0])
-    engine = sl.parallelize(model, plan, optimizer=functools.partial(hf.adamw, lr=LR), loss_fn=_loss)
-    losses = [engine.step(b) for b in _batches(family)]
+    if lora:
+        model = _lora(model)
+    piped = shape.get("pipe", 1) > 1
+    rules = {**(RULES if shape.get("tensor", 1) > 1 else {}), **({"layers": "pipe"} if piped else {})}
+    plan = sl.plan(model, get_mesh(shape), rules=rules, zero=zero, batch=_batches(family)[0],
+                   **({"microbatches": 2} if piped else {}))
+    engine = sl.parallelize(model, plan, optimizer=functools.partial(hf.adamw, lr=LR),
+                            loss_fn=None if piped else _loss)
+    losses, counts = train_counting(engine, plan, _batches(family))
+    tp = plan.tensor
     return {"losses": losses, "state": engine.full_state_dict(), "replicas": replica_mismatches(engine),
-            "partial": plan.tensor.partial_modules, "sites": len(plan.tensor.sites)}
+            "partial": tp.partial_modules if tp else (), "sites": len(tp.sites) if tp else None,
+            "tied": plan.pipeline.tied if plan.pipeline else (), **counts}
 
 
-def _runs(families: list[str], shape: dict, zero: int) -> dict:
-    return {f: _run(f, shape, zero) for f in families}
+def _runs(families: list[str], shape: dict, zero: int, lora: bool = False) -> dict:
+    return {f: _run(f, shape, zero, lora) for f in families}
+
+
+def _lora(model):
+    from peft import LoraConfig, get_peft_model
+    torch.manual_seed(1)
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0))
 
 
 @functools.cache
-def _reference(family: str) -> tuple[list[float], dict]:
+def _reference(family: str, lora: bool = False) -> tuple[list[float], dict]:
     model = hf.build(family)
+    if lora:
+        model = _lora(model)
     losses = hf.train_alone(model, _batches(family), lr=LR)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _check(family: str, per_rank: list[dict], where: str) -> None:
-    want_losses, want_state = _reference(family)
+def _check(family: str, per_rank: list[dict], where: str, lora: bool = False) -> None:
+    want_losses, want_state = _reference(family, lora)
     for r, res in enumerate(per_rank):
         at = f"{family} {where} rank {r}"
-        assert res["sites"] > 0, f"{at}: nothing split over tensor"
+        assert res["sites"] is None or res["sites"] > 0, f"{at}: nothing split over tensor"
+        assert res["counted"] == res["planned"], f"{at}: ran {res['counted']}, the plan says {res['planned']}"
         rel = max(abs(a - b) / abs(b) for a, b in zip(res["losses"], want_losses))
         assert rel <= 1e-5, f"{at}: losses {res['losses']} vs one process {want_losses} ({rel:.3g})"
         assert res["losses"] == per_rank[0]["losses"], f"{at}: losses differ from rank 0's"
@@ -101,6 +119,40 @@ def test_families_at_data_2_x_tensor_2_zero3(world):
     per_rank = world(4, _runs, ZERO3, {"data": 2, "tensor": 2}, 3)
     for f in ZERO3:
         _check(f, [per_rank[r][f] for r in range(4)], "data 2 x tensor 2, ZeRO-3")
+
+
+PIPE_CHUNKS = [hf.FAMILIES[i::4] for i in range(4)]
+
+
+@pytest.mark.parametrize("chunk", range(len(PIPE_CHUNKS)))
+def test_every_family_at_pipe_2_trains_like_one_process(world, chunk):
+    """1F1B over 2 micro-batches, the model's own loss: tied embeddings held by both stages and summed
+    (bit-equal copies), blocks returning tuples, MoE blocks (probed on zeros), DeepSeek-V3's dense first block."""
+    families = list(PIPE_CHUNKS[chunk])
+    per_rank = world(2, _runs, families, {"data": 1, "pipe": 2}, 0)
+    for f in families:
+        _check(f, [per_rank[r][f] for r in range(2)], "pipe 2")
+        tied = per_rank[0][f]["tied"]
+        assert bool(tied) == (f in hf.TIED), (f, tied)
+
+
+# 2x2x2: tied (ZeRO-2), per-head norms with a tied table (ZeRO-1), tuple blocks untied (ZeRO-3)
+CUBE = [("gpt2", 2), ("gemma3_text", 1), ("gptj", 3)]
+
+
+@pytest.mark.parametrize("family,zero", CUBE)
+def test_families_at_2x2x2(world, family, zero):
+    per_rank = world(8, _runs, [family], {"data": 2, "pipe": 2, "tensor": 2}, zero)
+    _check(family, [per_rank[r][family] for r in range(8)], f"2x2x2 ZeRO-{zero}")
+
+
+LORA = ["qwen3", "gptj", "gpt2", "opt"]
+
+
+def test_lora_at_tensor_2(world):
+    per_rank = world(2, _runs, LORA, {"data": 1, "tensor": 2}, 0, True)
+    for f in LORA:
+        _check(f, [per_rank[r][f] for r in range(2)], "LoRA, tensor 2", lora=True)
 
 
 # ---- the drift the replica check exists for ------------------------------------------------------
@@ -150,6 +202,20 @@ def test_moe_plans_are_refused_by_entry_on_the_tensor_axis():
         assert "sl.shard" in str(e.value)
     # without a tensor axis the same models plan: data parallel needs no split
     sl.plan(hf.build("qwen3_moe", meta=True), sl.AbstractMesh({"data": 2}), zero=3)
+
+
+def test_tied_weights_across_stages_refused_where_not_lowered():
+    gpt2 = hf.build("gpt2", meta=True)
+    batch = _batches("gpt2")[0]
+    with pytest.raises(sl.ShardingError, match="under ZeRO-3"):
+        sl.plan(gpt2, sl.AbstractMesh({"data": 2, "pipe": 2}), rules={"layers": "pipe"}, zero=3, batch=batch)
+    deep = hf.build("gpt2", meta=True, layers=4)
+    with pytest.raises(sl.ShardingError, match="so far at pipe=2 only"):
+        sl.plan(deep, sl.AbstractMesh({"pipe": 4}), rules={"layers": "pipe"}, microbatches=4, batch=batch)
+    plan = sl.plan(gpt2, sl.AbstractMesh({"data": 2, "pipe": 2}), rules={"layers": "pipe"}, zero=2, batch=batch)
+    assert plan.pipeline.tied == ("transformer.wte.weight",)
+    tied = [e for e in plan.comm_per_step(0) if e.what == "tied-grads"]
+    assert len(tied) == 1 and tied[0].axes == ("pipe",), tied
 
 
 def test_an_axis_that_splits_nothing_is_an_error():

@@ -258,8 +258,10 @@ class Boundaries(SeqEdges):
             hit = self._memo.get(id(x))
             if hit is None or hit[0] is not x:
                 hit = self._memo[id(x)] = [x, None]
-            if fuse and not self._tails and self._fusion.runs_fused(module, x):
+            if fuse and not self._tails and hit[1] is None and self._fusion.runs_fused(module, x):
                 return None              # its own backward all-reduces the input's gradient
+            if fuse and hit[1] is not None:  # another column's f of this input (a parallel block): reuse it
+                self._fusion.shared.add(id(hit[1]))
             if hit[1] is None:
                 if in_sp:
                     hit[1] = self.ops.gather_seq(x)
@@ -286,6 +288,7 @@ class Boundaries(SeqEdges):
     def _unit_pre(self, unit: str, first_sp: bool):
         def hook(module, args):
             self._memo.clear()
+            self._fusion.shared.clear()
             out = None
             if first_sp and self._scattered:
                 self._scattered = False
@@ -328,6 +331,7 @@ class Boundaries(SeqEdges):
     def clear(self) -> None:
         """Forget memoised inputs (end of a forward or backward)."""
         self._memo.clear()
+        self._fusion.shared.clear()
         self._sp_values.clear()
         self._clear_edges()
         self.ops.unit = ""

@@ -58,9 +58,13 @@ class ColumnFusion:
     def __init__(self, mesh, axes):
         self.mesh, self.axes = mesh, axes
         self.eligible: set[int] = set()
+        # inputs that are already another column's f (a parallel block's attention and MLP read one input):
+        # a fusable column reading one runs plainly, so the input's gradient is all-reduced once, by f
+        self.shared: set[int] = set()
 
     def runs_fused(self, mod: nn.Module, x: torch.Tensor) -> bool:
-        return id(mod) in self.eligible and torch.is_grad_enabled() and x.requires_grad
+        return (id(mod) in self.eligible and torch.is_grad_enabled() and x.requires_grad
+                and id(x) not in self.shared)
 
     def forward(self, mod: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         if self.runs_fused(mod, x):

@@ -152,14 +152,15 @@ def hf_dims(model: nn.Module, *, sources: bool = False) -> dict:
         if not hits:
             continue
         x = "heads" if _is_attention(pattern) else "mlp"
-        conv = type(hits[0]).__name__ == "Conv1D"
+        layer = getattr(hits[0], "base_layer", hits[0])        # through PEFT's wrapper
+        conv = type(layer).__name__ == "Conv1D"
         out_dim = Fused(3, x) if kind == COL3 else Fused(2, x) if kind == COL2 else x
         if kind == ROW:
             weight = (x, "embed") if conv else ("embed", x)
         else:
             weight = ("embed", out_dim) if conv else (out_dim, "embed")
         out[f"{pattern}.weight"] = (weight, src)
-        if kind != ROW and any(getattr(m, "bias", None) is not None for m in hits):
+        if kind != ROW and any(getattr(getattr(m, "base_layer", m), "bias", None) is not None for m in hits):
             out[f"{pattern}.bias"] = ((out_dim,), src)
     emb, head = hf.get_input_embeddings(), hf.get_output_embeddings()
     if emb is not None and head is not None and emb.weight is not head.weight:

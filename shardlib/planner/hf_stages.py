@@ -34,7 +34,9 @@ stride 0 on the CPU): the forward calls each block once, in order, passing the p
 output on unchanged; no block argument is computed from parameters or from the embeddings'
 values (it would be wrong on the stages that do not hold them); every argument is a tensor,
 ``None`` or a plain value (a cache shared between blocks is not); a block returns the hidden
-state alone, of its input's shape. The modules that run before the stack are the first stage's,
+state, of its input's shape, alone or first in a tuple (GPT-J, BLOOM, MPT: the plan records the
+tuple's length, the stubs return one, the stages keep its first item). A block the meta device cannot
+run (an MoE block's ``nonzero``) is run on zeros on the CPU instead (``meta_or_zeros``). The modules that run before the stack are the first stage's,
 the rest the last stage's (execution order, not registration order).
 """
 

@@ -19,8 +19,10 @@ stack lives with the first stage, what comes after with the last.
 The model's own ``forward`` must compute the same thing (``pipeline_post(blocks(pipeline_pre(b)), b)``)
 so that one process and every pipeline train alike. Modules registered before the stack
 attribute run in ``pipeline_pre`` (first stage); those registered after it in ``pipeline_post``
-(last stage) — at every level of a nested stack's name; a parameter used on both sides (tied
-embeddings) is refused at plan time.
+(last stage) — at every level of a nested stack's name. A parameter used on both sides (tied
+embeddings) is held by the first and the last stage (``PipelinePlan.tied``, Megatron's embedding group):
+one tensor, its two gradients summed over the pipe axis once a step, the same update on both (at pipe 2,
+ZeRO 0-2; elsewhere refused at plan time, naming the fix).
 
 **A transformers causal LM needs no code** (``planner/hf_stages.py``; ``planner/stack.py`` picks
 what runs around the blocks and finds the stack): a model without these
