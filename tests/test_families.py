@@ -55,6 +55,7 @@ def _run(family: str, shape: dict, zero: int, lora: bool = False) -> dict:
     tp = plan.tensor
     return {"losses": losses, "state": engine.full_state_dict(), "replicas": replica_mismatches(engine),
             "partial": tp.partial_modules if tp else (), "sites": len(tp.sites) if tp else None,
+            "attention": any("attn" in x.module or "attention" in x.module for x in tp.sites) if tp else None,
             "tied": plan.pipeline.tied if plan.pipeline else (), **counts}
 
 
@@ -94,6 +95,9 @@ def _check(family: str, per_rank: list[dict], where: str, lora: bool = False) ->
 
 
 CHUNKS = [DENSE[i::4] for i in range(4)]
+# multi-query / grouped fused qkv (Falcon, GPT-BigCode), CodeGen's interleaved qkv, grouped-query Phi-3's fused
+# q|k|v of unequal blocks: attention kept replicated by their tables, the MLPs split
+ATTENTION_REPLICATED = {"falcon", "gpt_bigcode", "codegen", "phi3"}
 
 
 @pytest.mark.parametrize("chunk", range(len(CHUNKS)))
@@ -102,6 +106,9 @@ def test_every_dense_family_at_tensor_2_trains_like_one_process(world, chunk):
     per_rank = world(2, _runs, families, {"data": 1, "tensor": 2}, 0)
     for f in families:
         _check(f, [per_rank[r][f] for r in range(2)], "tensor 2")
+    # attention split in every dense family but ATTENTION_REPLICATED's
+    for f in families:
+        assert per_rank[0][f]["attention"] == (f not in ATTENTION_REPLICATED), f
     # the per-head norms' partial gradients were found, and only where they are
     for f in families:
         partial = per_rank[0][f]["partial"]
@@ -284,6 +291,22 @@ def test_a_user_table_wins_over_the_models_plans():
     plan = sl.plan(model, sl.AbstractMesh({"tensor": 2}), rules=RULES)
     split = {p.name for p in plan.params if p.spec != sl.P()}
     assert split and all(".mlp." in n for n in split), split
+
+
+def test_alibi_and_whole_width_norms_are_planned_per_head():
+    """BLOOM's and MPT's ALiBi biases are sliced to each rank's heads; OLMo-2's q/k norms over the whole q/k
+    width are split with them, their statistics summed over tensor (forward and backward)."""
+    for f, arg in (("bloom", "alibi"), ("mpt", "position_bias")):
+        plan = sl.plan(hf.build(f), sl.AbstractMesh({"tensor": 2}), rules=RULES, batch=_batches(f)[0])
+        assert {h.arg for h in plan.tensor.head_args} == {arg}, f
+        assert len(plan.tensor.head_args) == 2, f            # one per block's attention
+    plan = sl.plan(hf.build("olmo2"), sl.AbstractMesh({"tensor": 2}), rules=RULES, batch=_batches("olmo2")[0])
+    norms = [x for x in plan.tensor.sites if x.kind == "norm"]
+    assert sorted(x.module.rpartition(".")[2] for x in norms) == ["k_norm", "k_norm", "q_norm", "q_norm"]
+    per_block = [e for e in plan.activation_entries(0) if e.where == "model.layers.0"]
+    stats = [e for e in per_block if e.bytes == 2 * 4 * 16 * 4 // 2]     # (4 rows x 16 tokens) fp32 sums, ring 2
+    assert len(stats) == 4, per_block          # q and k: forward all-reduce and backward all-reduce each
+    assert "dims from the model's own plans" in plan.explain()
 
 
 def test_explain_names_the_partial_gradients():

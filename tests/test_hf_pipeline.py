@@ -265,9 +265,13 @@ def test_a_stack_entry_that_is_not_a_list_of_blocks():
     _has(_refused(model), "'model.norm'", "LlamaRMSNorm", "nn.ModuleList of blocks", "'model.layers'")
 
 
-def test_tied_embeddings_are_refused_with_the_fix():
-    _has(_refused(hf_models.build("gpt2", layers=2), batch=hf_models.batch("gpt2", 4, 0)),
-         "'lm_head.weight'", "'transformer.wte.weight'", "tied", "tie_word_embeddings=False")
+def test_tied_embeddings_stay_tied_or_are_refused_with_the_fix():
+    batch = hf_models.batch("gpt2", 4, 0)
+    plan = sl.plan(hf_models.build("gpt2", layers=2), sl.AbstractMesh({"data": 1, "pipe": 2}),
+                   rules={"layers": "pipe"}, batch=batch)
+    assert plan.pipeline.tied == ("transformer.wte.weight",)
+    _has(_refused(hf_models.build("gpt2", layers=2), batch=batch, zero=3),
+         "'lm_head.weight'", "'transformer.wte.weight'", "tied", "under ZeRO-3", "tie_word_embeddings=False")
 
 
 def test_a_batch_that_is_not_a_dict():

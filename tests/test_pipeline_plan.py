@@ -297,10 +297,22 @@ def test_zb_h1_with_recompute():
 
 
 def test_tied_embeddings_across_first_and_last_stage():
+    """A weight tied across the first and last stage is one tensor held by both (issue 38): planned at pipe
+    2 with its gradient sum; at pipe 4, under ZeRO-3, or between other stages, refused naming the fix."""
     model = gpt(4)
     model.head.weight = model.wte.weight
-    err = plan_error(model, mesh(pipe=2), rules=PIPE)
-    the_problem(err, "'head.weight'", "'wte.weight'", "stages 0 and 1", "Untie them")
+    plan = sl.plan(model, mesh(pipe=2), rules=PIPE)
+    assert plan.pipeline.tied == ("wte.weight",)
+    assert plan.pipeline.stages_of_param("wte.weight") == (0, 1)
+    assert {p.name for p in plan.local(0).params} & {p.name for p in plan.local(1).params} == {"wte.weight"}
+    the_problem(plan_error(model, mesh(pipe=4), rules=PIPE), "'head.weight'", "'wte.weight'", "pipe=2 only",
+                "untie them")
+    the_problem(plan_error(model, sl.AbstractMesh({"data": 2, "pipe": 2}), rules=PIPE, zero=3), "under ZeRO-3",
+                "zero=2")
+    odd = gpt(4)
+    odd.blocks[2].mlp.fc.weight = odd.blocks[1].mlp.fc.weight        # shared by stages 1 and 2 of 4
+    err = plan_error(odd, mesh(pipe=4), rules=PIPE)
+    the_problem(err, "tied", "expected a weight shared only by the first and the last stage")
 
 
 def test_stack_without_the_pipe_rule():

@@ -185,6 +185,10 @@ class Boundaries(SeqEdges):
             units = [u for u in units if not u or u in modules]
         self._saved_attrs: list[tuple[nn.Module, str, Any]] = []
         self._local_attrs(modules, tplan.local_attrs, partial)
+        for ha in getattr(tplan, "head_args", ()):     # ALiBi: this rank's heads' biases
+            if not (partial and ha.module not in modules):
+                self._handles.append(modules[ha.module].register_forward_pre_hook(self._head_arg_pre(ha),
+                                                                                  with_kwargs=True))
         columns_in = collections.Counter(site.region for site in tplan.sites if site.kind == "column")
         for site in tplan.sites:
             if partial and site.module not in modules:
@@ -217,6 +221,8 @@ class Boundaries(SeqEdges):
                 self._override(mod, _row_forward(self, in_sp, site.module in sp_modules, site.conv1d))
             elif site.kind == "vocab":
                 self._override(mod, _vocab_forward(self, site, in_sp))
+            elif site.kind == "norm":
+                self._override(mod, _norm_forward(self, site))
         # SP: a unit's tensor-replicated parameters (norms, row biases) enter its forward through
         # one f over all of them, laid end to end: one all-reduce of their partial gradients per
         # unit in backward (Megatron sums these "sequence-parallel gradients" in one all-reduce too)
@@ -279,6 +285,16 @@ class Boundaries(SeqEdges):
             if isinstance(v, torch.Tensor):
                 return args, {**kwargs, k: self.ops.gather_seq(v)}
         return None
+
+    def _head_arg_pre(self, ha):
+        def hook(module, args, kwargs):
+            t = kwargs.get(ha.arg)
+            if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] % ha.heads:
+                return None
+            lo, hi = vocab_range(ha.heads, self.ops.size, self.ops.coord())
+            local = t.reshape(-1, ha.heads, *t.shape[1:])[:, lo:hi].reshape(-1, *t.shape[1:])
+            return args, {**kwargs, ha.arg: local}
+        return hook
 
     def _logits_post(self, site):
         def hook(module, args, output):       # on_logits may replace the output (the planner's trace)
@@ -416,6 +432,20 @@ def _vocab_forward(b: Boundaries, site, in_sp: bool):
             y = F.embedding((ids - lo).masked_fill(out_of_range, 0), w, pad)
             y = y.masked_fill(out_of_range.unsqueeze(-1), 0)
         return b.ops.scatter_seq(y) if in_sp else b.partial_sum(y)
+    return forward
+
+
+def _norm_forward(b: Boundaries, site):
+    """An RMSNorm over a width split over tensor (OLMo-2's ``q_norm``): this rank's features, scaled by the
+    statistics of the whole width — the sum of squares all-reduced forward (``g``) and its gradient
+    all-reduced backward (``f``: every rank's features depend on it) — equal to one process."""
+    def forward(self, x):
+        dt = x.dtype
+        h = x.to(torch.float32)
+        ss = b.ops.f(b.ops.g(h.pow(2).sum(-1, keepdim=True)))
+        eps = getattr(self, "variance_epsilon", getattr(self, "eps", None))
+        h = h * torch.rsqrt(ss / site.width + eps)
+        return (self.weight * h).to(dt)
     return forward
 
 

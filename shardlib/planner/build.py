@@ -27,7 +27,7 @@ from .policies import DataPolicy, MemoryPolicy, PipelinePolicy, TensorPolicy, Tr
 from .specs import resolve_specs
 from .states import StateLayouts, zero_problem
 from .tensor import TensorPlan, derive
-from .tensor_use import axis_use_problems
+from .tensor_use import axis_use_problems, dims_source
 from .traffic import fused_sizes
 from .units import _few, _unit_of, _unit_problems, find_units, param_owners, with_leaf_units
 
@@ -405,6 +405,7 @@ def _check(model: nn.Module, mesh: AbstractMesh, *, zero, states, precision, red
                                       sequence_parallel=bool(sequence_parallel))
             for m in tproblems + axis_use_problems(model, tplan, mesh, tensor_axis, rules):
                 add(m)
+            tplan = replace(tplan, dims_from=dims_source(model))
     if problems:
         messages = [m for _, m in problems]
         if all(wrong_kind for wrong_kind, _ in problems):

@@ -148,6 +148,8 @@ class Explain:
         stream = (f"P({d!r}, {t!r}, None): batch over {d!r}, sequence over {t!r} (sequence parallel)"
                   if tp.sequence_parallel else f"P({d!r}, None, None): replicated over {t!r}")
         out = [f"  tensor: {t!r} (t={tp.size}), sequence_parallel={tp.sequence_parallel}"]
+        if tp.dims_from:
+            out += _wrap(f"dims from {tp.dims_from}", "    ", "      ")
         out += _wrap("split modules: " + ("; ".join(words) or f"none (no parameter's spec names {t!r}: give sl.plan "
                                                              "rules= or sl.shard specs)"), "    ", "      ")
         out.append(f"    residual stream at every unit boundary: {stream}; outside the units "

@@ -33,6 +33,7 @@ from .peft import ROOT, base_name, is_peft, peft_base
 
 COL, ROW, REPLICATED = "colwise", "rowwise", "replicated"
 COL3, COL2 = "colwise_fused3", "colwise_fused2"       # q|k|v (gate|up) end to end: each block split
+NORM = "norm_split"           # an RMSNorm over a column's whole output (OLMo-2's q_norm): its weight split with it
 _KINDS = {"colwise": COL, "rowwise": ROW, "replicated_with_grad_allreduce": REPLICATED}
 _WHY = {
     "packed_colwise": "MoE experts' fused gate|up weights (E, 2I, H) split on I per expert",
@@ -47,8 +48,9 @@ _WHY = {
 }
 
 # family -> (the layer stack under the base model, {module pattern under the base model: kind}); the
-# attention of ALiBi families (bloom, mpt), multi-query families (gpt_bigcode, falcon) and CodeGen's
-# interleaved qkv stays replicated until its layout is lowered: their MLPs split
+# attention of multi-query families (gpt_bigcode, falcon) and CodeGen's interleaved qkv stays replicated
+# until its layout is lowered: their MLPs split. ALiBi (bloom, mpt): each rank's heads get their own biases
+# (``TensorPlan.head_args``)
 BUILTIN: dict[str, tuple[str, dict[str, str]]] = {
     "gpt2": ("h", {"h.*.attn.c_attn": COL3, "h.*.attn.c_proj": ROW, "h.*.mlp.c_fc": COL, "h.*.mlp.c_proj": ROW}),
     "gptj": ("h", {"h.*.attn.q_proj": COL, "h.*.attn.k_proj": COL, "h.*.attn.v_proj": COL,
@@ -60,9 +62,12 @@ BUILTIN: dict[str, tuple[str, dict[str, str]]] = {
     "opt": ("decoder.layers", {"decoder.layers.*.self_attn.q_proj": COL, "decoder.layers.*.self_attn.k_proj": COL,
                                "decoder.layers.*.self_attn.v_proj": COL, "decoder.layers.*.self_attn.out_proj": ROW,
                                "decoder.layers.*.fc1": COL, "decoder.layers.*.fc2": ROW}),
-    "bloom": ("h", {"h.*.mlp.dense_h_to_4h": COL, "h.*.mlp.dense_4h_to_h": ROW}),
+    # BLOOM's query_key_value is per-head interleaved ([q k v] of head 0, then head 1...): a plain column
+    "bloom": ("h", {"h.*.self_attention.query_key_value": COL, "h.*.self_attention.dense": ROW,
+                    "h.*.mlp.dense_h_to_4h": COL, "h.*.mlp.dense_4h_to_h": ROW}),
     "falcon": ("h", {"h.*.mlp.dense_h_to_4h": COL, "h.*.mlp.dense_4h_to_h": ROW}),
-    "mpt": ("blocks", {"blocks.*.ffn.up_proj": COL, "blocks.*.ffn.down_proj": ROW}),
+    "mpt": ("blocks", {"blocks.*.attn.Wqkv": COL3, "blocks.*.attn.out_proj": ROW,
+                       "blocks.*.ffn.up_proj": COL, "blocks.*.ffn.down_proj": ROW}),
     "gpt_bigcode": ("h", {"h.*.mlp.c_fc": COL, "h.*.mlp.c_proj": ROW}),
     "stablelm": ("layers", {"layers.*.self_attn.q_proj": COL, "layers.*.self_attn.k_proj": COL,
                             "layers.*.self_attn.v_proj": COL, "layers.*.self_attn.o_proj": ROW,
@@ -74,10 +79,16 @@ BUILTIN: dict[str, tuple[str, dict[str, str]]] = {
     "glm": ("layers", {"layers.*.self_attn.q_proj": COL, "layers.*.self_attn.k_proj": COL,
                        "layers.*.self_attn.v_proj": COL, "layers.*.self_attn.o_proj": ROW,
                        "layers.*.mlp.gate_up_proj": COL2, "layers.*.mlp.down_proj": ROW}),
+    # q_norm / k_norm normalise the whole q and k width (the config's plan gathers the columns' output for
+    # them): split with the columns, their statistics summed over tensor
+    "olmo2": ("layers", {"layers.*.self_attn.q_proj": COL, "layers.*.self_attn.k_proj": COL,
+                         "layers.*.self_attn.v_proj": COL, "layers.*.self_attn.o_proj": ROW,
+                         "layers.*.self_attn.q_norm": NORM, "layers.*.self_attn.k_norm": NORM,
+                         "layers.*.mlp.gate_proj": COL, "layers.*.mlp.up_proj": COL, "layers.*.mlp.down_proj": ROW}),
 }
-# config plan entries kept replicated: OLMo-2's and OLMoE's q_norm / k_norm normalise the whole q and k
-# width (their plans gather the columns' output for it), so their attention stays replicated
-KEEP_REPLICATED: dict[str, tuple[str, ...]] = {"olmo2": ("self_attn.",), "olmoe": ("self_attn.",)}
+# config plan entries kept replicated: OLMoE's attention (q_norm / k_norm over the whole width, gathered by
+# its plan); its experts are refused on the tensor axis anyway
+KEEP_REPLICATED: dict[str, tuple[str, ...]] = {"olmoe": ("self_attn.",)}
 
 
 
@@ -155,6 +166,9 @@ def hf_dims(model: nn.Module, *, sources: bool = False) -> dict:
         layer = getattr(hits[0], "base_layer", hits[0])        # through PEFT's wrapper
         conv = type(layer).__name__ == "Conv1D"
         out_dim = Fused(3, x) if kind == COL3 else Fused(2, x) if kind == COL2 else x
+        if kind == NORM:
+            out[f"{pattern}.weight"] = ((x,), src)
+            continue
         if kind == ROW:
             weight = (x, "embed") if conv else ("embed", x)
         else:

@@ -72,6 +72,7 @@ runs; errors name the module, the parameter, its shape, the spec and the fix.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, replace
 from functools import cached_property
 
@@ -80,7 +81,7 @@ from torch import nn
 from ..algebra.spec import Fused, PartitionSpec
 from .peft import adapted_layer, is_adapter, uses_axis
 
-COLUMN, ROW, VOCAB, LOGITS = "column", "row", "vocab", "logits"
+COLUMN, ROW, VOCAB, LOGITS, NORM = "column", "row", "vocab", "logits", "norm"
 _HEADS = ("n_heads", "num_heads", "num_attention_heads")
 _KV_HEADS = ("n_kv_heads", "num_kv_heads", "num_key_value_heads")
 _WIDTH_ATTRS = ("split_size",)
@@ -121,6 +122,20 @@ class LocalAttr:
 
 
 @dataclass(frozen=True)
+class HeadArg:
+    """A keyword argument of attention module ``module`` that holds one slice per head of ``heads`` (ALiBi's
+    biases: BLOOM's ``alibi`` ``(batch x heads, 1, keys)``, MPT's ``position_bias`` ``(heads, 1, keys)``),
+    computed by the model for all heads: while split the module gets this rank's heads' slices."""
+
+    module: str
+    arg: str
+    heads: int
+
+
+_HEAD_ARGS = ("alibi", "position_bias")
+
+
+@dataclass(frozen=True)
 class TensorPlan:
     """How the tensor axis lowers on one model: the split sites, sequence parallelism, and the
     modules whose tensor-replicated parameters act on the sequence-split stream (their gradients
@@ -136,6 +151,8 @@ class TensorPlan:
     # modules with tensor-replicated parameters that meet split values (``planner/varying.py``): their
     # gradients are partial sums, so the parameters enter through ``f`` as SP's do
     partial_modules: tuple[str, ...] = ()
+    head_args: tuple[HeadArg, ...] = ()
+    dims_from: str = ""          # where the specs' logical dims came from (explain)
 
     @property
     def f_modules(self) -> tuple[str, ...]:
@@ -242,6 +259,10 @@ def derive(model: nn.Module, specs: dict[str, PartitionSpec], *, axis: str, size
                                 f"{_fmt(w if w is not None else PartitionSpec())} — expected the vocabulary split "
                                 f"(P({axis!r}, None)) or the table replicated; splitting the embedding dim leaves "
                                 f"each rank a slice of the residual stream. Use P({axis!r}, None).")
+        elif _rms_norm(mod) and set(split) == {"weight"} and tuple(split["weight"]) in ((axis,),):
+            # an RMSNorm over a split width (OLMo-2's q_norm over all heads' q): its weight split with the
+            # features, its statistics summed over tensor (comm/boundaries.py's _norm_forward)
+            sites.append(Site(mname, NORM, qual["weight"], None, mod.weight.numel(), unit, holder=_parent(mname)))
         else:
             for a, s in split.items():
                 problems.append(f"plan: {qual[a]} {tuple(mod._parameters[a].shape)} of {where} is {_fmt(s)}, but a "
@@ -252,6 +273,7 @@ def derive(model: nn.Module, specs: dict[str, PartitionSpec], *, axis: str, size
     for parent, weights in projections.items():
         problems += _head_problems(parent, modules[parent], size, axis, weights)
     local_attrs: list[LocalAttr] = []
+    head_args: list[HeadArg] = []
     for site in sites:
         parent = _parent(site.module)
         if site.fused > 1:
@@ -264,6 +286,9 @@ def derive(model: nn.Module, specs: dict[str, PartitionSpec], *, axis: str, size
         else:
             continue
         local_attrs += [a for a in found if a not in local_attrs]
+        heads = _count(modules[parent], _HEADS)
+        if heads is not None:
+            head_args += [h for h in _head_args(parent, modules[parent], heads) if h not in head_args]
     # a column whose output no row of the same parent consumes ends the model: the LM head
     row_parents = {_parent(s.module) for s in sites if s.kind == ROW}
     sites = [replace(s, kind=LOGITS)
@@ -274,7 +299,7 @@ def derive(model: nn.Module, specs: dict[str, PartitionSpec], *, axis: str, size
                         "layer stack — got a model with no layer-stack units (no nn.ModuleList of blocks, and "
                         "units= not given). Pass units=[...] naming the blocks, or sequence_parallel=False.")
     return TensorPlan(axis, size, bool(sequence_parallel), tuple(sites), tuple(sp_modules),
-                      local_attrs=tuple(local_attrs)), problems
+                      local_attrs=tuple(local_attrs), head_args=tuple(head_args)), problems
 
 
 def _parent(name: str) -> str:
@@ -375,6 +400,23 @@ def _head_attrs(name: str, mod: nn.Module) -> list[LocalAttr]:
             if isinstance(v, int) and not isinstance(v, bool):
                 out.append(LocalAttr(name, f"config.{n}", v))
     return out
+
+
+def _rms_norm(mod: nn.Module) -> bool:
+    """An RMSNorm (transformers' ``*RMSNorm``): a 1-D weight, no bias, an epsilon."""
+    w = mod._parameters.get("weight")
+    eps = getattr(mod, "variance_epsilon", getattr(mod, "eps", None))
+    return (type(mod).__name__.endswith("RMSNorm") and w is not None and w.dim() == 1
+            and mod._parameters.get("bias") is None and isinstance(eps, float))
+
+
+def _head_args(name: str, mod: nn.Module, heads: int) -> list[HeadArg]:
+    """The per-head arguments (``_HEAD_ARGS``) attention module ``mod``'s forward takes."""
+    try:
+        params = inspect.signature(type(mod).forward).parameters
+    except (TypeError, ValueError):
+        return []
+    return [HeadArg(name, a, heads) for a in _HEAD_ARGS if a in params]
 
 
 def _count(mod: nn.Module, names: tuple[str, ...]) -> int | None:

@@ -52,3 +52,14 @@ def axis_use_problems(model: nn.Module, tplan: TensorPlan, mesh, axis: str, rule
                    f"axis that splits nothing leaves its ranks computing the same thing). To split the model, "
                    f"{hint}; or use a mesh without {axis!r} (or of size 1).")
     return out
+
+
+def dims_source(model: nn.Module) -> str:
+    """Where the model's logical dims come from, for ``explain()``: its own plans (and which of them), or
+    the ``sl.shard`` tables on it."""
+    tables = tables_by_prefix(model)
+    if tables and all(owner == OWN_PLANS for ts in tables.values() for _, owner in ts):
+        sources = sorted({src for _, src in hf_dims(model, sources=True).values()})
+        return "the model's own plans (sl.hf_dims): " + "; ".join(sources)
+    owners = sorted({owner for ts in tables.values() for _, owner in ts})
+    return "sl.shard tables: " + ", ".join(owners) if owners else "no table"
