@@ -167,7 +167,6 @@ def test_lora_at_tensor_2(world):
 def _drifting(shape: dict) -> dict:
     """Qwen3 at tensor 2 with the partial-gradient derivation switched off: what every version before it did."""
     import shardlib.planner.varying as varying
-    from shardlib.verify import check_replicas
     saved = varying.partial_modules
     varying.partial_modules = lambda *a: ()
     try:

@@ -52,6 +52,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from ..errors import ShardingError
+from .hf_zeros import concrete, meta_or_zeros, shapes_of, zeros_for
 from .peft import peft_base
 
 Context = list          # per block of the stack, in order: the keyword arguments it is called with
@@ -169,7 +170,7 @@ class CausalLMStages:
 
         def fn(i: int, args: tuple, kwargs: dict) -> Any:
             return self._as_block(x if i == last else self._hidden(i, (args, kwargs)))
-        with self._swapped(fn), _zeros_for(self.model, "meta", x.dtype, x.device, memo=self._zeros):
+        with self._swapped(fn), zeros_for(self.model, "meta", x.dtype, x.device, memo=self._zeros):
             out = self.model.forward(**self._embedded(batch, x.dtype, labels=True), use_cache=False)
         loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
         if loss is None and isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor) \
@@ -186,7 +187,7 @@ class CausalLMStages:
         device)`` for a micro-batch of ``rows`` rows of ``batch`` (tensors or meta tensors): the
         arguments are computed on the CPU from zeros (cheap: masks and rotary tables), then given
         the meta device — for the stream's shape and the activation-memory probe."""
-        small = _concrete(batch, rows)
+        small = concrete(batch, rows)
         kwargs = self._embedded(small, dtype, labels=False)
         with torch.no_grad():
             calls = self._record(kwargs, "all", dtype)
@@ -223,9 +224,9 @@ class CausalLMStages:
                   if m._parameters and not (n == self.stack or n.startswith(self.stack + "."))}
         ran: list[str] = []
         handles = [m.register_forward_pre_hook(lambda mod, args, n=n: ran.append(n)) for n, m in owners.items()]
-        small = _concrete(batch, 1)
+        small = concrete(batch, 1)
         try:
-            with _zeros_for(self.model, "all", torch.float32, small["input_ids"].device, grad=True):
+            with zeros_for(self.model, "all", torch.float32, small["input_ids"].device, grad=True):
                 by_ids = self._record({k: v for k, v in small.items() if k not in LOSS_KEYS}, None, torch.float32,
                                       problems)
                 embedded = self._embedded(small, torch.float32, labels=False)
@@ -284,7 +285,7 @@ class CausalLMStages:
                                "from the batch (masks, positions, rotary tables): only the hidden state crosses "
                                f"stages. {name} cannot be pipelined by the transformers adapter; plan without the "
                                "pipe axis.")
-            shapes, other = _shapes(a), _shapes(b)
+            shapes, other = shapes_of(a), shapes_of(b)
             if shapes != other:
                 out.append(f"plan: block {i} of {self.stack!r} gets {shapes} from input_ids but {other} from "
                            "inputs_embeds — expected the same arguments either way (the stages after the first "
@@ -359,7 +360,7 @@ class CausalLMStages:
     def _record(self, kwargs: dict[str, Any], params: str | None, dtype: torch.dtype,
                 problems: list[str] | None = None) -> dict[int, list[tuple]] | list[tuple]:
         """Run the forward up to the stack's last block, each stub passing its input on, with
-        ``params`` (``_zeros_for``; None: as they are) read as zeros of ``dtype``; return each
+        ``params`` (``zeros_for``; None: as they are) read as zeros of ``dtype``; return each
         block's ``(args, kwargs)`` — a list in order, or with ``problems`` (the plan's check) every
         call by index (the forward's errors added to ``problems``)."""
         calls: dict[int, list[tuple]] = {}
@@ -376,7 +377,7 @@ class CausalLMStages:
         device = leaves[0].device if leaves else torch.device("cpu")
         try:
             memo = self._zeros if params == "meta" else None
-            with self._swapped(fn), (_zeros_for(self.model, params, dtype, device, memo=memo) if params else nullcontext()):
+            with self._swapped(fn), (zeros_for(self.model, params, dtype, device, memo=memo) if params else nullcontext()):
                 self.model.forward(**kwargs, use_cache=False)
         except _Stop:
             pass
@@ -444,81 +445,3 @@ class CausalLMStages:
 
     def _kwargs(self, i: int, call: tuple) -> dict[str, Any]:
         return self._bound(i, call)[1]
-
-
-@contextmanager
-def _zeros_for(model: nn.Module, which: str, dtype: torch.dtype, device: torch.device, *,
-               grad: bool = False, memo: dict | None = None) -> Iterator[None]:
-    """Read parameters (``which="meta"``: those on the meta device; ``"all"``: every one, and meta
-    buffers) as zeros of stride 0 — no storage. Floating ones in ``dtype``; ``grad``: zeros that
-    require a gradient, so what is computed from them is seen to be. ``memo`` keeps the found places
-    and their zeros between calls (a stage's step: its meta parameters are the other stages', fixed
-    at the build; a place whose tensor was replaced since is found again)."""
-    key = (which, dtype, device, grad)
-    swapped = memo.get(key) if memo is not None else None
-    if swapped is None or any(store.get(attr) is not t for store, attr, t, _ in swapped):
-        made: dict[int, torch.Tensor] = {}
-        swapped = []
-
-        def zeros(t: torch.Tensor) -> torch.Tensor:
-            if id(t) not in made:
-                dt = dtype if t.is_floating_point() else t.dtype
-                with torch.inference_mode(False):       # kept: usable whatever mode a later call runs in
-                    base = torch.zeros((), dtype=dt, device=device, requires_grad=grad and dt.is_floating_point)
-                    made[id(t)] = base.expand(t.shape)
-            return made[id(t)]
-        for mod in model.modules():
-            for store, buffers in ((mod._parameters, False), (mod._buffers, True)):
-                for attr, t in store.items():
-                    if t is None or (buffers and not t.is_meta) or (which == "meta" and not t.is_meta):
-                        continue
-                    swapped.append((store, attr, t, zeros(t)))
-        if memo is not None:
-            memo[key] = swapped
-    for store, attr, _, z in swapped:
-        store[attr] = z
-    try:
-        yield
-    finally:
-        for store, attr, t, _ in swapped:
-            store[attr] = t
-
-
-def _shapes(kwargs: dict[str, Any]) -> dict[str, list[tuple[int, ...]]]:
-    return {k: [tuple(t.shape) for t in tree_flatten(v)[0] if isinstance(t, torch.Tensor)] for k, v in kwargs.items()}
-
-
-def _concrete(batch: Mapping[str, Any], rows: int) -> dict[str, Any]:
-    """The first ``rows`` rows of each tensor of ``batch`` (a 0-dim one, ``num_items_in_batch``, as
-    it is); meta tensors (an example batch of shapes only) as ones on the CPU."""
-    out = {}
-    for k, v in batch.items():
-        if isinstance(v, torch.Tensor):
-            v = v[:rows] if v.dim() else v
-            if v.is_meta:
-                v = torch.ones(v.shape, dtype=v.dtype)
-        out[k] = v
-    return out
-
-
-def _no_meta_kernel(e: Exception) -> bool:
-    """``e`` says an op has no meta kernel (an MoE block's ``nonzero``) or the meta device cannot run it."""
-    return isinstance(e, NotImplementedError) or (isinstance(e, RuntimeError) and "meta" in str(e))
-
-
-def meta_or_zeros(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``fn(*args, **kwargs)`` on meta tensors; where that fails for want of a meta kernel (MoE blocks:
-    ``nonzero``, ``grouped_mm``), again on zeros on the CPU of the same shapes, dtypes and
-    ``requires_grad`` (one micro-batch's worth, allocated while it runs)."""
-    try:
-        return fn(*args, **kwargs)
-    except (NotImplementedError, RuntimeError) as e:
-        if not _no_meta_kernel(e):
-            raise
-
-    def zeros(t: torch.Tensor) -> torch.Tensor:
-        if not t.is_meta:
-            return t
-        z = torch.zeros(t.shape, dtype=t.dtype)
-        return z.requires_grad_(True) if t.requires_grad and z.is_floating_point() else z
-    return fn(*tree_map_only(torch.Tensor, zeros, args), **tree_map_only(torch.Tensor, zeros, kwargs))

@@ -361,6 +361,13 @@ def _fused_attrs(name: str, mod: nn.Module, site: Site) -> tuple[list[LocalAttr]
         return [], (f"{site.fused} equal blocks of {block}, but {name or '<root>'!r} has {heads} query and {kv} KV "
                     f"heads, so its q|k|v blocks differ in width — expected equal blocks. Keep this projection "
                     "and its output projection replicated (P()), or split q, k and v as separate projections.")
+    return out + _count_attrs(name, mod), ""
+
+
+def _count_attrs(name: str, mod: nn.Module) -> list[LocalAttr]:
+    """The head counts of attention module ``mod`` as local attributes: its own, and (an attention module's)
+    its ``config``'s."""
+    out = []
     for n in _HEADS + _KV_HEADS:
         v = getattr(mod, n, None)
         if isinstance(v, int) and not isinstance(v, bool):
@@ -371,7 +378,7 @@ def _fused_attrs(name: str, mod: nn.Module, site: Site) -> tuple[list[LocalAttr]
             v = getattr(cfg, n, None)
             if isinstance(v, int) and not isinstance(v, bool):
                 out.append(LocalAttr(name, f"config.{n}", v))
-    return out, ""
+    return out
 
 
 def _head_attrs(name: str, mod: nn.Module) -> list[LocalAttr]:
@@ -382,23 +389,13 @@ def _head_attrs(name: str, mod: nn.Module) -> list[LocalAttr]:
     heads = _count(mod, _HEADS)
     if heads is None:
         return []
-    out: list[LocalAttr] = []
-    for n in _HEADS + _KV_HEADS:
-        v = getattr(mod, n, None)
-        if isinstance(v, int) and not isinstance(v, bool):
-            out.append(LocalAttr(name, n, v))
+    out = _count_attrs(name, mod)
     head_dim = getattr(mod, "head_dim", None) or getattr(mod, "head_size", None)
     if isinstance(head_dim, int) and head_dim > 0:
         for n in _WIDTHS:
             v = getattr(mod, n, None)
             if isinstance(v, int) and not isinstance(v, bool) and v == heads * head_dim:
                 out.append(LocalAttr(name, n, v))
-    cfg = getattr(mod, "config", None)
-    if cfg is not None and any(hasattr(mod, a) for a in _ATTENTION_MARKS):
-        for n in _HEADS + _KV_HEADS:
-            v = getattr(cfg, n, None)
-            if isinstance(v, int) and not isinstance(v, bool):
-                out.append(LocalAttr(name, f"config.{n}", v))
     return out
 
 
