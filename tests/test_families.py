@@ -316,3 +316,25 @@ def test_explain_names_the_partial_gradients():
     sp = sl.plan(hf.build("qwen3"), sl.AbstractMesh({"tensor": 2}), rules=RULES, sequence_parallel=True,
                  batch=_batches("qwen3")[0])
     assert sp.tensor.partial_modules == ()      # under SP every unit's norms already enter through f
+
+
+# ---- a tied table on the pipe is one tensor in what is written ---------------------------------------
+
+def _save_tied(path: str) -> dict:
+    model = hf.build("gpt2")
+    plan = sl.plan(model, get_mesh({"data": 1, "pipe": 2}), rules={"layers": "pipe"}, microbatches=2,
+                   batch=_batches("gpt2")[0])
+    engine = sl.parallelize(model, plan, optimizer=functools.partial(hf.adamw, lr=LR))
+    for b in _batches("gpt2")[:2]:
+        engine.step(b)
+    engine.save_pretrained(path)
+    return engine.full_state_dict()
+
+
+def test_tied_table_on_the_pipe_saves_as_one_tensor(world, tmp_path):
+    from transformers import AutoModelForCausalLM
+    full = world(2, _save_tied, str(tmp_path))[0]
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path))
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight
+    for k, v in loaded.state_dict().items():
+        torch.testing.assert_close(v, full[k], rtol=0, atol=0, msg=lambda m, k=k: f"{k}: {m}")
