@@ -8,9 +8,9 @@ Each family trains 3 AdamW steps and is checked against the same model in one pr
 - every replicated copy **bit-equal** across its axis (``shardlib.verify.replica_mismatches``): a per-head
   norm whose partial gradient went unreduced (Qwen3, Gemma-3, EXAONE-4) drifts here while the losses agree.
 
-MoE families are refused at plan time (their plans' expert kinds are not lowered yet), by entry. Bad
-input is refused before any collective: an axis that splits nothing, an activation meeting split values
-unreduced.
+MoE families split their attention and dense MLPs; their experts run replicated over tensor (named
+``experts``/``expert_mlp``, their split site not lowered yet). Bad input is refused before any collective: an
+axis that splits nothing, a plan kind shardlib does not lower, an activation meeting split values unreduced.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from test_tensor import train_counting
 
 RULES = {"heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
 STEPS, LR = 3, 1e-2
-DENSE = tuple(f for f in hf.FAMILIES if f not in hf.MOE)
 
 
 def _batches(family: str) -> list[dict]:
@@ -94,14 +93,16 @@ def _check(family: str, per_rank: list[dict], where: str, lora: bool = False) ->
                                        msg=lambda m, k=k: f"{at}, {k}: {m}")
 
 
-CHUNKS = [DENSE[i::4] for i in range(4)]
+CHUNKS = [hf.FAMILIES[i::4] for i in range(4)]
 # multi-query / grouped fused qkv (Falcon, GPT-BigCode), CodeGen's interleaved qkv, grouped-query Phi-3's fused
 # q|k|v of unequal blocks: attention kept replicated by their tables, the MLPs split
-ATTENTION_REPLICATED = {"falcon", "gpt_bigcode", "codegen", "phi3"}
+# q|k|v of unequal blocks; DeepSeek-V3's MLA, which its own plan keeps replicated: attention replicated, the
+# MLPs split. MoE experts stay replicated over tensor (their split site is not lowered yet)
+ATTENTION_REPLICATED = {"falcon", "gpt_bigcode", "codegen", "phi3", "deepseek_v3"}
 
 
 @pytest.mark.parametrize("chunk", range(len(CHUNKS)))
-def test_every_dense_family_at_tensor_2_trains_like_one_process(world, chunk):
+def test_every_family_at_tensor_2_trains_like_one_process(world, chunk):
     families = list(CHUNKS[chunk])
     per_rank = world(2, _runs, families, {"data": 1, "tensor": 2}, 0)
     for f in families:
@@ -112,7 +113,7 @@ def test_every_dense_family_at_tensor_2_trains_like_one_process(world, chunk):
     # the per-head norms' partial gradients were found, and only where they are
     for f in families:
         partial = per_rank[0][f]["partial"]
-        if f in ("qwen3", "gemma3_text", "exaone4"):
+        if f in ("qwen3", "qwen3_moe", "gemma3_text", "exaone4"):
             assert partial and all(m.endswith(("q_norm", "k_norm")) for m in partial), (f, partial)
         else:
             assert partial == (), (f, partial)
@@ -198,16 +199,27 @@ def test_replica_check_names_the_drifting_norm(world):
 
 # ---- plan-time refusals (no processes) -----------------------------------------------------------
 
-def test_moe_plans_are_refused_by_entry_on_the_tensor_axis():
-    mesh = sl.AbstractMesh({"data": 1, "tensor": 2})
-    for f in sorted(hf.MOE):
-        model = hf.build(f, meta=True)
-        assert unsupported(model), f
-        with pytest.raises(sl.ShardingError, match="moe_tp_experts") as e:
-            sl.plan(model, mesh, rules=RULES)
-        assert "sl.shard" in str(e.value)
-    # without a tensor axis the same models plan: data parallel needs no split
-    sl.plan(hf.build("qwen3_moe", meta=True), sl.AbstractMesh({"data": 2}), zero=3)
+def test_moe_experts_are_named_and_refused_where_not_lowered():
+    """MoE experts' fused 3-D weights get the logical dims ``experts`` and ``expert_mlp`` from the model's plan;
+    a rule that would split them over tensor is refused by name (their split site is not lowered yet)."""
+    model = hf.build("qwen3_moe", meta=True)
+    dims = sl.hf_dims(model)
+    assert dims["model.layers.*.mlp.experts.gate_up_proj"] == ("experts", sl.Fused(2, "expert_mlp"), "embed")
+    assert dims["model.layers.*.mlp.experts.down_proj"] == ("experts", "embed", "expert_mlp")
+    with pytest.raises(sl.ShardingError, match="experts.gate_up_proj") as e:
+        sl.plan(model, sl.AbstractMesh({"tensor": 2}), rules={**RULES, "expert_mlp": "tensor"})
+    assert "cannot consume a parameter split on 'tensor'" in str(e.value)
+
+
+def test_a_plan_kind_shardlib_does_not_lower_is_refused_by_entry():
+    model = hf.build("llama", meta=True)
+    model.config.base_model_tp_plan = {**model.config.base_model_tp_plan,
+                                       "layers.*.input_layernorm": "sequence_parallel"}
+    assert unsupported(model) and "sequence_parallel" in unsupported(model)[0]
+    with pytest.raises(sl.ShardingError, match="'sequence_parallel'") as e:
+        sl.plan(model, sl.AbstractMesh({"tensor": 2}), rules=RULES)
+    assert "model.layers.*.input_layernorm" in str(e.value) and "sl.shard" in str(e.value)
+    sl.plan(model, sl.AbstractMesh({"data": 2}))      # no tensor axis: nothing to lower
 
 
 def test_tied_weights_across_stages_refused_where_not_lowered():

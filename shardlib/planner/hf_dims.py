@@ -15,9 +15,13 @@ Where the entries come from, in order (``hf_dims(model, sources=True)`` says whi
 3. **the embeddings**: untied input and output embeddings -> ``("vocab", "embed")`` (a biased head's bias
    ``("vocab",)``); a tied pair stays replicated.
 
-A config plan entry of a kind shardlib does not lower (MoE experts' ``moe_tp_experts``/``packed_colwise``,
-``local_*``, ``sequence_parallel``, ...) is not in the table; ``unsupported(model)`` lists it with what
-supporting it would take, and ``sl.plan`` refuses it when the mesh's tensor axis would split the model.
+MoE experts (transformers 5's fused 3-D weights, ``packed_colwise`` / ``rowwise`` / ``moe_tp_experts`` in the
+plan) get ``("experts", Fused(2, "expert_mlp"), "embed")`` and ``("experts", "embed", "expert_mlp")``: no tensor
+rule names ``expert_mlp``, so the experts run replicated over ``tensor`` (a rule splitting them is refused by the
+planner: their split site is not lowered yet). A config plan entry of another kind shardlib does not lower
+(``colwise_gather_output`` outside the project's table, ``sequence_parallel``, ...) is not in the table;
+``unsupported(model)`` lists it with what supporting it would take, and ``sl.plan`` refuses it when the mesh's
+tensor axis would split the model.
 Patterns are written against the model's own parameter names (a PEFT model's: its base model's); only
 patterns that match a parameter are returned. transformers is not imported here.
 """
@@ -34,7 +38,11 @@ from .peft import ROOT, base_name, is_peft, peft_base
 COL, ROW, REPLICATED = "colwise", "rowwise", "replicated"
 COL3, COL2 = "colwise_fused3", "colwise_fused2"       # q|k|v (gate|up) end to end: each block split
 NORM = "norm_split"           # an RMSNorm over a column's whole output (OLMo-2's q_norm): its weight split with it
-_KINDS = {"colwise": COL, "rowwise": ROW, "replicated_with_grad_allreduce": REPLICATED}
+EXPERTS_COL2, EXPERTS_MODULE = "experts_packed_colwise", "experts_module"
+_KINDS = {"colwise": COL, "rowwise": ROW, "replicated_with_grad_allreduce": REPLICATED,
+          # MoE experts (transformers 5's fused 3-D weights): their dims are named (``experts``, ``expert_mlp``),
+          # which no rule of the tensor axis splits by default: the experts run replicated over ``tensor``
+          "packed_colwise": EXPERTS_COL2, "moe_tp_experts": EXPERTS_MODULE}
 _WHY = {
     "packed_colwise": "MoE experts' fused gate|up weights (E, 2I, H) split on I per expert",
     "moe_tp_experts": "the experts' forward on split expert widths, its output summed over tensor",
@@ -86,9 +94,13 @@ BUILTIN: dict[str, tuple[str, dict[str, str]]] = {
                          "layers.*.self_attn.q_norm": NORM, "layers.*.self_attn.k_norm": NORM,
                          "layers.*.mlp.gate_proj": COL, "layers.*.mlp.up_proj": COL, "layers.*.mlp.down_proj": ROW}),
 }
-# config plan entries kept replicated: OLMoE's attention (q_norm / k_norm over the whole width, gathered by
-# its plan); its experts are refused on the tensor axis anyway
-KEEP_REPLICATED: dict[str, tuple[str, ...]] = {"olmoe": ("self_attn.",)}
+# config plan entries replaced by the project's (the rest of the config's plan kept): OLMoE's attention, whose
+# plan gathers q and k for their norms over the whole width — split with them instead, as OLMo-2's
+OVERRIDES: dict[str, tuple[str, dict[str, str]]] = {
+    "olmoe": ("self_attn.", {"layers.*.self_attn.q_proj": COL, "layers.*.self_attn.k_proj": COL,
+                             "layers.*.self_attn.v_proj": COL, "layers.*.self_attn.o_proj": ROW,
+                             "layers.*.self_attn.q_norm": NORM, "layers.*.self_attn.k_norm": NORM}),
+}
 
 
 
@@ -118,8 +130,10 @@ def _roles(model: nn.Module) -> tuple[nn.Module, str, dict[str, str], str | None
             # grouped-query Phi-3: q|k|v blocks of unequal width; its attention stays replicated
             kinds = {k: v for k, v in kinds.items() if "self_attn" not in k}
     else:
+        drop, extra = OVERRIDES.get(family, (None, {}))
+        kinds.update((pre + k, v) for k, v in extra.items())
         for key, kind in (getattr(cfg, "base_model_tp_plan", None) or {}).items():
-            if any(k in key for k in KEEP_REPLICATED.get(family, ())):
+            if drop is not None and drop in key:
                 continue
             if kind in _KINDS:
                 kinds[pre + key] = _KINDS[kind]
@@ -155,9 +169,15 @@ def hf_dims(model: nn.Module, *, sources: bool = False) -> dict:
     names = [base_name(n, root) for n, _ in model.named_parameters()]
     modules = {base_name(n, root): m for n, m in model.named_modules()}
     src = "the project's table (hf_dims.BUILTIN)" if _family(hf) in BUILTIN else "config.base_model_tp_plan"
+    params = {base_name(n, root): p for n, p in model.named_parameters()}
     out: dict[str, tuple] = {}
     for pattern, kind in kinds.items():
-        if kind == REPLICATED:
+        if kind in (REPLICATED, EXPERTS_MODULE):
+            continue
+        experts = [p for n, p in params.items() if fnmatchcase(n, pattern)]
+        if experts and all(p.dim() == 3 for p in experts):      # (experts, out, in): gate|up and down
+            out[pattern] = ((("experts", "embed", "expert_mlp") if kind == ROW
+                             else ("experts", Fused(2, "expert_mlp"), "embed")), src)
             continue
         hits = [m for n, m in modules.items() if fnmatchcase(n, pattern)]
         if not hits:
