@@ -144,6 +144,36 @@ def test_every_family_at_pipe_2_trains_like_one_process(world, chunk):
         assert bool(tied) == (f in hf.TIED), (f, tied)
 
 
+def _run_pipe(family: str, p: int, zero: int, schedule: str) -> dict:
+    model = hf.build(family, layers=4)
+    batches = [hf.batch(family, 8, 300 + s) for s in range(STEPS)]
+    plan = sl.plan(model, get_mesh({"data": 1, "pipe": p}), rules={"layers": "pipe"}, zero=zero, microbatches=4,
+                   schedule=schedule, batch=batches[0],
+                   **({"virtual_stages": 2} if schedule == "interleaved_1f1b" else {}))
+    engine = sl.parallelize(model, plan, optimizer=functools.partial(hf.adamw, lr=LR))
+    losses, counts = train_counting(engine, plan, batches)
+    return {"losses": losses, "state": engine.full_state_dict(), "replicas": replica_mismatches(engine),
+            "tied": plan.pipeline.tied, **counts}
+
+
+@pytest.mark.parametrize("family,p,zero,schedule", [("gpt2", 4, 0, "1f1b"), ("smollm3", 4, 2, "zb_h1"),
+                                                    ("gemma", 2, 1, "interleaved_1f1b")])
+def test_tied_tables_at_every_pipe_size_and_schedule(world, family, p, zero, schedule):
+    """The stages between the first and the last add zeros to the tied weight's sum (pipe 4); the first and
+    last virtual stage of an interleaved schedule sit on the two ends of the pipe axis."""
+    per_rank = world(p, _run_pipe, family, p, zero, schedule)
+    model = hf.build(family, layers=4)
+    want = hf.train_alone(model, [hf.batch(family, 8, 300 + s) for s in range(STEPS)], lr=LR)
+    for r, res in enumerate(per_rank):
+        at = f"{family} pipe {p} {schedule} ZeRO-{zero} rank {r}"
+        assert res["tied"], at
+        assert max(abs(a - b) / abs(b) for a, b in zip(res["losses"], want)) <= 1e-5, (at, res["losses"], want)
+        assert res["replicas"] == [], (at, res["replicas"])
+        assert res["counted"] == res["planned"], (at, res["counted"], res["planned"])
+        for k, v in model.state_dict().items():
+            torch.testing.assert_close(res["state"][k], v, rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{at}, {k}: {m}")
+
+
 # 2x2x2: tied (ZeRO-2), per-head norms with a tied table (ZeRO-1), tuple blocks untied (ZeRO-3)
 CUBE = [("gpt2", 2), ("gemma3_text", 1), ("gptj", 3)]
 
@@ -222,14 +252,11 @@ def test_a_plan_kind_shardlib_does_not_lower_is_refused_by_entry():
     sl.plan(model, sl.AbstractMesh({"data": 2}))      # no tensor axis: nothing to lower
 
 
-def test_tied_weights_across_stages_refused_where_not_lowered():
+def test_tied_weights_across_stages_refused_under_zero3():
     gpt2 = hf.build("gpt2", meta=True)
     batch = _batches("gpt2")[0]
     with pytest.raises(sl.ShardingError, match="under ZeRO-3"):
         sl.plan(gpt2, sl.AbstractMesh({"data": 2, "pipe": 2}), rules={"layers": "pipe"}, zero=3, batch=batch)
-    deep = hf.build("gpt2", meta=True, layers=4)
-    with pytest.raises(sl.ShardingError, match="so far at pipe=2 only"):
-        sl.plan(deep, sl.AbstractMesh({"pipe": 4}), rules={"layers": "pipe"}, microbatches=4, batch=batch)
     plan = sl.plan(gpt2, sl.AbstractMesh({"data": 2, "pipe": 2}), rules={"layers": "pipe"}, zero=2, batch=batch)
     assert plan.pipeline.tied == ("transformer.wte.weight",)
     tied = [e for e in plan.comm_per_step(0) if e.what == "tied-grads"]

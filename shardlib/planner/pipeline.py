@@ -21,8 +21,8 @@ so that one process and every pipeline train alike. Modules registered before th
 attribute run in ``pipeline_pre`` (first stage); those registered after it in ``pipeline_post``
 (last stage) — at every level of a nested stack's name. A parameter used on both sides (tied
 embeddings) is held by the first and the last stage (``PipelinePlan.tied``, Megatron's embedding group):
-one tensor, its two gradients summed over the pipe axis once a step, the same update on both (at pipe 2,
-ZeRO 0-2; elsewhere refused at plan time, naming the fix).
+one tensor, its two gradients summed over the pipe axis once a step (the stages between add zeros), the same
+update on both (ZeRO 0-2; under ZeRO-3 refused at plan time, naming the fix).
 
 **A transformers causal LM needs no code** (``planner/hf_stages.py``; ``planner/stack.py`` picks
 what runs around the blocks and finds the stack): a model without these
@@ -379,21 +379,16 @@ def derive(model: nn.Module, mesh, *, rules, axis: str, microbatches: int | None
             prev = owner.setdefault(id(t), (s, pname))
             if prev[0] == s:
                 continue
-            if (prev[0], s) == (0, n_stages - 1) and p == 2 and zero3:
+            if (prev[0], s) == (0, n_stages - 1) and zero3:
                 problems.append(f"plan: parameter {pname!r} is the same tensor as {prev[1]!r} (tied), on the first "
                                 "and last stages, under ZeRO-3 — the two stages would shard it at rest inside "
                                 "different units, so their pieces of it differ and cannot be summed. Use zero=2 (or "
                                 "less) with the pipe axis, untie them (tie_word_embeddings=False), or plan without "
                                 "the pipe axis.")
-            elif (prev[0], s) == (0, n_stages - 1) and p == 2:
+            elif (prev[0], s) == (0, n_stages - 1):
                 # Megatron's embedding group: one tensor held by the first and the last stage, its two
                 # gradients summed once a step (runtime/pipeline.py), the same update on both
                 tied.append(canonical[id(t)])
-            elif (prev[0], s) == (0, n_stages - 1):
-                problems.append(f"plan: parameter {pname!r} is the same tensor as {prev[1]!r} (tied), on the first "
-                                f"and last stages of {axis}={p} — shared weights across stages are summed over the "
-                                f"{axis!r} axis, so far at {axis}=2 only (the stages between would take part in the "
-                                f"sum). Use {axis}=2, untie them (tie_word_embeddings=False), or plan without the pipe axis.")
             else:
                 problems.append(f"plan: parameter {pname!r} is the same tensor as {prev[1]!r} (tied), on stages "
                                 f"{prev[0]} and {s} — expected a weight shared only by the first and the last stage "

@@ -176,6 +176,9 @@ class Plan(MemoryAccounting, TrafficAccounting, Explain):
     pipeline: PipelinePlan | None = None
     # set in a stage-local plan (``local``): the pipe coordinate whose stages it holds
     pipe_coord: int | None = None
+    # a local plan's weights tied across the first and last stage: (name, elements of this rank's piece of
+    # its gradient), in the pipeline plan's order — held here or not (the stages between add zeros)
+    tied_pieces: tuple[tuple[str, int], ...] = ()
     # HSDP: a second data axis over which the training states are replicated (``data`` shards them)
     replica_axis: str | None = None
     # memory kinds (planner/offload.py): ((state, "host" | "disk"), ...) — states not named live on the device
@@ -371,6 +374,13 @@ class Plan(MemoryAccounting, TrafficAccounting, Explain):
 
 
 def _localize(plan: Plan, rank: int, key: tuple[int, int | None]) -> Plan:
+    out = _localized(plan, rank, key)
+    if plan.pipeline is not None and plan.pipe_size > 1 and plan.pipeline.tied:
+        out = replace(out, tied_pieces=_tied_pieces(plan, rank, out if key[0] == 0 else None))
+    return out
+
+
+def _localized(plan: Plan, rank: int, key: tuple[int, int | None]) -> Plan:
     """``plan.local(rank)``: the parameters of ``rank``'s pipeline stages; shapes become its tensor
     shards, layouts the data axis's."""
     pcoord, tcoord = key
@@ -400,6 +410,28 @@ def _localize(plan: Plan, rank: int, key: tuple[int, int | None]) -> Plan:
         shape = tuple(p.compute.local_shape(p.shape, rank)) if p.shape else p.shape   # compute = the spec's layout
         params.append(replace(p, shape=shape, full_shape=p.shape, rest=rest, compute=rep, grad=grad, optim=optim))
     return replace(out, params=tuple(params), local_coord=tcoord)
+
+
+def _tied_pieces(plan: Plan, rank: int, local: Plan | None) -> tuple[tuple[str, int], ...]:
+    """Per tied weight, the elements of ``rank``'s piece of its reduced gradient, as the first stage's rank at
+    the same data and tensor coordinates holds it (``local``: that rank's plan, when it is this one; the last
+    stage lays the weight out alike: a bucket of its own)."""
+    pp, mesh = plan.pipeline, plan.mesh
+    coords = list(mesh.coords(rank))
+    coords[mesh.axis_index(pp.axis)] = 0
+    first = mesh.rank_at(coords)
+    local = local if local is not None else plan.local(first)
+    flat, params = local.flat, {p.name: p for p in local.params}
+    out = []
+    for name in pp.tied:
+        slot = flat.slot(name)
+        if slot is None:
+            n = params[name].numel
+        else:
+            lo, hi = slot.piece(flat.groups[slot.group].segments[slot.segment].bounds(first))
+            n = hi - lo
+        out.append((name, n))
+    return tuple(out)
 
 
 def _stage_activations(plan: Plan, mine: set[int]) -> tuple:

@@ -236,7 +236,7 @@ class TrafficAccounting:
                 out.append(CommEntry("step", "scalars", "all_reduce", dp,
                                      comm.all_reduce_bytes(self.scalars_per_step(), dpn, 4), 1))
         if self.pipe_size > 1:
-            out += self._pipe_entries() + self._tied_entries(rank)
+            out += self._pipe_entries() + self._tied_entries()
         elif self.tensor_size > 1:
             # the step's scalars over the whole (data, tensor) group: split gradients' norms add up
             # over tensor (runtime/engine.py counts each element once)
@@ -246,25 +246,13 @@ class TrafficAccounting:
             out += [replace(e, count=e.count * self.grad_accum) for e in self.activation_entries()]
         return out + copy_entries(self, rank)
 
-    def _tied_entries(self, rank: int | None) -> list[CommEntry]:
+    def _tied_entries(self) -> list[CommEntry]:
         """A weight tied across the first and last stage (``PipelinePlan.tied``): this rank's piece of its
-        reduced gradient summed over the pipe axis once a step (Megatron's embedding group)."""
+        reduced fp32 gradient summed over the pipe axis once a step (Megatron's embedding group; the stages
+        between add zeros)."""
         pp = self.pipeline
-        names = {p.name: p for p in self.params if p.trainable}
-        held = [names[t] for t in pp.tied if t in names]
-        if not held:
-            return []
-        r = rank if rank is not None else getattr(self.mesh, "rank", None) or 0
-        flat = self.flat
-        out = []
-        for p in held:
-            slot = flat.slot(p.name)
-            numel = p.numel if slot is None else (lambda b: b[1] - b[0])(
-                slot.piece(flat.groups[slot.group].segments[slot.segment].bounds(r)))
-            out.append(CommEntry("step", "tied-grads", "all_reduce", (pp.axis,),
-                                 comm.all_reduce_bytes(numel, pp.size, 4),   # the fp32 master's gradient
-                                 1, p.name))
-        return out
+        return [CommEntry("step", "tied-grads", "all_reduce", (pp.axis,), comm.all_reduce_bytes(n, pp.size, 4), 1, name)
+                for name, n in self.tied_pieces if n]
 
     def _pipe_entries(self) -> list[CommEntry]:
         """The pipe axis's traffic of a stage-local plan: the step's scalars (``pipe_scalar_axes``),

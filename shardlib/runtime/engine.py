@@ -238,7 +238,7 @@ class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
         reduced = self.buckets.finish() if self.buckets is not None else None
         trainable = [s for s in self.states if s.trainable]
         grads = self._master_grads(reduced, scale)
-        if self.pipe is not None and self.pipe.tied_index:
+        if self.pipe is not None and self.pipe.tied_sums:
             self.pipe.sum_tied(grads)         # tied embeddings: the first and last stage's shares summed
         scalars = [loss_sum]
         split = self.tensor is not None

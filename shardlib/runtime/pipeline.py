@@ -111,6 +111,9 @@ class PipelineRuntime:
         # and whether this rank counts them in the clipping norm (the first stage's copy does)
         mine = [s.name for s in engine.states if s.trainable]
         self.tied_index = [i for i, n in enumerate(mine) if n in pp.tied]
+        # every pipe rank takes part in each tied weight's sum, in the plan's order: (its place among this
+        # rank's gradients, or None where the rank holds none of it; the piece's elements)
+        self.tied_sums = [(mine.index(n) if n in mine else None, k) for n, k in engine.plan.tied_pieces if k]
         self.counts_tied = 0 in self.stages
         # the step's scalars: this rank's trainable parameters' places among all of the model's
         trainable = [p.name for p in gplan.params if p.trainable]
@@ -442,8 +445,9 @@ class PipelineRuntime:
         """Sum the gradients of the weights tied across the first and last stage over the pipe axis, in
         place: each stage computed its own use's share (the embedding's, the head's); both then apply the
         same update to the same values, so the copies stay one tensor (Megatron's embedding group)."""
-        for i in self.tied_index:
-            comm.all_reduce(grads[i], self.mesh, (self.pp.axis,), inplace=True)
+        for i, k in self.tied_sums:
+            g = grads[i] if i is not None else torch.zeros(k, dtype=torch.float32, device=self.mesh.device)
+            comm.all_reduce(g, self.mesh, (self.pp.axis,), inplace=True)
 
     def norm_grads(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """``grads`` for the clipping norm: a tied weight's summed gradient counted on the first stage only."""

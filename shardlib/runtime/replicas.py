@@ -49,28 +49,45 @@ def replica_axes(engine: Engine, name: str) -> tuple[str, ...]:
 def replica_mismatches(engine: Engine) -> list[str]:
     """Every trainable parameter whose master copies differ across their replica axes, one line each
     (the same list on every rank of a group). A collective over each set of replica axes."""
+    gplan, mesh = engine.global_plan, engine.mesh
+    pipe = gplan.pipeline if gplan.pipe_size > 1 else None
+    tied = set(pipe.tied) if pipe is not None else set()
+    by_name = {s.name: s for s in engine.states if s.trainable and s.master is not None}
     groups: dict[tuple[str, ...], list] = {}
-    for s in engine.states:
-        if s.trainable and s.master is not None:
-            axes = replica_axes(engine, s.name)
-            if axes:
-                groups.setdefault(axes, []).append(s)
+    for name, s in by_name.items():
+        axes = replica_axes(engine, name)
+        if axes and name not in tied:
+            groups.setdefault(axes, []).append((name, s))
+    # a weight tied across the first and last stage is compared over the pipe axis: every pipe rank takes
+    # part in the gather (the stages between, which hold none of it, with a placeholder)
+    for name in (pipe.tied if pipe is not None else ()):
+        groups.setdefault(replica_axes(engine, name), []).append((name, by_name.get(name)))
     out: list[str] = []
-    mesh = engine.mesh
     with engine._offload_mapped():
         for axes in sorted(groups, key=lambda a: [mesh.axis_names.index(x) for x in a]):
-            states = groups[axes]
-            mine = torch.stack([_fingerprint(s.master.to("cpu")) for s in states]).to(mesh.device)
+            entries = groups[axes]
+            mine = torch.stack([_fingerprint(s.master.to("cpu")) if s is not None else torch.zeros(2, dtype=torch.int64)
+                                for _, s in entries]).to(mesh.device)
             every = comm.all_gather(mine.unsqueeze(0), mesh, axes).cpu()      # (k, n, 2)
             ranks = mesh.group_ranks(mesh.rank, mesh.canonical_axes(axes))
-            for i, s in enumerate(states):
-                differ = [r for j, r in enumerate(ranks) if not torch.equal(every[j, i], every[0, i])]
+            for i, (name, s) in enumerate(entries):
+                holders = [j for j, r in enumerate(ranks) if name not in tied
+                           or mesh.coord(r, pipe.axis) in (0, pipe.size - 1)]
+                differ = [ranks[j] for j in holders if not torch.equal(every[j, i], every[holders[0], i])]
                 if differ:
-                    vals = comm.all_gather(s.master.detach().to(mesh.device).reshape(1, -1).float(), mesh, axes).cpu()
-                    gap = float((vals - vals[0]).abs().max())
-                    out.append(f"{s.name}: its copies over {axes} differ — rank {ranks[0]} and rank(s) {differ} "
-                               f"hold different values (max |difference| {gap:.3g})")
+                    out.append(f"{name}: its copies over {axes} differ — rank {ranks[holders[0]]} and rank(s) "
+                               f"{differ} hold different values" + _gap(engine, s, axes, name in tied))
     return out
+
+
+def _gap(engine: Engine, s, axes: tuple[str, ...], tied: bool) -> str:
+    """`` (max |difference| x)`` of a parameter whose copies differ (its values gathered; not for a tied
+    weight, which the stages between do not hold)."""
+    if tied:
+        return ""
+    mesh = engine.mesh
+    vals = comm.all_gather(s.master.detach().to(mesh.device).reshape(1, -1).float(), mesh, axes).cpu()
+    return f" (max |difference| {float((vals - vals[0]).abs().max()):.3g})"
 
 
 def check_replicas(engine: Engine) -> None:
