@@ -82,6 +82,7 @@ class TrafficAccounting:
     tensor: TensorPlan | None
     pipeline: PipelinePlan | None
     pipe_coord: int | None
+    tied_pieces: tuple[tuple[str, int], ...]
     # derived by Plan
     compute_dtype: torch.dtype
     mixed: bool
