@@ -275,29 +275,63 @@ def test_an_axis_that_splits_nothing_is_an_error():
 
 class _SharedKey(nn.Module):
     """An attention-like module whose shared value (a replicated projection's output, as DeepSeek-V3's rope
-    key) meets the column-split per-head values without passing a column layer."""
+    key) meets the column-split per-head values without passing a column layer; with ``two``, the sum of two
+    projections' outputs (no single module output to put the f on)."""
 
-    def __init__(self):
+    def __init__(self, two: bool = False):
         super().__init__()
         self.pre = nn.Linear(8, 8)
         self.q = nn.Linear(8, 8)
         self.shared = nn.Linear(8, 1)
+        self.other = nn.Linear(8, 1) if two else None
         self.o = nn.Linear(8, 8)
 
     def forward(self, x):
         h = self.pre(x)
-        return self.o(self.q(h) * self.shared(h))
+        shared = self.shared(h) if self.other is None else self.shared(h) + self.other(h)
+        return self.o(self.q(h) * shared)
 
 
-def test_an_activation_meeting_split_values_unreduced_is_refused():
-    # without the layer before it the shared value derives from parameters alone: their gradients are
-    # summed (the module enters through f) and the plan is exact; after it, the stream's gradient would be
-    # partial too, and nothing reduces it
-    model = _SharedKey()
-    sl.shard({"q.weight": sl.P("tensor", None), "q.bias": sl.P("tensor"), "o.weight": sl.P(None, "tensor")})(model)
+_SHARED_TABLE = {"q.weight": sl.P("tensor", None), "q.bias": sl.P("tensor"), "o.weight": sl.P(None, "tensor")}
+
+
+def test_a_shared_value_gets_its_f_derived_or_is_refused():
+    """One module's output meeting split values gets f on that output (DeepSeek-V3 MLA's rope key, trained
+    exactly in test_deepseek_mla_under_a_hand_table); a value with no single such output is refused by name."""
+    model = sl.shard(_SHARED_TABLE)(_SharedKey())
+    plan = sl.plan(model, sl.AbstractMesh({"tensor": 2}), batch=torch.zeros(2, 3, 8))
+    assert plan.tensor.output_f == ("shared",)
+    assert [e.what for e in plan.activation_entries(0) if e.phase == "backward"].count("activations") >= 2
+    two = sl.shard(_SHARED_TABLE)(_SharedKey(two=True))
     with pytest.raises(sl.ShardingError, match="without having passed a column layer") as e:
-        sl.plan(model, sl.AbstractMesh({"tensor": 2}), batch=torch.zeros(2, 3, 8))
+        sl.plan(two, sl.AbstractMesh({"tensor": 2}), batch=torch.zeros(2, 3, 8))
     assert "<root> (mul)" in str(e.value)
+
+
+_MLA = {"*.self_attn.q_b_proj.weight": sl.P("tensor", None), "*.self_attn.kv_b_proj.weight": sl.P("tensor", None),
+        "*.self_attn.o_proj.weight": sl.P(None, "tensor")}
+
+
+def _mla_run(shape: dict) -> dict:
+    model = sl.shard(_MLA)(hf.build("deepseek_v3"))
+    plan = sl.plan(model, get_mesh(shape), batch=_batches("deepseek_v3")[0])
+    engine = sl.parallelize(model, plan, optimizer=functools.partial(hf.adamw, lr=LR), loss_fn=_loss)
+    losses, counts = train_counting(engine, plan, _batches("deepseek_v3"))
+    tp = plan.tensor
+    return {"losses": losses, "state": engine.full_state_dict(), "replicas": replica_mismatches(engine),
+            "sites": len(tp.sites), "derived": (tp.output_f, tp.no_f, tp.partial_modules), **counts}
+
+
+def test_deepseek_mla_under_a_hand_table(world):
+    """MLA split by hand (q_b_proj, kv_b_proj columns, o_proj row): the rope key shared by every head reaches the
+    split attention from kv_a_proj_with_mqa's output, which gets the derived f; kv_b_proj then reads an already
+    varying value (no f of its own) and kv_a_layernorm's gradient is partial (summed). Exact, replicas equal."""
+    per_rank = world(2, _mla_run, {"data": 1, "tensor": 2})
+    _check("deepseek_v3", per_rank, "MLA by hand, tensor 2")
+    out_f, no_f, partial = per_rank[0]["derived"]
+    assert out_f == ("model.layers.0.self_attn.kv_a_proj_with_mqa", "model.layers.1.self_attn.kv_a_proj_with_mqa")
+    assert no_f == ("model.layers.0.self_attn.kv_b_proj", "model.layers.1.self_attn.kv_b_proj")
+    assert partial == ("model.layers.0.self_attn.kv_a_layernorm", "model.layers.1.self_attn.kv_a_layernorm")
 
 
 # ---- the table itself ------------------------------------------------------------------------------

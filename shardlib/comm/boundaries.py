@@ -189,6 +189,10 @@ class Boundaries(SeqEdges):
             if not (partial and ha.module not in modules):
                 self._handles.append(modules[ha.module].register_forward_pre_hook(self._head_arg_pre(ha),
                                                                                   with_kwargs=True))
+        for name in getattr(tplan, "output_f", ()):        # derived f on a module's output (planner/varying.py)
+            if not (partial and name not in modules):
+                self._handles.append(modules[name].register_forward_hook(self._output_f))
+        no_f = set(getattr(tplan, "no_f", ()))
         columns_in = collections.Counter(site.region for site in tplan.sites if site.kind == "column")
         for site in tplan.sites:
             if partial and site.module not in modules:
@@ -208,6 +212,8 @@ class Boundaries(SeqEdges):
                     regions.append(region)
                     self._handles.append(modules[region].register_forward_pre_hook(self._region_pre, with_kwargs=True))
                 continue
+            if site.kind in ("column", "logits") and site.module in no_f:
+                continue                 # its input already varies: its gradient is summed upstream
             if site.kind in ("column", "logits"):
                 fuse = (site.kind == "column" and not in_sp and not site.conv1d and fusable(mod)
                         and columns_in[site.region] == 1 and self._fusion.mesh is not None)
@@ -284,6 +290,11 @@ class Boundaries(SeqEdges):
         for k, v in kwargs.items():
             if isinstance(v, torch.Tensor):
                 return args, {**kwargs, k: self.ops.gather_seq(v)}
+        return None
+
+    def _output_f(self, module, args, output):
+        if isinstance(output, torch.Tensor):
+            return self.ops.f(output)
         return None
 
     def _head_arg_pre(self, ha):

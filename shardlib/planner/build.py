@@ -197,10 +197,8 @@ def plan(model: nn.Module, mesh: AbstractMesh, zero: int | None = None, *, state
             raise ShardingError(found, api="plan")
     if tplan is not None and batch is not None:
         from .trace import trace_activations
-        from .varying import find_partials, partial_modules
-        partial = partial_modules(model, out, find_partials(model, out, batch))
-        if partial:
-            out = replace(out, tensor=replace(tplan, partial_modules=partial))
+        from .varying import derive_f
+        out = derive_f(model, out, batch)
         out = replace(out, activations=trace_activations(model, out, batch))
     if pplan is not None:
         pplan = replace(pplan, trainable=sum(1 for p in params if p.trainable))

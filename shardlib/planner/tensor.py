@@ -153,6 +153,10 @@ class TensorPlan:
     partial_modules: tuple[str, ...] = ()
     head_args: tuple[HeadArg, ...] = ()
     dims_from: str = ""          # where the specs' logical dims came from (explain)
+    # derived f (planner/varying.py): modules whose output enters split regions through f (a value shared
+    # by every head: MLA's rope key), and the columns that then read an already varying value (no f of theirs)
+    output_f: tuple[str, ...] = ()
+    no_f: tuple[str, ...] = ()
 
     @property
     def f_modules(self) -> tuple[str, ...]:

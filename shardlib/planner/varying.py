@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from .plan import Plan
 
 _ACT = "<activation>"       # an origin: the value depends on the batch through a differentiable path
+_OUT = "<output>"           # an origin: ``<output>name``, the output of module ``name``
 # ops whose output holds no value of their input (its shape, dtype and device only)
 _FRESH = frozenset(("new_zeros", "new_ones", "new_empty", "new_full", "new_tensor", "zeros_like", "ones_like",
                     "empty_like", "full_like", "rand_like", "randn_like"))
@@ -71,6 +72,8 @@ class _Vma(TorchFunctionMode):
         self.stack: list[str] = []
         self.params: dict[str, str] = {}            # parameter -> where it first met a split value
         self.activations: dict[str, str] = {}       # where -> what
+        self.outputs: dict[str, str] = {}           # module whose output needs f -> where it met a split value
+        self.no_f: set[str] = set()                 # columns whose input already varies (no f of their own)
 
     def mark(self, t: torch.Tensor, varying: bool) -> torch.Tensor:
         if varying:
@@ -90,16 +93,19 @@ class _Vma(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
         ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        needs = [t.requires_grad for t in ins]         # before an in-place op makes its destination need one
+        out = func(*args, **kwargs)
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         if _inplace(func) and args and isinstance(args[0], torch.Tensor):
             outs.append(args[0])
+            if args[0]._base is not None:          # writing into a view writes into its base
+                outs.append(args[0]._base)
         if getattr(func, "__name__", "") in _FRESH:
             return out
         if any(t in self.varying for t in ins):
-            for t in ins:
-                if t not in self.varying and t.requires_grad:
+            for t, need in zip(ins, needs):
+                if t not in self.varying and need:
                     self._met(t, func)
             for o in outs:
                 self.varying[o] = True
@@ -107,15 +113,19 @@ class _Vma(TorchFunctionMode):
             origin = frozenset().union(*(self._origin(t) for t in ins)) if ins else frozenset()
             for o in outs:
                 if o.requires_grad and id(o) not in self.names:
-                    self.origin[o] = origin
+                    self.origin[o] = origin | self.origin.get(o, frozenset()) if _inplace(func) else origin
         return out
 
     def _met(self, t: torch.Tensor, func) -> None:
         where = self.stack[-1] if self.stack else "<root>"
         op = getattr(func, "__name__", repr(func))
         origin = self._origin(t)
-        if _ACT in origin:
+        outputs = [o[len(_OUT):] for o in origin if o.startswith(_OUT)]
+        if _ACT in origin or len(outputs) > 1:
             self.activations.setdefault(f"{where} ({op})", f"a value of shape {tuple(t.shape)}")
+            return
+        if outputs:          # one module's output: f on it (its gradient summed there), the rest follows
+            self.outputs.setdefault(outputs[0], f"{where} ({op})")
             return
         for name in origin:
             self.params.setdefault(name, f"{where} ({op})")
@@ -129,9 +139,10 @@ class _Vma(TorchFunctionMode):
         # a module's output is an activation: a value derived from parameters is treated as theirs only
         # inside the forward that uses them (Gemma's ``1 + weight``), where ``f`` on the module's own
         # parameters sums exactly their partial uses; past it the value may also reach a column's f
+        name = self.module_names.get(id(module))
         for t in tree_leaves(output):
             if isinstance(t, torch.Tensor) and t.requires_grad and t not in self.varying and id(t) not in self.names:
-                self.origin[t] = frozenset((_ACT,))
+                self.origin[t] = frozenset((f"{_OUT}{name}",))
 
 
 class VaryingOps(RecordingOps):
@@ -143,6 +154,8 @@ class VaryingOps(RecordingOps):
         self.vma = vma
 
     def f(self, x):
+        if x in self.vma.varying and self.vma.stack:     # a column reading a value that already varies
+            self.vma.no_f.add(self.vma.stack[-1])
         return self.vma.mark(super().f(x).view_as(x), True)
 
     def g(self, y):
@@ -174,10 +187,13 @@ class VaryingOps(RecordingOps):
 @dataclass(frozen=True)
 class Partials:
     """What one traced forward found: parameters replicated over ``tensor`` whose gradients are partial
-    sums (name -> where they met a split value) and activations that meet one unreduced (where -> what)."""
+    sums (name -> where they met a split value), modules whose output needs ``f`` (name -> where), columns
+    reading a value that already varies, and activations that meet one unreduced (where -> what)."""
 
     params: dict[str, str]
     activations: dict[str, str]
+    outputs: dict[str, str]
+    no_f: frozenset[str]
 
 
 def find_partials(model: nn.Module, plan: Plan, batch: Any) -> Partials:
@@ -221,7 +237,7 @@ def _find(model: nn.Module, plan: Plan, batch: Any, device: str, *, partial: boo
     finally:
         pre.remove()
         post.remove()
-    return Partials(dict(vma.params), dict(vma.activations))
+    return Partials(dict(vma.params), dict(vma.activations), dict(vma.outputs), frozenset(vma.no_f))
 
 
 def _splits(spec, axis: str) -> bool:
@@ -241,7 +257,15 @@ def _spread(found: Partials, stack: tuple[str, list[str]]) -> Partials:
                 for key in keys[2:-1]:
                     out[f"{prefix}{key}.{k[len(middle):]}"] = v.replace(middle, f"{prefix}{key}.")
         return out
-    return Partials(spread(found.params), spread(found.activations))
+
+    def spread_names(names) -> set[str]:
+        out = set(names)
+        for k in names:
+            if k.startswith(middle):
+                out |= {f"{prefix}{key}.{k[len(middle):]}" for key in keys[2:-1]}
+        return out
+    return Partials(spread(found.params), spread(found.activations), spread(found.outputs),
+                    frozenset(spread_names(found.no_f)))
 
 
 def partial_modules(model: nn.Module, plan: Plan, found: Partials) -> tuple[str, ...]:
@@ -262,3 +286,22 @@ def partial_modules(model: nn.Module, plan: Plan, found: Partials) -> tuple[str,
                 owner.setdefault(f"{mname}.{a}" if mname else a, mname)
     wanted = {owner[n] for n in found.params if n in owner}
     return tuple(m for m, _ in model.named_modules() if m in wanted)
+
+
+def derive_f(model: nn.Module, plan: Plan, batch: Any, rounds: int = 4) -> Plan:
+    """``plan`` with its tensor plan's derived ``f``s: modules whose output meets split values unreduced get
+    ``f`` on their output (``output_f``: DeepSeek-V3 MLA's ``kv_a_proj_with_mqa``, whose rope slice is shared by
+    every head), the columns then reading an already varying value run none (``no_f``), and the replicated
+    parameters that meet split values enter through ``f`` (``partial_modules``). Traced until nothing new is
+    found; an activation that meets a split value with no single module output to put ``f`` on is refused."""
+    from dataclasses import replace
+    tp = plan.tensor
+    for _ in range(rounds):
+        found = find_partials(model, replace(plan, tensor=tp), batch)
+        outputs = tuple(m for m in found.outputs if m not in tp.output_f)
+        no_f = tuple(sorted(found.no_f - set(tp.no_f)))
+        if not outputs and not no_f:
+            break
+        tp = replace(tp, output_f=tp.output_f + outputs, no_f=tp.no_f + no_f)
+    partial = partial_modules(model, replace(plan, tensor=tp), found)
+    return replace(plan, tensor=replace(tp, partial_modules=partial))
