@@ -193,6 +193,52 @@ def test_lora_at_tensor_2(world):
         _check(f, [per_rank[r][f] for r in range(2)], "LoRA, tensor 2", lora=True)
 
 
+# ---- configurations with per-head q/k norms -----------------------------------------------------------
+
+VARIANTS = {"stablelm": ("qk_layernorm", True), "cohere": ("use_qk_norm", True), "phi": ("qk_layernorm", True)}
+
+
+def _variant(family: str):
+    from transformers import AutoModelForCausalLM
+    cfg = hf.config(family)
+    setattr(cfg, *VARIANTS[family])
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg).float().train()
+
+
+def _variant_runs(families: list[str]) -> dict:
+    out = {}
+    for f in families:
+        model = _variant(f)
+        plan = sl.plan(model, get_mesh({"data": 1, "tensor": 2}), rules=RULES, batch=_batches(f)[0])
+        engine = sl.parallelize(model, plan, optimizer=functools.partial(hf.adamw, lr=LR), loss_fn=_loss)
+        losses = [engine.step(b) for b in _batches(f)]
+        out[f] = {"losses": losses, "state": engine.full_state_dict(), "replicas": replica_mismatches(engine),
+                  "attention": any("attn" in x.module for x in plan.tensor.sites),
+                  "partial": plan.tensor.partial_modules}
+    return out
+
+
+def test_per_head_qk_norm_variants_at_tensor_2(world):
+    """StableLM's per-head q/k LayerNorm list and Cohere's (heads, head_dim) q/k norms keep their attention
+    replicated (exact, not silently wrong: a rank would take the first heads' norms); Phi's shared q/k
+    LayerNorms inside split attention get their partial gradients summed."""
+    families = list(VARIANTS)
+    per_rank = world(2, _variant_runs, families)
+    for f in families:
+        model = _variant(f)
+        want = hf.train_alone(model, _batches(f), lr=LR)
+        for r in range(2):
+            res = per_rank[r][f]
+            assert max(abs(a - b) / abs(b) for a, b in zip(res["losses"], want)) <= 1e-5, (f, res["losses"], want)
+            assert res["replicas"] == [], (f, res["replicas"])
+            for k, v in model.state_dict().items():
+                torch.testing.assert_close(res["state"][k], v, rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{f}, {k}: {m}")
+        assert per_rank[0][f]["attention"] == (f == "phi"), f
+        if f == "phi":
+            assert any(m.endswith(("q_layernorm", "k_layernorm")) for m in per_rank[0][f]["partial"])
+
+
 # ---- the drift the replica check exists for ------------------------------------------------------
 
 def _drifting(shape: dict) -> dict:

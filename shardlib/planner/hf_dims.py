@@ -94,6 +94,14 @@ BUILTIN: dict[str, tuple[str, dict[str, str]]] = {
                          "layers.*.self_attn.q_norm": NORM, "layers.*.self_attn.k_norm": NORM,
                          "layers.*.mlp.gate_proj": COL, "layers.*.mlp.up_proj": COL, "layers.*.mlp.down_proj": ROW}),
 }
+# configurations whose attention stays replicated (their MLPs split): grouped-query Phi-3 (its fused q|k|v blocks
+# differ in width), StableLM's per-head q/k LayerNorms (a list the forward zips with the heads: a rank would
+# take the first heads' norms) and Cohere's per-head q/k norms (a (heads, head_dim) weight): exact, not split
+KEEP_ATTENTION = {
+    "phi3": lambda cfg: getattr(cfg, "num_key_value_heads", None) not in (None, cfg.num_attention_heads),
+    "stablelm": lambda cfg: bool(getattr(cfg, "qk_layernorm", False)),
+    "cohere": lambda cfg: bool(getattr(cfg, "use_qk_norm", False)),
+}
 # config plan entries replaced by the project's (the rest of the config's plan kept): OLMoE's attention, whose
 # plan gathers q and k for their norms over the whole width — split with them instead, as OLMo-2's
 OVERRIDES: dict[str, tuple[str, dict[str, str]]] = {
@@ -125,10 +133,6 @@ def _roles(model: nn.Module) -> tuple[nn.Module, str, dict[str, str], str | None
         stack_rel, table = BUILTIN[family]
         stack = pre + stack_rel
         kinds = {pre + k: v for k, v in table.items()}
-        kv = getattr(cfg, "num_key_value_heads", None)
-        if family == "phi3" and kv not in (None, cfg.num_attention_heads):
-            # grouped-query Phi-3: q|k|v blocks of unequal width; its attention stays replicated
-            kinds = {k: v for k, v in kinds.items() if "self_attn" not in k}
     else:
         drop, extra = OVERRIDES.get(family, (None, {}))
         kinds.update((pre + k, v) for k, v in extra.items())
@@ -140,6 +144,10 @@ def _roles(model: nn.Module) -> tuple[nn.Module, str, dict[str, str], str | None
             else:
                 unsupported.append((pre + key, kind, _WHY.get(kind, "a tensor-parallel style shardlib has "
                                                                    "no lowering for")))
+    keep = KEEP_ATTENTION.get(family)
+    if keep is not None and keep(cfg):
+        kinds = {k: v for k, v in kinds.items() if not any(a in k for a in ("self_attn.", "attention."))}
+    if family not in BUILTIN:
         for key in (getattr(cfg, "base_model_pp_plan", None) or {}):
             if isinstance(_get(hf, pre + key), nn.ModuleList):
                 stack = pre + key

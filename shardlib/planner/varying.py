@@ -19,9 +19,11 @@ a parameter replicated over ``tensor``   its module's parameters enter the forwa
 ``q_norm``/``k_norm`` inside split        backward, as sequence parallelism's norms do): in
 attention), or a value computed from     ``TensorPlan.partial_modules``, ``comm_per_step`` and
 parameters alone (Gemma's ``1 + w``)     ``explain``
-an activation that reached the split     refused by name (the module, the op, the shape): the
-region without passing a column layer    ``f`` it needs has no module boundary to live on
-(DeepSeek-V3 MLA's shared rope key)
+a value from one module's output that     ``f`` on that module's output (``TensorPlan.output_f``); a
+reached the split region without passing  column then reading a value that already varies runs no
+a column layer (DeepSeek-V3 MLA's rope    ``f`` of its own (``no_f``); traced again until nothing new
+key, from ``kv_a_proj_with_mqa``)         is found (``derive_f``)
+any other value meeting a split one       refused by name (the module, the op, the shape)
 =======================================  ========================================================
 
 Under sequence parallelism every replicated parameter of a unit already enters through ``f`` and the
