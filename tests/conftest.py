@@ -27,7 +27,7 @@ if "torch" in sys.modules:   # imported before us (a plugin): its thread pool ig
 
 # The costliest files first (CPU-seconds, one process, 2026-11-26): the two workers (-n 2 --dist loadfile) take
 # files in collection order, and one of these started last would run alone at the end while the other waits.
-HEAVY_FIRST = ("test_redistribute.py", "test_examples.py", "test_hf_pipeline.py", "test_pipeline.py",
+HEAVY_FIRST = ("test_redistribute.py", "test_examples.py", "test_families.py", "test_hf_pipeline.py", "test_pipeline.py",
                "test_checkpoint.py", "test_engine.py", "test_offload.py", "test_autoplan.py", "test_train_hf.py",
                "test_verify.py", "test_tensor.py", "test_train_peft.py")
 
