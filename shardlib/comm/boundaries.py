@@ -185,14 +185,14 @@ class Boundaries(SeqEdges):
             units = [u for u in units if not u or u in modules]
         self._saved_attrs: list[tuple[nn.Module, str, Any]] = []
         self._local_attrs(modules, tplan.local_attrs, partial)
-        for ha in getattr(tplan, "head_args", ()):     # ALiBi: this rank's heads' biases
+        for ha in tplan.head_args:     # ALiBi: this rank's heads' biases
             if not (partial and ha.module not in modules):
                 self._handles.append(modules[ha.module].register_forward_pre_hook(self._head_arg_pre(ha),
                                                                                   with_kwargs=True))
-        for name in getattr(tplan, "output_f", ()):        # derived f on a module's output (planner/varying.py)
+        for name in tplan.output_f:        # derived f on a module's output (planner/varying.py)
             if not (partial and name not in modules):
                 self._handles.append(modules[name].register_forward_hook(self._output_f))
-        no_f = set(getattr(tplan, "no_f", ()))
+        no_f = set(tplan.no_f)
         columns_in = collections.Counter(site.region for site in tplan.sites if site.kind == "column")
         for site in tplan.sites:
             if partial and site.module not in modules:

@@ -105,6 +105,14 @@ class FlatLayout:
     def slot(self, name: str) -> FlatSlot | None:
         return self.slots.get(name)
 
+    def piece(self, name: str, rank: int) -> tuple[int, int] | None:
+        """``[lo, hi)`` of parameter ``name``'s flattened elements that mesh rank ``rank`` holds; None for a
+        parameter in no group."""
+        slot = self.slots.get(name)
+        if slot is None:
+            return None
+        return slot.piece(self.groups[slot.group].segments[slot.segment].bounds(rank))
+
 
 def flat_layout(plan: Plan) -> FlatLayout:
     """The flat groups of ``plan``: its units when parameters are sharded at rest (ZeRO-3),

@@ -101,10 +101,9 @@ def _master_pieces(plan: Plan, rank: int) -> list[int]:
         if plan.states.optim is None:
             out.append(p.numel)
             continue
-        slot = flat.slot(p.name) if flat is not None else None
-        if slot is not None:
-            lo, hi = slot.piece(flat.groups[slot.group].segments[slot.segment].bounds(rank))
-            out.append(hi - lo)
+        piece = flat.piece(p.name, rank) if flat is not None else None
+        if piece is not None:
+            out.append(piece[1] - piece[0])
         else:
             out.append(p.local_numel(p.optim, rank))
     return out

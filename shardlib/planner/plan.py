@@ -176,8 +176,8 @@ class Plan(MemoryAccounting, TrafficAccounting, Explain):
     pipeline: PipelinePlan | None = None
     # set in a stage-local plan (``local``): the pipe coordinate whose stages it holds
     pipe_coord: int | None = None
-    # a local plan's weights tied across the first and last stage: (name, elements of this rank's piece of
-    # its gradient), in the pipeline plan's order — held here or not (the stages between add zeros)
+    # a local plan's trainable weights tied across the first and last stage: (name, elements of this rank's
+    # piece of its gradient), in the pipeline plan's order — held here or not (the stages between add zeros)
     tied_pieces: tuple[tuple[str, int], ...] = ()
     # HSDP: a second data axis over which the training states are replicated (``data`` shards them)
     replica_axis: str | None = None
@@ -421,16 +421,13 @@ def _tied_pieces(plan: Plan, rank: int, local: Plan | None) -> tuple[tuple[str, 
     coords[mesh.axis_index(pp.axis)] = 0
     first = mesh.rank_at(coords)
     local = local if local is not None else plan.local(first)
-    flat, params = local.flat, {p.name: p for p in local.params}
+    params = {p.name: p for p in local.params}
     out = []
     for name in pp.tied:
-        slot = flat.slot(name)
-        if slot is None:
-            n = params[name].numel
-        else:
-            lo, hi = slot.piece(flat.groups[slot.group].segments[slot.segment].bounds(first))
-            n = hi - lo
-        out.append((name, n))
+        if not params[name].trainable:       # a frozen weight has no gradient to sum
+            continue
+        piece = local.flat.piece(name, first) if local.states.optim is not None else None   # as setup.py lays it
+        out.append((name, params[name].numel if piece is None else piece[1] - piece[0]))
     return tuple(out)
 
 

@@ -43,6 +43,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from ..errors import ShardingError
+from .peft import uses_axis
 from .trace import RecordingOps, run_traced, short_stack, trace_values, uniform_stack
 
 if TYPE_CHECKING:
@@ -226,7 +227,7 @@ def _find(model: nn.Module, plan: Plan, batch: Any, device: str, *, partial: boo
     tp = plan.tensor
     mb, values = trace_values(model, plan, batch, 0, device, partial=partial)
     modules = {id(m): n or "<root>" for n, m in model.named_modules()}
-    split = {p.name for p in plan.params if p.name in values and _splits(p.spec, tp.axis)}
+    split = {p.name for p in plan.params if p.name in values and uses_axis(p.spec, tp.axis)}
     vma = _Vma({id(v): n for n, v in values.items() if n not in split}, modules)
     for n in split:
         vma.mark(values[n], True)
@@ -240,10 +241,6 @@ def _find(model: nn.Module, plan: Plan, batch: Any, device: str, *, partial: boo
         pre.remove()
         post.remove()
     return Partials(dict(vma.params), dict(vma.activations), dict(vma.outputs), frozenset(vma.no_f))
-
-
-def _splits(spec, axis: str) -> bool:
-    return any(e == axis or (isinstance(e, tuple) and axis in e) for e in tuple(spec))
 
 
 def _spread(found: Partials, stack: tuple[str, list[str]]) -> Partials:

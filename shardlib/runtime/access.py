@@ -230,9 +230,8 @@ class EngineAccess:
         for c in range(self.mesh.axis_size(axis)):
             coords[where] = c
             members.append(self.mesh.rank_at(coords))
-        groups = self.plan.flat.groups
-        ranges = [[s.slot.piece(groups[s.slot.group].segments[s.slot.segment].bounds(r)) for s in parts]
-                  for r in members]
+        flat = self.plan.flat
+        ranges = [[flat.piece(s.name, r) for s in parts] for r in members]
         width = max(sum(hi - lo for lo, hi in rs) for rs in ranges)
         mine = torch.zeros(width, dtype=torch.float32, device=self.mesh.device)
         offset = 0

@@ -107,12 +107,10 @@ class PipelineRuntime:
         # the root (pre/post parameters) of the microbatch policy: gathered at its stage's first action
         root = engine.units.root if self.zero3 else None
         self.root_stage = next((i for i, us in self.units_of.items() if root is not None and root in us), None)
-        # weights tied across the first and last stage: their places among this rank's trainable states,
-        # and whether this rank counts them in the clipping norm (the first stage's copy does)
+        # weights tied across the first and last stage: every pipe rank takes part in each one's sum, in the
+        # plan's order — (its place among this rank's gradients, or None where the rank holds none of it; the
+        # piece's elements); the first stage's copy counts in the clipping norm
         mine = [s.name for s in engine.states if s.trainable]
-        self.tied_index = [i for i, n in enumerate(mine) if n in pp.tied]
-        # every pipe rank takes part in each tied weight's sum, in the plan's order: (its place among this
-        # rank's gradients, or None where the rank holds none of it; the piece's elements)
         self.tied_sums = [(mine.index(n) if n in mine else None, k) for n, k in engine.plan.tied_pieces if k]
         self.counts_tied = 0 in self.stages
         # the step's scalars: this rank's trainable parameters' places among all of the model's
@@ -451,10 +449,11 @@ class PipelineRuntime:
 
     def norm_grads(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """``grads`` for the clipping norm: a tied weight's summed gradient counted on the first stage only."""
-        if not self.tied_index or self.counts_tied:
+        held = [i for i, _ in self.tied_sums if i is not None]
+        if not held or self.counts_tied:
             return grads
         out = list(grads)
-        for i in self.tied_index:
+        for i in held:
             out[i] = grads[i].new_zeros(())
         return out
 

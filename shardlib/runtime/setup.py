@@ -122,10 +122,7 @@ class EngineSetup:
         flat, sharded = plan.flat, plan.states.optim is not None
         # this rank's piece: elements [lo, hi) of the flattened parameter (planner/flat.py)
         slot = flat.slot(pp.name) if sharded else None
-        if slot is None:
-            lo, hi = 0, pp.numel
-        else:
-            lo, hi = slot.piece(flat.groups[slot.group].segments[slot.segment].bounds(mesh.rank))
+        lo, hi = (0, pp.numel) if slot is None else flat.piece(pp.name, mesh.rank)
         st = ParamState(i, pp, p, slot, lo, hi, owners)
         if pp.quant is not None:
             return self._quantized_state(st, full)
