@@ -72,8 +72,9 @@ and output embeddings by default (``TIED``; ``tie=`` overrides it):
 - ``glm``: fused ``gate_up_proj``, q/k/v biases, partial interleaved rotary (half), GQA. tp yes, tied no.
 - ``gpt_neo``: block 0 global, block 1 local attention (window 8), unscaled attention scores, separate
   bias-free q/k/v, learned positions; ``eager``. tp no, tied yes.
-- ``codegen``: fused ``qkv_proj`` split in 4 ``mp_num`` chunks (each q|v|k of one head here), rotary on 4
-  of 8 dims (``rotary_dim``), parallel attention and MLP, biased ``lm_head``; ``eager``. tp no, tied no.
+- ``codegen``: fused ``qkv_proj`` split in 4 ``mp_num`` chunks (each q|v|k of two of its 8 heads of 4 dims:
+  tensor 2 splits each chunk), rotary on 2 of 4 dims (``rotary_dim``), parallel attention and MLP, biased
+  ``lm_head``; ``eager``. tp no, tied no.
 - ``olmoe``: OLMo-2-style whole-projection q/k RMSNorm (pre-norm), every block MoE, top-k weights not
   renormalised. tp yes, tied no.
 - ``qwen2_moe``: q/k/v biases, every block MoE plus a shared expert (width 64) behind a sigmoid gate.
@@ -181,7 +182,7 @@ def _family_kwargs(family: str, layers: int) -> dict:
         return dict(n_embd=H, n_layer=L, n_head=HEADS, n_positions=SEQ, n_inner=MLP, rotary_dim=4, resid_pdrop=0.0,
                     embd_pdrop=0.0, attn_pdrop=0.0)
     if family == "codegen":
-        return dict(n_embd=H, n_layer=L, n_head=HEADS, n_positions=SEQ, n_ctx=SEQ, n_inner=MLP, rotary_dim=4,
+        return dict(n_embd=H, n_layer=L, n_head=2 * HEADS, n_positions=SEQ, n_ctx=SEQ, n_inner=MLP, rotary_dim=2,
                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     if family == "gpt_neo":
         types = [[["global", "local"], L // 2]] + ([[["global"], 1]] if L % 2 else [])

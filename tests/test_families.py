@@ -94,11 +94,10 @@ def _check(family: str, per_rank: list[dict], where: str, lora: bool = False) ->
 
 
 CHUNKS = [hf.FAMILIES[i::4] for i in range(4)]
-# multi-query / grouped fused qkv (Falcon, GPT-BigCode), CodeGen's interleaved qkv, grouped-query Phi-3's fused
-# q|k|v of unequal blocks: attention kept replicated by their tables, the MLPs split
-# q|k|v of unequal blocks; DeepSeek-V3's MLA, which its own plan keeps replicated: attention replicated, the
-# MLPs split. MoE experts stay replicated over tensor (their split site is not lowered yet)
-ATTENTION_REPLICATED = {"falcon", "gpt_bigcode", "codegen", "phi3", "deepseek_v3"}
+# multi-query GPT-BigCode (one K and one V head), grouped-query Phi-3's fused q|k|v of unequal blocks, and
+# DeepSeek-V3's MLA, which its own plan keeps replicated: attention replicated, the MLPs split. MoE experts stay
+# replicated over tensor (their split site is not lowered yet)
+ATTENTION_REPLICATED = {"gpt_bigcode", "phi3", "deepseek_v3"}
 
 
 @pytest.mark.parametrize("chunk", range(len(CHUNKS)))
@@ -119,13 +118,11 @@ def test_every_family_at_tensor_2_trains_like_one_process(world, chunk):
             assert partial == (), (f, partial)
 
 
-# the families whose attention needed something new: per-head norms, local head counts and widths
-ZERO3 = ["qwen3", "gemma3_text", "gptj", "opt", "stablelm", "gpt_neo", "phi3", "glm"]
-
-
-def test_families_at_data_2_x_tensor_2_zero3(world):
-    per_rank = world(4, _runs, ZERO3, {"data": 2, "tensor": 2}, 3)
-    for f in ZERO3:
+@pytest.mark.parametrize("chunk", range(len(CHUNKS)))
+def test_every_family_at_data_2_x_tensor_2_zero3(world, chunk):
+    families = list(CHUNKS[chunk])
+    per_rank = world(4, _runs, families, {"data": 2, "tensor": 2}, 3)
+    for f in families:
         _check(f, [per_rank[r][f] for r in range(4)], "data 2 x tensor 2, ZeRO-3")
 
 
@@ -174,14 +171,22 @@ def test_tied_tables_at_every_pipe_size_and_schedule(world, family, p, zero, sch
             torch.testing.assert_close(res["state"][k], v, rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{at}, {k}: {m}")
 
 
-# 2x2x2: tied (ZeRO-2), per-head norms with a tied table (ZeRO-1), tuple blocks untied (ZeRO-3)
-CUBE = [("gpt2", 2), ("gemma3_text", 1), ("gptj", 3)]
+def _cube_runs(families: list[str]) -> dict:
+    """data 2 x pipe 2 x tensor 2: ZeRO-3 where the family's embeddings are untied, ZeRO-1 where they are tied
+    across the pipe's first and last stage (ZeRO-3 refuses those)."""
+    shape = {"data": 2, "pipe": 2, "tensor": 2}
+    return {f: _run(f, shape, 1 if f in hf.TIED else 3) for f in families}
 
 
-@pytest.mark.parametrize("family,zero", CUBE)
-def test_families_at_2x2x2(world, family, zero):
-    per_rank = world(8, _runs, [family], {"data": 2, "pipe": 2, "tensor": 2}, zero)
-    _check(family, [per_rank[r][family] for r in range(8)], f"2x2x2 ZeRO-{zero}")
+CUBE_CHUNKS = [hf.FAMILIES[i::2] for i in range(2)]
+
+
+@pytest.mark.parametrize("chunk", range(len(CUBE_CHUNKS)))
+def test_every_family_at_2x2x2(world, chunk):
+    families = list(CUBE_CHUNKS[chunk])
+    per_rank = world(8, _cube_runs, families)
+    for f in families:
+        _check(f, [per_rank[r][f] for r in range(8)], f"2x2x2 ZeRO-{1 if f in hf.TIED else 3}")
 
 
 LORA = ["qwen3", "gptj", "gpt2", "opt"]
@@ -285,6 +290,47 @@ def test_moe_experts_are_named_and_refused_where_not_lowered():
     with pytest.raises(sl.ShardingError, match="experts.gate_up_proj") as e:
         sl.plan(model, sl.AbstractMesh({"tensor": 2}), rules={**RULES, "expert_mlp": "tensor"})
     assert "cannot consume a parameter split on 'tensor'" in str(e.value)
+
+
+_P, _F = sl.P, sl.Fused
+# a user's table splitting a packed projection against the layout its forward reads, or an attention holding
+# per-head parameters: refused at plan time, naming the module, the layout and the spec it needs
+_MISLAID = {
+    "gpt2": ({"*.attn.c_attn.weight": _P(None, "tensor"), "*.attn.c_attn.bias": _P("tensor"),
+              "*.attn.c_proj.weight": _P("tensor", None)}, "expected P(None, Fused(3, 'tensor'))"),
+    "bloom": ({"*.query_key_value.weight": _P(_F(3, "tensor"), None), "*.query_key_value.bias": _P(_F(3, "tensor")),
+               "*.self_attention.dense.weight": _P(None, "tensor")}, "interleaved per head"),
+    "codegen": ({"*.attn.qkv_proj.weight": _P("tensor", None), "*.attn.out_proj.weight": _P(None, "tensor")},
+                "expected P(Fused(12, 'tensor'), None)"),
+    "phi3": ({"*.self_attn.qkv_proj.weight": _P("tensor", None), "*.self_attn.o_proj.weight": _P(None, "tensor")},
+             "4 query and 2 KV heads: its blocks differ in width"),
+    "stablelm": ({"*.self_attn.q_proj.weight": _P("tensor", None), "*.self_attn.k_proj.weight": _P("tensor", None),
+                  "*.self_attn.v_proj.weight": _P("tensor", None), "*.self_attn.o_proj.weight": _P(None, "tensor")},
+                 "'model.layers.0.self_attn.q_layernorm' holds 4 modules, one per head"),
+    "cohere": ({"*.self_attn.q_proj.weight": _P("tensor", None), "*.self_attn.k_proj.weight": _P("tensor", None),
+                "*.self_attn.v_proj.weight": _P("tensor", None), "*.self_attn.o_proj.weight": _P(None, "tensor")},
+               "'model.layers.0.self_attn.q_norm' holds weight (4, 8), a row per head"),
+}
+
+
+@pytest.mark.parametrize("family", list(_MISLAID))
+def test_a_table_against_the_forwards_layout_is_refused(family):
+    table, why = _MISLAID[family]
+    model = _variant(family) if family in ("stablelm", "cohere") else hf.build(family)
+    sl.shard(table)(model)
+    with pytest.raises(sl.ShardingError) as e:
+        sl.plan(model, sl.AbstractMesh({"tensor": 2}), batch=_batches(family)[0])
+    assert why in str(e.value), str(e.value)
+    # the model's own dims (no table) plan: the packed blocks declared, per-head norms' attention replicated
+    plain = _variant(family) if family in ("stablelm", "cohere") else hf.build(family)
+    sl.plan(plain, sl.AbstractMesh({"tensor": 2}), rules=RULES, batch=_batches(family)[0])
+
+
+def test_codegen_heads_per_chunk_must_split_whole():
+    """CodeGen's 4 fixed chunks hold 2 heads each here: tensor 4 would cut a head."""
+    with pytest.raises(sl.ShardingError, match="8 heads in 4 blocks") as e:
+        sl.plan(hf.build("codegen", meta=True), sl.AbstractMesh({"tensor": 4}), rules=RULES)
+    assert "divisible by 16" in str(e.value)
 
 
 def test_a_plan_kind_shardlib_does_not_lower_is_refused_by_entry():

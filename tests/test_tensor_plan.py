@@ -493,8 +493,14 @@ def test_fused_row_and_wrong_dim_of_a_conv1d_are_refused():
     model = _hf("gpt2")
     table = {"*.attn.c_attn.weight": P(sl.Fused(3, "tensor"), None), "*.attn.c_proj.weight": P(None, "tensor")}
     err = plan_error(sl.shard(table)(model), tensor_mesh(2))
-    the_problem(err, "transformer.h.0.attn.c_attn.weight (32, 96)", "Conv1D", "expected P(None, 'tensor') (column",
-                "P('tensor', None) (row", "A Fused entry splits output features only")
+    # as a row, its 32 in-features are not 3 blocks
+    the_problem(err, "transformer.h.0.attn.c_attn.weight (32, 96)", "Conv1D", "is not 3 equal blocks")
+    # a row of blocks that divide: refused against the layout GPT-2's forward reads (its output: a column)
+    err = plan_error(sl.shard({"*.attn.c_attn.weight": P(sl.Fused(2, "tensor"), None),
+                               "*.attn.c_proj.weight": P(None, "tensor"), "*.attn.c_proj.bias": P("tensor")})(
+        _hf("gpt2")), tensor_mesh(2))
+    the_problem(err, "transformer.h.0.attn.c_attn.weight", "a row split", "GPT2Attention",
+                "expected P(None, Fused(3, 'tensor'))")
 
 
 def test_tp_table_of_an_unknown_family():

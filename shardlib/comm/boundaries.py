@@ -174,6 +174,7 @@ class Boundaries(SeqEdges):
         self.on_logits = on_logits
         # id(input) -> [input, what the columns see: f of it (None while only fused layers took it)]
         self._memo: dict[int, list] = {}
+        self.shared_regions: set[str] = set()      # found by a trace: TensorPlan.shared_input
         self._fusion = ColumnFusion(getattr(ops, "mesh", None), getattr(ops, "axes", None))   # None: a trace
         self._handles: list[Any] = []
         self._forwards: list[nn.Module] = []
@@ -216,11 +217,12 @@ class Boundaries(SeqEdges):
                 continue                 # its input already varies: its gradient is summed upstream
             if site.kind in ("column", "logits"):
                 fuse = (site.kind == "column" and not in_sp and not site.conv1d and fusable(mod)
-                        and columns_in[site.region] == 1 and self._fusion.mesh is not None)
+                        and columns_in[site.region] == 1 and self._fusion.mesh is not None
+                        and site.region not in tplan.shared_input)
                 if fuse:       # Megatron's async input-gradient all-reduce (column_async.py)
                     self._fusion.eligible.add(id(mod))
                     self._override(mod, _fused_column_forward(self._fusion))
-                self._handles.append(mod.register_forward_pre_hook(self._column_pre(in_sp, fuse)))
+                self._handles.append(mod.register_forward_pre_hook(self._column_pre(in_sp, fuse, region)))
                 if site.kind == "logits":
                     self._handles.append(mod.register_forward_hook(self._logits_post(site)))
             elif site.kind == "row":
@@ -262,14 +264,16 @@ class Boundaries(SeqEdges):
                                                            for s in tplan.sites))
 
     # ---- hooks ---------------------------------------------------------------------------------
-    def _column_pre(self, in_sp: bool, fuse: bool):
+    def _column_pre(self, in_sp: bool, fuse: bool, region: str):
         def hook(module, args):
             if not args:
                 return None
             x = args[0]
             hit = self._memo.get(id(x))
             if hit is None or hit[0] is not x:
-                hit = self._memo[id(x)] = [x, None]
+                hit = self._memo[id(x)] = [x, None, region]
+            elif hit[2] != region:         # two regions read one input: one f for both
+                self.shared_regions |= {hit[2], region}
             if fuse and not self._tails and hit[1] is None and self._fusion.runs_fused(module, x):
                 return None              # its own backward all-reduces the input's gradient
             if fuse and hit[1] is not None:  # another column's f of this input (a parallel block): reuse it

@@ -37,6 +37,8 @@ from .peft import ROOT, base_name, is_peft, peft_base
 
 COL, ROW, REPLICATED = "colwise", "rowwise", "replicated"
 COL3, COL2 = "colwise_fused3", "colwise_fused2"       # q|k|v (gate|up) end to end: each block split
+COL12 = "colwise_fused12"     # CodeGen's qkv_proj: 4 chunks of q|v|k
+ROW4 = "rowwise_fused4"       # CodeGen's out_proj: its input holds the 4 chunks' heads in turn
 NORM = "norm_split"           # an RMSNorm over a column's whole output (OLMo-2's q_norm): its weight split with it
 EXPERTS_COL2, EXPERTS_MODULE = "experts_packed_colwise", "experts_module"
 _KINDS = {"colwise": COL, "rowwise": ROW, "replicated_with_grad_allreduce": REPLICATED,
@@ -56,8 +58,8 @@ _WHY = {
 }
 
 # family -> (the layer stack under the base model, {module pattern under the base model: kind}); the
-# attention of multi-query families (gpt_bigcode, falcon) and CodeGen's interleaved qkv stays replicated
-# until its layout is lowered: their MLPs split. ALiBi (bloom, mpt): each rank's heads get their own biases
+# attention of multi-query GPT-BigCode (one K and one V head) stays replicated: its MLP splits. ALiBi (bloom,
+# mpt): each rank's heads get their own biases
 # (``TensorPlan.head_args``)
 BUILTIN: dict[str, tuple[str, dict[str, str]]] = {
     "gpt2": ("h", {"h.*.attn.c_attn": COL3, "h.*.attn.c_proj": ROW, "h.*.mlp.c_fc": COL, "h.*.mlp.c_proj": ROW}),
@@ -66,14 +68,19 @@ BUILTIN: dict[str, tuple[str, dict[str, str]]] = {
     "gpt_neo": ("h", {"h.*.attn.attention.q_proj": COL, "h.*.attn.attention.k_proj": COL,
                       "h.*.attn.attention.v_proj": COL, "h.*.attn.attention.out_proj": ROW,
                       "h.*.mlp.c_fc": COL, "h.*.mlp.c_proj": ROW}),
-    "codegen": ("h", {"h.*.mlp.fc_in": COL, "h.*.mlp.fc_out": ROW}),
+    # CodeGen's forward cuts qkv_proj's output in a fixed 4 chunks (mp_num), each q|v|k of a quarter of the
+    # heads: 12 equal blocks, each split (heads divisible by 4 x tensor)
+    "codegen": ("h", {"h.*.attn.qkv_proj": COL12, "h.*.attn.out_proj": ROW4,
+                      "h.*.mlp.fc_in": COL, "h.*.mlp.fc_out": ROW}),
     "opt": ("decoder.layers", {"decoder.layers.*.self_attn.q_proj": COL, "decoder.layers.*.self_attn.k_proj": COL,
                                "decoder.layers.*.self_attn.v_proj": COL, "decoder.layers.*.self_attn.out_proj": ROW,
                                "decoder.layers.*.fc1": COL, "decoder.layers.*.fc2": ROW}),
     # BLOOM's query_key_value is per-head interleaved ([q k v] of head 0, then head 1...): a plain column
     "bloom": ("h", {"h.*.self_attention.query_key_value": COL, "h.*.self_attention.dense": ROW,
                     "h.*.mlp.dense_h_to_4h": COL, "h.*.mlp.dense_4h_to_h": ROW}),
-    "falcon": ("h", {"h.*.mlp.dense_h_to_4h": COL, "h.*.mlp.dense_4h_to_h": ROW}),
+    # query_key_value is interleaved per KV group (new decoder architecture) or per head: a plain column
+    "falcon": ("h", {"h.*.self_attention.query_key_value": COL, "h.*.self_attention.dense": ROW,
+                     "h.*.mlp.dense_h_to_4h": COL, "h.*.mlp.dense_4h_to_h": ROW}),
     "mpt": ("blocks", {"blocks.*.attn.Wqkv": COL3, "blocks.*.attn.out_proj": ROW,
                        "blocks.*.ffn.up_proj": COL, "blocks.*.ffn.down_proj": ROW}),
     "gpt_bigcode": ("h", {"h.*.mlp.c_fc": COL, "h.*.mlp.c_proj": ROW}),
@@ -101,6 +108,9 @@ KEEP_ATTENTION = {
     "phi3": lambda cfg: getattr(cfg, "num_key_value_heads", None) not in (None, cfg.num_attention_heads),
     "stablelm": lambda cfg: bool(getattr(cfg, "qk_layernorm", False)),
     "cohere": lambda cfg: bool(getattr(cfg, "use_qk_norm", False)),
+    # multi-query Falcon (Falcon-7B): one K and one V head, which a tensor split cannot divide
+    "falcon": lambda cfg: bool(getattr(cfg, "multi_query", False)) and not getattr(cfg, "new_decoder_architecture",
+                                                                                  False),
 }
 # config plan entries replaced by the project's (the rest of the config's plan kept): OLMoE's attention, whose
 # plan gathers q and k for their norms over the whole width — split with them instead, as OLMo-2's
@@ -193,16 +203,18 @@ def hf_dims(model: nn.Module, *, sources: bool = False) -> dict:
         x = "heads" if _is_attention(pattern) else "mlp"
         layer = getattr(hits[0], "base_layer", hits[0])        # through PEFT's wrapper
         conv = type(layer).__name__ == "Conv1D"
-        out_dim = Fused(3, x) if kind == COL3 else Fused(2, x) if kind == COL2 else x
+        fused = int(kind.removeprefix("colwise_fused")) if kind.startswith("colwise_fused") else 1
+        out_dim = Fused(fused, x) if fused > 1 else x
         if kind == NORM:
             out[f"{pattern}.weight"] = ((x,), src)
             continue
-        if kind == ROW:
+        if kind in (ROW, ROW4):
+            x = Fused(4, x) if kind == ROW4 else x
             weight = (x, "embed") if conv else ("embed", x)
         else:
             weight = ("embed", out_dim) if conv else (out_dim, "embed")
         out[f"{pattern}.weight"] = (weight, src)
-        if kind != ROW and any(getattr(getattr(m, "base_layer", m), "bias", None) is not None for m in hits):
+        if kind not in (ROW, ROW4) and any(getattr(getattr(m, "base_layer", m), "bias", None) is not None for m in hits):
             out[f"{pattern}.bias"] = ((out_dim,), src)
     emb, head = hf.get_input_embeddings(), hf.get_output_embeddings()
     if emb is not None and head is not None and emb.weight is not head.weight:

@@ -61,6 +61,10 @@ head counts ``num_heads``, ``num_attention_heads``,  the count / tensor size (he
                                                    heads * head_dim`` query width)
 =================================================  ==============================================
 
+A row's in-features may be fused too (CodeGen's ``out_proj``, ``P(None, Fused(4, "tensor"))``: its input
+holds the heads of the 4 chunks its ``qkv_proj`` is cut in). Which layout a packed projection's forward
+reads is not in its shape: ``packed.py`` names the known ones and refuses a split against them.
+
 A fused ``q|k|v`` needs equal blocks: with fewer KV heads than query heads (grouped-query Phi-3)
 the blocks differ and the projection is refused (keep it replicated). A per-head interleaved
 projection (GPT-NeoX's ``query_key_value``: rows ``[head0: q k v][head1: q k v]...``) is a plain
@@ -79,6 +83,7 @@ from functools import cached_property
 from torch import nn
 
 from ..algebra.spec import Fused, PartitionSpec
+from .packed import packed_problem, per_head_problems
 from .peft import adapted_layer, is_adapter, uses_axis
 
 COLUMN, ROW, VOCAB, LOGITS, NORM = "column", "row", "vocab", "logits", "norm"
@@ -157,6 +162,9 @@ class TensorPlan:
     # by every head: MLA's rope key), and the columns that then read an already varying value (no f of theirs)
     output_f: tuple[str, ...] = ()
     no_f: tuple[str, ...] = ()
+    # regions (attention, MLP) whose column input another region's column reads too (a parallel block's
+    # attention and MLP off one norm): their columns share one f and run unfused (comm/column_async.py)
+    shared_input: tuple[str, ...] = ()
 
     @property
     def f_modules(self) -> tuple[str, ...]:
@@ -217,7 +225,7 @@ def derive(model: nn.Module, specs: dict[str, PartitionSpec], *, axis: str, size
                 continue
             entries = tuple(w) + (None,) * (2 - len(tuple(w)))
             col = _is(entries[out_dim], axis) and entries[in_dim] is None
-            row = entries[in_dim] == axis and entries[out_dim] is None
+            row = _is(entries[in_dim], axis) and entries[out_dim] is None     # Fused: blocks of the heads
             if not (col or row):
                 problems.append(_combo(wq, wshape, w, axis, where, conv, in_dim, entries[in_dim]))
                 continue
@@ -245,7 +253,13 @@ def derive(model: nn.Module, specs: dict[str, PartitionSpec], *, axis: str, size
                                     "over the full features, so the bias is added once, after the sum — expected "
                                     f"the bias replicated, P(). Drop it from the spec table.")
                     continue
-                sites.append(Site(mname, ROW, wq, qual.get("bias"), in_features, unit, 1, conv, _parent(mname)))
+                parts = entries[in_dim].parts if isinstance(entries[in_dim], Fused) else 1
+                if parts > 1 and in_features % parts:
+                    problems.append(f"plan: {wq} {wshape} of {where} is {_fmt(w)}, but dim {in_dim} ({in_features} "
+                                    f"features) is not {parts} equal blocks — expected Fused parts dividing the "
+                                    "width. Declare the blocks it holds, or split it plainly.")
+                    continue
+                sites.append(Site(mname, ROW, wq, qual.get("bias"), in_features, unit, parts, conv, _parent(mname)))
                 if sequence_parallel and size > 1 and unit and mod.bias is not None:
                     sp_modules.append(mname)
         elif isinstance(mod, nn.Embedding):
@@ -276,11 +290,12 @@ def derive(model: nn.Module, specs: dict[str, PartitionSpec], *, axis: str, size
                                 "sequence_parallel=True a norm runs on sequence shards with its weights replicated.")
     for parent, weights in projections.items():
         problems += _head_problems(parent, modules[parent], size, axis, weights)
+    problems += _layout_problems(sites, modules, specs, size, axis)
     local_attrs: list[LocalAttr] = []
     head_args: list[HeadArg] = []
     for site in sites:
         parent = _parent(site.module)
-        if site.fused > 1:
+        if site.fused > 1 and site.kind == COLUMN:
             found, why = _fused_attrs(parent, modules[parent], site)
             if why:
                 problems.append(f"plan: {site.weight} of {type(modules[site.module]).__name__} {site.module!r} is "
@@ -306,6 +321,29 @@ def derive(model: nn.Module, specs: dict[str, PartitionSpec], *, axis: str, size
                       local_attrs=tuple(local_attrs), head_args=tuple(head_args)), problems
 
 
+def _layout_problems(sites: list[Site], modules: dict[str, nn.Module], specs: dict[str, PartitionSpec],
+                     size: int, axis: str) -> list[str]:
+    """Columns split against the layout their module's forward reads (``packed.PACKED``), and split
+    attentions holding per-head parameters (``packed.per_head_problems``)."""
+    out: list[str] = []
+    split: dict[str, set[str]] = {}
+    for s in sites:
+        if s.kind not in (COLUMN, ROW) or is_adapter(s.module):
+            continue
+        parent, layer = _parent(s.module), adapted_layer(s.module)
+        split.setdefault(parent, set()).add(layer)
+        why = packed_problem(modules[parent], parent, layer.rpartition(".")[2], s.weight, _fmt(specs[s.weight]),
+                             s.fused, _count(modules[parent], _HEADS), _count(modules[parent], _KV_HEADS), size,
+                             axis, s.conv1d, s.kind == ROW)
+        if why:
+            out.append(why)
+    for parent, layers in split.items():
+        counts = {c for c in (_count(modules[parent], _HEADS), _count(modules[parent], _KV_HEADS)) if c}
+        if counts:
+            out += per_head_problems(parent, modules[parent], counts, layers, axis)
+    return out
+
+
 def _parent(name: str) -> str:
     """The module holding projection ``name``, seen through PEFT's wrapper: ``<layer>.base_layer`` and
     the adapters ``<layer>.lora_A.<adapter>`` are held by ``<layer>``'s parent, as ``<layer>`` was."""
@@ -325,11 +363,10 @@ def _unit(name: str, units: set[str]) -> str:
 def _combo(name: str, shape: tuple[int, ...], spec: PartitionSpec, axis: str, where: str, conv: bool,
            in_dim: int, in_entry) -> str:
     col, row = _col_spec(conv, axis), _col_spec(not conv, axis)
-    extra = (f" A Fused entry splits output features only: dim {in_dim} holds the input features, which a "
-             "row splits plainly." if isinstance(in_entry, Fused) else "")
+    extra = ""
     return (f"plan: {name} {shape} of {where} is {_fmt(spec)} — expected {_fmt(col)} (column: output "
             f"features split; P(..Fused(parts, {axis!r})..) in that place for parts equal blocks) or {_fmt(row)} "
-            f"(row: input features split).{extra} Use one of them.")
+            f"(row: input features split, plainly or in Fused blocks).{extra} Use one of them.")
 
 
 def _col_spec(conv: bool, axis) -> PartitionSpec:

@@ -253,10 +253,11 @@ def trace_values(model: nn.Module, plan: Plan, batch: Any, coord: int, device: s
 
 
 def run_traced(model: nn.Module, plan: Plan, mb: Any, values: dict[str, torch.Tensor], ops: Any, *,
-               partial: bool = False) -> None:
+               partial: bool = False) -> set[str]:
     """One forward of ``model`` on ``values`` with the tensor plan's boundaries installed over ``ops``
     (a ``RecordingOps``): the vocab-split logits become full-width zeros, as ``ShardedLogits`` makes
-    the code after the head see them."""
+    the code after the head see them. Returns the split regions whose column input another region reads
+    too (``TensorPlan.shared_input``)."""
     tp = plan.tensor
 
     def logits(output: torch.Tensor, site) -> torch.Tensor:
@@ -279,6 +280,7 @@ def run_traced(model: nn.Module, plan: Plan, mb: Any, values: dict[str, torch.Te
             torch.func.functional_call(model, values, args, kwargs, strict=False, tie_weights=True)
     finally:
         bounds.remove()
+    return bounds.shared_regions
 
 
 def _trace(model: nn.Module, plan: Plan, batch: Any, coord: int, device: str, *,

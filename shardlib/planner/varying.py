@@ -197,6 +197,7 @@ class Partials:
     activations: dict[str, str]
     outputs: dict[str, str]
     no_f: frozenset[str]
+    shared: frozenset[str] = frozenset()      # regions whose column input another region reads too
 
 
 def find_partials(model: nn.Module, plan: Plan, batch: Any) -> Partials:
@@ -236,11 +237,12 @@ def _find(model: nn.Module, plan: Plan, batch: Any, device: str, *, partial: boo
     post = nn.modules.module.register_module_forward_hook(vma.pop)
     try:
         with vma:
-            run_traced(model, plan, mb, values, ops, partial=partial)
+            shared = run_traced(model, plan, mb, values, ops, partial=partial)
     finally:
         pre.remove()
         post.remove()
-    return Partials(dict(vma.params), dict(vma.activations), dict(vma.outputs), frozenset(vma.no_f))
+    return Partials(dict(vma.params), dict(vma.activations), dict(vma.outputs), frozenset(vma.no_f),
+                    frozenset(shared))
 
 
 def _spread(found: Partials, stack: tuple[str, list[str]]) -> Partials:
@@ -264,7 +266,7 @@ def _spread(found: Partials, stack: tuple[str, list[str]]) -> Partials:
                 out |= {f"{prefix}{key}.{k[len(middle):]}" for key in keys[2:-1]}
         return out
     return Partials(spread(found.params), spread(found.activations), spread(found.outputs),
-                    frozenset(spread_names(found.no_f)))
+                    frozenset(spread_names(found.no_f)), frozenset(spread_names(found.shared)))
 
 
 def partial_modules(model: nn.Module, plan: Plan, found: Partials) -> tuple[str, ...]:
@@ -303,4 +305,5 @@ def derive_f(model: nn.Module, plan: Plan, batch: Any, rounds: int = 4) -> Plan:
             break
         tp = replace(tp, output_f=tp.output_f + outputs, no_f=tp.no_f + no_f)
     partial = partial_modules(model, replace(plan, tensor=tp), found)
-    return replace(plan, tensor=replace(tp, partial_modules=partial))
+    shared = tuple(m for m, _ in model.named_modules() if m in found.shared)
+    return replace(plan, tensor=replace(tp, partial_modules=partial, shared_input=shared))
