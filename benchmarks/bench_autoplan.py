@@ -23,7 +23,7 @@ import sys
 from bench_estimate import rank_times      # (benchmarks/: the same timing as the estimate's benchmark)
 from shardlib.cli.autoplan import block_probe, exact, model_shape
 from shardlib.cli.compose import check_overrides
-from shardlib.frontend.config import run_config
+from shardlib.frontend.config.run_config import run_config
 from shardlib.planner import autoplan as ap
 
 MESH = {4: "dp4", 8: "2x2x2"}
@@ -80,7 +80,7 @@ def candidates(model: str, devices: int, batch: int, plans: int) -> list[tuple[a
 
 
 def main(argv=None) -> None:
-    from shardlib.frontend.launcher import launch
+    from shardlib.frontend.launch.launcher import launch
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny")

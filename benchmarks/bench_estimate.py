@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from shardlib.cli.compose import check_overrides
-from shardlib.frontend.config import run_config
+from shardlib.frontend.config.run_config import run_config
 from shardlib.frontend.dryrun import dry_run
 
 LAYOUTS = [("dp2", "dp"), ("dp4", "zero3"), ("dp2_tp2", "tp"), ("pp2_dp2", "pp_1f1b"), ("hsdp2x2", "hsdp"),
@@ -46,7 +46,7 @@ def rank_times(run, steps: int) -> list[float]:
 
 
 def main(argv=None) -> None:
-    from shardlib.frontend.launcher import launch
+    from shardlib.frontend.launch.launcher import launch
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=15)

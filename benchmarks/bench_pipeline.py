@@ -53,7 +53,7 @@ is waited for before its timer starts and recorded as that RECV). Over one step,
 
     span    = max(end) - min(start)        over all ranks' compute records (F, B, I, W)
     busy_r  = |union of rank r's compute intervals|
-    idle_r  = 1 - busy_r / span            (shardlib.frontend.timeline.idle_fractions' measure)
+    idle_r  = 1 - busy_r / span            (shardlib.frontend.plots.timeline.idle_fractions' measure)
 
 reported as the median over the timed steps of the mean over ranks. Beside it: **simulated**, shardlib's
 simulator (``planner/simulate.py``) on the schedule's compute actions (shardlib's ``plan.pipeline.actions``;
@@ -95,7 +95,7 @@ from harness import alternate, common_options, reference_losses, run_sides, writ
 from torch import nn
 
 import shardlib as sl
-from shardlib.frontend.timeline import plot_timeline
+from shardlib.frontend.plots.timeline import plot_timeline
 from shardlib.models import GPT, GPTConfig, token_batch
 from shardlib.planner.schedules import schedule_actions
 from shardlib.planner.simulate import Record, bubble_formula, simulate
@@ -329,7 +329,7 @@ def _merge(iv) -> list[tuple[float, float]]:
 
 
 def idle_of(records: list) -> dict[int, float]:
-    """``1 - busy_r / span`` per rank over the compute records (``frontend/timeline.py``'s measure, with the
+    """``1 - busy_r / span`` per rank over the compute records (``frontend/plots/timeline.py``'s measure, with the
     span taken over compute records only on both sides: torch's records hold nothing else)."""
     comp = [r for r in map(Record._make, records) if _ACTION.fullmatch(r.action).group(2) in COMPUTE]
     span = max(r.end for r in comp) - min(r.start for r in comp)

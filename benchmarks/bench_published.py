@@ -45,7 +45,7 @@ import tempfile
 import time
 
 from shardlib.cli.compose import check_overrides
-from shardlib.frontend.config import run_config
+from shardlib.frontend.config.run_config import run_config
 from shardlib.frontend.dryrun import dry_run
 from shardlib.planner.estimate import ModelDims, transformer_flops
 

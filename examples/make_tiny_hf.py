@@ -48,8 +48,8 @@ def make(out: str | pathlib.Path, *, family: str = "llama", vocab: int = 384, hi
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils.logging import disable_progress_bar
 
-    from shardlib.frontend.config import DataConfig
-    from shardlib.frontend.data import load_text
+    from shardlib.frontend.config.run_config import DataConfig
+    from shardlib.frontend.data.text import load_text
 
     if family not in FAMILIES:
         raise SystemExit(f"make_tiny_hf.py: --family {family} is not one of {', '.join(FAMILIES)}")

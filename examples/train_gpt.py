@@ -60,12 +60,12 @@ from omegaconf import DictConfig, OmegaConf
 
 import shardlib as sl
 from shardlib.cli.compose import check_overrides, whole_axes
-from shardlib.frontend.config import ConfigError, RunConfig, run_config
-from shardlib.frontend.outcomes import WorkerError
-from shardlib.frontend.report import Progress, plot_loss, plot_memory, summary_lines
+from shardlib.frontend.config.run_config import ConfigError, RunConfig, run_config
+from shardlib.frontend.launch.outcomes import WorkerError
+from shardlib.frontend.plots.report import Progress, plot_loss, plot_memory, summary_lines
 from shardlib.frontend.run import SavedActivations, Trainer, check
 from shardlib.planner.pipeline_report import rank_activation_bytes
-from shardlib.runtime.checkpoint import clean_partial, latest, save_step
+from shardlib.runtime.checkpoint.core import clean_partial, latest, save_step
 
 NAME = "train_gpt.py"
 
@@ -190,7 +190,7 @@ def _report(run: RunConfig, plan, metrics: list[dict], everyone: list[dict], agr
                 title=f"{title}\nmodel states: plan.memory_per_rank vs held; activations: the blocks' saved bytes "
                       "x live micro-batches (planned) vs the peak saved (measured)" + kinds)
     if everyone[0]["timeline"]:
-        from shardlib.frontend.timeline import plot_timeline
+        from shardlib.frontend.plots.timeline import plot_timeline
         from shardlib.planner.simulate import bubble_formula
         pp = plan.pipeline
         records = [r for e in everyone for r in e["timeline"]]

@@ -33,8 +33,8 @@ from .errors import MeshError as MeshError
 from .errors import ShardingError as ShardingError
 from .errors import ShardingTypeError as ShardingTypeError
 from .errors import SpecError as SpecError
-from .frontend.outcomes import WorkerError as WorkerError
-from .frontend.launcher import launch as launch
+from .frontend.launch.outcomes import WorkerError as WorkerError
+from .frontend.launch.launcher import launch as launch
 from .frontend.shard_map import shard_map as shard_map
 from .planner.rules import AxisRules as AxisRules
 from .planner.specs import shard as shard
@@ -50,7 +50,7 @@ from .planner.states import StateLayouts as StateLayouts
 from .planner.traffic import CommEntry as CommEntry
 from .cli.autoplan import autoplan as autoplan
 from .runtime.engine import Engine as Engine
-from .runtime.checkpoint_files import CheckpointError as CheckpointError
+from .runtime.checkpoint.files import CheckpointError as CheckpointError
 from .runtime.engine import NonFiniteLossError as NonFiniteLossError
 from .runtime.parallelize import parallelize as parallelize
 

@@ -20,7 +20,7 @@ it is stuck in, and restarts the world.
 ``get_mesh(shape)`` returns a ``Mesh`` cached per worker, so tests do not create fresh process
 groups each time (gloo groups hold sockets; thousands would exhaust file descriptors).
 
-**Starting ranks.** As ``sl.launch`` starts its ranks (``frontend/launcher.py``): forked from
+**Starting ranks.** As ``sl.launch`` starts its ranks (``frontend/launch/launcher.py``): forked from
 multiprocessing's fork server, which imports torch's parts and shardlib once (an 8-rank world: 14-17 s
 wall -> 3 s on two cores), each rank taking the parent's environment, working directory and ``sys.path``
 as of ``start()``. (torch's import starts one native thread of its own in the server, as it does before
@@ -40,9 +40,9 @@ from collections.abc import Callable, Mapping
 from multiprocessing.connection import wait
 from typing import Any
 
-from .frontend.launcher import (adopt_parent_state, finish_rank, init_world, parent_state, set_rank_env, start_method,
+from .frontend.launch.launcher import (adopt_parent_state, finish_rank, init_world, parent_state, set_rank_env, start_method,
                                 world_store)
-from .frontend.outcomes import WorkerError
+from .frontend.launch.outcomes import WorkerError
 
 _MESHES: dict = {}   # worker-process cache; the library itself never reads it
 _WORKER: dict = {}   # worker-process state: this rank's progress slot; empty outside a pool worker

@@ -18,6 +18,16 @@ import sys
 
 import pytest
 
+# The tests mirror the package (algebra, comm, planner, runtime, frontend, e2e, package); their shared helpers
+# (hf_families, llama, ...) sit here, and a test module may import another's workers by its bare name: every
+# folder is on sys.path, before any worker pool starts (the ranks take the parent's sys.path)
+_HERE = os.path.dirname(os.path.abspath(__file__))
+for _d in sorted(os.listdir(_HERE)):
+    if os.path.isdir(os.path.join(_HERE, _d)) and not _d.startswith((".", "_")) and os.path.join(_HERE, _d) not in sys.path:
+        sys.path.insert(0, os.path.join(_HERE, _d))
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("SHARDLIB_TEST_TIMEOUT", "60")
 if "torch" in sys.modules:   # imported before us (a plugin): its thread pool ignored the variable above; the
@@ -27,9 +37,10 @@ if "torch" in sys.modules:   # imported before us (a plugin): its thread pool ig
 
 # The costliest files first (CPU-seconds, one process, 2026-11-26): the two workers (-n 2 --dist loadfile) take
 # files in collection order, and one of these started last would run alone at the end while the other waits.
-HEAVY_FIRST = ("test_redistribute.py", "test_examples.py", "test_families.py", "test_hf_pipeline.py", "test_pipeline.py",
-               "test_checkpoint.py", "test_engine.py", "test_offload.py", "test_autoplan.py", "test_train_hf.py",
-               "test_verify.py", "test_tensor.py", "test_train_peft.py")
+HEAVY_FIRST = ("test_redistribution_on_ranks.py", "test_examples.py", "test_transformers_families.py",
+               "test_pipeline_hf.py", "test_pipeline_training.py", "test_checkpoint_change_mesh.py",
+               "test_engine_data_parallel.py", "test_offload.py", "test_autoplan.py", "test_train_hf.py",
+               "test_parity_matrix.py", "test_tensor_parallel.py", "test_train_peft.py")
 
 
 def pytest_collection_modifyitems(items):

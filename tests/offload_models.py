@@ -73,7 +73,7 @@ def engine(kind: str, cfg: dict, shape: dict, offload: dict | None, offload_dir:
 
 
 def train(kind: str, cfg: dict, shape: dict, offload: dict | None, offload_dir: str | None = None) -> dict:
-    from test_tensor import train_counting
+    from test_tensor_parallel import train_counting
 
     eng, plan = engine(kind, cfg, shape, offload, offload_dir)
     rank = eng.mesh.rank
@@ -118,7 +118,7 @@ def failed_write(cfg: dict, shape: dict, offload: dict) -> dict:
     """Step once, then make the second step's disk writes fail (as a full disk would): the step must
     raise ``OffloadError`` and leave the parameters and the offloaded states as they were; stepping the
     same batch again once the disk is back continues exactly as a run that never failed."""
-    from shardlib.runtime.offload import DiskStore, OffloadError
+    from shardlib.runtime.offload.core import DiskStore, OffloadError
 
     bs = batches("gpt")
     with tempfile.TemporaryDirectory() as d:

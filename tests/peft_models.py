@@ -121,7 +121,7 @@ def engine(kind: str, cfg: dict, shape: dict, quant: str | None = None):
 def run(kind: str, cfg: dict, shape: dict, quant: str | None = None) -> dict:
     """Train on every rank: losses, counted and planned collectives, the final adapters (full), and
     the names of base tensors that differ from the untrained model's (bit for bit)."""
-    from test_tensor import train_counting
+    from test_tensor_parallel import train_counting
 
     eng, plan = engine(kind, cfg, shape, quant)
     losses, counts = train_counting(eng, plan, batches(kind))

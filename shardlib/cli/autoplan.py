@@ -158,7 +158,7 @@ def autoplan(*, model: str = "1b", devices: int, mesh: str = "h100_64", batch: i
     (its figures; its axes ignored) for a global ``batch`` of ``seq``-token sequences in ``precision``;
     return ``{"candidates": [...], "searched": n, "seconds": s}``, the ``top`` fastest that fit
     ``memory_gib`` (default: the machine's) with their predicted step, memory and Hydra overrides."""
-    from ..frontend.config import run_config
+    from ..frontend.config.run_config import run_config
     from .compose import check_overrides
 
     t0 = time.perf_counter()
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     import torch._dynamo  # noqa: F401  (meta tensors' decompositions import it once per process)
 
-    from ..frontend.config import ConfigError
+    from ..frontend.config.run_config import ConfigError
 
     pick = {k: v for k, v in (o.split("=", 1) for o in args.overrides if "=" in o and not o.startswith(("+", "~")))}
     rest = [o for o in args.overrides if o.split("=", 1)[0] not in ("model", "mesh", "train.batch", "train.seq",

@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ranks", type=int, nargs="*", default=[1, 2, 4, 8])
     ap.add_argument("--reps", type=int, default=10)
     args = ap.parse_args(argv)
-    from ..frontend.launcher import launch
+    from ..frontend.launch.launcher import launch
 
     rows = {}
     for n in args.ranks:

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..frontend.config import ConfigError
+from ..frontend.config.run_config import ConfigError
 
 GROUPS = ("mesh", "parallel", "model", "train", "data", "lora", "quant")
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..frontend.config import ConfigError, run_config
+from ..frontend.config.run_config import ConfigError, run_config
 from .compose import check_overrides
 
 

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..frontend.config import ConfigError, RunConfig, run_config
+from ..frontend.config.run_config import ConfigError, RunConfig, run_config
 from .compose import check_overrides
 
 # name: (mesh, parallel, extra overrides)
@@ -41,7 +41,7 @@ LAYOUT_KEYS = ("mesh", "parallel")
 
 def reference_losses(run: RunConfig, steps: int) -> list[float]:
     """Plain PyTorch in this process: the whole model on the whole batch, no shardlib engine."""
-    from ..frontend.data import batch_at, load_text
+    from ..frontend.data.text import batch_at, load_text
     from ..frontend.run import lr_factor
     from ..models.gpt import GPT
 
@@ -86,8 +86,8 @@ def _case_overrides(spec: str) -> tuple[str, list[str]]:
 def main(argv: list[str] | None = None, *, run_case: Callable[[RunConfig, int], list] | None = None) -> int:
     """The command. ``run_case(run, steps)`` returns every rank's losses for one case; by default
     each case is a fresh process world (``sl.launch``) — a test passes its warm worker pools."""
-    from ..frontend.launcher import launch
-    from ..frontend.outcomes import WorkerError
+    from ..frontend.launch.launcher import launch
+    from ..frontend.launch.outcomes import WorkerError
 
     if run_case is None:
         def run_case(run: RunConfig, steps: int) -> list:

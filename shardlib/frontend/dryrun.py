@@ -19,7 +19,7 @@ import torch
 from ..algebra.mesh import AbstractMesh
 from ..comm.core import format_bytes
 from ..planner.estimate import ModelDims, StepEstimate, estimate_step, pipeline_rank_flops, recompute_passes
-from .config import RunConfig
+from .config.run_config import RunConfig
 
 
 @dataclass

@@ -29,9 +29,9 @@ import torch
 from torch import nn
 
 from ..errors import ShardingError
-from .checking import ConfigError
-from .config import RunConfig
-from .finetune_config import ALL_LINEAR, QuantConfig
+from .config.checking import ConfigError
+from .config.run_config import RunConfig
+from .config.finetune import ALL_LINEAR, QuantConfig
 
 # ---- building -----------------------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .config import RunConfig
+from .config.run_config import RunConfig
 
 
 def layout_table(model: nn.Module, run: RunConfig) -> dict[str, Any]:

@@ -7,7 +7,7 @@ and the parity matrix (``python -m shardlib.verify``).
 * ``Trainer(run, mesh)`` — the model, plan and engine on a running mesh, the text, the learning-rate
   schedule; ``trainer.step(i)`` trains step ``i`` on ``batch_at(text, i)`` (a transformers folder,
   ``model.kind=hf``: on this data rank's rows of its own share of the text, tokenized by the folder's
-  tokenizer — ``frontend/hf.py``, ``frontend/tokens.py``) and returns its metrics:
+  tokenizer — ``frontend/hf.py``, ``frontend/data/tokens.py``) and returns its metrics:
   loss, learning rate, gradient norm, step time, tokens/s, the bytes this rank sent per mesh axis
   (counted), and every rank's peak resident memory (one small all-gather). With ``lora`` set, the
   folder's model is quantized and wrapped in PEFT adapters first (``frontend/finetune.py``): checked
@@ -26,8 +26,8 @@ import torch
 from ..algebra.mesh import AbstractMesh, Mesh
 from ..comm import core as comm
 from ..errors import ShardingError, ShardingTypeError
-from .config import LR_SCHEDULES, ConfigError, RunConfig, TrainConfig
-from .data import VOCAB, batch_at, load_text
+from .config.run_config import LR_SCHEDULES, ConfigError, RunConfig, TrainConfig
+from .data.text import VOCAB, batch_at, load_text
 
 
 def lr_factor(train: TrainConfig, step: int) -> float:
@@ -63,7 +63,7 @@ def check(run: RunConfig) -> list[str]:
     meta device, planned on an ``AbstractMesh``; the data read and its bytes in the vocabulary."""
     from ..models.gpt import GPT
 
-    from ..runtime.checkpoint_files import resume_problems
+    from ..runtime.checkpoint.files import resume_problems
 
     problems: list[str] = []
     where = f"plan (mesh={run.mesh.name}, parallel={run.parallel.name}, model={run.model.name})"
@@ -103,7 +103,7 @@ def _data_problems(run: RunConfig) -> list[str]:
     """The data read (a dataset: opened, its rows counted against the data ranks; its cache built here)."""
     try:
         if run.data.source == "dataset":
-            from .local_dataset import dataset_problems
+            from .data.local_dataset import dataset_problems
             found = dataset_problems(run.data, run.mesh.shape.get("data", 1))
             if found or run.model.kind == "hf":
                 return found
@@ -166,7 +166,7 @@ class Trainer:
             init=not self.hf or self.tuned)
         if self.hf:       # the weights into the shards; this data rank's share of the text, in the folder's tokens
             from .hf import load_tokenizer
-            from .tokens import load_tokens
+            from .data.tokens import load_tokens
             if not self.tuned:
                 self.engine.load_pretrained(run.model.path)
             self.tokenizer = load_tokenizer(run.model.path)
@@ -191,7 +191,7 @@ class Trainer:
         folder this data rank's rows of it."""
         t = self.run.train
         if self.hf:
-            from .tokens import local_batch
+            from .data.tokens import local_batch
             return local_batch(self.text, i, t.batch // self.engine.data_size, self.run.seq, t.seed,
                                self.engine.data_index)
         return batch_at(self.text, i, t.batch, self.run.seq, t.seed)

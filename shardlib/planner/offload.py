@@ -22,7 +22,7 @@ what must fit the accelerator. On a machine without an accelerator ``host`` is t
 
 This module checks the arguments (every problem at once, by key), holds the split and lists the copies
 a step makes between kinds (``traffic.copy_entries``, part of ``Plan.comm_per_step``). The engine runs
-every kind: ``runtime/offload.py`` (optimizer), ``offload_params.py``, ``offload_activations.py``.
+every kind: ``runtime/offload/core.py`` (optimizer), ``runtime/offload/params.py``, ``runtime/offload/activations.py``.
 """
 
 from __future__ import annotations

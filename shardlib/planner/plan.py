@@ -313,7 +313,7 @@ class Plan(MemoryAccounting, TrafficAccounting, Explain):
     def disk_bytes(self) -> int:
         """The bytes ``offload_dir`` must hold when all ranks share one machine: every rank's ``disk``
         states, twice — each rank keeps two generations (a step writes the next while the last stays
-        whole, ``runtime/offload.py``) — the largest rank's of a sample, times the ranks. (Offloaded
+        whole, ``runtime/offload/core.py``) — the largest rank's of a sample, times the ranks. (Offloaded
         activations come on top: their bytes depend on the forward.)"""
         n = self.mesh.size
         sample = range(0, n, max(1, n // 64))

@@ -30,7 +30,7 @@ list and its lowering give the same times. ``UNSHARD`` precedes every action of 
   so the fraction is ``(2p-m-1)/(2p+2m-1)`` (equal to the paper's at ``m = p``), which zb_h1 meets.
 
 Simulated with those costs, the four schedules meet these formulas exactly for p in {2,3,4,8} and
-m in 1..16 (interleaved: m >= p, v in {2, 4}; tests/test_schedules.py); zb_h1 (m >= p) also meets
+m in 1..16 (interleaved: m >= p, v in {2, 4}; tests/planner/test_pipeline_schedules.py); zb_h1 (m >= p) also meets
 the paper's ``(p-1)·(T_F+T_B-T_W)`` with unequal costs as long as ``T_W <= min(T_F, T_B)``; with a
 longer W the deferred W's no longer fit the drain and the step is longer than that.
 """

@@ -39,7 +39,7 @@ from ..algebra.spec import PartitionSpec
 from ..comm import core as comm
 from ..comm.redistribute import redistribute
 from ..errors import ShardingError
-from .checkpoint_pieces import quant_shard
+from .checkpoint.pieces import quant_shard
 from .sync import broadcast_coalesced
 
 if TYPE_CHECKING:

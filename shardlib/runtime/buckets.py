@@ -248,7 +248,7 @@ class GradBuckets:
             off = self.engine.offload
             with torch.no_grad():
                 for s, piece in zip(fl.train, fl.reduced(reduced)):
-                    if off is not None:          # to the host shard, as backward goes (runtime/offload.py)
+                    if off is not None:          # to the host shard, as backward goes (runtime/offload/core.py)
                         off.shard_in(s, piece, add=False)
                     else:
                         s.grad_shard.copy_(piece)

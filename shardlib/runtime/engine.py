@@ -37,11 +37,11 @@ from .buckets import GradBuckets
 from .inspection import EngineInspection
 from .machine import warn_slow_precision
 from .materialize import is_meta, materialize_stage_
-from .offload import Copies, DiskOptimizer, OffloadError, OptimizerOffload
-from .offload_activations import activation_offload
-from .offload_params import params_offload
+from .offload.core import Copies, DiskOptimizer, OffloadError, OptimizerOffload
+from .offload.activations import activation_offload
+from .offload.params import params_offload
 from .pipeline import PipelineRuntime
-from .pretrained import EnginePretrained
+from .pretrained.core import EnginePretrained
 from .scaler import LossScaler
 from .setup import EngineSetup, _check_optimizer, _scaler, _validate, strip_to_stage
 from .sync import broadcast_buffers, broadcast_module, cast_buffers
@@ -123,8 +123,8 @@ class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
         # after the units: its unit hooks run after ZeRO-3's gathers
         self.tensor = TensorRuntime(self) if plan.tensor_size > 1 else None
         self.pipe = PipelineRuntime(self) if piped else None
-        self.params_offload = params_offload(self)   # ZeRO-3's shards to the host or to files (offload_params.py)
-        self.offload = _offload(self)           # masters and moments to the host or to files (runtime/offload.py)
+        self.params_offload = params_offload(self)   # ZeRO-3's shards to the host or to files (runtime/offload/params.py)
+        self.offload = _offload(self)           # masters and moments to the host or to files (runtime/offload/core.py)
         self.optimizer = optimizer([s.master for s in trainable])
         _check_optimizer(self.optimizer, [s.master for s in trainable], plan, model)
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
@@ -148,21 +148,21 @@ class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
             check_replicas(self)
         return loss
 
-    # ---- checkpoints (runtime/checkpoint.py) -------------------------------------------------------
+    # ---- checkpoints (runtime/checkpoint/core.py) -------------------------------------------------------
     def save(self, path, *, extra: dict | None = None, frozen: bool = True):
         """Write the whole training state (parameters, optimizer state, step, scheduler, loss scale,
         RNG, samples seen, ``extra``) to the folder ``path``: every rank its own pieces, in parallel
         (DCP), moved into place once complete. Loadable on any mesh. ``frozen=False`` leaves the
         frozen parameters out (a fine-tune's base is not rewritten every save): ``load`` keeps the
         engine's own frozen values then. A collective."""
-        from .checkpoint import save
+        from .checkpoint.core import save
         with self._offload_mapped():
             return save(self, path, extra=extra, frozen=frozen)
 
     def load(self, path) -> dict:
         """Restore the state ``save`` wrote — on any mesh, plan and world size; returns its ``extra``.
         A collective."""
-        from .checkpoint import load
+        from .checkpoint.core import load
         with self._offload_mapped():
             extra = load(self, path)
         self._needs_load = False
@@ -173,7 +173,7 @@ class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
         ``model.safetensors.index.json``; bf16/fp16/fp32, cast to fp32) or one ``.safetensors`` file into
         the shards: each rank reads only its pieces. Everything is checked before any value is written;
         ``strict=False`` ignores tensors the model lacks. Before the first step. A collective."""
-        from .pretrained import load_pretrained
+        from .pretrained.core import load_pretrained
         with self._offload_mapped():
             load_pretrained(self, path, strict=strict)
 
@@ -183,10 +183,10 @@ class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
         safetensors sharded above ``max_shard_size`` with an index), tensors assembled on rank 0 one at a
         time. A model with no transformers config gets the safetensors files only. A PEFT model: its
         adapter folder, or with ``merged=True`` the plain base model with the adapters folded in
-        (``runtime/peft_export.py``). A collective."""
+        (``runtime/pretrained/peft_export.py``). A collective."""
         from ..planner.peft import is_peft
-        from .peft_export import refuse_quantized, save_peft
-        from .pretrained import save_pretrained
+        from .pretrained.peft_export import refuse_quantized, save_peft
+        from .pretrained.core import save_pretrained
         self._refuse_before_load("save_pretrained")
         with self._offload_mapped():
             if merged or is_peft(self.model):
@@ -196,14 +196,14 @@ class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
 
     def export(self, path):
         """The full model (``full_state_dict()``) as one safetensors file, for a plain model."""
-        from .checkpoint import export
+        from .checkpoint.core import export
         with self._offload_mapped():
             return export(self, path)
 
     @contextlib.contextmanager
     def _offload_mapped(self):
         """Offloaded to disk: the masters and moments readable and writable in place (file-backed,
-        ``runtime/offload.py``) inside; otherwise nothing to do."""
+        ``runtime/offload/core.py``) inside; otherwise nothing to do."""
         with contextlib.ExitStack() as stack:
             for off in (self.params_offload, self.offload):
                 if off is not None:
@@ -306,7 +306,7 @@ class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
             if self.offload is not None:       # the update where the masters are, then the device copies
                 try:
                     self.offload.step(self.optimizer)
-                except OffloadError:            # nothing of the step was applied (runtime/offload.py)
+                except OffloadError:            # nothing of the step was applied (runtime/offload/core.py)
                     self.step_count -= 1
                     self._release_master_grads()
                     raise
@@ -354,7 +354,7 @@ class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
     @property
     def timeline(self) -> list:
         """The last step's pipeline actions on this rank: ``Record(rank, action, start, end)`` with
-        ``time.perf_counter`` seconds (``frontend/timeline.py`` plots them); empty without a pipe axis."""
+        ``time.perf_counter`` seconds (``frontend/plots/timeline.py`` plots them); empty without a pipe axis."""
         return list(self.pipe.timeline) if self.pipe is not None else []
 
     @property

@@ -12,8 +12,8 @@ from ..quant.layout import inner_tensors
 if TYPE_CHECKING:
     from ..planner.plan import Plan
     from .buckets import GradBuckets
-    from .offload import OptimizerOffload
-    from .offload_params import ParamsOffload
+    from .offload.core import OptimizerOffload
+    from .offload.params import ParamsOffload
     from .state import ParamState
     from .units import UnitRunner
 

@@ -47,7 +47,7 @@ def parallelize(model: nn.Module, plan: Plan, optimizer: Callable[[list[nn.Param
 
     ``init=False``: the values come from a load (``engine.load_pretrained(folder)``, or ``engine.load``);
     nothing is replayed or broadcast, each rank allocates only what it holds (ZeRO-3: its pieces; a
-    pipe axis: its stages', a meta model allowed) — see ``runtime/pretrained_empty.py``. A model built
+    pipe axis: its stages', a meta model allowed) — see ``runtime/pretrained/empty.py``. A model built
     normally is allowed too (its values are dropped). A step before the load is refused.
 
     ``check_replicas=True``: after every step, every trainable parameter's replicated copies (over the

@@ -32,7 +32,7 @@ which walks the rank's lowered action list (``planner/schedules.py``) in order:
 
 Gradients accumulate in ``.grad`` over the micro-batches; the data axis reduces them after the
 schedule (DP / ZeRO-1/2 buckets, ``engine.step``). Every action is timed (``timeline``: records of
-``(rank, action, start, end)``, ``time.perf_counter`` seconds) for ``frontend/timeline.py``.
+``(rank, action, start, end)``, ``time.perf_counter`` seconds) for ``frontend/plots/timeline.py``.
 
 A rank that fails mid-step writes why into the process group's store before raising; a peer whose
 receive then times out (the process group's timeout) raises a ``PipelineError`` naming that rank

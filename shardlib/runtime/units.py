@@ -143,7 +143,7 @@ class UnitRunner:
         buf, held = self.gather_buffer.acquire(self.engine.plan.data_size * c)
         self._track(held)
         block = buf[self.index * c:(self.index + 1) * c]      # this rank's chunk, gathered in place
-        with torch.no_grad():     # offloaded shards: brought to the device (offload_params.py)
+        with torch.no_grad():     # offloaded shards: brought to the device (runtime/offload/params.py)
             if off is None:
                 u.flat.pack(lambda s: s.shard, self.cdt, out=block)
             else:
@@ -302,7 +302,7 @@ class UnitRunner:
         del chunk
         off = self.engine.offload
         for s, r in zip(u.flat.train, pieces):
-            if off is not None:                  # to the host shard, as backward goes (runtime/offload.py)
+            if off is not None:                  # to the host shard, as backward goes (runtime/offload/core.py)
                 off.shard_in(s, r, add=not u.fresh)
             elif u.fresh:
                 s.grad_shard.copy_(r)

@@ -1,0 +1,200 @@
+"""Pretrained weights straight into the shards, and back out: ``engine.load_pretrained(path)`` and
+``engine.save_pretrained(path)`` on transformers folders (``config.json`` + safetensors).
+
+This module loads; ``runtime/pretrained/empty.py`` builds the empty states a load fills, ``runtime/pretrained/save.py``
+saves, ``runtime/pretrained/names.py`` matches the model's names with the folder's and ``runtime/pretrained/files.py``
+reads and writes the files.
+
+**Load.** Every rank reads the safetensors headers (no tensor data) and checks, before writing any
+value: the architecture in ``config.json``, every parameter and persistent buffer present (under
+any of its tied names), its shape, a floating dtype, and every file whole (a tensor's bytes inside
+the file). The ranks agree on the verdict in one gather (ranks of different nodes may see
+different files): a rank raises its own problem, the others name it and refuse too.
+Then each rank reads only its pieces — the boxes ``checkpoint_pieces._pieces`` gives in global
+coordinates — through ``safe_open(...).get_slice(name)[rows]``, cast to fp32 as it is copied in.
+A read holds its bytes about three times (the file's mapped pages, safetensors' buffer, the tensor
+it returns), so each spans at most a quarter of the largest tensor (and 64 MB), the file reopened
+per read so its mapped pages are let go: a load holds at most ~3/4 of the largest tensor beyond the
+rank's states (the RSS high-water mark, measured in tests/runtime/test_pretrained.py on data 2 x tensor 2
+ZeRO-3 and, building included, in tests/runtime/test_pretrained_memory.py on pipe 2 and data 2 ZeRO-3).
+transformers' checkpoint renamings (GPT-NeoX's ``embed_out`` for ``lm_head``) apply both ways.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from ...algebra.boxes import Box
+from ...planner.peft import is_peft
+from ..checkpoint.core import _gather
+from ..checkpoint.files import CheckpointError
+from ..checkpoint.pieces import _pieces
+from .empty import EnginePretrained as EnginePretrained    # re-exported: the names once defined here
+from .files import _DTYPES, _FLOATS, _RELOAD, CONFIG, _Entry, read_folder
+from .names import _aliases, _persistent_buffers, _renamed
+from .names import _reverted as _reverted
+from .names import _saved_names as _saved_names
+from .save import _Sender as _Sender
+from .save import _whole
+from .save import save_pretrained as save_pretrained
+
+if TYPE_CHECKING:
+    from ..engine import Engine
+
+_CHUNK = 64 << 20            # bytes: the most one read spans in a file
+
+
+def _check(engine: Engine, path: Path, config: dict | None, entries: dict[str, _Entry], strict: bool
+           ) -> tuple[dict[str, str], dict[str, str]]:
+    """Every problem with the folder for this model, raised at once; else the file name of each
+    parameter (by plan name) and of each persistent buffer found."""
+    model, problems = engine.model, []
+    mconf = getattr(model, "config", None)
+    if config is not None and mconf is not None and hasattr(mconf, "model_type"):
+        arch, want = config.get("architectures") or [], type(model).__name__
+        if config.get("model_type") != mconf.model_type or (arch and want not in arch):
+            problems.append(f"load_pretrained: {path} holds a {config.get('model_type')!r} model ({', '.join(arch)}) "
+                            f"— expected {mconf.model_type!r} ({want}). Load the folder of this architecture, or "
+                            "build the model from this folder's config.")
+    elif config is None and mconf is not None and hasattr(mconf, "model_type") and path.is_dir():
+        problems.append(f"load_pretrained: {path} has no {CONFIG} — expected a transformers folder for "
+                        f"{type(model).__name__}. Write it with save_pretrained.")
+    params: dict[str, str] = {}
+    shapes = {p.name: tuple(p.shape) for p in engine.global_plan.params}
+    for first, names in _aliases(model).items():
+        found = next((n for n in names if n in entries), None)
+        if found is None:
+            problems.append(f"load_pretrained: {path} holds no tensor {first!r}"
+                            + (f" (nor its tied names {names[1:]})" if len(names) > 1 else "")
+                            + f" — expected every parameter of {type(model).__name__}. {_RELOAD}")
+            continue
+        params[first] = found
+        problems += _entry_problems(path, found, entries[found], shapes[first], None)
+    buffers: dict[str, str] = {}
+    for name, b in _persistent_buffers(model).items():
+        if name in entries:
+            buffers[name] = name
+            problems += _entry_problems(path, name, entries[name], tuple(b.shape), b.dtype)
+        elif engine._needs_load and name in engine._awaited:     # zeroed by init=False: a load must fill it
+            problems.append(f"load_pretrained: {path} holds no buffer {name!r} — expected every persistent buffer "
+                            f"of a model built without values (init=False). {_RELOAD}")
+    if strict:
+        known = {n for names in _aliases(model).values() for n in names} | set(_persistent_buffers(model))
+        ignore = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
+        nonpersistent = {n for n, _ in model.named_buffers()}
+        extra = [k for k in entries if k not in known and k not in nonpersistent
+                 and not any(p.search(k) for p in ignore)]
+        if extra:
+            problems.append(f"load_pretrained: {path} holds {len(extra)} tensor(s) {type(model).__name__} does not "
+                            f"have — got {sorted(extra)[:6]}; expected only the model's parameters and buffers. Load "
+                            "the folder of this exact model (same config), or pass strict=False to ignore them.")
+    if problems:
+        raise CheckpointError(problems[:20], api="load_pretrained")
+    return params, buffers
+
+
+def _entry_problems(path: Path, name: str, e: _Entry, shape: tuple[int, ...], dtype: torch.dtype | None
+                    ) -> list[str]:
+    out = []
+    if tuple(e.shape) != tuple(shape):
+        out.append(f"load_pretrained: {path}: tensor {name!r} has shape {list(e.shape)} — expected {list(shape)}. "
+                   "Load the folder of a model with this config.")
+    floating = dtype is None or dtype.is_floating_point
+    if floating and e.dtype not in _FLOATS:
+        out.append(f"load_pretrained: {path}: tensor {name!r} is {e.dtype} — expected a float dtype (F32, F16, "
+                   "BF16). Save the weights as floats (quantized checkpoints are not read here).")
+    elif not floating and e.dtype in _FLOATS:
+        out.append(f"load_pretrained: {path}: buffer {name!r} is {e.dtype} — expected {dtype}. {_RELOAD}")
+    return out
+
+
+def _rows(box: Box, i: int, n: int) -> Box:
+    """Rows ``[i, i + n)`` of ``box`` (along dim 0), clipped to it."""
+    if not box[1]:
+        return box
+    (s0, *rest), (n0, *sizes) = box
+    return (s0 + i, *rest), (min(n, n0 - i), *sizes)
+
+
+@torch.no_grad()
+def load_pretrained(engine: Engine, path: str | os.PathLike, *, strict: bool = True) -> None:
+    """Fill the engine's parameters (and persistent buffers) from a transformers folder, each rank
+    reading only its pieces (see the module doc). Checked whole before any value is written."""
+    from safetensors import safe_open
+
+    path = Path(path).absolute()
+    if engine.step_count > 0:
+        raise CheckpointError(f"load_pretrained: the engine has taken {engine.step_count} step(s) — expected a load "
+                              "before the first step (the optimizer's state would belong to other weights). Load "
+                              "pretrained weights into a fresh engine, or resume training with "
+                              "engine.load(checkpoint).")
+    held = [s.name for s in engine.states if s.plan.quant is not None]
+    if held or is_peft(engine.model):        # the same on every rank: decided by the model alone
+        what = (f"quantized weights ({', '.join(held[:2])}{', ...' if len(held) > 2 else ''})" if held
+                else "a PEFT model (its names are base_model.model.*, its adapters in no base folder)")
+        raise CheckpointError(f"load_pretrained: the engine holds {what} — expected a plain float model: a folder "
+                              "loads into the base model's own parameters. Load the base with from_pretrained, "
+                              "quantize it and wrap it with peft.get_peft_model before sl.plan; resume training "
+                              "with engine.load(checkpoint).")
+    # ranks may see different files (a folder on one node only): agreed before the collectives below
+    mine = None
+    try:
+        config, entries = read_folder(path)
+        entries = _renamed(engine.model, entries)
+        params, buffers = _check(engine, path, config, entries, strict)
+    except CheckpointError as e:
+        mine = e
+    theirs = [(r, m) for r, m in enumerate(_gather(engine, None if mine is None else str(mine))) if m]
+    if mine is not None:
+        raise mine
+    if theirs:
+        r, why = theirs[0]
+        raise CheckpointError(f"load_pretrained: another rank (rank {r}) cannot read {path} — {why} Give every node "
+                              "the same folder.")
+    pieces, _ = _pieces(engine)
+    # a read holds its bytes about three times (the file's mapped pages, safetensors' buffer, the
+    # tensor it returns): reads span at most a quarter of the largest tensor (and _CHUNK)
+    chunk = min(_CHUNK, max(1, max(math.prod(entries[n].shape) * _DTYPES[entries[n].dtype].itemsize
+                                   for n in params.values()) // 4))
+    failed = None
+    engine._needs_load = True                      # until every rank has read all of its pieces
+    try:
+        for p in pieces:
+            if not p.key.startswith("param/"):
+                continue
+            name = params[p.key[len("param/"):]]
+            e = entries[name]
+            row = math.prod(e.shape[1:]) * _DTYPES[e.dtype].itemsize
+            for box, off in p.boxes:
+                dst = p.box_tensor(box, off)
+                step = max(1, chunk // row) if box[1] else 1
+                for i in range(0, max(box[1][0], 1) if box[1] else 1, step):
+                    part = _rows(box, i, step)
+                    with safe_open(str(e.file), framework="pt") as f:       # mapped pages let go after
+                        got = f.get_slice(e.key)[_whole(part)]
+                    (dst[i:i + step] if box[1] else dst).copy_(got)
+                    del got
+        by_key = {p.key: p for p in pieces}
+        for s in engine.states:            # frozen values into what the engine computes with
+            if not s.trainable:
+                dst = s.shard if s.shard is not None else s.local_piece(s.param.data)
+                dst.copy_(by_key[f"param/{s.name}"].flat.view_as(dst))
+        held = _persistent_buffers(engine.model)
+        for name, fname in buffers.items():
+            with safe_open(str(entries[fname].file), framework="pt") as f:
+                held[name].copy_(f.get_tensor(entries[fname].key))
+    except Exception as e:                 # noqa: BLE001 — reported on every rank below
+        failed = f"rank {engine.mesh.rank}: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+    failed = [f for f in _gather(engine, failed) if f]
+    if failed:
+        raise CheckpointError(f"load_pretrained: reading {path} failed — {failed[0]}. The engine has no complete "
+                              f"values and refuses to step. {_RELOAD}")
+    engine._publish()
+    engine._needs_load = False
+    engine._awaited = frozenset()

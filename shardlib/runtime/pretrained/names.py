@@ -1,0 +1,109 @@
+"""The model's tensor names against a transformers folder's: every name of a tied parameter, the
+persistent buffers, transformers' checkpoint renamings (GPT-NeoX's ``embed_out`` is ``lm_head``)
+applied on load and reverted on save, and the names ``save_pretrained`` keeps of tied weights.
+Shared by ``pretrained.py`` (load), ``runtime/pretrained/save.py`` and ``runtime/pretrained/peft_export.py``."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from ..checkpoint.files import CheckpointError
+from .files import _Entry
+
+
+def _renamings(model: nn.Module) -> list:
+    """transformers' renamings of checkpoint keys for ``model`` (GPT-NeoX's ``embed_out`` is ``lm_head``),
+    as ``from_pretrained`` applies them; none for other models."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming
+    except ImportError:
+        return []
+    if not isinstance(model, PreTrainedModel):
+        return []
+    return [c for c in get_model_conversion_mapping(model, add_legacy=True) if isinstance(c, WeightRenaming)]
+
+
+def _renamed(model: nn.Module, entries: dict[str, _Entry]) -> dict[str, _Entry]:
+    """The file's tensors by the model's names (each still knows its name in the file)."""
+    renamings, out = _renamings(model), {}
+    for key, e in entries.items():
+        for r in renamings:
+            key, _ = r.rename_source_key(key)
+        out.setdefault(key, e)
+    return out
+
+
+def _reverted(model: nn.Module, names: list[tuple[str, str]], meta: dict[str, torch.Tensor]
+              ) -> tuple[list[tuple[str, str]], dict[str, torch.Tensor]]:
+    """The names transformers' ``save_pretrained`` writes (its renamings reverted, in its order)."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        return names, meta
+    if not isinstance(model, PreTrainedModel):
+        return names, meta
+    src_of, by_id = dict(names), {id(t): n for n, t in meta.items()}
+    out = revert_weight_conversion(model, dict(meta))
+    if any(id(t) not in by_id for t in out.values()):
+        raise CheckpointError(f"save_pretrained: transformers converts {type(model).__name__}'s weights on save "
+                              "(not only renames them) — expected a model whose checkpoint names map one to one. "
+                              "Save engine.full_state_dict() with model.save_pretrained in one process instead.")
+    return [(n, src_of[by_id[id(t)]]) for n, t in out.items()], out
+
+
+def _aliases(model: nn.Module) -> dict[str, list[str]]:
+    """Every name of each parameter, keyed by its first (the plan's) name."""
+    first: dict[int, str] = {}
+    out: dict[str, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        out.setdefault(first.setdefault(id(p), name), []).append(name)
+    return out
+
+
+def _persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``state_dict`` names of the persistent buffers, in ``state_dict`` order (the first name of a shared one)."""
+    out, seen = {}, set()
+    for mname, mod in model.named_modules(remove_duplicate=False):
+        for k, b in mod._buffers.items():
+            if b is not None and k not in mod._non_persistent_buffers_set and id(b) not in seen:
+                seen.add(id(b))
+                out[f"{mname}.{k}" if mname else k] = b
+    return out
+
+
+def _saved_names(model: nn.Module) -> list[tuple[str, str]]:
+    """``(name in the file, plan name or buffer name)`` in ``state_dict`` order, one name per tensor:
+    of tied names transformers drops those its tied-weight keys match (as ``save_pretrained`` does)."""
+    aliases = _aliases(model)
+    first = {n: f for f, names in aliases.items() for n in names}
+    buffers = _persistent_buffers(model)
+    order = []
+    for mname, mod in model.named_modules(remove_duplicate=False):
+        for k, t in list(mod._parameters.items()) + [(k, b) for k, b in mod._buffers.items()
+                                                     if k not in mod._non_persistent_buffers_set]:
+            name = f"{mname}.{k}" if mname else k
+            if t is not None and (name in first or name in buffers) and name not in order:
+                order.append(name)
+    try:
+        from transformers.modeling_utils import _get_tied_weight_keys
+        tied = list(_get_tied_weight_keys(model)) if hasattr(model, "config") else []
+    except (ImportError, AttributeError, TypeError):
+        tied = []
+    drop = set()
+    for f, names in aliases.items():
+        names = [n for n in names if n in order]
+        found = 0
+        for n in sorted(names):
+            if any(re.search(pat, n) for pat in tied):
+                found += 1
+                if found < len(names):
+                    drop.add(n)
+        keep = [n for n in names if n not in drop]
+        drop.update(keep[1:])
+    return [(n, first.get(n, n)) for n in order if n not in drop]

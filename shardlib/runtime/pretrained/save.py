@@ -1,0 +1,149 @@
+"""``engine.save_pretrained(path)``: the sharded model written as a transformers folder
+(``config.json`` + safetensors), from rank 0, one tensor at a time.
+
+**Save.** Rank 0 writes what ``model.save_pretrained`` writes in one process — ``config.json``,
+``generation_config.json`` where the model generates, ``model.safetensors`` or shards named by
+huggingface_hub's own split (``max_shard_size``) with ``model.safetensors.index.json``, the same
+tensor names (a tied weight under the name transformers keeps). Each tensor is assembled on rank 0
+from the ranks' boxes (point-to-point, each element sent once) and written into its place in the
+file (the header is known up front), then freed: rank 0 holds one tensor at a time. A write rank 0
+cannot make (disk full, permission) removes its temporary file and stops its writing, not its
+receiving (every send is matched); one broadcast after the last tensor makes every rank raise it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from ...algebra.boxes import Box, slices_in
+from ..checkpoint.core import _gather, _one
+from ..checkpoint.files import CheckpointError
+from ..checkpoint.pieces import _pieces
+from .files import _cannot, _header_bytes, _Out, _tidy
+from .names import _persistent_buffers, _reverted, _saved_names
+
+if TYPE_CHECKING:
+    from ..engine import Engine
+
+
+def _whole(box: Box) -> tuple[slice, ...]:
+    """Index of ``box`` in the whole tensor."""
+    return slices_in(box, ((0,) * len(box[0]), box[1]))
+
+
+@torch.no_grad()
+def save_pretrained(engine: Engine, path: str | os.PathLike, *, max_shard_size: int | str = "50GB",
+                    dtype: torch.dtype = torch.float32) -> Path:
+    """Write the model as ``model.save_pretrained(path)`` does in one process (see the module doc); a
+    model without a transformers ``config`` gets the safetensors files only. A collective."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from huggingface_hub.serialization._base import parse_size_to_int
+
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise CheckpointError(f"save_pretrained: dtype {dtype} — expected torch.float32, float16 or bfloat16.")
+    path = Path(path).absolute()
+    model, gplan = engine.model, engine.global_plan
+    names = _saved_names(model)
+    shapes = {p.name: tuple(p.shape) for p in gplan.params}
+    buffers = _persistent_buffers(model)
+    kinds = {src: (shapes[src], dtype) if src in shapes else
+             (tuple(buffers[src].shape), dtype if buffers[src].is_floating_point() else buffers[src].dtype)
+             for _, src in names}
+    meta = {n: torch.empty(kinds[src][0], dtype=kinds[src][1], device="meta") for n, src in names}
+    names, meta = _reverted(model, names, meta)
+    split = split_torch_state_dict_into_shards(meta, filename_pattern="model{suffix}.safetensors",
+                                               max_shard_size=parse_size_to_int(max_shard_size)
+                                               if isinstance(max_shard_size, str) else int(max_shard_size))
+    del meta
+    hf = hasattr(getattr(model, "config", None), "save_pretrained")
+    rank0 = engine.mesh.rank == 0
+    if hf:                                # as save_pretrained: the saved dtype and the class in the config
+        model.config.dtype = str(dtype).split(".")[1]
+        model.config.architectures = [type(model).__name__]
+    problem = None
+    if rank0:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            if hf:
+                model.config.save_pretrained(path)
+                can = getattr(model, "can_generate", None)
+                if callable(can) and can() and getattr(model, "generation_config", None) is not None:
+                    model.generation_config.save_pretrained(path)
+        except OSError as e:
+            problem = f"save_pretrained: cannot write {path} ({e.strerror}) — expected a writable folder."
+    problem = _gather(engine, problem)[0]
+    if problem:
+        raise CheckpointError(problem)
+    sender, src_of = _Sender(engine), dict(names)
+    failed: str | None = None        # rank 0's write failure: it goes on receiving so every send matches
+    for fname, tensors in split.filename_to_tensors.items():
+        head, offsets = _header_bytes([(n, kinds[src_of[n]][1], kinds[src_of[n]][0]) for n in tensors])
+        tmp = path / f".{fname}.tmp-{uuid.uuid4().hex[:8]}"
+        out = _Out(tmp, head) if rank0 and failed is None else None
+        for n in sorted(tensors, key=lambda n: offsets[n]):
+            src = src_of[n]
+            t = sender.full(src) if src in shapes else buffers[src]
+            if out is not None and out.ok:
+                out.write(len(head) + offsets[n], t.detach().to(kinds[src][1]).contiguous().view(-1)
+                          .view(torch.uint8).numpy().data)
+            del t
+        if out is not None:
+            failed = out.install(path / fname)
+    if rank0 and failed is None:
+        try:
+            _tidy(path, split, sum(p.numel for p in gplan.params), hf)
+        except OSError as e:
+            failed = _cannot(path, e)
+    failed = _one(engine, failed)          # every rank learns rank 0's verdict (and waits for the files)
+    if failed:
+        raise CheckpointError(failed)
+    return path
+
+
+class _Sender:
+    """Full parameters on rank 0, one at a time: every rank tells once which boxes it holds; each box of
+    each tensor is sent by the lowest rank holding it (replicas send nothing), point to point."""
+
+    def __init__(self, engine: Engine, *, frozen: bool = True):
+        """``frozen=False``: trainable parameters only (a PEFT adapter's save never reads the base)."""
+        self.engine = engine
+        self.shapes = {p.name: tuple(p.shape) for p in engine.global_plan.params}
+        pieces, _ = _pieces(engine, frozen=frozen)
+        self.mine = {p.key[len("param/"):]: p for p in pieces if p.key.startswith("param/")}
+        held = {k: [b for b, _ in p.boxes] for k, p in self.mine.items()}
+        self.owner: dict[str, list[tuple[int, Box]]] = {}
+        for r, got in enumerate(_gather(engine, held)):
+            for k, boxes in got.items():
+                have = self.owner.setdefault(k, [])
+                for b in boxes:
+                    if math.prod(b[1]) and all(b != x for _, x in have):
+                        have.append((r, b))
+
+    def full(self, name: str) -> torch.Tensor | None:
+        """Parameter ``name``'s full fp32 value on rank 0 (None elsewhere)."""
+        e = self.engine
+        me = e.mesh.rank
+        out = torch.zeros(self.shapes[name], dtype=torch.float32) if me == 0 else None
+        recvs, sends = [], []
+        local = {b: off for b, off in self.mine[name].boxes} if name in self.mine else {}
+        for r, box in self.owner.get(name, []):
+            if r == me == 0:
+                out[_whole(box)] = self.mine[name].box_tensor(box, local[box])
+            elif me == 0:
+                buf = torch.empty(box[1], dtype=torch.float32)
+                recvs.append((dist.irecv(buf, src=r), box, buf))
+            elif r == me:
+                sends.append(dist.isend(self.mine[name].box_tensor(box, local[box]).contiguous(), dst=0))
+        for w, box, buf in recvs:
+            w.wait()
+            out[_whole(box)] = buf
+        for w in sends:
+            w.wait()
+        return out

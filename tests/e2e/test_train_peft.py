@@ -1,0 +1,153 @@
+"""The main job fine-tuning a transformers folder with LoRA over a frozen int8 base
+(``model=hf model.path=<folder> lora=r8 quant=int8``), end to end, and its configuration errors.
+
+One run of ``examples/train_gpt.py`` on the tiny Llama folder of ``test_train_hf`` (data 2,
+ZeRO-3, 3 steps): each rank loads the folder, quantizes its linear layers with torchao's
+``Int8WeightOnlyConfig``, seeds and wraps it with ``peft.get_peft_model``; the losses are those of the
+same PEFT model trained in one process on the same rows, and the adapter folder the job writes at
+the end (``engine.save_pretrained``) loads with ``PeftModel.from_pretrained`` onto the base, holding
+that process's trained adapters. The base folder is left as it was. The configuration errors — a
+LoRA run without a transformers folder, a rank of 0, a target that matches nothing, an unknown
+quantization, an int4 group size that splits a layer's in-features, int8 on a model of Conv1D
+projections (GPT-2), a quantized base with nothing to train — are named by config key in this process,
+before any rank starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+import torch
+from test_train_hf import COMMON, SEQ, _example, _run   # made: the session's folder fixture (conftest.py)
+
+STEPS = 3
+
+
+def _digests(folder) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def _peft_model(folder):
+    """The job's model in one process: the folder, its linear layers (not the head) int8, LoRA r=8
+    on every linear layer, seeded with train.seed=0."""
+    from peft import LoraConfig, get_peft_model
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    quantize_(model, Int8WeightOnlyConfig(),
+              filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear) and fqn != "lm_head")
+    torch.manual_seed(0)
+    return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear",
+                                            task_type="CAUSAL_LM"))
+
+
+def _reference(made) -> tuple[list[float], torch.nn.Module]:
+    """The losses and the trained model of one process: the two data ranks' rows of each step
+    stacked, AdamW with train=quick's settings (lr 3e-3 constant, clipping at 1.0) on the adapters."""
+    from transformers import AutoTokenizer
+
+    from shardlib.frontend.config.run_config import DataConfig
+    from shardlib.frontend.data.tokens import load_tokens, local_batch
+
+    tokenizer = AutoTokenizer.from_pretrained(made["folder"])
+    data = DataConfig(source="dataset", path=str(made["root"] / "docs.jsonl"), megabytes=16)
+    shares = [load_tokens(data, tokenizer, SEQ, d, 2) for d in range(2)]
+    model = _peft_model(made["folder"]).train()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=3e-3, weight_decay=0.0)
+    losses = []
+    for step in range(STEPS):
+        rows = [local_batch(shares[d], step, 8, SEQ, 0, d) for d in range(2)]
+        batch = {k: torch.cat([r[k] for r in rows]) for k in rows[0]}
+        opt.zero_grad(set_to_none=True)
+        loss = model(**batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses, model
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:TorchaoLoraLinear was instantiated", "ignore:`is_gradient_checkpointing`")
+def test_main_job_trains_lora_over_an_int8_base_and_writes_the_adapter_folder(made):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out = made["root"] / "lora-int8"
+    before = _digests(made["folder"])
+    proc = _run(made, out, "mesh=dp2", "parallel=zero3", "lora=r8", "quant=int8", f"train.steps={STEPS}",
+                f"data.path={made['root'] / 'docs.jsonl'}", f"checkpoint.every={STEPS}",
+                f"checkpoint.dir={out / 'ckpt'}")
+    want, trained = _reference(made)
+    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rel = max(abs(a - b) / abs(b) for a, b in zip(losses, want, strict=True))
+    assert rel <= 1e-5, f"{losses} vs one process {want} ({rel:.3g})"
+    assert json.loads((out / "summary.json").read_text())["ranks_agree"]
+    assert "saved the adapters to" in proc.stdout and "\r" not in proc.stdout + proc.stderr
+    # PEFT's adapter folder: it loads onto the base and holds the adapters one process trained
+    adapter = out / "adapter"
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in adapter.iterdir()}
+    base = AutoModelForCausalLM.from_pretrained(made["folder"], dtype=torch.float32)
+    loaded = PeftModel.from_pretrained(base, adapter)
+    mine = {n: p for n, p in loaded.named_parameters() if "lora_" in n}
+    theirs = {n: p for n, p in trained.named_parameters() if "lora_" in n}
+    assert mine.keys() == theirs.keys() and mine
+    for name, p in theirs.items():
+        torch.testing.assert_close(mine[name], p, rtol=1e-4, atol=1e-6, msg=name)
+    assert any(p.abs().sum() > 0 for n, p in mine.items() if "lora_B" in n)     # trained: lora_B starts at 0
+    assert _digests(made["folder"]) == before                                   # the base folder untouched
+    # the step checkpoint leaves the frozen (quantized) base out: it is rebuilt from the folder on resume
+    manifest = json.loads((out / "ckpt" / f"step-{STEPS:06d}" / "manifest.json").read_text())
+    absent = set(manifest["absent"])
+    assert absent and all("lora_" not in n for n in absent) and any("q_proj.base_layer" in n for n in absent)
+
+
+# ---- configuration errors: named by key, in this process, before any rank starts --------------------
+
+def test_lora_and_quant_errors_are_named_by_key(made, tmp_path, monkeypatch):
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", made["env"]["HF_DATASETS_CACHE"])
+    problems_of = _example("train_gpt").problems_of
+    base = ["mesh=dp2", "parallel=zero3", *COMMON, f"model.path={made['folder']}",
+            f"data.path={made['root'] / 'docs.jsonl'}"]
+
+    def one(*args: str, prefix: list[str] = base) -> str:
+        got = problems_of([*prefix, *args])
+        assert len(got) == 1, got
+        return got[0]
+
+    assert problems_of([*base, "lora=r16", "quant=int8"]) == problems_of([*base, "lora=r8", "quant=int4"]) == []
+    assert one("lora=r8", prefix=["mesh=dp2", "parallel=dp", "model=tiny"]) == (
+        "lora: lora=r8 fine-tunes a transformers folder — got model=tiny (the reference GPT); expected model=hf "
+        "model.path=<folder>, or lora=none.")
+    assert one("quant=int8").startswith("quant: quant=int8 freezes the base in int8, and with lora=none nothing "
+                                        "would train")
+    assert one("lora=r8", "lora.r=0") == "lora.r: got 0; expected an int >= 1."
+    assert one("lora=r8", "lora.dropout=1.5") == "lora.dropout: got 1.5; expected a probability in [0, 1)."
+    got = one("lora=r8", "lora.target_modules=[qproj,v_proj]")
+    assert got.startswith(f"lora.target_modules: 'qproj' matches no module of the model in model.path={made['folder']}"
+                          " — expected names of its linear layers (q_proj, ") and got.endswith("Did you mean q_proj?")
+    assert one("lora=r8", "quant=int8", "quant.method=fp8").startswith("quant.method: 'fp8' is unknown — expected one "
+                                                                       "of int8, int4")
+    assert one("lora=r8", "quant=int4", "quant.group_size=48") == (
+        "quant.group_size: 48 does not divide the in-features of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj "
+        "(32) and down_proj (64) — expected a divisor of every quantized layer's in-features. Use "
+        "quant.group_size=32 (or 16, 8).")
+    gpt2 = tmp_path / "gpt2"                       # Conv1D projections: nothing for quant=int8 to quantize
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", vocab_size=300, n_embd=32, n_layer=1, n_head=4,
+                                                          n_positions=64)).save_pretrained(gpt2)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(made["folder"] / name, gpt2 / name)
+    assert one("lora=r8", "quant=int8", f"model.path={gpt2}") == (
+        f"quant: quant=int8 quantizes nn.Linear layers, and the model in model.path={gpt2} has none but its output "
+        "head (its projections are Conv1D) — expected a model of nn.Linear projections (Llama, Qwen2, Mistral, ...), "
+        "or quant=none.")
+    assert one("lora=r8", "quant=int3").startswith("quant=int3: no such quant preset — expected one of int4, int8, "
+                                                   "none")
