@@ -95,9 +95,9 @@ def main(argv=None) -> None:
         for cand, ov, predicted in candidates(args.model, n, args.batch, args.plans):
             per_rank = launch(rank_times, n, run_config(check_overrides(ov)), args.steps, threads=1)
             measured = statistics.median(max(x) for x in zip(*per_rank))
-            rows.append({"devices": n, "mesh": cand.axes, "plan": ap._describe(cand), "overrides": ov,
+            rows.append({"devices": n, "mesh": cand.axes, "plan": ap.describe(cand), "overrides": ov,
                          "predicted_ms": 1e3 * predicted, "measured_ms": 1e3 * measured})
-            print(f"{n} ranks {cand.axes} {ap._describe(cand)}: predicted {1e3 * predicted:.0f} ms, measured "
+            print(f"{n} ranks {cand.axes} {ap.describe(cand)}: predicted {1e3 * predicted:.0f} ms, measured "
                   f"{1e3 * measured:.0f} ms", file=sys.stderr, flush=True)
     for n in args.devices:
         mine = [r for r in rows if r["devices"] == n]

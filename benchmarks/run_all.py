@@ -92,6 +92,8 @@ def table(rows: list[dict]) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench-results", help="folder for summary.md/json and each script's output")
+    ap.add_argument("--readme", default=None, help="also write the summary into this Markdown file, between its "
+                    f"'{BEGIN}' and '{END}' lines (benchmarks/README.md's latest run)")
     ap.add_argument("--quick", action="store_true", help="fewer steps and configs")
     ap.add_argument("--only", nargs="*", choices=list(SCRIPTS), default=list(SCRIPTS))
     args = ap.parse_args(argv)
@@ -122,9 +124,25 @@ def main(argv=None) -> int:
             "median step time (below 1: shardlib faster).")
     md = head + "\n\n" + table(rows) + ("\n\nFailed: " + "; ".join(failed) if failed else "") + "\n"
     (out / "summary.md").write_text(md)
+    if args.readme:
+        write_summary(Path(args.readme), md)
     (out / "summary.json").write_text(json.dumps({"header": head, "rows": rows, "failed": failed}, indent=1) + "\n")
     print(md)
     return 1 if failed else 0
+
+
+BEGIN, END = "<!-- run_all.py summary: begin -->", "<!-- run_all.py summary: end -->"
+
+
+def write_summary(readme: Path, md: str) -> None:
+    """``md`` between ``readme``'s BEGIN and END lines (the previous summary replaced); refused when the file
+    does not hold them once each, in that order."""
+    text = readme.read_text()
+    i, j = text.find(BEGIN), text.find(END)
+    if i < 0 or j < i or text.count(BEGIN) != 1 or text.count(END) != 1:
+        raise SystemExit(f"run_all: {readme} holds no single '{BEGIN}' ... '{END}' pair — expected one, where the "
+                         "summary goes.")
+    readme.write_text(text[:i + len(BEGIN)] + "\n" + md.rstrip("\n") + "\n" + text[j:])
 
 
 if __name__ == "__main__":

@@ -40,9 +40,12 @@ from .planner.rules import AxisRules as AxisRules
 from .planner.specs import shard as shard
 from .planner.build import plan as plan
 from .planner.hf_dims import hf_dims as hf_dims
+from .planner.hf_tp import tp_table as tp_table
+from .planner.peak import activation_bytes as activation_bytes
 from .planner.plan import Plan as Plan
 from .planner.policies import DataPolicy as DataPolicy
 from .planner.policies import MemoryPolicy as MemoryPolicy
+from .planner.policies import MeshRoles as MeshRoles
 from .planner.policies import PipelinePolicy as PipelinePolicy
 from .planner.policies import TensorPolicy as TensorPolicy
 from .planner.policies import TrainingPolicy as TrainingPolicy
@@ -53,15 +56,19 @@ from .runtime.engine import Engine as Engine
 from .runtime.checkpoint.files import CheckpointError as CheckpointError
 from .runtime.engine import NonFiniteLossError as NonFiniteLossError
 from .runtime.parallelize import parallelize as parallelize
+from .runtime.replicas import check_replicas as check_replicas
+from .runtime.replicas import replica_mismatches as replica_mismatches
+from .frontend.plots.timeline import plot_timeline as plot_timeline
 
 __version__ = "0.2.0"
 
 __all__ = [
     "AbstractMesh", "AxisRules", "CheckpointError", "CollectiveCounter", "CommEntry", "Engine", "Fused", "NonFiniteLossError", "Plan", "StateLayouts",
-    "DataPolicy", "hf_dims", "MemoryPolicy", "PipelinePolicy", "TensorPolicy", "TrainingPolicy",
+    "DataPolicy", "hf_dims", "MemoryPolicy", "MeshRoles", "PipelinePolicy", "TensorPolicy", "TrainingPolicy",
     "parallelize", "plan", "autoplan", "CollectiveError", "CollectiveRecord", "Layout", "Mesh", "MeshError",
     "P", "PartitionSpec", "RedistributePlan", "ShardingError", "ShardingTypeError", "SpecError", "Step",
     "WorkerError", "all_gather", "all_to_all", "axis_index", "count_collectives", "current_mesh",
     "format_bytes", "from_dtensor", "launch", "pbroadcast", "plan_redistribute", "ppermute", "psum",
     "psum_scatter", "redistribute", "shard", "shard_map", "to_dtensor", "use_mesh",
+    "tp_table", "activation_bytes", "check_replicas", "replica_mismatches", "plot_timeline",
 ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 from .errors import ShardingError, ShardingTypeError
+from .validate import non_negative_int
 
 MMAP_THRESHOLD = 4 * 1024 * 1024   # bytes; see set_mmap_threshold
 _M_MMAP_THRESHOLD = -3            # glibc's mallopt parameter number (malloc.h)
@@ -61,9 +62,8 @@ def set_mmap_threshold(threshold: int | None = None) -> int | None:
         except ValueError:
             raise ShardingError(f"SHARDLIB_MMAP_THRESHOLD: not an integer — got {env!r}; expected bytes "
                                 "(e.g. 65536) or 0 to leave the allocator alone. Fix the variable.") from None
-    if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
-        raise ShardingTypeError(f"set_mmap_threshold: threshold must be a non-negative int (bytes) — got "
-                                f"{threshold!r}. Pass e.g. 65536, or 0 to leave the allocator alone.")
+    if problem := non_negative_int(threshold, "set_mmap_threshold: threshold"):
+        raise ShardingTypeError(f"{problem}. Pass bytes, e.g. 65536, or 0 to leave the allocator alone.")
     if threshold == 0 or "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return None
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":

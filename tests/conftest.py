@@ -43,9 +43,18 @@ HEAVY_FIRST = ("test_redistribution_on_ranks.py", "test_examples.py", "test_tran
                "test_parity_matrix.py", "test_tensor_parallel.py", "test_train_peft.py")
 
 
+# files whose tests start processes of their own (not through the ``world`` pools)
+SPAWNS = ("test_launch_local.py", "test_launch_failures.py", "test_launch_cluster.py", "test_worker_pool.py")
+
+
 def pytest_collection_modifyitems(items):
     order = {name: i for i, name in enumerate(HEAVY_FIRST)}
     items.sort(key=lambda item: order.get(item.path.name, len(order)))   # stable: the rest keep their order
+    # ``-m "not multiprocess"``: the pure tests alone (a process world of their own, or the warm pools, for the rest)
+    for item in items:
+        if ("world" in getattr(item, "fixturenames", ()) or item.path.parent.name == "e2e"
+                or item.path.name in SPAWNS):
+            item.add_marker(pytest.mark.multiprocess)
 
 
 @pytest.fixture(scope="session")

@@ -24,6 +24,7 @@ import numpy as np
 
 from ..allocator import set_mmap_threshold
 from ..errors import MeshError, Problems, ShardingTypeError, SpecError
+from ..validate import is_int
 from .world_env import adopt_launcher_env
 
 
@@ -85,7 +86,7 @@ def _parse_shape(shape: Any, axis_names: Sequence[str] | None, api: str) -> tupl
                              f"{tuple(n for n, _ in pairs)}; expected distinct names. Rename one axis.")
             else:
                 seen.add(name)
-            if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
+            if not (is_int(size) or isinstance(size, np.integer)) or size < 1:
                 problems.add(f"{api}: axis {name!r} has size {size!r} — expected a positive integer. "
                              "An axis of size 1 is allowed and means 'not split'.")
     return tuple(n for n, _ in pairs), tuple(int(s) for _, s in pairs)
@@ -192,7 +193,7 @@ class AbstractMesh:
         return tuple(a for a in self._names if a in axes and self.axis_size(a) > 1)
 
     def _check_rank(self, rank: int) -> None:
-        if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < self.size:
+        if not (is_int(rank) or isinstance(rank, np.integer)) or not 0 <= rank < self.size:
             raise MeshError(f"{type(self).__name__}.coords: rank {rank!r} is outside the mesh — expected "
                             f"0 <= rank < {self.size} for mesh {self.axis_sizes}.")
 
@@ -242,7 +243,7 @@ def default_timeout() -> datetime.timedelta:
     return datetime.timedelta(seconds=float(os.environ.get("SHARDLIB_TIMEOUT", "300")))
 
 
-def _auto_backend() -> str:
+def auto_backend() -> str:
     """nccl where every rank of this host has a GPU of its own; else gloo (NCCL refuses two ranks on
     one device, so several ranks sharing one GPU run over gloo)."""
     import torch
@@ -361,7 +362,7 @@ class Mesh(AbstractMesh):
                                 f"{'is' if len(missing) == 1 else 'are'} not — expected the full env:// "
                                 "rendezvous that torchrun sets. Start the program with torchrun or "
                                 "sl.launch, or export the missing variables.")
-            backend = backend or _auto_backend()
+            backend = backend or auto_backend()
             if backend == "nccl":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             timeout = timeout or default_timeout()

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from ..errors import Problems, ShardingTypeError, SpecError
+from ..validate import is_int
 
 
 
@@ -35,7 +36,7 @@ class Fused(tuple):
     parts: int
 
     def __new__(cls, parts: int, axis: str | tuple[str, ...] | list[str]) -> Fused:
-        if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
+        if not is_int(parts) or parts < 1:
             raise ShardingTypeError(f"Fused: parts must be an int >= 1 (the number of blocks laid end to end) — "
                                     f"got {parts!r}. Write Fused(3, 'tensor') for q|k|v.")
         axes = (axis,) if isinstance(axis, str) else tuple(axis) if isinstance(axis, (tuple, list)) else None
@@ -123,7 +124,7 @@ class PartitionSpec(tuple):
         with Problems("P", SpecError) as problems:
             seen: dict[str, int] = {}
             for dim, entry in enumerate(normalized):
-                for axis in _entry_axes(entry):
+                for axis in entry_axes(entry):
                     if axis in seen:
                         problems.add(
                             f"P: axis {axis!r} is used twice, by dim {seen[axis]} and dim {dim} — "
@@ -148,17 +149,17 @@ class PartitionSpec(tuple):
 
     def dim_axes(self, dim: int) -> tuple[str, ...]:
         """Axes that shard ``dim`` (major first); ``()`` for a replicated or absent dim."""
-        return _entry_axes(self[dim]) if dim < len(self) else ()
+        return entry_axes(self[dim]) if dim < len(self) else ()
 
     @property
     def axes(self) -> tuple[str, ...]:
         """Every axis the spec uses, in dim order."""
-        return tuple(a for e in self for a in _entry_axes(e))
+        return tuple(a for e in self for a in entry_axes(e))
 
     def dims(self) -> Iterator[tuple[int, tuple[str, ...]]]:
         """``(dim, axes)`` for each dim of the spec."""
         for d, e in enumerate(self):
-            yield d, _entry_axes(e)
+            yield d, entry_axes(e)
 
     def fused(self) -> dict[int, int]:
         """``{dim: parts}`` of the dims with a ``Fused`` entry."""
@@ -173,7 +174,9 @@ class PartitionSpec(tuple):
         return cls(*entries)
 
 
-def _entry_axes(entry: Entry) -> tuple[str, ...]:
+def entry_axes(entry: Entry) -> tuple[str, ...]:
+    """The mesh axes one spec entry (or one rule's value) names: none for ``None``, a name's own, a
+    tuple's (a ``Fused`` entry's included) in order."""
     if entry is None:
         return ()
     if isinstance(entry, str):

@@ -25,8 +25,9 @@ import time
 from dataclasses import replace
 
 from ..errors import ShardingError
-from ..planner.autoplan import (Costs, Machine, ModelShape, Priced, _describe, _lcm_batch, _near_counts,
-                                _smallest_memory, _tiebreak, _words, overrides, search, shapes)
+from ..planner.autoplan import (Costs, Machine, ModelShape, Priced, candidate_words, describe, lcm_batch,
+                                near_counts, overrides, search, shapes, smallest_memory, tiebreak)
+from ..validate import positive_int
 
 
 def model_shape(cfg, seq: int, dtype=None) -> ModelShape:
@@ -162,8 +163,8 @@ def autoplan(*, model: str = "1b", devices: int, mesh: str = "h100_64", batch: i
     from .compose import check_overrides
 
     t0 = time.perf_counter()
-    if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
-        raise ShardingError(f"autoplan: devices must be a positive int — got {devices!r}.", api="autoplan")
+    if problem := positive_int(devices, "autoplan: devices"):
+        raise ShardingError(f"{problem}.", api="autoplan")
     base = [f"model={model}", f"mesh={mesh}", "parallel=zero3", f"train.precision={precision}", *overrides_extra]
     if batch is not None:
         base.append(f"train.batch={batch}")
@@ -187,20 +188,20 @@ def autoplan(*, model: str = "1b", devices: int, mesh: str = "h100_64", batch: i
     if not list(shapes(devices, shape)):
         raise ShardingError(f"autoplan: no mesh of {devices} devices suits model={model}: the tensor degree must "
                             f"divide its {shape.heads} heads (at most 8, one node), the pipe degree its {shape.layers} "
-                            f"layers — expected a device count such as {_near_counts(devices, shape)}.", api="autoplan")
+                            f"layers — expected a device count such as {near_counts(devices, shape)}.", api="autoplan")
     if not usable:
         datas = sorted({s[0] for s in shapes(devices, shape)})
         raise ShardingError(f"autoplan: the global batch {run.train.batch} does not split over any data degree "
                             f"these {devices} devices allow ({', '.join(map(str, datas))}) — expected a batch "
-                            f"divisible by one of them, e.g. train.batch={_lcm_batch(run.train.batch, datas)}.",
+                            f"divisible by one of them, e.g. train.batch={lcm_batch(run.train.batch, datas)}.",
                             api="autoplan")
     keep = keep or max(2 * top, 8)
     best, priced = search(costs, devices, keep=keep, prune=prune)
     if not best:
-        need = _smallest_memory(costs, devices)
+        need = smallest_memory(costs, devices)
         raise ShardingError(f"autoplan: nothing fits {machine.memory / 2**30:.0f} GiB per device — the most frugal "
-                            f"plan needs {need[0] / 2**30:.1f} GiB ({_words(need[1])}). Use more devices, a machine "
-                            f"with at least {math.ceil(need[0] / 2**30)} GiB, or a smaller global batch.",
+                            f"plan needs {need[0] / 2**30:.1f} GiB ({candidate_words(need[1])}). Use more devices, a "
+                            f"machine with at least {math.ceil(need[0] / 2**30)} GiB, or a smaller global batch.",
                             api="autoplan")
     results = []
     for got in best:
@@ -221,11 +222,11 @@ def autoplan(*, model: str = "1b", devices: int, mesh: str = "h100_64", batch: i
             if not got.fits:
                 continue
         results.append((got, ov))
-    results.sort(key=lambda x: (x[0].step_s, _tiebreak(x[0].cand)))
+    results.sort(key=lambda x: (x[0].step_s, tiebreak(x[0].cand)))
     out = []
     for got, ov in results[:top]:
         k = got.cand
-        out.append({"mesh": k.axes, "parallel": _describe(k),
+        out.append({"mesh": k.axes, "parallel": describe(k),
                     "train": {"batch": run.train.batch, "precision": precision, "recompute": k.recompute,
                               **({"grad_accum": k.microbatches} if k.pipe == 1 else {})},
                     "overrides": ov, "step_ms": 1e3 * got.step_s,

@@ -63,7 +63,7 @@ def measure(reps: int = 10) -> dict[str, float]:
     import torch
     import torch.distributed as dist
 
-    from ..comm.core import _all_gather_single, _reduce_scatter_single
+    from ..comm.core import all_gather_single_fn, reduce_scatter_single_fn
     torch.set_num_threads(1)
     n = dist.get_world_size() if dist.is_initialized() else 1
 
@@ -93,11 +93,11 @@ def measure(reps: int = 10) -> dict[str, float]:
 
         def with_scatter():
             one()
-            _reduce_scatter_single()(small_out, small_in)
+            reduce_scatter_single_fn()(small_out, small_in)
 
         def with_gather():
             one()
-            _all_gather_single()(gathered, small_out)
+            all_gather_single_fn()(gathered, small_out)
         out["rs_latency_us"] = max(together(with_scatter, reps * 3) - alone, 0.0) / (n - 1) * 1e6
         out["ag_latency_us"] = max(together(with_gather, reps * 3) - alone, 0.0) / (n - 1) * 1e6
         payload = torch.zeros(1 << 20)                # 4 MiB

@@ -17,7 +17,7 @@ def _fresh(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return out.clone() if out is x else out
 
 
-class _Psum(torch.autograd.Function):
+class Psum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, mesh, axes):
         return _fresh(comm.all_reduce(x, mesh, axes), x)
@@ -27,7 +27,7 @@ class _Psum(torch.autograd.Function):
         return g, None, None
 
 
-class _PBroadcast(torch.autograd.Function):
+class PBroadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, mesh, axes):
         ctx.mesh, ctx.axes = mesh, axes
@@ -38,7 +38,7 @@ class _PBroadcast(torch.autograd.Function):
         return comm.all_reduce(g.contiguous(), ctx.mesh, ctx.axes), None, None
 
 
-class _AllGather(torch.autograd.Function):
+class AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, mesh, axes, dim):
         ctx.mesh, ctx.axes, ctx.dim = mesh, axes, dim
@@ -49,7 +49,7 @@ class _AllGather(torch.autograd.Function):
         return scatter_dim(g.contiguous(), ctx.mesh, ctx.axes, ctx.dim), None, None, None
 
 
-class _PsumScatter(torch.autograd.Function):
+class PsumScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, mesh, axes, dim):
         ctx.mesh, ctx.axes, ctx.dim = mesh, axes, dim
@@ -60,7 +60,7 @@ class _PsumScatter(torch.autograd.Function):
         return gather_dim(g.contiguous(), ctx.mesh, ctx.axes, ctx.dim), None, None, None
 
 
-class _AllToAll(torch.autograd.Function):
+class AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, mesh, axes, split_dim, concat_dim):
         ctx.mesh, ctx.axes, ctx.dims = mesh, axes, (split_dim, concat_dim)
@@ -72,7 +72,7 @@ class _AllToAll(torch.autograd.Function):
         return all_to_all_dims(g.contiguous(), ctx.mesh, ctx.axes, c, s), None, None, None, None
 
 
-class _PPermute(torch.autograd.Function):
+class PPermute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, mesh, axes, pairs):
         ctx.mesh, ctx.axes, ctx.pairs = mesh, axes, pairs

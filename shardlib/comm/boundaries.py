@@ -57,12 +57,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..algebra.qualnames import unit_of
 from ..errors import ShardingError
 from . import core as comm
-from .autograd import _AllGather, _PBroadcast, _Psum, _PsumScatter
+from .autograd import AllGather, PBroadcast, Psum, PsumScatter
 from .column_async import ColumnFusion, fusable
 from .execute import gather_dim
-from .seq_edges import SeqEdges, _Regathered
+from .seq_edges import Regathered, SeqEdges
 
 
 class _SliceSeq(torch.autograd.Function):
@@ -106,17 +107,17 @@ class Ops:
     # On meta tensors (a stage working out the shape of the stream it will receive, before any
     # data arrives) each op only reshapes: nothing is communicated.
     def f(self, x: torch.Tensor) -> torch.Tensor:
-        return x if x.is_meta else _PBroadcast.apply(x, self.mesh, self.axes)
+        return x if x.is_meta else PBroadcast.apply(x, self.mesh, self.axes)
 
     def g(self, y: torch.Tensor) -> torch.Tensor:
-        return y if y.is_meta else _Psum.apply(y, self.mesh, self.axes)
+        return y if y.is_meta else Psum.apply(y, self.mesh, self.axes)
 
     def gather_seq(self, x: torch.Tensor) -> torch.Tensor:
-        return self._meta_seq(x, self.size, 1) if x.is_meta else _AllGather.apply(x, self.mesh, self.axes, self.seq_dim)
+        return self._meta_seq(x, self.size, 1) if x.is_meta else AllGather.apply(x, self.mesh, self.axes, self.seq_dim)
 
     def scatter_seq(self, y: torch.Tensor) -> torch.Tensor:
         self._check_seq(y)
-        return self._meta_seq(y, 1, self.size) if y.is_meta else _PsumScatter.apply(y, self.mesh, self.axes, self.seq_dim)
+        return self._meta_seq(y, 1, self.size) if y.is_meta else PsumScatter.apply(y, self.mesh, self.axes, self.seq_dim)
 
     def slice_seq(self, x: torch.Tensor) -> torch.Tensor:
         self._check_seq(x)
@@ -129,11 +130,11 @@ class Ops:
     def regather(self, x: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
         """``full`` (this rank's all-gather of ``x``, already run) again, reduce-scattering into
         ``x`` in backward: no forward collective."""
-        return self._meta_seq(x, self.size, 1) if x.is_meta else _Regathered.apply(
+        return self._meta_seq(x, self.size, 1) if x.is_meta else Regathered.apply(
             x, full.detach(), self.mesh, self.axes, self.seq_dim)
 
     def param_f(self, p: torch.Tensor) -> torch.Tensor:
-        return p if p.is_meta else _PBroadcast.apply(p, self.mesh, self.axes)
+        return p if p.is_meta else PBroadcast.apply(p, self.mesh, self.axes)
 
     def _meta_seq(self, x: torch.Tensor, mul: int, div: int) -> torch.Tensor:
         shape = list(x.shape)
@@ -240,7 +241,7 @@ class Boundaries(SeqEdges):
             if partial and name not in modules:
                 continue
             mod = modules[name]
-            unit = _unit_of(name, set(units))
+            unit = unit_of(name, set(units))
             for a, p in mod._parameters.items():
                 if p is not None and (tplan.site(name) is None or a == "bias"):
                     self._sp_params.setdefault(unit, []).append((mod, a))
@@ -256,7 +257,7 @@ class Boundaries(SeqEdges):
         # watched for the gathered stream on its way to a root column
         unit_set = set(units)
         tails = [mod for name, mod in modules.items()
-                 if name and not mod._modules and _unit_of(name, unit_set) == "" and tplan.site(name) is None
+                 if name and not mod._modules and unit_of(name, unit_set) == "" and tplan.site(name) is None
                  and any(p is not None for p in mod._parameters.values())
                  and all(b is None for b in mod._buffers.values())]
         self._install_edges(modules[body[0]] if body else None, tails, partial_sums=sp and bool(body),
@@ -407,12 +408,6 @@ def _fused_column_forward(fusion: ColumnFusion):
     def forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return fusion.forward(self, x)
     return forward
-
-
-def _unit_of(name: str, units: set[str]) -> str:
-    while name and name not in units:
-        name = name.rpartition(".")[0]
-    return name
 
 
 def _conv_column_forward(self, x):

@@ -34,7 +34,7 @@ import torch
 from ..algebra.mesh import Mesh, current_mesh
 from ..errors import CollectiveError, ShardingTypeError
 from . import core as comm
-from .autograd import _AllGather, _AllToAll, _PBroadcast, _PPermute, _Psum, _PsumScatter
+from .autograd import AllGather, AllToAll, PBroadcast, PPermute, Psum, PsumScatter
 from .vma import current_tracker, tracked
 
 AxisArg = str | Sequence[str]
@@ -91,7 +91,7 @@ def psum(x: torch.Tensor, axis: AxisArg, *, mesh: Mesh | None = None) -> torch.T
     mesh = _mesh(mesh, "psum")
     axes = _axes(axis, mesh, "psum")
     with tracked(x, axes, drop=axes) as (x, done):
-        return done(_Psum.apply(x, mesh, axes))
+        return done(Psum.apply(x, mesh, axes))
 
 
 def pbroadcast(x: torch.Tensor, axis: AxisArg, *, mesh: Mesh | None = None) -> torch.Tensor:
@@ -110,7 +110,7 @@ def pbroadcast(x: torch.Tensor, axis: AxisArg, *, mesh: Mesh | None = None) -> t
         if not axes:
             return x
     with tracked(x, (), add=axes) as (x, done):
-        return done(_PBroadcast.apply(x, mesh, axes))
+        return done(PBroadcast.apply(x, mesh, axes))
 
 
 def all_gather(x: torch.Tensor, axis: AxisArg, dim: int = 0, *, mesh: Mesh | None = None) -> torch.Tensor:
@@ -120,7 +120,7 @@ def all_gather(x: torch.Tensor, axis: AxisArg, dim: int = 0, *, mesh: Mesh | Non
     axes = _axes(axis, mesh, "all_gather")
     dim = _dim(x, dim, "all_gather")
     with tracked(x, axes) as (x, done):
-        return done(_AllGather.apply(x, mesh, axes, dim))
+        return done(AllGather.apply(x, mesh, axes, dim))
 
 
 def psum_scatter(x: torch.Tensor, axis: AxisArg, dim: int = 0, *, mesh: Mesh | None = None) -> torch.Tensor:
@@ -135,7 +135,7 @@ def psum_scatter(x: torch.Tensor, axis: AxisArg, dim: int = 0, *, mesh: Mesh | N
                               f"size {k} of axis {axes} — expected a multiple of {k}. Pad the dim, or use "
                               "sl.redistribute for uneven shards.")
     with tracked(x, axes) as (x, done):
-        return done(_PsumScatter.apply(x, mesh, axes, dim))
+        return done(PsumScatter.apply(x, mesh, axes, dim))
 
 
 def all_to_all(x: torch.Tensor, axis: AxisArg, split_dim: int, concat_dim: int, *,
@@ -150,7 +150,7 @@ def all_to_all(x: torch.Tensor, axis: AxisArg, split_dim: int, concat_dim: int, 
         raise CollectiveError(f"all_to_all: split dim {split_dim} of shape {tuple(x.shape)} does not divide "
                               f"by the size {k} of axis {axes} — expected a multiple of {k}.")
     with tracked(x, axes) as (x, done):
-        return done(_AllToAll.apply(x, mesh, axes, split_dim, concat_dim))
+        return done(AllToAll.apply(x, mesh, axes, split_dim, concat_dim))
 
 
 def ppermute(x: torch.Tensor, axis: AxisArg, perm: Sequence[tuple[int, int]], *,
@@ -167,7 +167,7 @@ def ppermute(x: torch.Tensor, axis: AxisArg, perm: Sequence[tuple[int, int]], *,
         raise CollectiveError(f"ppermute: perm {pairs} is not a partial permutation of 0..{k - 1} (the size of "
                               f"axis {axes}) — expected each source and each destination at most once.")
     with tracked(x, axes) as (x, done):
-        return done(_PPermute.apply(x, mesh, axes, pairs))
+        return done(PPermute.apply(x, mesh, axes, pairs))
 
 
 def _pairs(perm: object, k: int) -> list[tuple[int, int]]:

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from ..algebra.mesh import Mesh
 from ..errors import CollectiveError, ShardingTypeError
+from ..validate import is_int
 from . import mailbox, pairwise, shm
 from . import progress as _progress
 
@@ -239,12 +240,12 @@ def group_perm(mesh, axes: Sequence[str]) -> list[int]:
     return [mesh.group_index(r, axes) for r in mesh.group_ranks(rank, canon)]
 
 
-def _all_gather_single():
+def all_gather_single_fn():
     """torch 2.13's ``all_gather_single``; before it, ``all_gather_into_tensor`` (same arguments)."""
     return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def _reduce_scatter_single():
+def reduce_scatter_single_fn():
     """torch 2.13's ``reduce_scatter_single``; before it, ``reduce_scatter_tensor`` (same arguments)."""
     return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -277,7 +278,7 @@ def all_gather(x: torch.Tensor, mesh: Mesh, axes: str | Sequence[str], *, async_
         ex = pairwise.all_gather(x, out, mesh.group_index(mesh.rank, canon), mesh.group_ranks(mesh.rank, canon),
                                  mesh.group(canon))
         return Pending(ex, out)
-    work = _all_gather_single()(out, x.reshape(-1) if x.dim() == 0 else x, group=mesh.group(canon),
+    work = all_gather_single_fn()(out, x.reshape(-1) if x.dim() == 0 else x, group=mesh.group(canon),
                                 async_op=async_op)
     return Pending(work, out) if async_op else out
 
@@ -321,7 +322,7 @@ def reduce_scatter(x: torch.Tensor, mesh: Mesh, axes: str | Sequence[str], *, op
     if _gloo(mesh, x) and out.data_ptr() == x.data_ptr() + mesh.group_index(mesh.rank, canon) * out.nbytes:
         work = dist.all_reduce(x, op=_REDUCE_OPS[op], group=mesh.group(canon), async_op=async_op)
     else:
-        work = _reduce_scatter_single()(out, x, op=_REDUCE_OPS[op], group=mesh.group(canon),
+        work = reduce_scatter_single_fn()(out, x, op=_REDUCE_OPS[op], group=mesh.group(canon),
                                         async_op=async_op)
     return Pending(work, out) if async_op else out
 
@@ -364,7 +365,7 @@ def broadcast(x: torch.Tensor, mesh: Mesh, axes: str | Sequence[str], *, src: in
     k = group_size(mesh, canon)
     if k == 1:
         return _done(x, async_op)
-    if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < k:
+    if not is_int(src) or not 0 <= src < k:
         raise CollectiveError(f"broadcast over {canon}: src={src!r} is not a member — expected 0..{k - 1}.")
     if inplace and not x.is_contiguous():
         raise CollectiveError("broadcast(inplace=True) needs a contiguous tensor.")
@@ -481,7 +482,7 @@ def _peer(mesh: Mesh, axis: str, index: int, api: str) -> int:
     if type(index) is int and type(axis) is str and (axis, index) in known:
         return known[(axis, index)]
     k = mesh.axis_size(axis)
-    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < k:
+    if not is_int(index) or not 0 <= index < k:
         raise CollectiveError(f"{api} over {axis!r}: peer {index!r} is not a member — expected 0..{k - 1}.")
     members = sorted(mesh.group_ranks(mesh.rank, (axis,)), key=lambda r: mesh.group_index(r, (axis,)))
     known[(axis, index)] = members[index]

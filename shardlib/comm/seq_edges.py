@@ -8,7 +8,7 @@ output is all-gathered, as before, so the model's code after the stack — a fin
 ``view(output_shape)``, Llama's ``[:, slice_indices]``, a value head — sees the whole sequence. A
 root column (the vocab-split LM head) that reads that stream — itself, a view of it, or the output
 of a root leaf module with parameters (the final norm: ``Boundaries`` watches them with forward
-hooks) applied to it — reads a *twin* instead: the same gathered values through ``_Regathered``,
+hooks) applied to it — reads a *twin* instead: the same gathered values through ``Regathered``,
 whose backward reduce-scatters the sequence, with the norm replayed on it (its parameters entering
 through one ``f``: their gradients from the head are partial sums over the vocab shards, all-reduced
 over tensor — Megatron all-reduces the final norm's gradients too). The column runs no ``f``. Per
@@ -51,7 +51,7 @@ from torch.utils._pytree import tree_map_only
 from .execute import scatter_dim
 
 
-class _Regathered(torch.autograd.Function):
+class Regathered(torch.autograd.Function):
     """``full``, the all-gather of ``x`` made already, again as a new tensor whose backward
     reduce-scatters the gradient into ``x``'s: an all-gather's transpose without a second forward
     collective (each rank's gradient of it is a partial sum, as a column's input gradient is)."""

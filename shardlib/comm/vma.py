@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from ..errors import ShardingError
-from .autograd import _PBroadcast
+from .autograd import PBroadcast
 
 _TRACKER: contextvars.ContextVar[VmaTracker | None] = contextvars.ContextVar("shardlib_vma", default=None)
 
@@ -67,7 +67,7 @@ class VmaTracker(TorchFunctionMode):
         ordered = tuple(a for a in self.mesh.axis_names if a in axes)
         self.suspended += 1
         try:
-            out = _PBroadcast.apply(t, self.mesh, ordered)
+            out = PBroadcast.apply(t, self.mesh, ordered)
         finally:
             self.suspended -= 1
         self.set(out, self.vma(t) | axes)
@@ -81,7 +81,7 @@ class VmaTracker(TorchFunctionMode):
         ordered = tuple(a for a in self.mesh.axis_names if a in axes)
         self.suspended += 1
         try:
-            t.copy_(_PBroadcast.apply(t.clone(), self.mesh, ordered))
+            t.copy_(PBroadcast.apply(t.clone(), self.mesh, ordered))
         finally:
             self.suspended -= 1
         self.set(t, self.vma(t) | frozenset(axes))

@@ -403,12 +403,12 @@ def search(costs: Costs, n: int, *, keep: int = 8, prune: bool = True, hsdp: boo
                 continue
             if len(best) < keep or got.step_s < best[-1].step_s:
                 best.append(got)
-                best.sort(key=lambda x: (x.step_s, _tiebreak(x.cand)))
+                best.sort(key=lambda x: (x.step_s, tiebreak(x.cand)))
                 del best[keep:]
     return best, priced
 
 
-def _tiebreak(k: Candidate) -> tuple:
+def tiebreak(k: Candidate) -> tuple:
     """Equal predicted steps: the simpler plan first (less sharding, no offload, no recompute)."""
     return (k.offload, RECOMPUTE.index(k.recompute), k.zero, k.replica, k.sp, k.pipe, k.virtual, k.microbatches)
 
@@ -442,13 +442,13 @@ def overrides(k: Candidate, *, model: str, mesh: str, batch: int, precision: str
     return out
 
 
-def _describe(k: Candidate) -> dict[str, Any]:
+def describe(k: Candidate) -> dict[str, Any]:
     return {"zero": k.zero, "sequence_parallel": k.sp, "schedule": k.schedule, "virtual_stages": k.virtual,
             "microbatches": k.microbatches, "replica": k.replica, "recompute": k.recompute,
             "offload": {"optimizer": "host"} if k.offload else {}}
 
 
-def _smallest_memory(costs: Costs, n: int) -> tuple[float, Candidate]:
+def smallest_memory(costs: Costs, n: int) -> tuple[float, Candidate]:
     best = None
     for d, p, t in shapes(n, costs.m):
         if costs.batch % d:
@@ -460,15 +460,15 @@ def _smallest_memory(costs: Costs, n: int) -> tuple[float, Candidate]:
     return best
 
 
-def _words(k: Candidate) -> str:
+def candidate_words(k: Candidate) -> str:
     return (f"mesh {k.axes}, ZeRO-{k.zero}, {k.recompute} recompute, {'sequence parallel, ' if k.sp else ''}"
             f"{k.microbatches} micro-batches, the optimizer on the host")
 
 
-def _near_counts(n: int, shape: ModelShape) -> str:
+def near_counts(n: int, shape: ModelShape) -> str:
     good = [k for k in range(max(1, n - 8), n + 9) if list(shapes(k, shape))]
     return ", ".join(map(str, good[:4])) or "a power of two"
 
 
-def _lcm_batch(batch: int, datas: list[int]) -> int:
+def lcm_batch(batch: int, datas: list[int]) -> int:
     return min(math.lcm(batch, d) for d in datas)

@@ -63,6 +63,7 @@ import torch
 from torch import nn
 
 from ..errors import ShardingError, ShardingTypeError
+from ..validate import non_negative_int
 
 if TYPE_CHECKING:
     from .plan import Plan
@@ -118,9 +119,8 @@ def peak_per_rank(plan: Plan, rank: int | None = None, *, activation_bytes: int 
     ``activation_bytes``: one micro-batch's activations (``activation_bytes(model, batch)``).
     ``foreach``: whether the optimizer steps all tensors at once (default: on GPUs, as torch's
     Adam does). ``meta_build``: the model was built on the meta device."""
-    if isinstance(activation_bytes, bool) or not isinstance(activation_bytes, int) or activation_bytes < 0:
-        raise ShardingError(f"peak_per_rank: activation_bytes must be a non-negative int — got "
-                            f"{activation_bytes!r}. Estimate it with activation_bytes(model, batch).")
+    if problem := non_negative_int(activation_bytes, "peak_per_rank: activation_bytes"):
+        raise ShardingError(f"{problem}. Estimate it with activation_bytes(model, batch).")
     rank = plan._rank(rank)
     st = plan.states
     n, c, g = plan.data_size, plan.compute_dtype.itemsize, plan.reduce_dtype.itemsize

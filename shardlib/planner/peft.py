@@ -109,7 +109,7 @@ def adapter_specs(model: nn.Module, specs: dict[str, PartitionSpec], axis: str, 
             out[name] = PartitionSpec()
             continue
         where = f"plan: adapter {name} of {type(modules.get(layer)).__name__} {layer!r}"
-        dims = _projection_dims(base)
+        dims = projection_dims(base)
         if "lora_magnitude_vector" in name:
             problems.append(f"{where}: DoRA (use_dora=True) on a base split {wspec} on {axis!r} — expected plain "
                             "LoRA there: DoRA's magnitude needs each base row's full norm, which a split base does "
@@ -122,7 +122,7 @@ def adapter_specs(model: nn.Module, specs: dict[str, PartitionSpec], axis: str, 
                             f"layers only where the base is split. Keep {base_w} replicated (drop it from the spec "
                             "table), or leave this module out of LoraConfig(target_modules=...).")
             continue
-        out_dim, in_dim = dims
+        out_dim, in_dim = dims[:2]
         entries = tuple(wspec) + (None,) * (2 - len(tuple(wspec)))
         out_e, in_e = entries[out_dim], entries[in_dim]
         if m["part"] == "lora_B":                      # [out, r] (bias [out])
@@ -153,10 +153,14 @@ def uses_axis(spec: PartitionSpec, axis: str) -> bool:
     return False
 
 
-def _projection_dims(mod: nn.Module | None) -> tuple[int, int] | None:
-    """``(out dim, in dim)`` of an ``nn.Linear``'s or transformers ``Conv1D``'s weight; None otherwise."""
+def projection_dims(mod: nn.Module | None) -> tuple[int, int, int, int] | None:
+    """``(out dim, in dim, out features, in features)`` of the weight of an ``nn.Linear`` or of
+    transformers' ``Conv1D`` (by class name and its ``nf``/``nx``: weight ``(nx, nf)``); None otherwise."""
     if isinstance(mod, nn.Linear):
-        return 0, 1
-    if mod is not None and type(mod).__name__ == "Conv1D" and hasattr(mod, "nf"):
-        return 1, 0
+        return 0, 1, mod.out_features, mod.in_features
+    w = mod._parameters.get("weight") if mod is not None else None
+    nf, nx = getattr(mod, "nf", None), getattr(mod, "nx", None)
+    if (type(mod).__name__ == "Conv1D" and isinstance(nf, int) and isinstance(nx, int) and w is not None
+            and tuple(w.shape) == (nx, nf)):
+        return 1, 0, nf, nx
     return None

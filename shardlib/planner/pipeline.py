@@ -55,6 +55,7 @@ import math
 import torch
 from torch import nn
 
+from ..validate import is_int
 from .hf_stages import CausalLMStages, meta_or_zeros
 from .schedules import Action, lower, schedule_actions, schedule_problems, split_last_backwards
 from .specs import AxisRules, find_stack
@@ -434,7 +435,7 @@ def _explicit(stages, n_stages: int, n_blocks: int, axis: str, p: int, v: int, p
         counts, found = parse_layout(stages)
         problems += found
         how = f"layout {stages!r}"
-    elif isinstance(stages, Sequence) and all(isinstance(c, int) and not isinstance(c, bool) for c in stages):
+    elif isinstance(stages, Sequence) and all(is_int(c) for c in stages):
         counts, how = list(stages), f"explicit {list(stages)}"
     else:
         problems.append(f"plan: stages must be a list of blocks per stage or a layout string — got "

@@ -3,7 +3,7 @@
 Model code names a tensor's dims once (``("heads", "embed")``); a rule table decides, at plan time,
 which mesh axis each name is split over (``{"heads": "tensor"}``), a tuple of axes splitting one dim
 over several (major first) and a missing name replicating it. ``AxisRules.map`` turns names into a
-``PartitionSpec`` and reports a mesh axis given to two dims; ``_axis_problems`` / ``_rank_problems``
+``PartitionSpec`` and reports a mesh axis given to two dims; ``axis_problems`` / ``rank_problems``
 are the checks shared by ``sl.shard``'s tables (``specs.py``) and ``AxisRules.resolve``: unknown mesh
 axes, the axes no parameter spec may name (``data``: ZeRO's; ``pipe``: the layer stack's), and a
 spec longer than the tensor's rank.
@@ -14,8 +14,9 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 
 from ..algebra.mesh import AbstractMesh, unknown_axis_message
-from ..algebra.spec import Fused, PartitionSpec
+from ..algebra.spec import Fused, PartitionSpec, entry_axes
 from ..errors import Problems, ShardingTypeError, SpecError
+from ..validate import nonempty_str
 
 RuleValue = str | tuple[str, ...] | None
 Logical = tuple[str | None, ...]
@@ -28,16 +29,6 @@ _FORBIDDEN = {
              "'layers' in a table, e.g. {'blocks': ('layers',)}, and the rule {'layers': 'pipe'}), not a "
              "parameter's dim: drop 'pipe' from this spec or rule"),
 }
-
-
-def _entry_axes(value: RuleValue) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    return (value,) if isinstance(value, str) else value
-
-
-def _nonempty_str(x: object) -> bool:
-    return isinstance(x, str) and bool(x)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -66,13 +57,13 @@ class AxisRules(Mapping):
         out: dict[str, RuleValue] = {}
         with Problems("AxisRules", SpecError) as problems:
             for key, value in rules.items():
-                if not _nonempty_str(key):
+                if not nonempty_str(key):
                     bad.append(f"AxisRules: key {key!r} of type {type(key).__name__} is not a logical dim "
                                "name — expected a non-empty str such as 'heads'.")
                     continue
-                if value is None or _nonempty_str(value):
+                if value is None or nonempty_str(value):
                     out[key] = value
-                elif isinstance(value, (tuple, list)) and all(_nonempty_str(a) for a in value):
+                elif isinstance(value, (tuple, list)) and all(nonempty_str(a) for a in value):
                     axes = tuple(value)
                     if len(set(axes)) != len(axes):
                         problems.add(f"AxisRules: rule {key!r} names a mesh axis twice — got {axes!r}; "
@@ -123,7 +114,7 @@ class AxisRules(Mapping):
             # Fused(parts, "heads"): a fused dim named logically; its blocks split over the rule's axes
             lname = entry[0] if isinstance(entry, Fused) else entry
             kept = []
-            for a in _entry_axes(None if lname is None else self._rules.get(lname)):
+            for a in entry_axes(None if lname is None else self._rules.get(lname)):
                 if a in seen:
                     d0, n0 = seen[a]
                     problems.append(
@@ -149,9 +140,9 @@ class AxisRules(Mapping):
         where = f"{api}: {logical!r}" + (f" (shape {tuple(shape)})" if shape is not None else "")
         spec, problems = self.map(logical, where)
         if shape is not None:
-            problems += _rank_problems(len(logical), tuple(shape), where, "Name at most one dim per tensor dim")
+            problems += rank_problems(len(logical), tuple(shape), where, "Name at most one dim per tensor dim")
         if mesh is not None:
-            problems += _axis_problems(spec, mesh, where, logical=logical, rules=self, forbid=False)
+            problems += axis_problems(spec, mesh, where, logical=logical, rules=self, forbid=False)
         if problems:
             raise SpecError(problems, api=api)
         return spec
@@ -159,7 +150,7 @@ class AxisRules(Mapping):
 
 def _check_logical(logical: object, api: str) -> Logical:
     if isinstance(logical, (tuple, list)) and not isinstance(logical, PartitionSpec) and all(
-            n is None or _nonempty_str(n) or (isinstance(n, Fused) and len(n) == 1) for n in logical):
+            n is None or nonempty_str(n) or (isinstance(n, Fused) and len(n) == 1) for n in logical):
         return tuple(logical)
     raise ShardingTypeError(f"{api}: expected a tuple of logical dim names (str, or None for a replicated "
                             f"dim), one per tensor dim — got {logical!r} of type {type(logical).__name__}. "
@@ -170,14 +161,14 @@ def _check_logical(logical: object, api: str) -> Logical:
 # Checks shared by decoration and resolution
 # ---------------------------------------------------------------------------------------------
 
-def _rank_problems(n: int, shape: tuple[int, ...], where: str, fix: str) -> list[str]:
+def rank_problems(n: int, shape: tuple[int, ...], where: str, fix: str) -> list[str]:
     if n <= len(shape):
         return []
     return [(f"{where}: the spec has {n} entries but the tensor has rank {len(shape)} — expected at most one "
              f"entry per dim. {fix}.")]
 
 
-def _axis_problems(spec: PartitionSpec, mesh: AbstractMesh | None, where: str, *,
+def axis_problems(spec: PartitionSpec, mesh: AbstractMesh | None, where: str, *,
                    logical: Logical | None = None, rules: AxisRules | None = None,
                    forbid: bool = True) -> list[str]:
     """Unknown mesh axes, and (``forbid``) the axes a parameter spec may not name."""

@@ -38,6 +38,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from ..errors import ShardingError
+from ..validate import is_int, positive_int
 
 COMPUTE = ("F", "B", "I", "W")
 COMM = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
@@ -66,12 +67,12 @@ class Action:
         bad = []
         if self.kind not in KINDS:
             bad.append(f"kind {self.kind!r} (expected one of {', '.join(KINDS)})")
-        if not isinstance(self.stage, int) or isinstance(self.stage, bool) or self.stage < 0:
+        if not is_int(self.stage) or self.stage < 0:
             bad.append(f"stage {self.stage!r} (expected an int >= 0)")
         if self.kind in PER_STAGE:
             if self.mb is not None:
                 bad.append(f"mb {self.mb!r} (expected None for {self.kind})")
-        elif not isinstance(self.mb, int) or isinstance(self.mb, bool) or self.mb < 0:
+        elif not is_int(self.mb) or self.mb < 0:
             bad.append(f"mb {self.mb!r} (expected an int >= 0 for {self.kind})")
         if bad:
             raise ScheduleError(f"Action: bad fields — got {'; '.join(bad)}. Build it as Action(stage, kind, mb), "
@@ -123,17 +124,12 @@ def as_actions(actions: Mapping[int, Iterable[Action | str] | str]) -> dict[int,
 # ---------------------------------------------------------------------------------------------
 # generators
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def schedule_problems(name: str, p: int, m: int, v: int = 1) -> list[str]:
     """Every reason ``schedule_actions(name, p, m, v)`` cannot build a schedule (plan-time errors)."""
     problems = []
     for label, val in (("pipe size p", p), ("microbatches m", m), ("virtual stages per rank v", v)):
-        if not _is_int(val) or val < 1:
-            problems.append(f"plan: {label} must be a positive int — got {val!r}; expected an int >= 1. "
-                            f"Pass {label.split()[-1]} >= 1.")
+        if problem := positive_int(val, f"plan: {label}"):
+            problems.append(f"{problem}; expected an int >= 1. Pass {label.split()[-1]} >= 1.")
     if name not in SCHEDULES:
         problems.append(f"plan: unknown schedule — got {name!r}; expected one of {', '.join(SCHEDULES)}. "
                         f"Pick one of those, e.g. schedule='1f1b'.")

@@ -42,6 +42,7 @@ from collections import defaultdict, namedtuple
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
+from ..validate import is_int
 from .schedules import COMM, COMPUTE, PER_STAGE, Action, ScheduleError, as_actions, schedule_problems
 
 Record = namedtuple("Record", "rank action start end")
@@ -229,8 +230,7 @@ def simulate(actions: Mapping[int, Iterable[Action | str] | str], p: int, m: int
 
     Raises ``ScheduleError`` for actions missing, duplicated, on the wrong rank or out of range,
     and for a deadlock (naming each rank's blocked action and what it waits for)."""
-    bad = [f"{k}={x!r}" for k, x in (("p", p), ("m", m), ("v", v))
-           if not isinstance(x, int) or isinstance(x, bool) or x < 1]
+    bad = [f"{k}={x!r}" for k, x in (("p", p), ("m", m), ("v", v)) if not is_int(x) or x < 1]
     if bad:
         raise ScheduleError(f"simulate: sizes must be positive ints — got {', '.join(bad)}; expected p, m, v >= 1. "
                             "Pass the pipe size, microbatches and stages per rank.")

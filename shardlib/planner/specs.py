@@ -36,13 +36,14 @@ from typing import TypeVar
 from torch import nn
 
 from ..algebra.mesh import AbstractMesh, current_mesh
-from ..algebra.spec import Fused, PartitionSpec
+from ..algebra.spec import Fused, PartitionSpec, entry_axes
 from ..errors import MeshError, Problems, ShardingTypeError, SpecError
+from ..validate import flag, nonempty_str
 from .hf_dims import hf_dims
 from .names import closest, relative_names
 from .peft import base_name, is_adapter, is_peft
 from .rules import AxisRules as AxisRules      # re-exported: sl.AxisRules was first defined here
-from .rules import Logical, RuleValue, _axis_problems, _entry_axes, _nonempty_str, _rank_problems
+from .rules import Logical, RuleValue, axis_problems, rank_problems
 
 M = TypeVar("M")
 API = "sl.shard"
@@ -73,12 +74,12 @@ class ShardTable:
         bad: list[str] = []
         entries: list[_Entry] = []
         for i, (pattern, value) in enumerate(table.items()):
-            if not _nonempty_str(pattern):
+            if not nonempty_str(pattern):
                 bad.append(f"{API}: pattern {pattern!r} of type {type(pattern).__name__} — expected a non-empty "
                            "fnmatch pattern (str) such as '*.o_proj.weight'.")
             elif isinstance(value, PartitionSpec):
                 entries.append(_Entry(i, pattern, value, None))
-            elif isinstance(value, (tuple, list)) and all(n is None or _nonempty_str(n) or _logical_fused(n)
+            elif isinstance(value, (tuple, list)) and all(n is None or nonempty_str(n) or _logical_fused(n)
                                                           for n in value):
                 entries.append(_Entry(i, pattern, None, tuple(value)))
             else:
@@ -92,7 +93,7 @@ class ShardTable:
         with Problems(API, SpecError) as problems:
             for e in entries:
                 if e.spec is not None:
-                    for p in _axis_problems(e.spec, mesh, f"{API}: pattern {e.pattern!r} -> {e.spec}"):
+                    for p in axis_problems(e.spec, mesh, f"{API}: pattern {e.pattern!r} -> {e.spec}"):
                         problems.add(p)
         self.entries = tuple(entries)
         self.strict = strict
@@ -137,8 +138,8 @@ def shard(mesh: AbstractMesh | Mapping | None = None, spec: Mapping | None = Non
     if spec is None:
         raise ShardingTypeError(f"{API}: no table given — expected sl.shard(mesh, {{pattern: spec}}). "
                                 "Write sl.shard(mesh, {'attn.qkv.weight': P('tensor', None)}).")
-    if not isinstance(strict, bool):
-        raise ShardingTypeError(f"{API}: strict must be True or False — got {strict!r}.")
+    if problem := flag(strict, f"{API}: strict"):
+        raise ShardingTypeError(f"{problem}.")
     if mesh is None:
         try:
             mesh = current_mesh(API)
@@ -264,10 +265,10 @@ def resolve_specs(model: nn.Module, mesh: AbstractMesh | None = None,
                                 mapped[e.logical] = spec
                         if (spec, len(shape)) not in valid:
                             src = f"{API}: parameter {name!r} of shape {shape}, {_origin(e, owner, spec)}"
-                            found = _rank_problems(len(spec), shape, src,
+                            found = rank_problems(len(spec), shape, src,
                                                    "Give the pattern a spec of the parameter's rank, or narrow "
                                                    "the pattern so it does not match this parameter")
-                            found += _axis_problems(spec, mesh, src, logical=e.logical, rules=rules)
+                            found += axis_problems(spec, mesh, src, logical=e.logical, rules=rules)
                             for msg in found:
                                 problems.add(msg)
                             if not found:
@@ -379,7 +380,7 @@ def find_stack(model: nn.Module, rules: AxisRules | Mapping[str, RuleValue] | No
         if e.spec is not None:
             axes = tuple(a for _, ax in e.spec.dims() for a in ax)
         else:
-            axes = _entry_axes(None if e.logical[0] is None else rules.get(e.logical[0]))
+            axes = entry_axes(None if e.logical[0] is None else rules.get(e.logical[0]))
         if name in found and found[name][0] != axes:
             problems.append(f"{where} is split over {axes}, but {found[name][1]} splits it over "
                             f"{found[name][0]} — expected one layout for the stack.")

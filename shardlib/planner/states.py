@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from ..algebra.mesh import AbstractMesh
 from ..errors import Problems, ShardingError, ShardingTypeError
+from ..validate import is_int
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ class StateLayouts:
 def zero_problem(stage: object) -> tuple[type[Exception], str] | None:
     """What is wrong with ``zero=stage`` as ``(error type, message)``, or None when it is a stage."""
     rule = "0 (data parallel), 1 (optimizer state sharded), 2 (+ gradients) or 3 (+ parameters)"
-    if isinstance(stage, bool) or not isinstance(stage, int):
+    if not is_int(stage):
         return ShardingTypeError, f"plan: zero must be an int — got {type(stage).__name__} {stage!r}; expected {rule}."
     if stage not in (0, 1, 2, 3):
         return ShardingError, f"plan: zero={stage!r} is out of range — expected {rule}."

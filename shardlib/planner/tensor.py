@@ -82,9 +82,11 @@ from functools import cached_property
 
 from torch import nn
 
+from ..algebra.qualnames import unit_of
 from ..algebra.spec import Fused, PartitionSpec
+from ..validate import is_int
 from .packed import packed_problem, per_head_problems
-from .peft import adapted_layer, is_adapter, uses_axis
+from .peft import adapted_layer, is_adapter, projection_dims, uses_axis
 
 COLUMN, ROW, VOCAB, LOGITS, NORM = "column", "row", "vocab", "logits", "norm"
 _HEADS = ("n_heads", "num_heads", "num_attention_heads")
@@ -204,13 +206,13 @@ def derive(model: nn.Module, specs: dict[str, PartitionSpec], *, axis: str, size
         qual = {a: f"{mname}.{a}" if mname else a for a, _ in own}
         split = {a: specs.get(qual[a], PartitionSpec()) for a, _ in own}
         split = {a: s for a, s in split.items() if uses_axis(s, axis)}
-        unit = _unit(mname, unit_set)
+        unit = unit_of(mname, unit_set)
         if not split:
             if sequence_parallel and size > 1 and unit:
                 sp_modules.append(mname)
             continue
         where = f"{type(mod).__name__} {mname or '<root>'!r}"
-        dims = _projection_dims(mod)
+        dims = projection_dims(mod)
         if dims is not None:
             out_dim, in_dim, out_features, in_features = dims
             conv = out_dim == 1
@@ -350,16 +352,6 @@ def _parent(name: str) -> str:
     return adapted_layer(name).rpartition(".")[0]
 
 
-def _unit(name: str, units: set[str]) -> str:
-    """The unit containing module ``name`` (itself or an ancestor), ``""`` when none."""
-    probe = name
-    while probe:
-        if probe in units:
-            return probe
-        probe = probe.rpartition(".")[0]
-    return ""
-
-
 def _combo(name: str, shape: tuple[int, ...], spec: PartitionSpec, axis: str, where: str, conv: bool,
            in_dim: int, in_entry) -> str:
     col, row = _col_spec(conv, axis), _col_spec(not conv, axis)
@@ -377,19 +369,6 @@ def _col_spec(conv: bool, axis) -> PartitionSpec:
 def _is(entry, axis: str) -> bool:
     """``entry`` splits a dim over ``axis`` alone (plainly or fused)."""
     return entry == axis or (isinstance(entry, Fused) and tuple(entry) == (axis,))
-
-
-def _projection_dims(mod: nn.Module) -> tuple[int, int, int, int] | None:
-    """``(out dim, in dim, out features, in features)`` of the weight of an ``nn.Linear`` or of
-    transformers' ``Conv1D`` (by class name and its ``nf``/``nx``: weight ``(nx, nf)``); None otherwise."""
-    if isinstance(mod, nn.Linear):
-        return 0, 1, mod.out_features, mod.in_features
-    w = mod._parameters.get("weight")
-    nf, nx = getattr(mod, "nf", None), getattr(mod, "nx", None)
-    if (type(mod).__name__ == "Conv1D" and isinstance(nf, int) and isinstance(nx, int) and w is not None
-            and tuple(w.shape) == (nx, nf)):
-        return 1, 0, nf, nx
-    return None
 
 
 def _fused_attrs(name: str, mod: nn.Module, site: Site) -> tuple[list[LocalAttr], str]:
@@ -411,13 +390,13 @@ def _count_attrs(name: str, mod: nn.Module) -> list[LocalAttr]:
     out = []
     for n in _HEADS + _KV_HEADS:
         v = getattr(mod, n, None)
-        if isinstance(v, int) and not isinstance(v, bool):
+        if is_int(v):
             out.append(LocalAttr(name, n, v))
     cfg = getattr(mod, "config", None)
     if cfg is not None and any(hasattr(mod, a) for a in _ATTENTION_MARKS):
         for n in _HEADS + _KV_HEADS:
             v = getattr(cfg, n, None)
-            if isinstance(v, int) and not isinstance(v, bool):
+            if is_int(v):
                 out.append(LocalAttr(name, f"config.{n}", v))
     return out
 
@@ -435,7 +414,7 @@ def _head_attrs(name: str, mod: nn.Module) -> list[LocalAttr]:
     if isinstance(head_dim, int) and head_dim > 0:
         for n in _WIDTHS:
             v = getattr(mod, n, None)
-            if isinstance(v, int) and not isinstance(v, bool) and v == heads * head_dim:
+            if is_int(v) and v == heads * head_dim:
                 out.append(LocalAttr(name, n, v))
     return out
 
@@ -463,14 +442,14 @@ def _count(mod: nn.Module, names: tuple[str, ...]) -> int | None:
     holding the same ``config`` has no heads of its own."""
     for n in names:
         v = getattr(mod, n, None)
-        if isinstance(v, int) and not isinstance(v, bool):
+        if is_int(v):
             return v
     if not any(hasattr(mod, a) for a in _ATTENTION_MARKS):
         return None
     cfg = getattr(mod, "config", None)
     for n in names:
         v = getattr(cfg, n, None)
-        if isinstance(v, int) and not isinstance(v, bool):
+        if is_int(v):
             return v
     return None
 

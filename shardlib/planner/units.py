@@ -17,10 +17,11 @@ scanning the units.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from torch import nn
 
+from ..algebra.qualnames import unit_of
 from ..errors import ShardingError
 
 # an outer layer is a unit of its own when it holds at least this share of the largest block's parameters
@@ -31,7 +32,7 @@ def find_units(model: nn.Module, units: Sequence[str] | None = None) -> list[str
     """Unit module names: given ones, or every child of an ``nn.ModuleList`` that has parameters
     (the blocks of a layer stack), outermost first."""
     if units is not None:
-        problems = _unit_problems(model, units)
+        problems = unit_problems(model, units)
         if problems:
             raise ShardingError(problems, api="plan")
         return list(units)
@@ -41,7 +42,7 @@ def find_units(model: nn.Module, units: Sequence[str] | None = None) -> list[str
         if isinstance(mod, nn.ModuleList):
             for child_name, child in mod.named_children():
                 q = f"{name}.{child_name}" if name else child_name
-                if _unit_of(q, seen) == "" and any(True for _ in child.parameters()):
+                if unit_of(q, seen) == "" and any(True for _ in child.parameters()):
                     found.append(q)
                     seen.add(q)
     return found
@@ -66,7 +67,7 @@ def leaf_units(model: nn.Module, stack_units: Sequence[str]) -> list[str]:
     stacked = set(stack_units)
     out = []
     for name, mod in modules.items():
-        if not name or not isinstance(mod, (nn.Embedding, nn.Linear)) or _unit_of(name, stacked) or name in stacked:
+        if not name or not isinstance(mod, (nn.Embedding, nn.Linear)) or unit_of(name, stacked):
             continue
         params = list(mod.parameters(recurse=False))
         if any(True for _ in mod.children()) or not params:
@@ -77,27 +78,16 @@ def leaf_units(model: nn.Module, stack_units: Sequence[str]) -> list[str]:
     return out
 
 
-def _unit_problems(model: nn.Module, units: object) -> list[str]:
+def unit_problems(model: nn.Module, units: object) -> list[str]:
     if isinstance(units, str) or not isinstance(units, Iterable):
         return [f"plan: units must be a list of module names — got {type(units).__name__} {units!r}; expected "
                 "qualified names such as ['blocks.0', 'blocks.1']."]
     names = dict(model.named_modules())
     bad = [u for u in units if not isinstance(u, str) or u not in names or u == ""]
     if bad:
-        return [f"plan: units {_few(bad)} are not submodules of the model — expected qualified names such as "
+        return [f"plan: units {few(bad)} are not submodules of the model — expected qualified names such as "
                 f"{[n for n in names if n][:3]}."]
     return []
-
-
-def _unit_of(name: str, units: Collection[str]) -> str:
-    """The longest of ``units`` that contains ``name`` (a proper dotted prefix of it), or ``""``
-    (the root). O(depth of ``name``) when ``units`` is a set."""
-    i = name.rfind(".")
-    while i > 0:
-        if name[:i] in units:
-            return name[:i]
-        i = name.rfind(".", 0, i)
-    return ""
 
 
 def param_owners(model: nn.Module) -> dict[int, list[tuple[str, str]]]:
@@ -113,7 +103,7 @@ def param_owners(model: nn.Module) -> dict[int, list[tuple[str, str]]]:
     return owners
 
 
-def _few(items: Sequence, k: int = 8) -> str:
+def few(items: Sequence, k: int = 8) -> str:
     """``items`` printed in full when short, else the first ``k`` and how many more."""
     items = list(items)
     return repr(items) if len(items) <= k else f"{items[:k]!r} (and {len(items) - k} more)"

@@ -37,6 +37,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from shardlib.errors import Problems, ShardingError, ShardingTypeError
+from shardlib.validate import is_int
 
 aten = torch.ops.aten
 
@@ -45,7 +46,7 @@ _QMAX = 15
 
 
 def _check_group_size(group_size: Any, api: str) -> None:
-    if isinstance(group_size, bool) or not isinstance(group_size, int):
+    if not is_int(group_size):
         raise ShardingTypeError(f"{api}: group_size must be an int — got {group_size!r}; expected an even "
                                 f"positive int such as 32. Pass group_size=32.")
     if group_size <= 0 or group_size % 2:

@@ -39,6 +39,7 @@ from ..algebra.spec import PartitionSpec
 from ..comm import core as comm
 from ..comm.redistribute import redistribute
 from ..errors import ShardingError
+from ..validate import flag
 from .checkpoint.pieces import quant_shard
 from .sync import broadcast_coalesced
 
@@ -277,8 +278,8 @@ class EngineAccess:
         values the model holds are written to the fp32 masters and the compute-dtype copies (each
         rank its part where sharded); edits must be the same on every rank. A collective: every
         rank enters. Yields the model."""
-        if not isinstance(writable, bool):
-            raise ShardingError(f"gathered: writable must be True or False — got {writable!r}.")
+        if problem := flag(writable, "gathered: writable"):
+            raise ShardingError(f"{problem}.")
         if self._access_mode == "gathered":
             raise ShardingError("gathered: already inside `with engine.gathered():` — expected one at a time. "
                                 "Use the outer block.")

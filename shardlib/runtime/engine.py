@@ -31,6 +31,7 @@ from ..algebra.mesh import Mesh
 from ..comm import core as comm
 from ..errors import ShardingError, ShardingTypeError
 from ..planner.plan import Plan
+from ..validate import flag
 from .access import EngineAccess
 from .batches import split_batch
 from .buckets import GradBuckets
@@ -43,7 +44,7 @@ from .offload.params import params_offload
 from .pipeline import PipelineRuntime
 from .pretrained.core import EnginePretrained
 from .scaler import LossScaler
-from .setup import EngineSetup, _check_optimizer, _scaler, _validate, strip_to_stage
+from .setup import EngineSetup, check_optimizer, loss_scaler, strip_to_stage, validate
 from .sync import broadcast_buffers, broadcast_module, cast_buffers
 from .tensor import TensorRuntime
 
@@ -60,11 +61,9 @@ class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
             mesh = plan.mesh
         elif plan.data_axis not in mesh.axis_names:      # planned as data = 1 (sl.plan's reading)
             mesh = mesh.with_axis(plan.data_axis)
-        _validate(model, plan, optimizer, mesh, loss_fn)
-        if not isinstance(init, bool):
-            raise ShardingTypeError(f"parallelize: init must be True or False — got {init!r}.")
-        if not isinstance(check_replicas, bool):
-            raise ShardingTypeError(f"parallelize: check_replicas must be True or False — got {check_replicas!r}.")
+        validate(model, plan, optimizer, mesh, loss_fn)
+        if problem := flag(init, "parallelize: init") or flag(check_replicas, "parallelize: check_replicas"):
+            raise ShardingTypeError(f"{problem}.")
         self.check_replicas = check_replicas      # after every step: replicated masters bit-equal (replicas.py)
         # the whole-mesh plan; the engine runs this rank's tensor-local plan (the plan itself when
         # nothing is split over tensor): data parallel and ZeRO act on the tensor shards
@@ -84,7 +83,7 @@ class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
         self.step_count = 0
         self.samples_seen = 0           # rows of the global batches stepped on (a data position)
         self.grad_norm: float | None = None
-        self.scaler = _scaler(loss_scale, plan)
+        self.scaler = loss_scaler(loss_scale, plan)
         self.copies = Copies()           # bytes moved between memory kinds in the last step
         warn_slow_precision(plan.precision, mesh.device)
         rng = None
@@ -126,7 +125,7 @@ class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
         self.params_offload = params_offload(self)   # ZeRO-3's shards to the host or to files (runtime/offload/params.py)
         self.offload = _offload(self)           # masters and moments to the host or to files (runtime/offload/core.py)
         self.optimizer = optimizer([s.master for s in trainable])
-        _check_optimizer(self.optimizer, [s.master for s in trainable], plan, model)
+        check_optimizer(self.optimizer, [s.master for s in trainable], plan, model)
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
         self._setup_access()
 

@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..algebra.qualnames import unit_of
 from ..errors import Problems, ShardingError
 
 Alloc = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
@@ -206,16 +207,6 @@ def init_program(model: nn.Module, api: str = "parallelize") -> tuple[list[_Step
     return steps, tensors
 
 
-def _unit_of(name: str, units: set[str]) -> str:
-    """The deepest unit whose module contains tensor or module ``name`` ("" if none)."""
-    parts = name.split(".")
-    for k in range(len(parts) - 1, 0, -1):
-        prefix = ".".join(parts[:k])
-        if prefix in units:
-            return prefix
-    return name if name in units else ""
-
-
 def unit_groups(model: nn.Module, units: Sequence[str]) -> dict[str, list[str]]:
     """Tensor names (parameters and buffers) by unit, by the planner's rule: a tensor belongs to
     the deepest unit containing every module that holds it, else to the root unit ``""``."""
@@ -224,7 +215,7 @@ def unit_groups(model: nn.Module, units: Sequence[str]) -> dict[str, list[str]]:
     owners: dict[int, set[str]] = {}
     for mname, mod in model.named_modules(remove_duplicate=False):
         for s in tensors.direct(mod):
-            owners.setdefault(s.key, set()).add(_unit_of(f"{mname}.{s.attr}" if mname else s.attr, unit_set))
+            owners.setdefault(s.key, set()).add(unit_of(f"{mname}.{s.attr}" if mname else s.attr, unit_set))
     out: dict[str, list[str]] = {u: [] for u in [""] + [u for u in units if u != ""]}
     for key, name in enumerate(tensors.names):
         found = owners.get(key, {""})

@@ -15,6 +15,7 @@ from ..errors import ShardingError, ShardingTypeError
 from ..planner.units import param_owners
 from ..planner.plan import Plan
 from ..quant.layout import pack, slice_weight, views
+from ..validate import is_number
 from .flat import flat_runs
 from .materialize import (agreed_rng_state, init_program, materialize, materialize_, partly_meta, put_buffers,
                           unit_groups)
@@ -224,7 +225,7 @@ class EngineSetup:
                                          name=u.name)
 
 
-def _validate(model, plan, optimizer, mesh, loss_fn) -> None:
+def validate(model, plan, optimizer, mesh, loss_fn) -> None:
     if not isinstance(plan, Plan):
         raise ShardingTypeError(f"parallelize: expected a Plan from sl.plan(...) — got {type(plan).__name__}.")
     if not isinstance(mesh, Mesh):
@@ -260,7 +261,7 @@ def _validate(model, plan, optimizer, mesh, loss_fn) -> None:
             "pipeline_post, or pass labels in the batch).")
 
 
-def _check_optimizer(opt, masters: list[torch.Tensor], plan: Plan, model: nn.Module) -> None:
+def check_optimizer(opt, masters: list[torch.Tensor], plan: Plan, model: nn.Module) -> None:
     if not isinstance(opt, torch.optim.Optimizer):
         raise ShardingTypeError(f"parallelize: the optimizer factory returned {type(opt).__name__} — expected a "
                                 "torch.optim.Optimizer.")
@@ -288,7 +289,7 @@ def _check_optimizer(opt, masters: list[torch.Tensor], plan: Plan, model: nn.Mod
             "it from the factory's argument: optimizer=lambda params: torch.optim.AdamW(params, ...).")
 
 
-def _scaler(loss_scale, plan: Plan) -> LossScaler | None:
+def loss_scaler(loss_scale, plan: Plan) -> LossScaler | None:
     if loss_scale is not None and plan.precision != "fp16":
         raise ShardingError(f"parallelize: loss_scale={loss_scale!r} given, but the plan computes in "
                             f"{plan.precision} — expected loss scaling only with precision='fp16'. Drop loss_scale.")
@@ -298,7 +299,7 @@ def _scaler(loss_scale, plan: Plan) -> LossScaler | None:
         return LossScaler()
     if isinstance(loss_scale, LossScaler):
         return loss_scale
-    if isinstance(loss_scale, bool) or not isinstance(loss_scale, (int, float)):
+    if not is_number(loss_scale):
         raise ShardingTypeError(f"parallelize: loss_scale must be a number or a LossScaler — got "
                                 f"{type(loss_scale).__name__}.")
     if not (math.isfinite(loss_scale) and loss_scale > 0):

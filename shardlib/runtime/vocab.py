@@ -43,6 +43,7 @@ from ..algebra.mesh import Mesh
 from ..comm import core as comm
 from ..comm.execute import gather_dim
 from ..errors import Problems, ShardingError, ShardingTypeError
+from ..validate import positive_int
 
 _REDUCTIONS = ("mean", "sum", "none")
 
@@ -68,8 +69,8 @@ def vocab_shard(mesh: Mesh, axis: str, vocab_size: int, api: str = "vocab_shard"
         raise ShardingTypeError(f"{api}: expected a Mesh over running processes — got {type(mesh).__name__}.")
     if not isinstance(axis, str):
         raise ShardingTypeError(f"{api}: axis must be one mesh axis name — got {axis!r}.")
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
-        raise ShardingError(f"{api}: vocab_size must be a positive int — got {vocab_size!r}; expected the "
+    if problem := positive_int(vocab_size, f"{api}: vocab_size"):
+        raise ShardingError(f"{problem}; expected the "
                             "FULL vocab size (the LM head's out_features before sharding).")
     k = mesh.axis_size(axis)   # SpecError for an unknown axis
     start, stop = chunk_bounds(vocab_size, k, mesh.coord(mesh.rank, axis))

@@ -172,16 +172,16 @@ def test_backend_override(world):
 
 
 def test_backend_is_chosen_from_the_hardware(monkeypatch):
-    from shardlib.algebra.mesh import _auto_backend
+    from shardlib.algebra.mesh import auto_backend
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    assert _auto_backend() == "nccl"                 # a GPU per rank
+    assert auto_backend() == "nccl"                 # a GPU per rank
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    assert _auto_backend() == "gloo"                 # two ranks sharing one GPU: NCCL would refuse
+    assert auto_backend() == "gloo"                 # two ranks sharing one GPU: NCCL would refuse
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert _auto_backend() == "gloo"
+    assert auto_backend() == "gloo"
 
 
 # ---- in the plain pytest process: no process group at all ----------------------------------------

@@ -97,9 +97,9 @@ def test_a_death_is_dated_by_its_stack_when_the_parent_learns_of_it_late(tmp_pat
     """A rank killed by a signal is dated by when faulthandler wrote its stack, not by when the parent last
     saw it alive: on a busy machine the fork server reports a forked rank's exit late, after the peer that
     lost its connection to it wrote its error (the race a loaded run of the test above hit once)."""
-    from shardlib.frontend.launch.outcomes import _death, _fault_path
+    from shardlib.frontend.launch.outcomes import _death, fault_path
 
-    path = _fault_path(str(tmp_path), 1)
+    path = fault_path(str(tmp_path), 1)
     with open(path, "w") as f:
         f.write('Fatal Python error: Aborted\n  File "x.py", line 1 in f\n')
     died = time.time() - 10.0

@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ...validate import is_number
+
 
 @dataclass(frozen=True)
 class Calibration:
@@ -39,7 +41,7 @@ def calibrated(raw: Any, problems: list[str]) -> tuple:
     for ranks, spec in raw.items():
         if not (isinstance(ranks, int) and ranks > 0 and isinstance(spec, Mapping) and set(fields) <= set(spec)
                 and set(spec) <= set(fields + extra)
-                and all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in spec.values())):
+                and all(is_number(v) and v >= 0 for v in spec.values())):
             problems.append(f"mesh.calibrated.{ranks}: got {spec!r}; expected {{tflops, gbps, latency_us, layer_us}} "
                             "(and rs_latency_us, ag_latency_us, overlap where measured), non-negative numbers, under a "
                             "positive rank count.")

@@ -9,6 +9,7 @@ from dataclasses import fields
 from typing import Any
 
 from ...errors import ShardingError
+from ...validate import is_int, is_number
 
 
 class ConfigError(ShardingError):
@@ -19,7 +20,7 @@ class DataError(ConfigError):
     """The dataset cannot be read: missing, unreadable, too short, or not text."""
 
 
-class _Checker:
+class Checker:
     """Reads one group's mapping field by field, noting every problem by its config key."""
 
     def __init__(self, group: str, raw: Any, problems: list[str], known: tuple[str, ...]):
@@ -44,7 +45,7 @@ class _Checker:
         v = self.raw.get(key, default)
         if v is None and optional:
             return None
-        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        if not is_int(v) or v < low:
             self.bad(key, v, f"an int >= {low}" + (" or null" if optional else ""))
             return default if isinstance(default, int) else low
         return v
@@ -54,7 +55,7 @@ class _Checker:
         v = self.raw.get(key, default)
         if v is None and optional:
             return None
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or (v <= low if strict else v < low):
+        if not is_number(v) or (v <= low if strict else v < low):
             self.bad(key, v, f"a number {'>' if strict else '>='} {low:g}" + (" or null" if optional else ""))
             return default
         return float(v)
@@ -85,5 +86,5 @@ class _Checker:
         return v
 
 
-def _keys(cls) -> tuple[str, ...]:
+def field_names(cls) -> tuple[str, ...]:
     return tuple(f.name for f in fields(cls))

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .checking import _Checker
+from .checking import Checker
 
 
 METHODS = ("int8", "int4")
@@ -48,7 +48,7 @@ def adapter_config(raw: Any, problems: list[str]) -> AdapterConfig | None:
     """The ``lora`` group (``None`` for ``lora=none``), every bad key noted in ``problems``."""
     if raw is None or (isinstance(raw, Mapping) and raw.get("name") == "none" and set(raw) == {"name"}):
         return None
-    c = _Checker("lora", raw, problems, ("name", "r", "alpha", "dropout", "target_modules"))
+    c = Checker("lora", raw, problems, ("name", "r", "alpha", "dropout", "target_modules"))
     dropout = c.number("dropout", 0.0)
     if dropout is not None and dropout >= 1:
         c.bad("dropout", dropout, "a probability in [0, 1)")
@@ -67,7 +67,7 @@ def quant_config(raw: Any, problems: list[str]) -> QuantConfig | None:
     """The ``quant`` group (``None`` for ``quant=none``), every bad key noted in ``problems``."""
     if raw is None or (isinstance(raw, Mapping) and raw.get("name") == "none" and set(raw) == {"name"}):
         return None
-    c = _Checker("quant", raw, problems, ("name", "method", "group_size"))
+    c = Checker("quant", raw, problems, ("name", "method", "group_size"))
     method = c.get("method")
     if method not in METHODS:
         near = difflib.get_close_matches(str(method), METHODS, n=1)

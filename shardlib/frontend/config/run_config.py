@@ -30,8 +30,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ...validate import is_int, is_number
 from .calibration import Calibration as Calibration, calibrated, fraction
-from .checking import ConfigError as ConfigError, DataError as DataError, _Checker, _keys
+from .checking import ConfigError as ConfigError, DataError as DataError, Checker, field_names
 from .finetune import AdapterConfig, QuantConfig, adapter_config, cross_problems, quant_config
 # ConfigError and DataError are this module's public names (the launcher and tests import them here)
 
@@ -230,7 +231,7 @@ class RunConfig:
 
 
 def _mesh(raw: Any, problems: list[str]) -> MeshConfig:
-    c = _Checker("mesh", raw, problems, _keys(MeshConfig))
+    c = Checker("mesh", raw, problems, field_names(MeshConfig))
     axes_raw = c.get("axes")
     axes: list[tuple[str, int]] = []
     if not isinstance(axes_raw, Mapping) or not axes_raw:
@@ -239,7 +240,7 @@ def _mesh(raw: Any, problems: list[str]) -> MeshConfig:
         for name, size in axes_raw.items():
             if not isinstance(name, str) or not name.isidentifier():
                 problems.append(f"mesh.axes: axis name {name!r} is not a valid name — expected an identifier.")
-            elif isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            elif not is_int(size) or size < 1:
                 problems.append(f"mesh.axes.{name}: got {size!r}; expected a positive int.")
             else:
                 axes.append((name, size))
@@ -258,7 +259,7 @@ def _mesh(raw: Any, problems: list[str]) -> MeshConfig:
             problems.append(f"{key}: got {spec!r}; expected {{gbps: <GB/s>, latency_us: <µs>}}.")
             continue
         gbps, lat = spec.get("gbps"), spec.get("latency_us", 0)
-        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (gbps, lat)) or gbps <= 0 \
+        if not all(is_number(x) for x in (gbps, lat)) or gbps <= 0 \
                 or lat < 0:
             problems.append(f"{key}: got {dict(spec)!r}; expected gbps > 0 and latency_us >= 0.")
             continue
@@ -298,7 +299,7 @@ def _rules(raw: Any, problems: list[str]) -> tuple[tuple[str, Any], ...]:
 
 
 def _parallel(raw: Any, problems: list[str]) -> ParallelConfig:
-    c = _Checker("parallel", raw, problems, _keys(ParallelConfig))
+    c = Checker("parallel", raw, problems, field_names(ParallelConfig))
     zero = c.get("zero", 0)
     if isinstance(zero, bool) or zero not in (0, 1, 2, 3):
         c.bad("zero", zero, "0, 1, 2 or 3")
@@ -313,7 +314,7 @@ def _parallel(raw: Any, problems: list[str]) -> ParallelConfig:
                           offload=_offload(c), offload_dir=c.str("offload_dir", None, optional=True))
 
 
-def _offload(c: _Checker) -> tuple[tuple[str, str], ...]:
+def _offload(c: Checker) -> tuple[tuple[str, str], ...]:
     """``parallel.offload``: state -> memory kind, checked by key (``parallel.offload.<state>``)."""
     from ...planner.offload import KINDS, STATES
     raw = c.get("offload") or {}
@@ -334,7 +335,7 @@ def _offload(c: _Checker) -> tuple[tuple[str, str], ...]:
 
 
 def _model(raw: Any, problems: list[str]) -> ModelConfig:
-    c = _Checker("model", raw, problems, _keys(ModelConfig))
+    c = Checker("model", raw, problems, field_names(ModelConfig))
     kind = c.choice("kind", "gpt", MODEL_KINDS)
     path = c.get("path")
     if kind == "hf":
@@ -368,7 +369,7 @@ def _recompute(v: Any) -> str:
 
 
 def _train(raw: Any, problems: list[str]) -> TrainConfig:
-    c = _Checker("train", raw, problems, _keys(TrainConfig))
+    c = Checker("train", raw, problems, field_names(TrainConfig))
     d = TrainConfig()
     return TrainConfig(
         steps=c.int("steps", d.steps), batch=c.int("batch", d.batch), seq=c.int("seq", None, optional=True),
@@ -381,7 +382,7 @@ def _train(raw: Any, problems: list[str]) -> TrainConfig:
 
 
 def _data(raw: Any, problems: list[str]) -> DataConfig:
-    c = _Checker("data", raw if raw is not None else {}, problems, _keys(DataConfig))
+    c = Checker("data", raw if raw is not None else {}, problems, field_names(DataConfig))
     out = DataConfig(source=c.choice("source", "stdlib", SOURCES), path=c.str("path", None, optional=True),
                      megabytes=c.number("megabytes", 2.0, strict=True),
                      format=c.choice("format", None, FORMATS, optional=True), text_field=c.str("text_field", "text"))
@@ -394,7 +395,7 @@ def _data(raw: Any, problems: list[str]) -> DataConfig:
 
 
 def _checkpoint(raw: Any, problems: list[str]) -> CheckpointConfig:
-    c = _Checker("checkpoint", raw if raw is not None else {}, problems, _keys(CheckpointConfig))
+    c = Checker("checkpoint", raw if raw is not None else {}, problems, field_names(CheckpointConfig))
     return CheckpointConfig(every=c.int("every", 0, low=0), dir=c.str("dir", "checkpoints"),
                             resume=c.str("resume", None, optional=True), keep=c.int("keep", 2))
 

@@ -46,8 +46,9 @@ from typing import Any
 from ...allocator import set_mmap_threshold
 from ...comm import progress
 from ...errors import ShardingError, ShardingTypeError
+from ...validate import positive_int
 from . import diagnose
-from .outcomes import UNGUARDED, _fault_path, _progress_path, _result_path, collect, write
+from .outcomes import UNGUARDED, collect, fault_path, progress_path, result_path, write
 from .reaper import Reaper, die_with_parent
 
 _LAUNCH_DIR_ENV = "SHARDLIB_LAUNCH_DIR"   # set for the ranks while they start: where to say they were misused
@@ -142,7 +143,7 @@ def init_world(backend: str | None = None, timeout: float | datetime.timedelta |
     import torch
     import torch.distributed as dist
 
-    from ...algebra.mesh import _auto_backend, check_backend, default_timeout
+    from ...algebra.mesh import auto_backend, check_backend, default_timeout
 
     set_mmap_threshold()
     if threads:
@@ -151,7 +152,7 @@ def init_world(backend: str | None = None, timeout: float | datetime.timedelta |
         return False
     if backend is not None:
         check_backend(backend, "launch")
-    backend = backend or _auto_backend()
+    backend = backend or auto_backend()
     if isinstance(timeout, (int, float)):
         timeout = datetime.timedelta(seconds=timeout)
     if backend == "nccl":
@@ -207,14 +208,14 @@ def _worker(local_rank: int, fn: Callable, args: tuple, kwargs: dict, nprocs: in
     adopt_parent_state(parent)
     streams.adopt()
     set_rank_env(local_rank, nprocs, port)
-    progress.attach(_progress_path(result_dir, local_rank))   # the last collective entered, for the parent
+    progress.attach(progress_path(result_dir, local_rank))   # the last collective entered, for the parent
     # a rank killed by a signal (abort, segfault) leaves its Python stack here for the parent,
     # and so does a rank asked for it (diagnose.STACK_SIGNAL) because its peers wait for it
-    fault_log = open(_fault_path(result_dir, local_rank), "w")  # noqa: SIM115 — open until os._exit
+    fault_log = open(fault_path(result_dir, local_rank), "w")  # noqa: SIM115 — open until os._exit
     faulthandler.enable(file=fault_log, all_threads=True)
     if diagnose.STACK_SIGNAL is not None:
         faulthandler.register(diagnose.STACK_SIGNAL, file=fault_log, all_threads=True)
-    path = _result_path(result_dir, local_rank)
+    path = result_path(result_dir, local_rank)
     ok = False
     try:
         init_world(backend, timeout, threads)
@@ -246,8 +247,8 @@ def launch(fn: Callable, nprocs: int, *args: Any, backend: str | None = None,
     others (``rank``: the first of them), what they last did, and the collective timeout.
     """
     _check_not_bootstrapping()
-    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
-        raise ShardingTypeError(f"launch: nprocs must be a positive int — got {nprocs!r}.")
+    if problem := positive_int(nprocs, "launch: nprocs"):
+        raise ShardingTypeError(f"{problem}.")
     if not callable(fn):
         raise ShardingTypeError(f"launch: fn must be callable — got {fn!r} of type {type(fn).__name__}.")
     if under_torchrun() or _world_initialized():

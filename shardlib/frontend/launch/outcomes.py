@@ -52,15 +52,15 @@ def write(path: str, payload: dict) -> None:
     os.replace(tmp, path)
 
 
-def _result_path(result_dir: str, rank: int) -> str:
+def result_path(result_dir: str, rank: int) -> str:
     return os.path.join(result_dir, f"rank{rank}.pkl")
 
 
-def _fault_path(result_dir: str, rank: int) -> str:
+def fault_path(result_dir: str, rank: int) -> str:
     return os.path.join(result_dir, f"rank{rank}.fault")
 
 
-def _progress_path(result_dir: str, rank: int) -> str:
+def progress_path(result_dir: str, rank: int) -> str:
     return os.path.join(result_dir, f"rank{rank}.progress")
 
 
@@ -83,7 +83,7 @@ def collect(processes: list, result_dir: str, nprocs: int, run_timeout: float | 
             for r in range(nprocs):
                 if r in results:
                     continue
-                path = _result_path(result_dir, r)
+                path = result_path(result_dir, r)
                 now = time.time()
                 if os.path.exists(path):
                     results[r] = _read(path, r)
@@ -114,7 +114,7 @@ def _failure(processes: list, result_dir: str, errors: dict[int, dict], results:
     """The error to raise: the unguarded script, ranks that never arrived, or the first failure."""
     if os.path.exists(os.path.join(result_dir, "unguarded")):
         return ShardingError(UNGUARDED)
-    records = {r: progress.read_file(_progress_path(result_dir, r)) for r in range(nprocs)}
+    records = {r: progress.read_file(progress_path(result_dir, r)) for r in range(nprocs)}
     returned = {r for r, v in results.items() if v["ok"]}
     found = diagnose.hang_report(records, errors, returned, nprocs, timeout)
     if found is None:
@@ -125,7 +125,7 @@ def _failure(processes: list, result_dir: str, errors: dict[int, dict], results:
                 f"rank {r} (last collective {progress.describe(records[r])})" for r in behind[:4]) + ".",)
         return err
     running = {r: processes[r].pid for r in found[0] if r not in results and processes[r].exitcode is None}
-    stacks = diagnose.dump_stacks(running, {r: _fault_path(result_dir, r) for r in running})
+    stacks = diagnose.dump_stacks(running, {r: fault_path(result_dir, r) for r in running})
     behind, msg = diagnose.hang_report(records, errors, returned, nprocs, timeout, stacks)
     return WorkerError(msg, rank=behind[0], remote_traceback=stacks.get(behind[0], ""))
 
@@ -163,7 +163,7 @@ def _death(rank: int, exitcode: int, last_alive: float, result_dir: str) -> dict
             how = f"was killed by signal {-exitcode}"
     else:
         how = f"exited with code {exitcode}"
-    when, path = last_alive, _fault_path(result_dir, rank)
+    when, path = last_alive, fault_path(result_dir, rank)
     try:
         with open(path) as f:
             stack = f.read().strip()

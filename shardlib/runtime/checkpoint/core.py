@@ -56,11 +56,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from .files import (FORMAT, LATEST, MANIFEST, VERSION, CheckpointError, _dcp_error, _fsync_dir, _install,
-                               _why, default_hash, file_hash, hasher, _writable, hashing_writer, params_problems,
-                               read_manifest, resolve, safe_reader)
+from ...validate import flag
+from .files import (FORMAT, LATEST, MANIFEST, VERSION, CheckpointError, dcp_error, dcp_failure, default_hash, file_hash,
+                    fsync_dir, hasher, hashing_writer, install, params_problems, read_manifest, resolve, safe_reader,
+                    writable)
 from .files import clean_partial as clean_partial, latest as latest   # the series' users import them here
-from .pieces import _block, _param_of, _Piece, _pieces, _quantized_names
+from .pieces import Piece, param_of, quantized_names, rank_pieces, tensor_block
 
 if TYPE_CHECKING:
     from ..engine import Engine
@@ -72,7 +73,8 @@ def _world(engine: Engine) -> int:
     return engine.mesh.size
 
 
-def _gather(engine: Engine, obj: Any) -> list[Any]:
+def gather_objects(engine: Engine, obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order, on every rank."""
     if _world(engine) == 1:
         return [obj]
     out: list[Any] = [None] * _world(engine)
@@ -80,7 +82,7 @@ def _gather(engine: Engine, obj: Any) -> list[Any]:
     return out
 
 
-def _one(engine: Engine, obj: Any) -> Any:
+def from_rank_zero(engine: Engine, obj: Any) -> Any:
     """Rank 0's ``obj`` on every rank."""
     if _world(engine) == 1:
         return obj
@@ -121,12 +123,12 @@ def save(engine: Engine, path: str | os.PathLike, *, extra: dict | None = None, 
         json.dumps(extra or {})
     except TypeError as e:
         raise CheckpointError(f"save: extra must be JSON data (ints, floats, strings, lists, dicts) — {e}.") from None
-    if not isinstance(frozen, bool):
-        raise CheckpointError(f"save: frozen must be True or False — got {frozen!r}; expected True (write the frozen "
+    if problem := flag(frozen, "save: frozen"):
+        raise CheckpointError(f"{problem}; expected True (write the frozen "
                               "parameters too) or False (leave them out).")
     # rank 0's temporary name, hash and verdict on the folder, on every rank (one broadcast)
-    token, algo, problem = _one(engine, (uuid.uuid4().hex[:12], default_hash(),
-                                         _writable(path.parent) if engine.mesh.rank == 0 else None))
+    token, algo, problem = from_rank_zero(engine, (uuid.uuid4().hex[:12], default_hash(),
+                                         writable(path.parent) if engine.mesh.rank == 0 else None))
     tmp = path.parent / f".{path.name}.tmp-{token}"
     if problem:
         raise CheckpointError(problem)
@@ -141,9 +143,9 @@ def save(engine: Engine, path: str | os.PathLike, *, extra: dict | None = None, 
         with _no_zip_crc():
             dcp.save({}, storage_writer=writer, planner=planner, no_dist=_world(engine) == 1)
         hashes = writer.hashes()                    # hashed as written (DCP fsynced the files)
-    except (Exception, _dcp_error()) as e:      # DCP raises on every rank when any rank's write failed
-        failed = _why(e)
-    got = _gather(engine, (failed, hashes))         # one exchange: every rank's failure and hashes
+    except (Exception, dcp_error()) as e:      # DCP raises on every rank when any rank's write failed
+        failed = dcp_failure(e)
+    got = gather_objects(engine, (failed, hashes))         # one exchange: every rank's failure and hashes
     failed = [f for f, _ in got if f]
     if failed:
         if rank == 0:
@@ -159,8 +161,8 @@ def save(engine: Engine, path: str | os.PathLike, *, extra: dict | None = None, 
         manifest = _manifest(engine, merged, files, extra, frozen)
         manifest["hash"] = algo
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        _fsync_dir(tmp, (MANIFEST,))
-        _install(tmp, path)
+        fsync_dir(tmp, (MANIFEST,))
+        install(tmp, path)
     if _world(engine) > 1:
         dist.barrier()
     return path
@@ -189,11 +191,11 @@ def _save_planner(engine: Engine, frozen: bool):
     from .dcp import BoxSavePlanner, Chunked, Names, param_group_entries
 
     names = Names.of(engine)
-    pieces, whole = _pieces(engine, frozen=frozen, quantized=frozen)
+    pieces, whole = rank_pieces(engine, frozen=frozen, quantized=frozen)
     pp = engine.global_plan.pipeline
     if pp is not None and pp.tied and engine.pipe is not None and not engine.pipe.counts_tied:
         # a weight tied across the first and last stage is written once, by the first stage's ranks
-        pieces = [p for p in pieces if _param_of(p.key) not in pp.tied]
+        pieces = [p for p in pieces if param_of(p.key) not in pp.tied]
         whole = {k: v for k, v in whole.items() if k.rpartition("/")[2] not in pp.tied}
     chunked: dict[str, Chunked] = {}
     for p in pieces:
@@ -279,7 +281,7 @@ def check_files(engine: Engine, path: Path, manifest: dict) -> None:
     if engine.mesh.rank == 0:
         extra = sorted(f.name for f in path.glob("*.distcp") if f.name not in manifest["files"])
         bad += [f"{n} is not part of the checkpoint" for n in extra[:5]]
-    bad = sorted({b for got in _gather(engine, bad) for b in got})
+    bad = sorted({b for got in gather_objects(engine, bad) for b in got})
     if bad:
         raise CheckpointError([f"load: {path}: {b} — the checkpoint is truncated or corrupt; load an earlier one."
                                for b in bad[:10]], api="load")
@@ -316,7 +318,7 @@ def load(engine: Engine, path: str | os.PathLike) -> dict:
     from .dcp import Names
 
     path = resolve(Path(path).absolute())
-    manifest = _one(engine, _try(_manifest_or_foreign, path))
+    manifest = from_rank_zero(engine, _try(_manifest_or_foreign, path))
     if isinstance(manifest, CheckpointError):
         raise manifest
     foreign = manifest is None
@@ -329,12 +331,12 @@ def load(engine: Engine, path: str | os.PathLike) -> dict:
     except CheckpointError:
         raise
     except Exception as e:
-        raise CheckpointError(f"load: {path}'s DCP metadata cannot be read — {_why(e)}.") from None
+        raise CheckpointError(f"load: {path}'s DCP metadata cannot be read — {dcp_failure(e)}.") from None
     saved = {k: tuple(m.size) for k, m in metadata.state_dict_metadata.items() if hasattr(m, "size")}
     names = Names.of(engine)
     kept = set(manifest.get("absent", [])) if manifest else set()       # frozen values the engine keeps
-    pieces, whole = _pieces(engine, quantized=not any(n in kept for n in _quantized_names(engine)))
-    pieces = [p for p in pieces if p.key.startswith("optim/") or _param_of(p.key) not in kept]
+    pieces, whole = rank_pieces(engine, quantized=not any(n in kept for n in quantized_names(engine)))
+    pieces = [p for p in pieces if p.key.startswith("optim/") or param_of(p.key) not in kept]
     by_key = {p.key: p for p in pieces}
     fresh = _fresh_states(engine, names, saved, by_key, whole, pieces)
     boxes: dict[str, list] = {}
@@ -419,7 +421,7 @@ def _missing(path: Path, key: str, saved: dict, foreign: bool, names) -> None:
                                  f" — looked for {names.read(key)[:2]}." if foreign else "."))
     if key.startswith("quant/"):
         raise CheckpointError(f"load: {path} holds no {key.rpartition('/')[2]!r} of quantized weight "
-                              f"{_param_of(key)!r} — expected the checkpoint of a model quantized as this one is. "
+                              f"{param_of(key)!r} — expected the checkpoint of a model quantized as this one is. "
                               "Quantize the model as when saving, or load a checkpoint saved from it.")
 
 
@@ -436,7 +438,7 @@ def _fresh_states(engine: Engine, names, saved: dict, by_key: dict, whole: dict,
     for s in engine.states:
         if not s.trainable or s.name not in by_param:
             continue
-        shape, block = _block(engine, s)
+        shape, block = tensor_block(engine, s)
         for k, name in by_param[s.name]:
             key = f"optim/{k}/{s.name}"
             if key in by_key or key in whole or k in fresh.get(s.name, {}):
@@ -445,7 +447,7 @@ def _fresh_states(engine: Engine, names, saved: dict, by_key: dict, whole: dict,
                 t = engine.offload.fresh(s, k) if engine.offload is not None else None
                 t = torch.zeros_like(s.master, dtype=torch.float32) if t is None else t
                 fresh.setdefault(s.name, {})[k] = t
-                p = _Piece(key, shape, block, tuple(s.plan.shape), s.lo, s.hi, t.reshape(-1))
+                p = Piece(key, shape, block, tuple(s.plan.shape), s.lo, s.hi, t.reshape(-1))
                 pieces.append(p)
                 by_key[key] = p
             else:
@@ -464,10 +466,10 @@ def _read(engine: Engine, path: Path, reader, boxes: dict, request: dict):
     planner = BoxLoadPlanner(boxes, request)
     try:
         dcp.load({}, storage_reader=reader, planner=planner, no_dist=_world(engine) == 1)
-    except (Exception, _dcp_error()) as e:
+    except (Exception, dcp_error()) as e:
         if reader.refused is not None:       # the metadata asked for code: say so, whatever DCP made of it
             raise reader.refused from None
-        raise CheckpointError(f"load: reading {path} failed — {_why(e)}.") from None
+        raise CheckpointError(f"load: reading {path} failed — {dcp_failure(e)}.") from None
     return planner
 
 

@@ -12,7 +12,7 @@ optimizer state under ``optimizer.``):
 * what only shardlib reads under ``_shardlib.``: each rank's RNG states, a quantized weight's components,
   non-persistent buffers.
 
-A rank's piece of a global tensor is a few boxes (``checkpoint_pieces._Piece``); each box is one chunk
+A rank's piece of a global tensor is a few boxes (``checkpoint.pieces.Piece``); each box is one chunk
 (offsets, sizes) of the key, written by :class:`BoxSavePlanner` without first copying it out, and
 replicated boxes (the same offsets from several ranks) written once (DCP's de-duplication). So
 ``dcp_to_torch_save`` gives the full state dict by name, FSDP2's ``dcp.load`` reads its shards from an

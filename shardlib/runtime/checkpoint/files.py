@@ -33,13 +33,13 @@ class CheckpointError(ShardingError):
     model, or the disk refused."""
 
 
-def _dcp_error() -> type:
+def dcp_error() -> type:
     """DCP's ``CheckpointException`` (a ``BaseException``: it carries every rank's failure)."""
     from torch.distributed.checkpoint.api import CheckpointException
     return CheckpointException
 
 
-def _why(e: BaseException) -> str:
+def dcp_failure(e: BaseException) -> str:
     """The first underlying failure of a DCP error (``rank r: OSError: ...``), or ``e`` itself."""
     failures = getattr(e, "failures", None)
     if failures:
@@ -138,7 +138,7 @@ def hashing_writer(path: Path, algo: str):
     return Writer(str(path))
 
 
-def _writable(folder: Path) -> str | None:
+def writable(folder: Path) -> str | None:
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -148,7 +148,7 @@ def _writable(folder: Path) -> str | None:
     return None
 
 
-def _fsync_dir(folder: Path, files: tuple[str, ...] | None = None) -> None:
+def fsync_dir(folder: Path, files: tuple[str, ...] | None = None) -> None:
     """``fsync`` ``files`` (default: every file) in ``folder``, then the folder itself."""
     for f in folder.iterdir() if files is None else (folder / n for n in files):
         with open(f, "rb") as fh:
@@ -160,7 +160,7 @@ def _fsync_dir(folder: Path, files: tuple[str, ...] | None = None) -> None:
         os.close(fd)
 
 
-def _install(tmp: Path, path: Path) -> None:
+def install(tmp: Path, path: Path) -> None:
     """Move the finished ``tmp`` to ``path``; an older checkpoint there is moved aside first and
     removed after (a crash between the two renames leaves it as ``.<name>.old-*``, whole)."""
     old = None

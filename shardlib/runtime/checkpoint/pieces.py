@@ -1,4 +1,4 @@
-"""What a rank holds of the global tensors a checkpoint saves: ``_pieces`` (parameters, optimizer state,
+"""What a rank holds of the global tensors a checkpoint saves: ``rank_pieces`` (parameters, optimizer state,
 quantized weights as their components) as boxes of each global tensor. ``checkpoint.py`` writes and reads
 them; ``pretrained.py`` and ``runtime/pretrained/peft_export.py`` assemble full tensors from them."""
 
@@ -21,10 +21,10 @@ if TYPE_CHECKING:
 
 # ---- what a rank holds ------------------------------------------------------------------------
 
-class _Piece:
+class Piece:
     """This rank's part of one global tensor: a flat range of its block, as boxes (global
     coordinates) and the 1-D tensor holding it. ``block`` is ``(parts, start)`` per dim
-    (``_block``): a fused parameter's block is its chunk of each of the dim's blocks, and a box of
+    (``tensor_block``): a fused parameter's block is its chunk of each of the dim's blocks, and a box of
     it may lie strided in the flat piece (``box_tensor`` views it there, writable)."""
 
     def __init__(self, key: str, shape: tuple[int, ...], block: tuple[tuple[int, ...], tuple[int, ...]],
@@ -43,7 +43,7 @@ class _Piece:
         return self.flat.as_strided(box[1], self._strides[off], self.flat.storage_offset() + off)
 
 
-def _block(engine: Engine, s) -> tuple[tuple[int, ...], tuple[tuple[int, ...], tuple[int, ...]]]:
+def tensor_block(engine: Engine, s) -> tuple[tuple[int, ...], tuple[tuple[int, ...], tuple[int, ...]]]:
     """(global shape, ``(parts, start)``) of parameter state ``s``'s tensor-parallel block: per dim,
     the number of fused blocks (1 for a plain dim) and where this rank's chunk of each begins."""
     pp = s.plan
@@ -56,8 +56,8 @@ def _block(engine: Engine, s) -> tuple[tuple[int, ...], tuple[tuple[int, ...], t
     return shape, (tuple(fused.get(d, 1) for d in range(len(shape))), tuple(g.start for g in first))
 
 
-def _pieces(engine: Engine, *, frozen: bool = True, quantized: bool = False
-            ) -> tuple[list[_Piece], dict[str, torch.Tensor]]:
+def rank_pieces(engine: Engine, *, frozen: bool = True, quantized: bool = False
+            ) -> tuple[list[Piece], dict[str, torch.Tensor]]:
     """Every sharded tensor this rank holds (values, optimizer states) and its replicated ones
     (per-parameter optimizer scalars, buffers); ``frozen=False`` leaves frozen parameters out.
     Quantized weights only with ``quantized=True``, as their components (``_quant_pieces``: a
@@ -68,11 +68,11 @@ def _pieces(engine: Engine, *, frozen: bool = True, quantized: bool = False
     for s in engine.states:
         if not frozen and not s.trainable:
             continue
-        shape, block = _block(engine, s)
+        shape, block = tensor_block(engine, s)
         local = tuple(s.plan.shape)
 
         def add(key: str, t: torch.Tensor) -> None:
-            pieces.append(_Piece(key, shape, block, local, s.lo, s.hi, t.reshape(-1)))
+            pieces.append(Piece(key, shape, block, local, s.lo, s.hi, t.reshape(-1)))
 
         if s.plan.quant is not None:
             pieces += _quant_pieces(engine, s, specs[s.name]) if quantized else []
@@ -106,20 +106,20 @@ def quant_shard(engine: Engine, s) -> tuple[torch.Tensor, torch.Tensor | None]:
     return views(s.param, raw, tuple(s.plan.shape)), raw
 
 
-def _quant_pieces(engine: Engine, s, spec: QuantSpec) -> list[_Piece]:
+def _quant_pieces(engine: Engine, s, spec: QuantSpec) -> list[Piece]:
     """A quantized frozen weight as its components (``quant/<name>/<component>``: codes, scales, zero
     points), each a global tensor of which this rank's tensor shard holds one box — the entries
     covering the shard's box of the weight, a component kept whole on a dim (a per-row scale under a
     row split) held whole. Saved in their own dtypes: a load on any mesh gets the same codes. ``spec``
     is the whole weight's (a shard's own may see a dim it cuts as one entry spanning it)."""
     q, raw = quant_shard(engine, s)
-    shape, (_, start) = _block(engine, s)
+    shape, (_, start) = tensor_block(engine, s)
     out = []
     for c in spec.components:
         comp = getattr(q, c.name)
         assert comp.is_contiguous(), (s.name, c.name)
         first = tuple(0 if c.whole[d] else start[d] // c.block[d] for d in range(len(shape)))
-        p = _Piece(f"quant/{s.name}/{c.name}", c.shape(shape), ((1,) * len(shape), first), tuple(comp.shape),
+        p = Piece(f"quant/{s.name}/{c.name}", c.shape(shape), ((1,) * len(shape), first), tuple(comp.shape),
                    0, comp.numel(), comp.view(-1))
         if raw is not None:          # ZeRO-3: the loaded bytes back into this rank's piece of them
             p.refill = lambda s=s, raw=raw: s.shard.view(torch.uint8).copy_(
@@ -128,11 +128,11 @@ def _quant_pieces(engine: Engine, s, spec: QuantSpec) -> list[_Piece]:
     return out
 
 
-def _quantized_names(engine: Engine) -> list[str]:
+def quantized_names(engine: Engine) -> list[str]:
     return [p.name for p in engine.global_plan.params if p.quant is not None]
 
 
-def _param_of(key: str) -> str:
+def param_of(key: str) -> str:
     """The parameter a piece's key belongs to (``param/<name>``, ``quant/<name>/<component>``)."""
     kind, _, rest = key.partition("/")
     return rest.rpartition("/")[0] if kind == "quant" else rest

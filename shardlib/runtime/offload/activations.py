@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_leaves
 
 from ...quant.layout import inner_tensors
 from .core import HOST
-from .files import OffloadError, _remove
+from .files import OffloadError, close_and_remove
 
 
 class _OnDisk:
@@ -82,7 +82,7 @@ class ActivationOffload:
             self.end = 0
             self.writer = ThreadPoolExecutor(1, thread_name_prefix="shardlib-offload-act-write")
             self.reader = ThreadPoolExecutor(1, thread_name_prefix="shardlib-offload-act-read")
-            self._finalizer = weakref.finalize(self, _remove, [self.fd], [self.path], self.folder)
+            self._finalizer = weakref.finalize(self, close_and_remove, [self.fd], [self.path], self.folder)
         self.timeline: list[tuple[str, int, float, float]] = []
         self._weights: set[int] = set()
 

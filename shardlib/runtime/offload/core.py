@@ -71,7 +71,7 @@ class Copies:
         return {k: v[0] for k, v in self.step.items()}
 
 
-def _host_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+def host_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A host copy of ``t`` (pinned where an accelerator can copy from it asynchronously)."""
     out = torch.empty(t.shape, dtype=dtype or t.dtype, device=HOST,
                       pin_memory=torch.cuda.is_available() and t.device.type == "cuda")
@@ -102,7 +102,7 @@ class OptimizerOffload:
         piece = s.master.detach()
         if s.shard is not None and s.shard.untyped_storage().data_ptr() == piece.untyped_storage().data_ptr():
             s.shard = piece.clone()                # ZeRO-3 fp32: the shard was the master itself
-        master = nn.Parameter(_host_like(piece, torch.float32))
+        master = nn.Parameter(host_like(piece, torch.float32))
         s.master = master
         if s.grad_shard is not None:
             s.grad_shard = torch.zeros(s.grad_shard.shape, dtype=s.grad_shard.dtype, device=HOST,

@@ -50,7 +50,7 @@ class DiskStore:
                                        "less to 'disk'.") from None
         self.current = 0
         # the files go with the engine (or the process): fds closed, files and folder removed
-        self._finalizer = weakref.finalize(self, _remove, list(self.fds), list(self.paths), self.folder)
+        self._finalizer = weakref.finalize(self, close_and_remove, list(self.fds), list(self.paths), self.folder)
 
     def _pos(self, i: int, slot: int, lo: int) -> int:
         return self.offsets[i] + (slot * self.sizes[i] + lo) * self.item
@@ -94,11 +94,11 @@ class DiskStore:
         if hasattr(self, "_finalizer"):
             self._finalizer()
         else:
-            _remove(self.fds, self.paths, self.folder)
+            close_and_remove(self.fds, self.paths, self.folder)
         self.fds = []
 
 
-def _remove(fds: list[int], paths: list[Path], folder: Path) -> None:
+def close_and_remove(fds: list[int], paths: list[Path], folder: Path) -> None:
     for fd in fds:
         try:
             os.close(fd)

@@ -28,7 +28,7 @@ from contextlib import contextmanager
 
 import torch
 
-from .core import HOST, DiskStore, OffloadError, _host_like
+from .core import HOST, DiskStore, OffloadError, host_like
 
 
 class ParamsOffload:
@@ -58,7 +58,7 @@ class ParamsOffload:
         if kind == "host":
             for s in engine.states:
                 if s.shard is not None:
-                    s.shard = _host_like(s.shard)
+                    s.shard = host_like(s.shard)
             return
         sizes = [u.flat.ct + u.flat.cf for u in self.units]
         self.store = DiskStore(offload_dir, engine.mesh.rank, sizes, 1, dtype=self.cdt, name="params")

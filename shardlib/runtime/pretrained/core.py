@@ -10,7 +10,7 @@ value: the architecture in ``config.json``, every parameter and persistent buffe
 any of its tied names), its shape, a floating dtype, and every file whole (a tensor's bytes inside
 the file). The ranks agree on the verdict in one gather (ranks of different nodes may see
 different files): a rank raises its own problem, the others name it and refuse too.
-Then each rank reads only its pieces — the boxes ``checkpoint_pieces._pieces`` gives in global
+Then each rank reads only its pieces — the boxes ``checkpoint.pieces.rank_pieces`` gives in global
 coordinates — through ``safe_open(...).get_slice(name)[rows]``, cast to fp32 as it is copied in.
 A read holds its bytes about three times (the file's mapped pages, safetensors' buffer, the tensor
 it returns), so each spans at most a quarter of the largest tensor (and 64 MB), the file reopened
@@ -32,17 +32,17 @@ import torch
 
 from ...algebra.boxes import Box
 from ...planner.peft import is_peft
-from ..checkpoint.core import _gather
+from ..checkpoint.core import gather_objects
 from ..checkpoint.files import CheckpointError
-from ..checkpoint.pieces import _pieces
+from ..checkpoint.pieces import rank_pieces
 from .empty import EnginePretrained as EnginePretrained    # re-exported: the names once defined here
-from .files import _DTYPES, _FLOATS, _RELOAD, CONFIG, _Entry, read_folder
-from .names import _aliases, _persistent_buffers, _renamed
-from .names import _reverted as _reverted
-from .names import _saved_names as _saved_names
-from .save import _Sender as _Sender
-from .save import _whole
+from .files import CONFIG, DTYPES, FLOATS, RELOAD, Entry, read_folder
+from .names import param_aliases, persistent_buffers, renamed
+from .names import reverted as reverted
+from .names import saved_names as saved_names
+from .save import Sender as Sender
 from .save import save_pretrained as save_pretrained
+from .save import whole_index
 
 if TYPE_CHECKING:
     from ..engine import Engine
@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 _CHUNK = 64 << 20            # bytes: the most one read spans in a file
 
 
-def _check(engine: Engine, path: Path, config: dict | None, entries: dict[str, _Entry], strict: bool
+def _check(engine: Engine, path: Path, config: dict | None, entries: dict[str, Entry], strict: bool
            ) -> tuple[dict[str, str], dict[str, str]]:
     """Every problem with the folder for this model, raised at once; else the file name of each
     parameter (by plan name) and of each persistent buffer found."""
@@ -67,25 +67,25 @@ def _check(engine: Engine, path: Path, config: dict | None, entries: dict[str, _
                         f"{type(model).__name__}. Write it with save_pretrained.")
     params: dict[str, str] = {}
     shapes = {p.name: tuple(p.shape) for p in engine.global_plan.params}
-    for first, names in _aliases(model).items():
+    for first, names in param_aliases(model).items():
         found = next((n for n in names if n in entries), None)
         if found is None:
             problems.append(f"load_pretrained: {path} holds no tensor {first!r}"
                             + (f" (nor its tied names {names[1:]})" if len(names) > 1 else "")
-                            + f" — expected every parameter of {type(model).__name__}. {_RELOAD}")
+                            + f" — expected every parameter of {type(model).__name__}. {RELOAD}")
             continue
         params[first] = found
         problems += _entry_problems(path, found, entries[found], shapes[first], None)
     buffers: dict[str, str] = {}
-    for name, b in _persistent_buffers(model).items():
+    for name, b in persistent_buffers(model).items():
         if name in entries:
             buffers[name] = name
             problems += _entry_problems(path, name, entries[name], tuple(b.shape), b.dtype)
         elif engine._needs_load and name in engine._awaited:     # zeroed by init=False: a load must fill it
             problems.append(f"load_pretrained: {path} holds no buffer {name!r} — expected every persistent buffer "
-                            f"of a model built without values (init=False). {_RELOAD}")
+                            f"of a model built without values (init=False). {RELOAD}")
     if strict:
-        known = {n for names in _aliases(model).values() for n in names} | set(_persistent_buffers(model))
+        known = {n for names in param_aliases(model).values() for n in names} | set(persistent_buffers(model))
         ignore = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
         nonpersistent = {n for n, _ in model.named_buffers()}
         extra = [k for k in entries if k not in known and k not in nonpersistent
@@ -99,18 +99,18 @@ def _check(engine: Engine, path: Path, config: dict | None, entries: dict[str, _
     return params, buffers
 
 
-def _entry_problems(path: Path, name: str, e: _Entry, shape: tuple[int, ...], dtype: torch.dtype | None
+def _entry_problems(path: Path, name: str, e: Entry, shape: tuple[int, ...], dtype: torch.dtype | None
                     ) -> list[str]:
     out = []
     if tuple(e.shape) != tuple(shape):
         out.append(f"load_pretrained: {path}: tensor {name!r} has shape {list(e.shape)} — expected {list(shape)}. "
                    "Load the folder of a model with this config.")
     floating = dtype is None or dtype.is_floating_point
-    if floating and e.dtype not in _FLOATS:
+    if floating and e.dtype not in FLOATS:
         out.append(f"load_pretrained: {path}: tensor {name!r} is {e.dtype} — expected a float dtype (F32, F16, "
                    "BF16). Save the weights as floats (quantized checkpoints are not read here).")
-    elif not floating and e.dtype in _FLOATS:
-        out.append(f"load_pretrained: {path}: buffer {name!r} is {e.dtype} — expected {dtype}. {_RELOAD}")
+    elif not floating and e.dtype in FLOATS:
+        out.append(f"load_pretrained: {path}: buffer {name!r} is {e.dtype} — expected {dtype}. {RELOAD}")
     return out
 
 
@@ -146,21 +146,21 @@ def load_pretrained(engine: Engine, path: str | os.PathLike, *, strict: bool = T
     mine = None
     try:
         config, entries = read_folder(path)
-        entries = _renamed(engine.model, entries)
+        entries = renamed(engine.model, entries)
         params, buffers = _check(engine, path, config, entries, strict)
     except CheckpointError as e:
         mine = e
-    theirs = [(r, m) for r, m in enumerate(_gather(engine, None if mine is None else str(mine))) if m]
+    theirs = [(r, m) for r, m in enumerate(gather_objects(engine, None if mine is None else str(mine))) if m]
     if mine is not None:
         raise mine
     if theirs:
         r, why = theirs[0]
         raise CheckpointError(f"load_pretrained: another rank (rank {r}) cannot read {path} — {why} Give every node "
                               "the same folder.")
-    pieces, _ = _pieces(engine)
+    pieces, _ = rank_pieces(engine)
     # a read holds its bytes about three times (the file's mapped pages, safetensors' buffer, the
     # tensor it returns): reads span at most a quarter of the largest tensor (and _CHUNK)
-    chunk = min(_CHUNK, max(1, max(math.prod(entries[n].shape) * _DTYPES[entries[n].dtype].itemsize
+    chunk = min(_CHUNK, max(1, max(math.prod(entries[n].shape) * DTYPES[entries[n].dtype].itemsize
                                    for n in params.values()) // 4))
     failed = None
     engine._needs_load = True                      # until every rank has read all of its pieces
@@ -170,14 +170,14 @@ def load_pretrained(engine: Engine, path: str | os.PathLike, *, strict: bool = T
                 continue
             name = params[p.key[len("param/"):]]
             e = entries[name]
-            row = math.prod(e.shape[1:]) * _DTYPES[e.dtype].itemsize
+            row = math.prod(e.shape[1:]) * DTYPES[e.dtype].itemsize
             for box, off in p.boxes:
                 dst = p.box_tensor(box, off)
                 step = max(1, chunk // row) if box[1] else 1
                 for i in range(0, max(box[1][0], 1) if box[1] else 1, step):
                     part = _rows(box, i, step)
                     with safe_open(str(e.file), framework="pt") as f:       # mapped pages let go after
-                        got = f.get_slice(e.key)[_whole(part)]
+                        got = f.get_slice(e.key)[whole_index(part)]
                     (dst[i:i + step] if box[1] else dst).copy_(got)
                     del got
         by_key = {p.key: p for p in pieces}
@@ -185,16 +185,16 @@ def load_pretrained(engine: Engine, path: str | os.PathLike, *, strict: bool = T
             if not s.trainable:
                 dst = s.shard if s.shard is not None else s.local_piece(s.param.data)
                 dst.copy_(by_key[f"param/{s.name}"].flat.view_as(dst))
-        held = _persistent_buffers(engine.model)
+        held = persistent_buffers(engine.model)
         for name, fname in buffers.items():
             with safe_open(str(entries[fname].file), framework="pt") as f:
                 held[name].copy_(f.get_tensor(entries[fname].key))
     except Exception as e:                 # noqa: BLE001 — reported on every rank below
         failed = f"rank {engine.mesh.rank}: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-    failed = [f for f in _gather(engine, failed) if f]
+    failed = [f for f in gather_objects(engine, failed) if f]
     if failed:
         raise CheckpointError(f"load_pretrained: reading {path} failed — {failed[0]}. The engine has no complete "
-                              f"values and refuses to step. {_RELOAD}")
+                              f"values and refuses to step. {RELOAD}")
     engine._publish()
     engine._needs_load = False
     engine._awaited = frozenset()

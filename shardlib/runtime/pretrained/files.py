@@ -16,15 +16,15 @@ import torch
 from ..checkpoint.files import CheckpointError
 
 SAFE, INDEX, CONFIG = "model.safetensors", "model.safetensors.index.json", "config.json"
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
            "BOOL": torch.bool}
-_CODES = {v: k for k, v in _DTYPES.items()}
-_FLOATS = ("F64", "F32", "F16", "BF16")
-_RELOAD = "Save the folder again (model.save_pretrained) or download it again."
+_CODES = {v: k for k, v in DTYPES.items()}
+FLOATS = ("F64", "F32", "F16", "BF16")
+RELOAD = "Save the folder again (model.save_pretrained) or download it again."
 
 
-class _Entry(NamedTuple):
+class Entry(NamedTuple):
     """One tensor in a safetensors file: where it is, its dtype code, shape and name in the file."""
 
     file: Path
@@ -33,7 +33,7 @@ class _Entry(NamedTuple):
     key: str
 
 
-def _header(file: Path) -> dict[str, _Entry]:
+def _header(file: Path) -> dict[str, Entry]:
     """The tensors a safetensors file holds, checked whole against the file's size."""
     size = file.stat().st_size
     bad = f"load_pretrained: {file} is not a whole safetensors file"
@@ -42,11 +42,11 @@ def _header(file: Path) -> dict[str, _Entry]:
         n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
         if n < 0 or n > size - 8:
             raise CheckpointError(f"{bad} — got {size} bytes, its header says {n}; expected a header and data. "
-                                  f"The file is truncated. {_RELOAD}")
+                                  f"The file is truncated. {RELOAD}")
         try:
             header = json.loads(fh.read(n))
         except ValueError:
-            raise CheckpointError(f"{bad} — its header is not JSON. {_RELOAD}") from None
+            raise CheckpointError(f"{bad} — its header is not JSON. {RELOAD}") from None
     data, out = size - 8 - n, {}
     for name, info in header.items():
         if name == "__metadata__":
@@ -54,18 +54,18 @@ def _header(file: Path) -> dict[str, _Entry]:
         try:
             dtype, shape, (b, e) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
         except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{bad} — tensor {name!r} has a malformed header entry. {_RELOAD}") from None
+            raise CheckpointError(f"{bad} — tensor {name!r} has a malformed header entry. {RELOAD}") from None
         if e > data:
             raise CheckpointError(f"{bad} — tensor {name!r} ends at data byte {e} but the file holds {data}: it is "
-                                  f"truncated. {_RELOAD}")
-        item = _DTYPES[dtype].itemsize if dtype in _DTYPES else None
+                                  f"truncated. {RELOAD}")
+        item = DTYPES[dtype].itemsize if dtype in DTYPES else None
         if item is not None and e - b != math.prod(shape) * item:
-            raise CheckpointError(f"{bad} — tensor {name!r} ({dtype} {list(shape)}) spans {e - b} bytes. {_RELOAD}")
-        out[name] = _Entry(file, dtype, shape, name)
+            raise CheckpointError(f"{bad} — tensor {name!r} ({dtype} {list(shape)}) spans {e - b} bytes. {RELOAD}")
+        out[name] = Entry(file, dtype, shape, name)
     return out
 
 
-def read_folder(path: Path, api: str = "load_pretrained") -> tuple[dict | None, dict[str, _Entry]]:
+def read_folder(path: Path, api: str = "load_pretrained") -> tuple[dict | None, dict[str, Entry]]:
     """``(config.json or None, every tensor by name)`` of a transformers folder (one ``model.safetensors``,
     or shards listed by ``model.safetensors.index.json``), or of a single ``.safetensors`` file."""
     if path.is_file():
@@ -78,25 +78,25 @@ def read_folder(path: Path, api: str = "load_pretrained") -> tuple[dict | None, 
         try:
             config = json.loads((path / CONFIG).read_text())
         except ValueError:
-            raise CheckpointError(f"{api}: {path / CONFIG} is not JSON. {_RELOAD}") from None
+            raise CheckpointError(f"{api}: {path / CONFIG} is not JSON. {RELOAD}") from None
     if (path / INDEX).is_file():
         try:
             weight_map = json.loads((path / INDEX).read_text())["weight_map"]
         except (ValueError, KeyError, TypeError):
-            raise CheckpointError(f"{api}: {path / INDEX} is not a safetensors index (no weight_map). {_RELOAD}") \
+            raise CheckpointError(f"{api}: {path / INDEX} is not a safetensors index (no weight_map). {RELOAD}") \
                 from None
         files = sorted(set(weight_map.values()))
         missing = [f for f in files if not (path / f).is_file()]
         if missing:
             raise CheckpointError(f"{api}: {path / INDEX} lists {missing[:4]}, not in {path} — expected every shard "
-                                  f"file the index names. {_RELOAD}")
-        out: dict[str, _Entry] = {}
+                                  f"file the index names. {RELOAD}")
+        out: dict[str, Entry] = {}
         for f in files:
             out.update(_header(path / f))
         lost = [k for k, f in weight_map.items() if k not in out or out[k].file.name != f]
         if lost:
             raise CheckpointError(f"{api}: {path / INDEX} places {lost[:4]} in files that do not hold them — the "
-                                  f"shards and the index disagree. {_RELOAD}")
+                                  f"shards and the index disagree. {RELOAD}")
         return config, out
     if (path / SAFE).is_file():
         return config, _header(path / SAFE)
@@ -105,7 +105,7 @@ def read_folder(path: Path, api: str = "load_pretrained") -> tuple[dict | None, 
                           "folder.")
 
 
-def _header_bytes(tensors: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> tuple[bytes, dict[str, int]]:
+def header_bytes(tensors: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> tuple[bytes, dict[str, int]]:
     """A safetensors header for ``tensors`` laid out as safetensors does (by dtype, then name), and each
     tensor's data offset."""
     order = sorted(tensors, key=lambda t: (-t[1].itemsize, t[0]))
@@ -121,7 +121,7 @@ def _header_bytes(tensors: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> tu
     return len(raw).to_bytes(8, "little") + raw, offsets
 
 
-def _tidy(path: Path, split, params: int, hf: bool) -> None:
+def tidy(path: Path, split, params: int, hf: bool) -> None:
     """The index (sharded) or its absence (one file), and no stale shard from an earlier save."""
     stale = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
     for f in path.iterdir():
@@ -137,14 +137,14 @@ def _tidy(path: Path, split, params: int, hf: bool) -> None:
         (path / INDEX).unlink()
 
 
-def _cannot(path: Path, e: OSError) -> str:
+def write_refused(path: Path, e: OSError) -> str:
     """The message of a write the disk refused."""
     return (f"save_pretrained: cannot write {path} — got {type(e).__name__}: {e.strerror or e}; expected a writable "
             "folder with room for the model. Free space or fix the permissions, and save again (the folder is "
             "incomplete; no temporary file is left).")
 
 
-class _Out:
+class OutFile:
     """Rank 0's temporary file for one safetensors file: a failed write (disk full, permission) is
     kept as ``error``, the file closed and removed; the rest of the writes are skipped."""
 
@@ -175,7 +175,7 @@ class _Out:
                 os.replace(self.tmp, dst)
             except OSError as e:
                 self._fail(e)
-        return None if self.ok else _cannot(dst, self.error)
+        return None if self.ok else write_refused(dst, self.error)
 
     def _fail(self, e: OSError) -> None:
         self.error = e

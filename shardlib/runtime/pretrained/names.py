@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ..checkpoint.files import CheckpointError
-from .files import _Entry
+from .files import Entry
 
 
 def _renamings(model: nn.Module) -> list:
@@ -28,7 +28,7 @@ def _renamings(model: nn.Module) -> list:
     return [c for c in get_model_conversion_mapping(model, add_legacy=True) if isinstance(c, WeightRenaming)]
 
 
-def _renamed(model: nn.Module, entries: dict[str, _Entry]) -> dict[str, _Entry]:
+def renamed(model: nn.Module, entries: dict[str, Entry]) -> dict[str, Entry]:
     """The file's tensors by the model's names (each still knows its name in the file)."""
     renamings, out = _renamings(model), {}
     for key, e in entries.items():
@@ -38,7 +38,7 @@ def _renamed(model: nn.Module, entries: dict[str, _Entry]) -> dict[str, _Entry]:
     return out
 
 
-def _reverted(model: nn.Module, names: list[tuple[str, str]], meta: dict[str, torch.Tensor]
+def reverted(model: nn.Module, names: list[tuple[str, str]], meta: dict[str, torch.Tensor]
               ) -> tuple[list[tuple[str, str]], dict[str, torch.Tensor]]:
     """The names transformers' ``save_pretrained`` writes (its renamings reverted, in its order)."""
     try:
@@ -57,7 +57,7 @@ def _reverted(model: nn.Module, names: list[tuple[str, str]], meta: dict[str, to
     return [(n, src_of[by_id[id(t)]]) for n, t in out.items()], out
 
 
-def _aliases(model: nn.Module) -> dict[str, list[str]]:
+def param_aliases(model: nn.Module) -> dict[str, list[str]]:
     """Every name of each parameter, keyed by its first (the plan's) name."""
     first: dict[int, str] = {}
     out: dict[str, list[str]] = {}
@@ -66,7 +66,7 @@ def _aliases(model: nn.Module) -> dict[str, list[str]]:
     return out
 
 
-def _persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     """``state_dict`` names of the persistent buffers, in ``state_dict`` order (the first name of a shared one)."""
     out, seen = {}, set()
     for mname, mod in model.named_modules(remove_duplicate=False):
@@ -77,12 +77,12 @@ def _persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _saved_names(model: nn.Module) -> list[tuple[str, str]]:
+def saved_names(model: nn.Module) -> list[tuple[str, str]]:
     """``(name in the file, plan name or buffer name)`` in ``state_dict`` order, one name per tensor:
     of tied names transformers drops those its tied-weight keys match (as ``save_pretrained`` does)."""
-    aliases = _aliases(model)
+    aliases = param_aliases(model)
     first = {n: f for f, names in aliases.items() for n in names}
-    buffers = _persistent_buffers(model)
+    buffers = persistent_buffers(model)
     order = []
     for mname, mod in model.named_modules(remove_duplicate=False):
         for k, t in list(mod._parameters.items()) + [(k, b) for k, b in mod._buffers.items()

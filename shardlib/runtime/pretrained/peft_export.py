@@ -8,7 +8,7 @@ names, metadata ``{"format": "pt"}``) and its ``README.md`` model card. Which te
 PEFT's choice: ``get_peft_model_state_dict`` is asked on a state dict of shapes only (meta tensors,
 no values: the ranks' placeholders are never read), and only what it picks — the adapters, never
 the base weights — is assembled on rank 0, one parameter at a time from the ranks' boxes
-(``pretrained._Sender``), then handed to ``PeftModel.save_pretrained(dir, state_dict=...)``.
+(``pretrained.save.Sender``), then handed to ``PeftModel.save_pretrained(dir, state_dict=...)``.
 
 **Merged.** ``W + scaling · (B @ A)`` per adapted ``Linear`` (transposed where ``fan_in_fan_out``:
 GPT-2's ``Conv1D``), computed as PEFT's ``merge`` does, for every active adapter not merged
@@ -41,12 +41,12 @@ from torch import nn
 
 from ...algebra.boxes import Box
 from ...planner.peft import is_adapter, is_peft
-from ..checkpoint.core import _gather, _one
-from ..checkpoint.pieces import _block, _Piece, quant_shard
+from ..checkpoint.core import from_rank_zero, gather_objects
+from ..checkpoint.pieces import Piece, quant_shard, tensor_block
 from ..checkpoint.files import CheckpointError
-from .names import _aliases, _persistent_buffers, _reverted, _saved_names
-from .files import CONFIG, INDEX, SAFE, _cannot, _header_bytes, _Out, _tidy
-from .save import _Sender
+from .names import param_aliases, persistent_buffers, reverted, saved_names
+from .files import CONFIG, INDEX, SAFE, OutFile, header_bytes, tidy, write_refused
+from .save import Sender
 
 if TYPE_CHECKING:
     from ..engine import Engine
@@ -56,8 +56,8 @@ _SAVEABLE = (torch.float32, torch.float16, torch.bfloat16)
 _AGAIN = "Save into another folder, or remove it first."
 
 
-class FloatSender(_Sender):
-    """``_Sender`` (full fp32 parameters on rank 0, one at a time, box by box) that also sends quantized
+class FloatSender(Sender):
+    """``Sender`` (full fp32 parameters on rank 0, one at a time, box by box) that also sends quantized
     weights: each rank holding one dequantizes its tensor shard (under ZeRO-3 rebuilt from the data
     group's pieces of its packed bytes first, ``checkpoint.quant_shard``), and the shards' boxes go to
     rank 0 as floats — one weight's shards at a time."""
@@ -68,9 +68,9 @@ class FloatSender(_Sender):
         self.quant_owner: dict[str, list[tuple[int, Box]]] = {}
         mine = {}
         for n, st in self.quant.items():
-            _, (_, start) = _block(engine, st)
+            _, (_, start) = tensor_block(engine, st)
             mine[n] = (start, tuple(st.plan.shape))
-        for r, got in enumerate(_gather(engine, mine)):
+        for r, got in enumerate(gather_objects(engine, mine)):
             for n, b in got.items():
                 have = self.quant_owner.setdefault(n, [])
                 if math.prod(b[1]) and all(b != x for _, x in have):
@@ -84,8 +84,8 @@ class FloatSender(_Sender):
         st = self.quant.get(name)
         if st is not None:
             f = quant_shard(self.engine, st)[0].dequantize().to(torch.float32).contiguous()
-            shape, block = _block(self.engine, st)
-            self.mine[name] = _Piece(f"param/{name}", shape, block, tuple(st.plan.shape), 0, f.numel(), f.view(-1))
+            shape, block = tensor_block(self.engine, st)
+            self.mine[name] = Piece(f"param/{name}", shape, block, tuple(st.plan.shape), 0, f.numel(), f.view(-1))
         self.owner[name] = self.quant_owner[name]
         try:
             return super().full(name)
@@ -124,7 +124,7 @@ def save_peft(engine: Engine, path: str | os.PathLike, *, merged: bool, max_shar
                               "float16. Pass dtype=torch.bfloat16 (or torch.float32).")
     path = Path(path).absolute()
     layers = _lora_layers(model) if merged else {}          # refuses what cannot merge, on every rank
-    problems = _one(engine, _folder_problems(model, path, merged) if engine.mesh.rank == 0 else None)
+    problems = from_rank_zero(engine, _folder_problems(model, path, merged) if engine.mesh.rank == 0 else None)
     if problems:
         raise CheckpointError(problems, api="save_pretrained")
     if merged:
@@ -199,9 +199,9 @@ def _adapter_names(engine: Engine) -> list[str]:
     model = engine.model
     shapes = {p.name: tuple(p.shape) for p in engine.global_plan.params}
     meta = {n: torch.empty(shapes[first], device="meta")
-            for first, names in _aliases(model).items() for n in names}
+            for first, names in param_aliases(model).items() for n in names}
     meta.update({n: torch.empty(b.shape, dtype=b.dtype, device="meta")
-                 for n, b in _persistent_buffers(model).items()})
+                 for n, b in persistent_buffers(model).items()})
     name_of = {id(t): n for n, t in meta.items()}
     out: list[str] = []
     for adapter in model.peft_config:
@@ -212,10 +212,10 @@ def _adapter_names(engine: Engine) -> list[str]:
 
 def _save_adapters(engine: Engine, path: Path, dtype: torch.dtype) -> Path:
     model, rank0 = engine.model, engine.mesh.rank == 0
-    first = {n: f for f, names in _aliases(model).items() for n in names}
-    buffers = _persistent_buffers(model)
+    first = {n: f for f, names in param_aliases(model).items() for n in names}
+    buffers = persistent_buffers(model)
     # the base never leaves its ranks: only trainable pieces are read (a frozen adapter, if any, needs them all)
-    sender = _Sender(engine, frozen=not all(s.trainable for s in engine.states if is_adapter(s.name)))
+    sender = Sender(engine, frozen=not all(s.trainable for s in engine.states if is_adapter(s.name)))
     full = {}
     for n in _adapter_names(engine):
         t = sender.full(first[n]) if n in first else buffers[n]
@@ -226,8 +226,8 @@ def _save_adapters(engine: Engine, path: Path, dtype: torch.dtype) -> Path:
         try:
             model.save_pretrained(str(path), state_dict=full)
         except OSError as e:
-            failed = _cannot(path, e)
-    failed = _one(engine, failed)
+            failed = write_refused(path, e)
+    failed = from_rank_zero(engine, failed)
     if failed:
         raise CheckpointError(failed)
     return path
@@ -273,7 +273,7 @@ def _merged_names(base: nn.Module, layers: dict) -> list[tuple[str, str]]:
     """``(name in the file, base-model name)`` of the merged folder's tensors: an adapted layer's
     ``base_layer`` under the layer's own name, its adapters left out."""
     out = []
-    for fname, src in _saved_names(base):
+    for fname, src in saved_names(base):
         owner = next((m for m in layers if src.startswith(f"{m}.")), None)
         if owner is None:
             out.append((fname, src))
@@ -289,15 +289,15 @@ def _save_merged(engine: Engine, path: Path, layers: dict, max_shard_size: int |
     model, rank0 = engine.model, engine.mesh.rank == 0
     base = model.get_base_model()
     prefix = next(n for n, m in model.named_modules() if m is base) + "."
-    first = {n: f for f, names in _aliases(model).items() for n in names}
+    first = {n: f for f, names in param_aliases(model).items() for n in names}
     shapes = {p.name: tuple(p.shape) for p in engine.global_plan.params}
-    buffers = _persistent_buffers(base)
+    buffers = persistent_buffers(base)
     names = _merged_names(base, layers)
     kinds = {src: (shapes[first[prefix + src]], dtype) if prefix + src in first else
              (tuple(buffers[src].shape), dtype if buffers[src].is_floating_point() else buffers[src].dtype)
              for _, src in names}
     meta = {n: torch.empty(kinds[src][0], dtype=kinds[src][1], device="meta") for n, src in names}
-    names, meta = _reverted(base, names, meta)
+    names, meta = reverted(base, names, meta)
     size = parse_size_to_int(max_shard_size) if isinstance(max_shard_size, str) else int(max_shard_size)
     split = split_torch_state_dict_into_shards(meta, filename_pattern="model{suffix}.safetensors",
                                                max_shard_size=size)
@@ -313,15 +313,15 @@ def _save_merged(engine: Engine, path: Path, layers: dict, max_shard_size: int |
                 if callable(can) and can() and getattr(base, "generation_config", None) is not None:
                     base.generation_config.save_pretrained(path)
         except OSError as e:
-            failed = _cannot(path, e)
-    failed = _one(engine, failed)
+            failed = write_refused(path, e)
+    failed = from_rank_zero(engine, failed)
     if failed:
         raise CheckpointError(failed)
     merged_of = {f"{m}.base_layer.weight": m for m in layers}
     sender, src_of = FloatSender(engine), dict(names)
     for fname, tensors in split.filename_to_tensors.items():
-        head, offsets = _header_bytes([(n, kinds[src_of[n]][1], kinds[src_of[n]][0]) for n in tensors])
-        out = _Out(path / f".{fname}.tmp-{uuid.uuid4().hex[:8]}", head) if rank0 and failed is None else None
+        head, offsets = header_bytes([(n, kinds[src_of[n]][1], kinds[src_of[n]][0]) for n in tensors])
+        out = OutFile(path / f".{fname}.tmp-{uuid.uuid4().hex[:8]}", head) if rank0 and failed is None else None
         for n in sorted(tensors, key=lambda n: offsets[n]):
             src = src_of[n]
             if src in merged_of:
@@ -336,10 +336,10 @@ def _save_merged(engine: Engine, path: Path, layers: dict, max_shard_size: int |
             failed = out.install(path / fname)
     if rank0 and failed is None:
         try:
-            _tidy(path, split, sum(math.prod(kinds[src][0]) for _, src in names if src not in buffers), hf)
+            tidy(path, split, sum(math.prod(kinds[src][0]) for _, src in names if src not in buffers), hf)
         except OSError as e:
-            failed = _cannot(path, e)
-    failed = _one(engine, failed)
+            failed = write_refused(path, e)
+    failed = from_rank_zero(engine, failed)
     if failed:
         raise CheckpointError(failed)
     return path

@@ -23,17 +23,17 @@ import torch
 import torch.distributed as dist
 
 from ...algebra.boxes import Box, slices_in
-from ..checkpoint.core import _gather, _one
+from ..checkpoint.core import from_rank_zero, gather_objects
 from ..checkpoint.files import CheckpointError
-from ..checkpoint.pieces import _pieces
-from .files import _cannot, _header_bytes, _Out, _tidy
-from .names import _persistent_buffers, _reverted, _saved_names
+from ..checkpoint.pieces import rank_pieces
+from .files import OutFile, header_bytes, tidy, write_refused
+from .names import persistent_buffers, reverted, saved_names
 
 if TYPE_CHECKING:
     from ..engine import Engine
 
 
-def _whole(box: Box) -> tuple[slice, ...]:
+def whole_index(box: Box) -> tuple[slice, ...]:
     """Index of ``box`` in the whole tensor."""
     return slices_in(box, ((0,) * len(box[0]), box[1]))
 
@@ -50,14 +50,14 @@ def save_pretrained(engine: Engine, path: str | os.PathLike, *, max_shard_size: 
         raise CheckpointError(f"save_pretrained: dtype {dtype} — expected torch.float32, float16 or bfloat16.")
     path = Path(path).absolute()
     model, gplan = engine.model, engine.global_plan
-    names = _saved_names(model)
+    names = saved_names(model)
     shapes = {p.name: tuple(p.shape) for p in gplan.params}
-    buffers = _persistent_buffers(model)
+    buffers = persistent_buffers(model)
     kinds = {src: (shapes[src], dtype) if src in shapes else
              (tuple(buffers[src].shape), dtype if buffers[src].is_floating_point() else buffers[src].dtype)
              for _, src in names}
     meta = {n: torch.empty(kinds[src][0], dtype=kinds[src][1], device="meta") for n, src in names}
-    names, meta = _reverted(model, names, meta)
+    names, meta = reverted(model, names, meta)
     split = split_torch_state_dict_into_shards(meta, filename_pattern="model{suffix}.safetensors",
                                                max_shard_size=parse_size_to_int(max_shard_size)
                                                if isinstance(max_shard_size, str) else int(max_shard_size))
@@ -78,15 +78,15 @@ def save_pretrained(engine: Engine, path: str | os.PathLike, *, max_shard_size: 
                     model.generation_config.save_pretrained(path)
         except OSError as e:
             problem = f"save_pretrained: cannot write {path} ({e.strerror}) — expected a writable folder."
-    problem = _gather(engine, problem)[0]
+    problem = gather_objects(engine, problem)[0]
     if problem:
         raise CheckpointError(problem)
-    sender, src_of = _Sender(engine), dict(names)
+    sender, src_of = Sender(engine), dict(names)
     failed: str | None = None        # rank 0's write failure: it goes on receiving so every send matches
     for fname, tensors in split.filename_to_tensors.items():
-        head, offsets = _header_bytes([(n, kinds[src_of[n]][1], kinds[src_of[n]][0]) for n in tensors])
+        head, offsets = header_bytes([(n, kinds[src_of[n]][1], kinds[src_of[n]][0]) for n in tensors])
         tmp = path / f".{fname}.tmp-{uuid.uuid4().hex[:8]}"
-        out = _Out(tmp, head) if rank0 and failed is None else None
+        out = OutFile(tmp, head) if rank0 and failed is None else None
         for n in sorted(tensors, key=lambda n: offsets[n]):
             src = src_of[n]
             t = sender.full(src) if src in shapes else buffers[src]
@@ -98,16 +98,16 @@ def save_pretrained(engine: Engine, path: str | os.PathLike, *, max_shard_size: 
             failed = out.install(path / fname)
     if rank0 and failed is None:
         try:
-            _tidy(path, split, sum(p.numel for p in gplan.params), hf)
+            tidy(path, split, sum(p.numel for p in gplan.params), hf)
         except OSError as e:
-            failed = _cannot(path, e)
-    failed = _one(engine, failed)          # every rank learns rank 0's verdict (and waits for the files)
+            failed = write_refused(path, e)
+    failed = from_rank_zero(engine, failed)          # every rank learns rank 0's verdict (and waits for the files)
     if failed:
         raise CheckpointError(failed)
     return path
 
 
-class _Sender:
+class Sender:
     """Full parameters on rank 0, one at a time: every rank tells once which boxes it holds; each box of
     each tensor is sent by the lowest rank holding it (replicas send nothing), point to point."""
 
@@ -115,11 +115,11 @@ class _Sender:
         """``frozen=False``: trainable parameters only (a PEFT adapter's save never reads the base)."""
         self.engine = engine
         self.shapes = {p.name: tuple(p.shape) for p in engine.global_plan.params}
-        pieces, _ = _pieces(engine, frozen=frozen)
+        pieces, _ = rank_pieces(engine, frozen=frozen)
         self.mine = {p.key[len("param/"):]: p for p in pieces if p.key.startswith("param/")}
         held = {k: [b for b, _ in p.boxes] for k, p in self.mine.items()}
         self.owner: dict[str, list[tuple[int, Box]]] = {}
-        for r, got in enumerate(_gather(engine, held)):
+        for r, got in enumerate(gather_objects(engine, held)):
             for k, boxes in got.items():
                 have = self.owner.setdefault(k, [])
                 for b in boxes:
@@ -135,7 +135,7 @@ class _Sender:
         local = {b: off for b, off in self.mine[name].boxes} if name in self.mine else {}
         for r, box in self.owner.get(name, []):
             if r == me == 0:
-                out[_whole(box)] = self.mine[name].box_tensor(box, local[box])
+                out[whole_index(box)] = self.mine[name].box_tensor(box, local[box])
             elif me == 0:
                 buf = torch.empty(box[1], dtype=torch.float32)
                 recvs.append((dist.irecv(buf, src=r), box, buf))
@@ -143,7 +143,7 @@ class _Sender:
                 sends.append(dist.isend(self.mine[name].box_tensor(box, local[box]).contiguous(), dst=0))
         for w, box, buf in recvs:
             w.wait()
-            out[_whole(box)] = buf
+            out[whole_index(box)] = buf
         for w in sends:
             w.wait()
         return out
