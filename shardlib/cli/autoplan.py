@@ -18,15 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shlex
 import sys
 import time
 from dataclasses import replace
 
 from ..errors import ShardingError
-from ..planner.autoplan import (Costs, Machine, ModelShape, Priced, candidate_words, describe, lcm_batch,
-                                near_counts, overrides, search, shapes, smallest_memory, tiebreak)
+from ..planner.autoplan import (Costs, Machine, ModelShape, Priced, describe, plan_search, overrides, tiebreak)
 from ..validate import positive_int
 
 
@@ -184,25 +182,7 @@ def autoplan(*, model: str = "1b", devices: int, mesh: str = "h100_64", batch: i
     else:
         shape, probe = model_shape(run.model.gpt(), run.seq, dtype), block_probe(run.model.gpt(), run.seq, precision)
     costs = Costs(shape, machine, batch=run.train.batch, precision=precision, block_fn=probe)
-    usable = [s for s in shapes(devices, shape) if run.train.batch % s[0] == 0]
-    if not list(shapes(devices, shape)):
-        raise ShardingError(f"autoplan: no mesh of {devices} devices suits model={model}: the tensor degree must "
-                            f"divide its {shape.heads} heads (at most 8, one node), the pipe degree its {shape.layers} "
-                            f"layers — expected a device count such as {near_counts(devices, shape)}.", api="autoplan")
-    if not usable:
-        datas = sorted({s[0] for s in shapes(devices, shape)})
-        raise ShardingError(f"autoplan: the global batch {run.train.batch} does not split over any data degree "
-                            f"these {devices} devices allow ({', '.join(map(str, datas))}) — expected a batch "
-                            f"divisible by one of them, e.g. train.batch={lcm_batch(run.train.batch, datas)}.",
-                            api="autoplan")
-    keep = keep or max(2 * top, 8)
-    best, priced = search(costs, devices, keep=keep, prune=prune)
-    if not best:
-        need = smallest_memory(costs, devices)
-        raise ShardingError(f"autoplan: nothing fits {machine.memory / 2**30:.0f} GiB per device — the most frugal "
-                            f"plan needs {need[0] / 2**30:.1f} GiB ({candidate_words(need[1])}). Use more devices, a "
-                            f"machine with at least {math.ceil(need[0] / 2**30)} GiB, or a smaller global batch.",
-                            api="autoplan")
+    best, priced = plan_search(costs, devices, keep=keep or max(2 * top, 8), prune=prune, model=model)
     results = []
     for got in best:
         if verify and len(results) >= top:

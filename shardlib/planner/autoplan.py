@@ -408,6 +408,35 @@ def search(costs: Costs, n: int, *, keep: int = 8, prune: bool = True, hsdp: boo
     return best, priced
 
 
+
+def plan_search(costs: Costs, n: int, *, keep: int = 8, prune: bool = True, model: str = "the model"
+                ) -> tuple[list[Priced], int]:
+    """``search`` of ``costs``'s model on ``n`` devices, refusing by name what cannot be searched: no mesh of
+    ``n`` devices suits the model (its heads and layers), the global batch splits over no data degree, or
+    nothing fits the machine's memory. Pure: the planner's half of ``sl.autoplan`` (the Hydra half, which
+    composes the config and names overrides, is ``cli/autoplan.py``)."""
+    shape, batch, machine = costs.m, costs.batch, costs.mc
+    every = list(shapes(n, shape))
+    if not every:
+        raise ShardingError(f"autoplan: no mesh of {n} devices suits model={model}: the tensor degree must "
+                            f"divide its {shape.heads} heads (at most 8, one node), the pipe degree its {shape.layers} "
+                            f"layers — expected a device count such as {near_counts(n, shape)}.", api="autoplan")
+    if not [s for s in every if batch % s[0] == 0]:
+        datas = sorted({s[0] for s in every})
+        raise ShardingError(f"autoplan: the global batch {batch} does not split over any data degree "
+                            f"these {n} devices allow ({', '.join(map(str, datas))}) — expected a batch "
+                            f"divisible by one of them, e.g. train.batch={lcm_batch(batch, datas)}.",
+                            api="autoplan")
+    best, priced = search(costs, n, keep=keep, prune=prune)
+    if not best:
+        need = smallest_memory(costs, n)
+        raise ShardingError(f"autoplan: nothing fits {machine.memory / 2**30:.0f} GiB per device — the most frugal "
+                            f"plan needs {need[0] / 2**30:.1f} GiB ({candidate_words(need[1])}). Use more devices, a "
+                            f"machine with at least {math.ceil(need[0] / 2**30)} GiB, or a smaller global batch.",
+                            api="autoplan")
+    return best, priced
+
+
 def tiebreak(k: Candidate) -> tuple:
     """Equal predicted steps: the simpler plan first (less sharding, no offload, no recompute)."""
     return (k.offload, RECOMPUTE.index(k.recompute), k.zero, k.replica, k.sp, k.pipe, k.virtual, k.microbatches)

@@ -1,4 +1,4 @@
-"""Printing a ``Plan``: ``explain()``. Mixed into ``Plan``.
+"""Printing a ``Plan``: ``explain(plan)``, a function of the plan beside it (``Plan.explain`` calls it).
 
 A large plan reads in one screen: what repeats is printed once with a count. Names are grouped
 by their pattern, each number between dots a wildcard (``blocks.17.attn.qkv.weight`` ->
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import re
 import textwrap
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,270 +20,221 @@ from ..algebra.spec import Fused
 from ..comm.core import format_bytes
 
 if TYPE_CHECKING:
-    from ..algebra.layout import Layout
-    from ..algebra.mesh import AbstractMesh
-    from .pipeline import PipelinePlan
-    from .plan import ParamPlan, UnitPlan
-    from .states import StateLayouts
-    from .tensor import TensorPlan
-    from .traffic import CommEntry
+    from .plan import Plan
 
 WIDTH = 150          # lines are wrapped at this width (a parameter name longer than a line is kept whole)
 MAX_GROUPS = 24      # collective groups printed by default (the totals count every collective)
 _DIGITS = re.compile(r"(?<![^.\s])\d+(?![^.\s])")    # a number between dots or spaces: blocks.12, bucket 3
 
 
-class Explain:
-    """A ``Plan`` in words (mixed in). Inputs from the host: the plan's data (mesh and axes, precision,
-    accumulation and clipping, state layouts, batch, parameters, units, tensor and pipe axes, memory
-    kinds); what ``Plan`` derives from it; and every number it prints, from ``MemoryAccounting`` and
-    ``TrafficAccounting`` (as ``Plan`` overrides them for a split plan)."""
+def explain(plan: Plan, max_params: int | None = None, *, full: bool = False) -> str:
+    """The plan in words: state layouts, the tensor and pipe axes (stages, schedule, idle
+    fraction, point-to-point bytes, activations per stage: ``pipeline_report.py``), units, a row
+    per parameter, model states per rank (with the ZeRO formula), ZeRO-3's gather schedule, the
+    collectives of a step and their total against the ring minimum. By default repeated
+    parameters, units and collectives are grouped (at most ``max_params`` rows of parameters, 40
+    unless given); ``full=True`` lists each of them (every parameter unless ``max_params`` is
+    given)."""
+    if max_params is None:
+        max_params = len(plan.params) if full else 40
+    n = plan.data_size
+    stage = f"ZeRO-{plan.zero}" if plan.zero else ("data parallel" if plan.zero == 0 else "custom")
+    hsdp = (f", replicated over {plan.replica_axis!r} (R={plan.replica_size}, HSDP)"
+            if plan.replica_axis is not None else "")
+    lines = [f"Plan: {stage} over {plan.data_axis!r} (N={n}){hsdp} on mesh {plan.mesh.axis_sizes}; "
+             f"{plan.precision} compute, {str(plan.reduce_dtype).replace('torch.', '')} reduction, "
+             f"grad_accum={plan.grad_accum}, clip={plan.clip_grad_norm}",
+             f"  states: params at rest {_spec(plan.states.params)}, grads {_spec(plan.states.grads)}, "
+             f"optimizer {_spec(plan.states.optim)}, local grads "
+             f"{'kept' if plan.states.keep_local_grads else 'freed after reduction'}",
+             f"  batch: {plan.batch.spec} (dim 0 over {' x '.join(repr(a) for a in plan.dp_axes)})"]
+    if plan.tensor is not None:
+        lines += _tensor_lines(plan, full)
+    if plan.pipeline is not None:
+        from .pipeline_report import pipeline_lines
+        lines += pipeline_lines(plan, full)
+    lines += _frozen_lines(plan, full)
+    lines += _wrap("units: " + ", ".join(_unit_words(plan, full))
+                   + ("   (* = recomputed in backward)" if any(u.recompute for u in plan.units) else "")
+                   + ("   (s = attention's core recomputed in backward)" if any(u.selective for u in plan.units)
+                      else ""),
+                   "  ", "    ")
+    lines += ["", *_param_table(plan, max_params, full)]
+    mem, formula = plan.memory_per_rank(kind="all"), plan.zero_formula()
+    lines += ["", f"  model states per rank (Ψ = {plan.num_params:,} parameters):"]
+    for k in ("params", "grads", "optimizer", "total"):
+        lines.append(f"    {k:<10} {format_bytes(mem[k]):>10}   (ZeRO formula {format_bytes(formula[k])})")
+    lines += _offload_lines(plan)
+    pk = plan.peak_per_rank()
+    lines.append(f"    peak       {format_bytes(pk['peak']):>10}   (states + largest transient "
+                 f"{format_bytes(pk['transient'])}, at the {max(('build', 'backward', 'update', 'publish'), key=pk.get)}; "
+                 "+ activations: peak_per_rank(activation_bytes=...))")
+    if plan.states.params is not None:
+        lines.append(f"    gathered   {format_bytes(plan.transient_per_rank()['gathered']):>10}   "
+                     "(transient peak of gathered units and gather buffers, in this order:)")
+        schedule = plan.gather_schedule()
+        lines += _wrap(" ".join(schedule if full else _fold(schedule)), "      ", "      ")
+    lines += ["", "  collectives per step (bytes sent per rank):"]
+    entries = plan.comm_per_step()
+    rows = [str(e) for e in entries] if full else _comm_rows(entries)
+    if len(rows) > MAX_GROUPS and not full:
+        rows = rows[:MAX_GROUPS] + [f"... and {len(rows) - MAX_GROUPS} more kinds (explain(full=True) lists "
+                                    "every collective)"]
+    lines += [f"    {r}" for r in rows] or ["    none (one rank)"]
+    lines.append(f"    total {format_bytes(plan.comm_bytes_per_step())}; params+grads "
+                 f"{format_bytes(plan.comm_bytes_per_step('params') + plan.comm_bytes_per_step('grads'))} "
+                 f"vs ring minimum {format_bytes(plan.ring_minimum())}")
+    return "\n".join(lines)
 
-    # the plan's data (its fields)
-    mesh: AbstractMesh
-    data_axis: str
-    replica_axis: str | None
-    precision: str
-    reduce_dtype: torch.dtype
-    grad_accum: int
-    clip_grad_norm: float | None
-    states: StateLayouts
-    batch: Layout
-    params: tuple[ParamPlan, ...]
-    units: tuple[UnitPlan, ...]
-    tensor: TensorPlan | None
-    pipeline: PipelinePlan | None
-    offload: tuple[tuple[str, str], ...]
-    offload_dir: str | None
-    # derived by Plan
-    zero: int | None
-    compute_dtype: torch.dtype
-    data_size: int
-    replica_size: int
-    dp_axes: tuple[str, ...]
-    num_params: int
-    tensor_coord: Callable[..., int]
-    activation_entries: Callable[..., tuple[CommEntry, ...]]
-    disk_bytes: Callable[[], int]
-    # the accounting (MemoryAccounting, TrafficAccounting)
-    memory_per_rank: Callable[..., dict[str, int]]
-    zero_formula: Callable[..., dict[str, float]]
-    peak_per_rank: Callable[..., dict[str, int]]
-    transient_per_rank: Callable[..., dict[str, int]]
-    gather_schedule: Callable[..., tuple[str, ...]]
-    comm_per_step: Callable[..., list[CommEntry]]
-    comm_bytes_per_step: Callable[..., int]
-    copy_bytes_per_step: Callable[..., dict[str, int]]
-    ring_minimum: Callable[..., int]
-
-    def explain(self, max_params: int | None = None, *, full: bool = False) -> str:
-        """The plan in words: state layouts, the tensor and pipe axes (stages, schedule, idle
-        fraction, point-to-point bytes, activations per stage: ``pipeline_report.py``), units, a row
-        per parameter, model states per rank (with the ZeRO formula), ZeRO-3's gather schedule, the
-        collectives of a step and their total against the ring minimum. By default repeated
-        parameters, units and collectives are grouped (at most ``max_params`` rows of parameters, 40
-        unless given); ``full=True`` lists each of them (every parameter unless ``max_params`` is
-        given)."""
-        if max_params is None:
-            max_params = len(self.params) if full else 40
-        n = self.data_size
-        stage = f"ZeRO-{self.zero}" if self.zero else ("data parallel" if self.zero == 0 else "custom")
-        hsdp = (f", replicated over {self.replica_axis!r} (R={self.replica_size}, HSDP)"
-                if self.replica_axis is not None else "")
-        lines = [f"Plan: {stage} over {self.data_axis!r} (N={n}){hsdp} on mesh {self.mesh.axis_sizes}; "
-                 f"{self.precision} compute, {str(self.reduce_dtype).replace('torch.', '')} reduction, "
-                 f"grad_accum={self.grad_accum}, clip={self.clip_grad_norm}",
-                 f"  states: params at rest {_spec(self.states.params)}, grads {_spec(self.states.grads)}, "
-                 f"optimizer {_spec(self.states.optim)}, local grads "
-                 f"{'kept' if self.states.keep_local_grads else 'freed after reduction'}",
-                 f"  batch: {self.batch.spec} (dim 0 over {' x '.join(repr(a) for a in self.dp_axes)})"]
-        if self.tensor is not None:
-            lines += self._tensor_lines(full)
-        if self.pipeline is not None:
-            from .pipeline_report import pipeline_lines
-            lines += pipeline_lines(self, full)
-        lines += self._frozen_lines(full)
-        lines += _wrap("units: " + ", ".join(self._unit_words(full))
-                       + ("   (* = recomputed in backward)" if any(u.recompute for u in self.units) else "")
-                       + ("   (s = attention's core recomputed in backward)" if any(u.selective for u in self.units)
-                          else ""),
-                       "  ", "    ")
-        lines += ["", *self._param_table(max_params, full)]
-        mem, formula = self.memory_per_rank(kind="all"), self.zero_formula()
-        lines += ["", f"  model states per rank (Ψ = {self.num_params:,} parameters):"]
-        for k in ("params", "grads", "optimizer", "total"):
-            lines.append(f"    {k:<10} {format_bytes(mem[k]):>10}   (ZeRO formula {format_bytes(formula[k])})")
-        lines += self._offload_lines()
-        pk = self.peak_per_rank()
-        lines.append(f"    peak       {format_bytes(pk['peak']):>10}   (states + largest transient "
-                     f"{format_bytes(pk['transient'])}, at the {max(('build', 'backward', 'update', 'publish'), key=pk.get)}; "
-                     "+ activations: peak_per_rank(activation_bytes=...))")
-        if self.states.params is not None:
-            lines.append(f"    gathered   {format_bytes(self.transient_per_rank()['gathered']):>10}   "
-                         "(transient peak of gathered units and gather buffers, in this order:)")
-            schedule = self.gather_schedule()
-            lines += _wrap(" ".join(schedule if full else _fold(schedule)), "      ", "      ")
-        lines += ["", "  collectives per step (bytes sent per rank):"]
-        entries = self.comm_per_step()
-        rows = [str(e) for e in entries] if full else _comm_rows(entries)
-        if len(rows) > MAX_GROUPS and not full:
-            rows = rows[:MAX_GROUPS] + [f"... and {len(rows) - MAX_GROUPS} more kinds (explain(full=True) lists "
-                                        "every collective)"]
-        lines += [f"    {r}" for r in rows] or ["    none (one rank)"]
-        lines.append(f"    total {format_bytes(self.comm_bytes_per_step())}; params+grads "
-                     f"{format_bytes(self.comm_bytes_per_step('params') + self.comm_bytes_per_step('grads'))} "
-                     f"vs ring minimum {format_bytes(self.ring_minimum())}")
-        return "\n".join(lines)
-
-    def _tensor_lines(self, full: bool) -> list[str]:
-        """The tensor axis: split modules by kind, the residual stream's layout at the unit
-        boundaries, and the activation collectives of one micro-step per unit."""
-        tp = self.tensor
-        kinds: dict[str, list[str]] = {}
-        for site in tp.sites:
-            kinds.setdefault(site.kind, []).append(site.module)
-        words = [f"{k} {_collapse(v) if not full else ', '.join(v)} ({len(v)})" for k, v in kinds.items()]
-        d, t = self.data_axis, tp.axis
-        stream = (f"P({d!r}, {t!r}, None): batch over {d!r}, sequence over {t!r} (sequence parallel)"
-                  if tp.sequence_parallel else f"P({d!r}, None, None): replicated over {t!r}")
-        out = [f"  tensor: {t!r} (t={tp.size}), sequence_parallel={tp.sequence_parallel}"]
-        if tp.dims_from:
-            out += _wrap(f"dims from {tp.dims_from}", "    ", "      ")
-        out += _wrap("split modules: " + ("; ".join(words) or f"none (no parameter's spec names {t!r}: give sl.plan "
-                                                             "rules= or sl.shard specs)"), "    ", "      ")
-        out.append(f"    residual stream at every unit boundary: {stream}; outside the units "
-                   f"P({d!r}, None, None)")
-        if tp.partial_modules:
-            out += _wrap("partial gradients (replicated over "
-                         f"{t!r}, they meet split values; their parameters enter through f, all-reduced in backward): "
-                         + (_collapse(list(tp.partial_modules)) if not full else ", ".join(tp.partial_modules)),
-                         "    ", "      ")
-        entries = self.activation_entries()
-        if not entries:
-            out.append("    activation collectives: pass batch= to sl.plan to trace them")
-            return out
-        out.append(f"    activation collectives per micro-step (tensor coordinate {self.tensor_coord()}, bytes "
-                   "sent per rank), per unit:")
-        by_unit = _group(entries, lambda e: e.where)
-        if full:
-            rows = [f"{u[0].where}: " + ", ".join(f"{e.phase[:3]} {e.op}{'(' + e.what + ')' if e.what != 'activations' else ''}"
-                                                 f" {format_bytes(e.bytes)}" for e in u) for u in by_unit]
-        else:
-            rows = []
-            for same in _group(by_unit, lambda u: (_pattern(u[0].where),
-                                                   tuple((e.phase, e.op, e.what, e.bytes) for e in u))):
-                u = same[0]
-                words = ", ".join(f"{e.phase[:3]} {e.op}{'(' + e.what + ')' if e.what != 'activations' else ''} "
-                                  f"{format_bytes(e.bytes)}" for e in u)
-                rows.append(f"{_collapse([x[0].where for x in same])}: {words}")
-        out += [f"      {r}" for r in rows]
+def _tensor_lines(plan: Plan, full: bool) -> list[str]:
+    """The tensor axis: split modules by kind, the residual stream's layout at the unit
+    boundaries, and the activation collectives of one micro-step per unit."""
+    tp = plan.tensor
+    kinds: dict[str, list[str]] = {}
+    for site in tp.sites:
+        kinds.setdefault(site.kind, []).append(site.module)
+    words = [f"{k} {_collapse(v) if not full else ', '.join(v)} ({len(v)})" for k, v in kinds.items()]
+    d, t = plan.data_axis, tp.axis
+    stream = (f"P({d!r}, {t!r}, None): batch over {d!r}, sequence over {t!r} (sequence parallel)"
+              if tp.sequence_parallel else f"P({d!r}, None, None): replicated over {t!r}")
+    out = [f"  tensor: {t!r} (t={tp.size}), sequence_parallel={tp.sequence_parallel}"]
+    if tp.dims_from:
+        out += _wrap(f"dims from {tp.dims_from}", "    ", "      ")
+    out += _wrap("split modules: " + ("; ".join(words) or f"none (no parameter's spec names {t!r}: give sl.plan "
+                                                         "rules= or sl.shard specs)"), "    ", "      ")
+    out.append(f"    residual stream at every unit boundary: {stream}; outside the units "
+               f"P({d!r}, None, None)")
+    if tp.partial_modules:
+        out += _wrap("partial gradients (replicated over "
+                     f"{t!r}, they meet split values; their parameters enter through f, all-reduced in backward): "
+                     + (_collapse(list(tp.partial_modules)) if not full else ", ".join(tp.partial_modules)),
+                     "    ", "      ")
+    entries = plan.activation_entries()
+    if not entries:
+        out.append("    activation collectives: pass batch= to sl.plan to trace them")
         return out
+    out.append(f"    activation collectives per micro-step (tensor coordinate {plan.tensor_coord()}, bytes "
+               "sent per rank), per unit:")
+    by_unit = _group(entries, lambda e: e.where)
+    if full:
+        rows = [f"{u[0].where}: " + ", ".join(f"{e.phase[:3]} {e.op}{'(' + e.what + ')' if e.what != 'activations' else ''}"
+                                             f" {format_bytes(e.bytes)}" for e in u) for u in by_unit]
+    else:
+        rows = []
+        for same in _group(by_unit, lambda u: (_pattern(u[0].where),
+                                               tuple((e.phase, e.op, e.what, e.bytes) for e in u))):
+            u = same[0]
+            words = ", ".join(f"{e.phase[:3]} {e.op}{'(' + e.what + ')' if e.what != 'activations' else ''} "
+                              f"{format_bytes(e.bytes)}" for e in u)
+            rows.append(f"{_collapse([x[0].where for x in same])}: {words}")
+    out += [f"      {r}" for r in rows]
+    return out
 
-    def _unit_words(self, full: bool) -> list[str]:
-        """``name(params)`` per unit, ``*`` when recomputed; by default units of one name pattern,
-        parameter count and policy are one entry: ``blocks.0..999 (1000 units x 12 params)*``."""
-        def star(u) -> str:
-            return "*" if u.recompute else "s" if u.selective else ""
-        if full:
-            return [f"{u.name or '<root>'}({len(u.params)}){star(u)}" for u in self.units]
-        groups = _group(self.units, lambda u: (_pattern(u.name), len(u.params), u.recompute, u.selective,
-                                               u.reshard_after_forward))
-        words = []
-        for us in groups:
-            u = us[0]
-            if len(us) == 1:
-                words.append(f"{u.name or '<root>'}({len(u.params)}){star(u)}")
-            else:
-                words.append(f"{_collapse([v.name for v in us])} ({len(us)} units x {len(u.params)} params)"
-                             f"{star(u)}")
-        return words
-
-    def _offload_lines(self) -> list[str]:
-        """Memory kinds (``planner/offload.py``): what each kind holds of this rank's model states."""
-        if not self.offload:
-            return []
-        kinds = {k: self.memory_per_rank(kind=k) for k in ("device", "host", "disk")}
-        where = ", ".join(f"{s} -> {k}" for s, k in self.offload)
-        disk = f" (files under {self.offload_dir!r})" if self.offload_dir else ""
-        copies = self.copy_bytes_per_step()
-        moved = ", ".join(f"{op} {format_bytes(b)}" for op, b in copies.items() if b)
-        cpu = getattr(self.mesh, "device", None)
-        same = (" — on this machine (no accelerator) 'host' is the same memory as 'device': the copies run, "
-                "nothing is saved" if cpu is not None and torch.device(cpu).type == "cpu" else "")
-        return [f"    by memory kind ({where}{disk}): "
-                + ", ".join(f"{k} {format_bytes(v['total'])}" for k, v in kinds.items()),
-                f"    copies per step between kinds: {moved or 'none'}"
-                + (f"; offload_dir holds {format_bytes(self.disk_bytes())} (two generations, every rank)"
-                   if kinds["disk"]["total"] else "") + same]
-
-    def _frozen_lines(self, full: bool) -> list[str]:
-        """Frozen and quantized parameters, and each LoRA adapter's layout next to its base weight's."""
-        frozen = [p for p in self.params if not p.trainable]
-        if not frozen:
-            return []
-        quant = [p for p in frozen if p.quant is not None]
-        c = self.compute_dtype.itemsize
-        lines = [f"  frozen: {len(frozen)} parameters ({sum(p.numel for p in frozen):,} elements): no gradient, "
-                 "optimizer state or master copy"
-                 + (f"; {len(quant)} quantized ({', '.join(sorted({_quant_word(p.quant) for p in quant}))}), held "
-                    f"packed: {format_bytes(sum(p.quant.packed_bytes(p.shape) for p in quant))} for "
-                    f"{format_bytes(sum(p.numel for p in quant) * c)} in {self.precision}" if quant else "")]
-        by_name = {p.name: p for p in self.params}
-        rows: dict[tuple, list[str]] = {}
-        for p in self.params:
-            if ".lora_A." not in p.name or not p.name.endswith(".weight"):
-                continue
-            layer = p.name[:p.name.index(".lora_A.")]
-            adapter = p.name[len(layer) + len(".lora_A."):-len(".weight")]
-            base = by_name.get(f"{layer}.base_layer.weight")
-            b = by_name.get(f"{layer}.lora_B.{adapter}.weight")
-            key = (_dims(base.spec) if base is not None else "?", _dims(p.spec), _dims(b.spec) if b else "?")
-            rows.setdefault(key, []).append(layer)
-        for (base, a, b), layers in rows.items():
-            where = ", ".join(layers) if full else _collapse(layers, ranges=False)
-            lines += _wrap(f"LoRA {where}: base {base} -> lora_A {a}, lora_B {b}", "  ", "    ")
-        return lines
-
-    def _param_table(self, max_rows: int, full: bool) -> list[str]:
-        """A row per parameter (``full``) or per group of parameters of one name pattern, shape,
-        unit pattern and layouts, with their count."""
-        shorts: dict[int, str] = {}        # id(layout) -> its short form: parameters share a few layouts
-        unit_patterns = {u.name: _pattern(u.name) for u in self.units}
-
-        def short(layout) -> str:
-            s = shorts.get(id(layout))
-            if s is None:
-                s = shorts[id(layout)] = _dims(layout.spec) if self.tensor is not None else layout.short()
-            return s
-
-        def cells(p) -> tuple[str, ...]:
-            shape = str(list(p.shape)) + (f" {_quant_word(p.quant)}" if p.quant is not None else "")
-            if not p.trainable:          # no gradient, no optimizer state, no master: ``frozen``
-                return (shape, short(p.rest), short(p.compute), "frozen", "frozen")
-            return (shape, short(p.rest), short(p.compute), short(p.grad), short(p.optim))
-        if full:
-            rows = [(p.name, p.unit or "<root>", cells(p), 1) for p in self.params]
+def _unit_words(plan: Plan, full: bool) -> list[str]:
+    """``name(params)`` per unit, ``*`` when recomputed; by default units of one name pattern,
+    parameter count and policy are one entry: ``blocks.0..999 (1000 units x 12 params)*``."""
+    def star(u) -> str:
+        return "*" if u.recompute else "s" if u.selective else ""
+    if full:
+        return [f"{u.name or '<root>'}({len(u.params)}){star(u)}" for u in plan.units]
+    groups = _group(plan.units, lambda u: (_pattern(u.name), len(u.params), u.recompute, u.selective,
+                                           u.reshard_after_forward))
+    words = []
+    for us in groups:
+        u = us[0]
+        if len(us) == 1:
+            words.append(f"{u.name or '<root>'}({len(u.params)}){star(u)}")
         else:
-            groups = _group(self.params, lambda p: (_pattern(p.name), unit_patterns.get(p.unit) or _pattern(p.unit),
-                                                   cells(p)))
-            rows = [(_collapse([p.name for p in ps], ranges=False),
-                     _collapse([p.unit for p in ps], ranges=False) or "<root>", cells(ps[0]), len(ps))
-                    for ps in groups]
-        shown = rows[:max_rows]
-        w = max(32, min(64, max((len(r[0]) for r in shown), default=0)))
-        wu = max(10, min(32, max((len(r[1]) for r in shown), default=0)))
-        ws = max(14, min(32, max((len(r[2][0]) for r in shown), default=0)))
-        # the layout columns as wide as their widest cell (tensor·data,- is wider than a header)
-        wl = [max(m, *(len(r[2][k]) for r in shown)) if shown else m for k, m in enumerate((0, 6, 8, 6, 6))]
-        out = [f"  {'parameter':<{w}} {'shape':<{ws}} {'unit':<{wu}} {'rest':<{wl[1]}} {'compute':<{wl[2]}} "
-               f"{'grad':<{wl[3]}} {'optim':<{wl[4]}}" + ("" if full else " count")]
-        for name, unit, (shape, rest, compute, grad, optim), count in shown:
-            out.append(f"  {name:<{w}} {shape:<{ws}} {unit:<{wu}} {rest:<{wl[1]}} {compute:<{wl[2]}} {grad:<{wl[3]}} "
-                       f"{optim:<{wl[4]}}" + ("" if full else f" {count:>5}"))
-        if len(rows) > max_rows:
-            what = "parameters" if full else f"rows ({sum(r[3] for r in rows[max_rows:])} parameters)"
-            out.append(f"  ... and {len(rows) - max_rows} more {what}")
-        return out
+            words.append(f"{_collapse([v.name for v in us])} ({len(us)} units x {len(u.params)} params)"
+                         f"{star(u)}")
+    return words
+
+def _offload_lines(plan: Plan) -> list[str]:
+    """Memory kinds (``planner/offload.py``): what each kind holds of this rank's model states."""
+    if not plan.offload:
+        return []
+    kinds = {k: plan.memory_per_rank(kind=k) for k in ("device", "host", "disk")}
+    where = ", ".join(f"{s} -> {k}" for s, k in plan.offload)
+    disk = f" (files under {plan.offload_dir!r})" if plan.offload_dir else ""
+    copies = plan.copy_bytes_per_step()
+    moved = ", ".join(f"{op} {format_bytes(b)}" for op, b in copies.items() if b)
+    cpu = getattr(plan.mesh, "device", None)
+    same = (" — on this machine (no accelerator) 'host' is the same memory as 'device': the copies run, "
+            "nothing is saved" if cpu is not None and torch.device(cpu).type == "cpu" else "")
+    return [f"    by memory kind ({where}{disk}): "
+            + ", ".join(f"{k} {format_bytes(v['total'])}" for k, v in kinds.items()),
+            f"    copies per step between kinds: {moved or 'none'}"
+            + (f"; offload_dir holds {format_bytes(plan.disk_bytes())} (two generations, every rank)"
+               if kinds["disk"]["total"] else "") + same]
+
+def _frozen_lines(plan: Plan, full: bool) -> list[str]:
+    """Frozen and quantized parameters, and each LoRA adapter's layout next to its base weight's."""
+    frozen = [p for p in plan.params if not p.trainable]
+    if not frozen:
+        return []
+    quant = [p for p in frozen if p.quant is not None]
+    c = plan.compute_dtype.itemsize
+    lines = [f"  frozen: {len(frozen)} parameters ({sum(p.numel for p in frozen):,} elements): no gradient, "
+             "optimizer state or master copy"
+             + (f"; {len(quant)} quantized ({', '.join(sorted({_quant_word(p.quant) for p in quant}))}), held "
+                f"packed: {format_bytes(sum(p.quant.packed_bytes(p.shape) for p in quant))} for "
+                f"{format_bytes(sum(p.numel for p in quant) * c)} in {plan.precision}" if quant else "")]
+    by_name = {p.name: p for p in plan.params}
+    rows: dict[tuple, list[str]] = {}
+    for p in plan.params:
+        if ".lora_A." not in p.name or not p.name.endswith(".weight"):
+            continue
+        layer = p.name[:p.name.index(".lora_A.")]
+        adapter = p.name[len(layer) + len(".lora_A."):-len(".weight")]
+        base = by_name.get(f"{layer}.base_layer.weight")
+        b = by_name.get(f"{layer}.lora_B.{adapter}.weight")
+        key = (_dims(base.spec) if base is not None else "?", _dims(p.spec), _dims(b.spec) if b else "?")
+        rows.setdefault(key, []).append(layer)
+    for (base, a, b), layers in rows.items():
+        where = ", ".join(layers) if full else _collapse(layers, ranges=False)
+        lines += _wrap(f"LoRA {where}: base {base} -> lora_A {a}, lora_B {b}", "  ", "    ")
+    return lines
+
+def _param_table(plan: Plan, max_rows: int, full: bool) -> list[str]:
+    """A row per parameter (``full``) or per group of parameters of one name pattern, shape,
+    unit pattern and layouts, with their count."""
+    shorts: dict[int, str] = {}        # id(layout) -> its short form: parameters share a few layouts
+    unit_patterns = {u.name: _pattern(u.name) for u in plan.units}
+
+    def short(layout) -> str:
+        s = shorts.get(id(layout))
+        if s is None:
+            s = shorts[id(layout)] = _dims(layout.spec) if plan.tensor is not None else layout.short()
+        return s
+
+    def cells(p) -> tuple[str, ...]:
+        shape = str(list(p.shape)) + (f" {_quant_word(p.quant)}" if p.quant is not None else "")
+        if not p.trainable:          # no gradient, no optimizer state, no master: ``frozen``
+            return (shape, short(p.rest), short(p.compute), "frozen", "frozen")
+        return (shape, short(p.rest), short(p.compute), short(p.grad), short(p.optim))
+    if full:
+        rows = [(p.name, p.unit or "<root>", cells(p), 1) for p in plan.params]
+    else:
+        groups = _group(plan.params, lambda p: (_pattern(p.name), unit_patterns.get(p.unit) or _pattern(p.unit),
+                                               cells(p)))
+        rows = [(_collapse([p.name for p in ps], ranges=False),
+                 _collapse([p.unit for p in ps], ranges=False) or "<root>", cells(ps[0]), len(ps))
+                for ps in groups]
+    shown = rows[:max_rows]
+    w = max(32, min(64, max((len(r[0]) for r in shown), default=0)))
+    wu = max(10, min(32, max((len(r[1]) for r in shown), default=0)))
+    ws = max(14, min(32, max((len(r[2][0]) for r in shown), default=0)))
+    # the layout columns as wide as their widest cell (tensor·data,- is wider than a header)
+    wl = [max(m, *(len(r[2][k]) for r in shown)) if shown else m for k, m in enumerate((0, 6, 8, 6, 6))]
+    out = [f"  {'parameter':<{w}} {'shape':<{ws}} {'unit':<{wu}} {'rest':<{wl[1]}} {'compute':<{wl[2]}} "
+           f"{'grad':<{wl[3]}} {'optim':<{wl[4]}}" + ("" if full else " count")]
+    for name, unit, (shape, rest, compute, grad, optim), count in shown:
+        out.append(f"  {name:<{w}} {shape:<{ws}} {unit:<{wu}} {rest:<{wl[1]}} {compute:<{wl[2]}} {grad:<{wl[3]}} "
+                   f"{optim:<{wl[4]}}" + ("" if full else f" {count:>5}"))
+    if len(rows) > max_rows:
+        what = "parameters" if full else f"rows ({sum(r[3] for r in rows[max_rows:])} parameters)"
+        out.append(f"  ... and {len(rows) - max_rows} more {what}")
+    return out
 
 
 # ---- grouping ----------------------------------------------------------------------------------

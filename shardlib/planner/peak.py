@@ -64,6 +64,7 @@ from torch import nn
 
 from ..errors import ShardingError, ShardingTypeError
 from ..validate import non_negative_int
+from .memory import grad_views
 
 if TYPE_CHECKING:
     from .plan import Plan
@@ -158,7 +159,7 @@ def peak_per_rank(plan: Plan, rank: int | None = None, *, activation_bytes: int 
         reduce = max(packing, default=0) + (sum(rs_out) if st.keep_local_grads else 0)
     else:                                              # replicated: copied into bucket views
         reduce = max((p.numel for p in plan.params if p.trainable), default=0) * c
-        if not plan._grad_views:
+        if not grad_views(plan):
             reduce += plan.num_trainable * g
     gathered = plan.transient_per_rank(rank)["gathered"] if st.params is not None else 0
     backward = states + activation_bytes + gathered + reduce

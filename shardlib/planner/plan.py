@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 import math
 import weakref
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 
 import torch
@@ -41,14 +41,13 @@ from ..algebra.layout import Layout
 from ..algebra.mesh import AbstractMesh
 from ..algebra.spec import PartitionSpec
 from ..quant.layout import QuantSpec
-from .explain import Explain
+from . import explain as words
+from . import memory, peak, traffic
 from .flat import FlatLayout, flat_layout
-from .memory import MemoryAccounting
 from .states import StateLayouts
 from .pipeline import PipelinePlan
 from .tensor import TensorPlan
 from .traffic import CommEntry as CommEntry  # re-exported: part of a plan's data
-from .traffic import TrafficAccounting
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # bytes of optimizer state per parameter (fp32 state tensors)
@@ -141,8 +140,9 @@ class UnitPlan:
 
 
 @dataclass(frozen=True)
-class Plan(MemoryAccounting, TrafficAccounting, Explain):
-    """Per-parameter layouts, units, buckets, and what a step costs. Pure data."""
+class Plan:
+    """Per-parameter layouts, units, buckets, and what a step costs. Pure data; its analyses are functions
+    of it beside it (``memory.py``, ``traffic.py``, ``explain.py``), which these methods call."""
 
     mesh: AbstractMesh
     data_axis: str
@@ -308,7 +308,7 @@ class Plan(MemoryAccounting, TrafficAccounting, Explain):
     def memory_per_rank(self, rank: int | None = None, *, at: str = "rest", kind: str = "device") -> dict[str, int]:
         if self.split:
             return self.local(rank).memory_per_rank(rank, at=at, kind=kind)
-        return super().memory_per_rank(rank, at=at, kind=kind)
+        return memory.memory_per_rank(self, rank, at=at, kind=kind)
 
     def disk_bytes(self) -> int:
         """The bytes ``offload_dir`` must hold when all ranks share one machine: every rank's ``disk``
@@ -322,32 +322,71 @@ class Plan(MemoryAccounting, TrafficAccounting, Explain):
     def transient_per_rank(self, rank: int | None = None) -> dict[str, int]:
         if self.split:
             return self.local(rank).transient_per_rank(rank)
-        return super().transient_per_rank(rank)
+        return memory.transient_per_rank(self, rank)
 
     def gather_schedule(self, rank: int | None = None) -> tuple[str, ...]:
         if self.split:
             return self.local(rank).gather_schedule()
-        return super().gather_schedule()
+        return memory.gather_schedule(self)
 
-    def peak_per_rank(self, rank: int | None = None, **kwargs) -> dict[str, int]:
+    def peak_per_rank(self, rank: int | None = None, *, activation_bytes: int = 0, foreach: bool | None = None,
+                      meta_build: bool | None = None) -> dict[str, int]:
+        """The most memory ``rank`` holds at once in a step: model states + the largest transient
+        + one micro-batch's ``activation_bytes`` (estimate it with ``sl.activation_bytes(model, batch)``), by
+        the moments of a step (build, backward, update, publish): ``peak``, ``states``, ``transient``,
+        ``activations`` and each moment's total. ``meta_build``: the model is built on the meta device
+        (default: as the planned model was). The formulas: ``planner/peak.py``."""
         if self.split:
-            return self.local(rank).peak_per_rank(rank, **kwargs)
-        return super().peak_per_rank(rank, **kwargs)
+            return self.local(rank).peak_per_rank(rank, activation_bytes=activation_bytes, foreach=foreach,
+                                                  meta_build=meta_build)
+        return peak.peak_per_rank(self, rank, activation_bytes=activation_bytes, foreach=foreach,
+                                  meta_build=self.meta_build if meta_build is None else meta_build)
 
     def zero_formula(self, rank: int | None = None) -> dict[str, float]:
         if self.split:
             return self.local(rank).zero_formula()
-        return super().zero_formula()
+        return memory.zero_formula(self)
 
     def ring_minimum(self, rank: int | None = None) -> int:
         if self.split:
             return self.local(rank).ring_minimum()
-        return super().ring_minimum()
+        return traffic.ring_minimum(self)
 
     def comm_per_step(self, rank: int | None = None) -> list[CommEntry]:
         if self.split:
             return self.local(rank).comm_per_step(rank)
-        return super().comm_per_step(rank)
+        return traffic.comm_per_step(self, rank)
+
+
+    # ---- analyses (functions of the plan, beside it) -------------------------------------------------
+    def comm_setup(self) -> list[CommEntry]:
+        return traffic.comm_setup(self)
+
+    def step_buffer_sizes(self) -> tuple[tuple[torch.dtype, int], ...]:
+        return traffic.step_buffer_sizes(self)
+
+    def scalars_per_step(self) -> int:
+        return traffic.scalars_per_step(self)
+
+    def pipe_scalar_axes(self) -> tuple[str, ...]:
+        return traffic.pipe_scalar_axes(self)
+
+    @property
+    def scalars_ride_gradients(self) -> bool:
+        return traffic.scalars_ride_gradients(self)
+
+    @property
+    def pipe_unshard(self) -> bool:
+        return traffic.pipe_unshard(self)
+
+    def comm_bytes_per_step(self, what: str | None = None) -> int:
+        return traffic.comm_bytes_per_step(self, what)
+
+    def copy_bytes_per_step(self, rank: int | None = None) -> dict[str, int]:
+        return traffic.copy_bytes_per_step(self, rank)
+
+    def explain(self, max_params: int | None = None, *, full: bool = False) -> str:
+        return words.explain(self, max_params, full=full)
 
     # ---- indexes (built once, on first use; not fields: equality and repr ignore them) ----------
     @cached_property
@@ -373,11 +412,19 @@ class Plan(MemoryAccounting, TrafficAccounting, Explain):
         return sum(p.numel for p in self.params), sum(p.numel for p in self.params if p.trainable)
 
 
-def _localize(plan: Plan, rank: int, key: tuple[int, int | None]) -> Plan:
+@dataclass(frozen=True)
+class LocalPlan(Plan):
+    """What one rank holds of a split plan (``Plan.local(rank)``): its pipeline stages' parameters only, each
+    parameter's ``shape`` its shard on the rank's tensor coordinate (``full_shape`` the whole tensor's), the
+    data axis's layouts over that shard. The data-parallel engine runs it unchanged; ``local()`` of it is
+    itself."""
+
+
+def _localize(plan: Plan, rank: int, key: tuple[int, int | None]) -> LocalPlan:
     out = _localized(plan, rank, key)
     if plan.pipeline is not None and plan.pipe_size > 1 and plan.pipeline.tied:
         out = replace(out, tied_pieces=_tied_pieces(plan, rank, out if key[0] == 0 else None))
-    return out
+    return LocalPlan(**{f.name: getattr(out, f.name) for f in fields(out)})
 
 
 def _localized(plan: Plan, rank: int, key: tuple[int, int | None]) -> Plan:

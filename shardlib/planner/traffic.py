@@ -1,9 +1,8 @@
 """Traffic accounting of a ``Plan``: every collective of a step with the bytes a rank sends
-(ring model), and the ring-minimum bound. Mixed into ``Plan``."""
+(ring model), and the ring-minimum bound: functions of a plan, beside it (``Plan``'s methods call them)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import TYPE_CHECKING
@@ -16,12 +15,7 @@ from .flat import FROZEN, TRAIN
 from .offload import COPY_OPS
 
 if TYPE_CHECKING:
-    from ..algebra.mesh import AbstractMesh
-    from .flat import FlatLayout
-    from .pipeline import PipelinePlan
-    from .plan import ParamPlan, UnitPlan
-    from .states import StateLayouts
-    from .tensor import TensorPlan
+    from .plan import Plan
 
 
 @dataclass(frozen=True)
@@ -57,294 +51,251 @@ def fused_sizes(tensors) -> tuple[tuple[torch.dtype, int], ...]:
     return tuple(out.items())
 
 
-class TrafficAccounting:
-    """The collectives of a ``Plan``'s step and their bytes (mixed in). Inputs from the host: the plan's
-    mesh and axes, parameters, units, state layouts, precision, accumulation and clipping, the sizes
-    of what set-up and each step broadcast, and the tensor and pipe axes; what ``Plan`` derives from
-    them (sizes, data-parallel axes, counts, the flat groups, buckets, ``unit_params``,
-    ``activation_entries``)."""
+def comm_setup(plan: Plan) -> list[CommEntry]:
+    """The collectives run once, when the engine is built: rank 0's parameters (frozen ones too)
+    and buffers broadcast over the data axis, one fused broadcast per dtype, so every replica
+    starts from the same model (as ``DistributedDataParallel`` does). A model built on the meta
+    device is not sent: rank 0's generator state is, over the whole mesh, and every rank
+    replays rank 0's initialization from it (``runtime/materialize.py``)."""
+    # split over tensor: every rank takes rank 0's full model, then keeps its shards
+    whole = plan.meta_build or plan.tensor_size > 1
+    axes = plan.mesh.canonical_axes(plan.mesh.axis_names if whole else plan.dp_axes)
+    n = plan.mesh.axis_size(axes) if axes else 1
+    if n == 1:
+        return []
+    what = "rng state" if plan.meta_build else "model"
+    return [CommEntry("setup", what, "broadcast", axes, comm.broadcast_bytes(k, n, dt.itemsize),
+                      1, str(dt).replace("torch.", "")) for dt, k in plan.setup_sizes]
 
-    # the plan's data (its fields)
-    mesh: AbstractMesh
-    data_axis: str
-    replica_axis: str | None
-    params: tuple[ParamPlan, ...]
-    units: tuple[UnitPlan, ...]
-    states: StateLayouts
-    precision: str
-    reduce_dtype: torch.dtype
-    grad_accum: int
-    clip_grad_norm: float | None
-    broadcast_buffers: bool
-    setup_sizes: tuple[tuple[torch.dtype, int], ...]
-    buffer_sizes: tuple[tuple[torch.dtype, int], ...]
-    meta_build: bool
-    tensor: TensorPlan | None
-    pipeline: PipelinePlan | None
-    pipe_coord: int | None
-    tied_pieces: tuple[tuple[str, int], ...]
-    # derived by Plan
-    compute_dtype: torch.dtype
-    mixed: bool
-    data_size: int
-    replica_size: int
-    dp_axes: tuple[str, ...]
-    dp_size: int
-    tensor_size: int
-    pipe_size: int
-    num_trainable: int
-    flat: FlatLayout
-    buckets: Callable[[], list[list[ParamPlan]]]
-    unit_params: Callable[[str], list[ParamPlan]]
-    activation_entries: Callable[..., tuple[CommEntry, ...]]
+def step_buffer_sizes(plan: Plan) -> tuple[tuple[torch.dtype, int], ...]:
+    """``buffer_sizes`` as the buffers are while training: floating ones in the compute dtype
+    under mixed precision (the engine casts them, as ``model.to(dtype)`` does)."""
+    out: dict[torch.dtype, int] = {}
+    for dt, k in plan.buffer_sizes:
+        dt = plan.compute_dtype if plan.mixed and dt.is_floating_point else dt
+        out[dt] = out.get(dt, 0) + k
+    return tuple(out.items())
 
-    def comm_setup(self) -> list[CommEntry]:
-        """The collectives run once, when the engine is built: rank 0's parameters (frozen ones too)
-        and buffers broadcast over the data axis, one fused broadcast per dtype, so every replica
-        starts from the same model (as ``DistributedDataParallel`` does). A model built on the meta
-        device is not sent: rank 0's generator state is, over the whole mesh, and every rank
-        replays rank 0's initialization from it (``runtime/materialize.py``)."""
-        # split over tensor: every rank takes rank 0's full model, then keeps its shards
-        whole = self.meta_build or self.tensor_size > 1
-        axes = self.mesh.canonical_axes(self.mesh.axis_names if whole else self.dp_axes)
-        n = self.mesh.axis_size(axes) if axes else 1
-        if n == 1:
-            return []
-        what = "rng state" if self.meta_build else "model"
-        return [CommEntry("setup", what, "broadcast", axes, comm.broadcast_bytes(k, n, dt.itemsize),
-                          1, str(dt).replace("torch.", "")) for dt, k in self.setup_sizes]
+def scalars_per_step(plan: Plan) -> int:
+    """Floats in the one all-reduce that ends a step: the loss, (with sharded gradients) a
+    non-finite count under fp16 and a squared norm under clipping, and one flag per trainable
+    parameter saying on how many ranks it got a gradient — a parameter that got none on any
+    rank is left out of the update, as one process leaves a parameter whose ``grad`` is None
+    (the role of DDP's ``find_unused_parameters`` bitmap). Under a pipe axis see
+    ``pipe_scalar_axes``: over the whole mesh the vector holds every stage's flags, over
+    ``data`` only this stage's."""
+    if plan.pipeline is not None and plan.pipe_size > 1:
+        if plan.pipe_scalar_axes() == plan.mesh.canonical_axes(plan.mesh.axis_names):
+            return (1 + plan.pipeline.trainable + int(plan.precision == "fp16")
+                    + int(plan.clip_grad_norm is not None))
+        return 1 + sum(1 for p in plan.params if p.trainable)
+    k = 1 + sum(1 for p in plan.params if p.trainable)
+    if plan.states.grads is not None or plan.tensor_size > 1:
+        k += int(plan.precision == "fp16") + int(plan.clip_grad_norm is not None)
+    return k
 
-    def step_buffer_sizes(self) -> tuple[tuple[torch.dtype, int], ...]:
-        """``buffer_sizes`` as the buffers are while training: floating ones in the compute dtype
-        under mixed precision (the engine casts them, as ``model.to(dtype)`` does)."""
-        out: dict[torch.dtype, int] = {}
-        for dt, k in self.buffer_sizes:
-            dt = self.compute_dtype if self.mixed and dt.is_floating_point else dt
-            out[dt] = out.get(dt, 0) + k
-        return tuple(out.items())
+def pipe_scalar_axes(plan: Plan) -> tuple[str, ...]:
+    """Under a pipe axis, the mesh axes the step's scalars are summed over. The loss needs no
+    collective: each micro-batch's loss rides its output gradient back through the stages
+    (``runtime/pipeline.py``), so every rank holds its replica's losses when the schedule ends.
+    A stage's gradients decide for every stage only under fp16 (an overflow skips the step
+    everywhere) and clipping (the global norm): then the whole mesh. Otherwise ``data``, where
+    the replicas' used flags and losses add up; nothing at all when ``data`` is 1."""
+    if plan.precision == "fp16" or plan.clip_grad_norm is not None:
+        return plan.mesh.canonical_axes(plan.mesh.axis_names)
+    return plan.mesh.canonical_axes(plan.dp_axes)
 
-    def scalars_per_step(self) -> int:
-        """Floats in the one all-reduce that ends a step: the loss, (with sharded gradients) a
-        non-finite count under fp16 and a squared norm under clipping, and one flag per trainable
-        parameter saying on how many ranks it got a gradient — a parameter that got none on any
-        rank is left out of the update, as one process leaves a parameter whose ``grad`` is None
-        (the role of DDP's ``find_unused_parameters`` bitmap). Under a pipe axis see
-        ``pipe_scalar_axes``: over the whole mesh the vector holds every stage's flags, over
-        ``data`` only this stage's."""
-        if self.pipeline is not None and self.pipe_size > 1:
-            if self.pipe_scalar_axes() == self.mesh.canonical_axes(self.mesh.axis_names):
-                return (1 + self.pipeline.trainable + int(self.precision == "fp16")
-                        + int(self.clip_grad_norm is not None))
-            return 1 + sum(1 for p in self.params if p.trainable)
-        k = 1 + sum(1 for p in self.params if p.trainable)
-        if self.states.grads is not None or self.tensor_size > 1:
-            k += int(self.precision == "fp16") + int(self.clip_grad_norm is not None)
-        return k
+def scalars_ride_gradients(plan: Plan) -> bool:
+    """Whether the step's scalars travel in the last gradient bucket's all-reduce instead of an
+    all-reduce of their own (one synchronization fewer per step). They can when gradients are
+    replicated (overflow and norm are then computed locally, so nothing waits for the reduced
+    gradients; under a pipe axis: when the scalars are summed over ``data`` alone) and reduced
+    in fp32 (the loss keeps its precision). Not in a reduce-scatter: each rank would receive
+    its own row's sum, added in another order, and ranks must agree on the loss to the bit."""
+    piped = plan.pipeline is not None and plan.pipe_size > 1
+    return (plan.states.params is None and plan.states.grads is None and plan.dp_size > 1
+            and plan.reduce_dtype == torch.float32 and plan.tensor_size == 1
+            and (not piped or plan.pipe_scalar_axes() == plan.mesh.canonical_axes(plan.dp_axes)))
 
-    def pipe_scalar_axes(self) -> tuple[str, ...]:
-        """Under a pipe axis, the mesh axes the step's scalars are summed over. The loss needs no
-        collective: each micro-batch's loss rides its output gradient back through the stages
-        (``runtime/pipeline.py``), so every rank holds its replica's losses when the schedule ends.
-        A stage's gradients decide for every stage only under fp16 (an overflow skips the step
-        everywhere) and clipping (the global norm): then the whole mesh. Otherwise ``data``, where
-        the replicas' used flags and losses add up; nothing at all when ``data`` is 1."""
-        if self.precision == "fp16" or self.clip_grad_norm is not None:
-            return self.mesh.canonical_axes(self.mesh.axis_names)
-        return self.mesh.canonical_axes(self.dp_axes)
+def pipe_unshard(plan: Plan) -> bool:
+    """ZeRO-3 under a pipe axis with the ``"step"`` gather policy: each stage gathered once per
+    step (the lowered schedule's ``UNSHARD``) and reduce-scattered once (``REDUCE_GRAD``). Under
+    ``"microbatch"`` the units are gathered around every micro-batch, as without a pipeline."""
+    return plan.states.params is not None and plan.pipe_size > 1 and plan.pipeline.gather == "step"
 
-    @property
-    def scalars_ride_gradients(self) -> bool:
-        """Whether the step's scalars travel in the last gradient bucket's all-reduce instead of an
-        all-reduce of their own (one synchronization fewer per step). They can when gradients are
-        replicated (overflow and norm are then computed locally, so nothing waits for the reduced
-        gradients; under a pipe axis: when the scalars are summed over ``data`` alone) and reduced
-        in fp32 (the loss keeps its precision). Not in a reduce-scatter: each rank would receive
-        its own row's sum, added in another order, and ranks must agree on the loss to the bit."""
-        piped = self.pipeline is not None and self.pipe_size > 1
-        return (self.states.params is None and self.states.grads is None and self.dp_size > 1
-                and self.reduce_dtype == torch.float32 and self.tensor_size == 1
-                and (not piped or self.pipe_scalar_axes() == self.mesh.canonical_axes(self.dp_axes)))
-
-    @property
-    def pipe_unshard(self) -> bool:
-        """ZeRO-3 under a pipe axis with the ``"step"`` gather policy: each stage gathered once per
-        step (the lowered schedule's ``UNSHARD``) and reduce-scattered once (``REDUCE_GRAD``). Under
-        ``"microbatch"`` the units are gathered around every micro-batch, as without a pipeline."""
-        return self.states.params is not None and self.pipe_size > 1 and self.pipeline.gather == "step"
-
-    def comm_per_step(self, rank: int | None = None) -> list[CommEntry]:
-        """Every collective one ``step`` issues, with the bytes this rank sends (ring model), then the
-        copies between memory kinds where states are offloaded (``planner/offload.py``'s
-        ``copy_entries``: ops ``d2h``, ``h2d``, ``disk_read``, ``disk_write``; no axes). Under
-        HSDP the training states are sharded over ``data`` and each rank's gradient shard is then
-        summed over the replica axis (one all-reduce per bucket or unit); replicated gradients (DP)
-        are all-reduced over both at once."""
-        n, axis = self.data_size, (self.data_axis,)
-        r, rep = self.replica_size, (self.replica_axis,)
-        dpn, dp = self.dp_size, self.mesh.canonical_axes(self.dp_axes)
-        c, g = self.compute_dtype.itemsize, self.reduce_dtype.itemsize
-        out: list[CommEntry] = []
-        if dpn > 1:
-            if self.broadcast_buffers:     # rank 0's buffers before the step's forward (DDP's broadcast_buffers)
-                out += [CommEntry("forward", "buffers", "broadcast", dp, comm.broadcast_bytes(k, dpn, dt.itemsize), 1,
-                                  str(dt).replace("torch.", "")) for dt, k in self.step_buffer_sizes()]
-            m = self.grad_accum
-            piped = self.pipe_size > 1
-            groups = self.flat.groups                     # units (ZeRO-3) or buckets: flat.py
-            if self.states.params is not None:           # ZeRO-3: per unit, every micro-step
-                for u, grp in zip(self.units, groups):
-                    # under a pipe axis a stage's units (pipe_unshard), or with the microbatch policy the
-                    # root, are gathered once per step and reduced once (runtime/pipeline.py)
-                    once = piped and (self.pipe_unshard or u.name == "")
-                    k = 1 if once else m
-                    name = u.name or "<root>"
-                    tr = grp.chunk(TRAIN)
+def comm_per_step(plan: Plan, rank: int | None = None) -> list[CommEntry]:
+    """Every collective one ``step`` issues, with the bytes this rank sends (ring model), then the
+    copies between memory kinds where states are offloaded (``planner/offload.py``'s
+    ``copy_entries``: ops ``d2h``, ``h2d``, ``disk_read``, ``disk_write``; no axes). Under
+    HSDP the training states are sharded over ``data`` and each rank's gradient shard is then
+    summed over the replica axis (one all-reduce per bucket or unit); replicated gradients (DP)
+    are all-reduced over both at once."""
+    n, axis = plan.data_size, (plan.data_axis,)
+    r, rep = plan.replica_size, (plan.replica_axis,)
+    dpn, dp = plan.dp_size, plan.mesh.canonical_axes(plan.dp_axes)
+    c, g = plan.compute_dtype.itemsize, plan.reduce_dtype.itemsize
+    out: list[CommEntry] = []
+    if dpn > 1:
+        if plan.broadcast_buffers:     # rank 0's buffers before the step's forward (DDP's broadcast_buffers)
+            out += [CommEntry("forward", "buffers", "broadcast", dp, comm.broadcast_bytes(k, dpn, dt.itemsize), 1,
+                              str(dt).replace("torch.", "")) for dt, k in plan.step_buffer_sizes()]
+        m = plan.grad_accum
+        piped = plan.pipe_size > 1
+        groups = plan.flat.groups                     # units (ZeRO-3) or buckets: flat.py
+        if plan.states.params is not None:           # ZeRO-3: per unit, every micro-step
+            for u, grp in zip(plan.units, groups):
+                # under a pipe axis a stage's units (pipe_unshard), or with the microbatch policy the
+                # root, are gathered once per step and reduced once (runtime/pipeline.py)
+                once = piped and (plan.pipe_unshard or u.name == "")
+                k = 1 if once else m
+                name = u.name or "<root>"
+                tr = grp.chunk(TRAIN)
+                if n > 1:
+                    # one chunk of each segment per rank: ceil(T/N) trainable + frozen elements
+                    gathered = comm.all_gather_bytes(tr + grp.chunk(FROZEN), n, c)
+                    out.append(CommEntry("forward", "params", "all_gather", axis, gathered, k, name))
+                    if u.regathered and not once:
+                        out.append(CommEntry("backward", "params", "all_gather", axis, gathered, k, name))
+                    if tr:
+                        out.append(CommEntry("backward", "grads", "reduce_scatter", axis,
+                                             comm.reduce_scatter_bytes(tr, n, g), k, name))
+                if r > 1 and tr:
+                    out.append(CommEntry("backward", "grads", "all_reduce", rep, comm.all_reduce_bytes(tr, r, g),
+                                         k, name))
+        else:
+            buckets = plan.buckets()
+            k = plan.scalars_per_step() if plan.scalars_ride_gradients else 0
+            for i, bucket in enumerate(buckets):
+                extra = k if i == len(buckets) - 1 else 0
+                shard = groups[i].chunk(TRAIN)
+                if plan.states.grads is None:
+                    numel = sum(p.numel for p in bucket)
+                    out.append(CommEntry("backward", "grads", "all_reduce", dp,
+                                         comm.all_reduce_bytes(numel + extra, dpn, g), 1, f"bucket {i}",
+                                         comm.all_reduce_bytes(numel + extra, dpn, g)
+                                         - comm.all_reduce_bytes(numel, dpn, g)))
+                else:
                     if n > 1:
-                        # one chunk of each segment per rank: ceil(T/N) trainable + frozen elements
-                        gathered = comm.all_gather_bytes(tr + grp.chunk(FROZEN), n, c)
-                        out.append(CommEntry("forward", "params", "all_gather", axis, gathered, k, name))
-                        if u.regathered and not once:
-                            out.append(CommEntry("backward", "params", "all_gather", axis, gathered, k, name))
-                        if tr:
-                            out.append(CommEntry("backward", "grads", "reduce_scatter", axis,
-                                                 comm.reduce_scatter_bytes(tr, n, g), k, name))
-                    if r > 1 and tr:
-                        out.append(CommEntry("backward", "grads", "all_reduce", rep, comm.all_reduce_bytes(tr, r, g),
-                                             k, name))
-            else:
-                buckets = self.buckets()
-                k = self.scalars_per_step() if self.scalars_ride_gradients else 0
-                for i, bucket in enumerate(buckets):
-                    extra = k if i == len(buckets) - 1 else 0
-                    shard = groups[i].chunk(TRAIN)
-                    if self.states.grads is None:
-                        numel = sum(p.numel for p in bucket)
-                        out.append(CommEntry("backward", "grads", "all_reduce", dp,
-                                             comm.all_reduce_bytes(numel + extra, dpn, g), 1, f"bucket {i}",
-                                             comm.all_reduce_bytes(numel + extra, dpn, g)
-                                             - comm.all_reduce_bytes(numel, dpn, g)))
-                    else:
-                        if n > 1:
-                            out.append(CommEntry("backward", "grads", "reduce_scatter", axis,
-                                                 comm.reduce_scatter_bytes(shard, n, g), 1, f"bucket {i}"))
-                        if r > 1:
-                            out.append(CommEntry("backward", "grads", "all_reduce", rep,
-                                                 comm.all_reduce_bytes(shard, r, g), 1, f"bucket {i}"))
-                    if self.states.optim is not None and n > 1:
-                        out.append(CommEntry("step", "params", "all_gather", axis,
-                                             comm.all_gather_bytes(shard, n, c), 1, f"bucket {i}"))
-            if not self.scalars_ride_gradients and self.tensor_size == 1 and self.pipe_size == 1:
-                out.append(CommEntry("step", "scalars", "all_reduce", dp,
-                                     comm.all_reduce_bytes(self.scalars_per_step(), dpn, 4), 1))
-        if self.pipe_size > 1:
-            out += self._pipe_entries() + self._tied_entries()
-        elif self.tensor_size > 1:
-            # the step's scalars over the whole (data, tensor) group: split gradients' norms add up
-            # over tensor (runtime/engine.py counts each element once)
-            both = self.mesh.canonical_axes((*self.dp_axes, self.tensor.axis))
-            out.append(CommEntry("step", "scalars", "all_reduce", both,
-                                 comm.all_reduce_bytes(self.scalars_per_step(), dpn * self.tensor_size, 4), 1))
-            out += [replace(e, count=e.count * self.grad_accum) for e in self.activation_entries()]
-        return out + copy_entries(self, rank)
+                        out.append(CommEntry("backward", "grads", "reduce_scatter", axis,
+                                             comm.reduce_scatter_bytes(shard, n, g), 1, f"bucket {i}"))
+                    if r > 1:
+                        out.append(CommEntry("backward", "grads", "all_reduce", rep,
+                                             comm.all_reduce_bytes(shard, r, g), 1, f"bucket {i}"))
+                if plan.states.optim is not None and n > 1:
+                    out.append(CommEntry("step", "params", "all_gather", axis,
+                                         comm.all_gather_bytes(shard, n, c), 1, f"bucket {i}"))
+        if not plan.scalars_ride_gradients and plan.tensor_size == 1 and plan.pipe_size == 1:
+            out.append(CommEntry("step", "scalars", "all_reduce", dp,
+                                 comm.all_reduce_bytes(plan.scalars_per_step(), dpn, 4), 1))
+    if plan.pipe_size > 1:
+        out += _pipe_entries(plan) + _tied_entries(plan)
+    elif plan.tensor_size > 1:
+        # the step's scalars over the whole (data, tensor) group: split gradients' norms add up
+        # over tensor (runtime/engine.py counts each element once)
+        both = plan.mesh.canonical_axes((*plan.dp_axes, plan.tensor.axis))
+        out.append(CommEntry("step", "scalars", "all_reduce", both,
+                             comm.all_reduce_bytes(plan.scalars_per_step(), dpn * plan.tensor_size, 4), 1))
+        out += [replace(e, count=e.count * plan.grad_accum) for e in plan.activation_entries()]
+    return out + copy_entries(plan, rank)
 
-    def _tied_entries(self) -> list[CommEntry]:
-        """A weight tied across the first and last stage (``PipelinePlan.tied``): this rank's piece of its
-        reduced fp32 gradient summed over the pipe axis once a step (Megatron's embedding group; the stages
-        between add zeros)."""
-        pp = self.pipeline
-        return [CommEntry("step", "tied-grads", "all_reduce", (pp.axis,), comm.all_reduce_bytes(n, pp.size, 4), 1, name)
-                for name, n in self.tied_pieces if n]
+def _tied_entries(plan: Plan) -> list[CommEntry]:
+    """A weight tied across the first and last stage (``PipelinePlan.tied``): this rank's piece of its
+    reduced fp32 gradient summed over the pipe axis once a step (Megatron's embedding group; the stages
+    between add zeros)."""
+    pp = plan.pipeline
+    return [CommEntry("step", "tied-grads", "all_reduce", (pp.axis,), comm.all_reduce_bytes(n, pp.size, 4), 1, name)
+            for name, n in plan.tied_pieces if n]
 
-    def _pipe_entries(self) -> list[CommEntry]:
-        """The pipe axis's traffic of a stage-local plan: the step's scalars (``pipe_scalar_axes``),
-        the tensor axis's activation collectives of its stages, and its point-to-point sends (the
-        stream, or its gradient with the micro-batch's loss, per micro-batch and stage boundary) and
-        receives (counted, no bytes sent)."""
-        pp = self.pipeline
-        axes = self.pipe_scalar_axes()
-        out = []
-        if axes and not self.scalars_ride_gradients:
-            out.append(CommEntry("step", "scalars", "all_reduce", axes,
-                                 comm.all_reduce_bytes(self.scalars_per_step(), self.mesh.axis_size(axes), 4), 1))
-        if self.tensor_size > 1:
-            out += [replace(e, count=e.count * self.grad_accum) for e in self.activation_entries()]
-        if self.pipe_coord is None:
-            return out
-        kinds = {"SEND_F": ("forward", "send"), "RECV_F": ("forward", "recv"),
-                 "SEND_B": ("backward", "send"), "RECV_B": ("backward", "recv")}
-        counts: dict[str, int] = {}
-        for a in pp.lowered(self.pipe_coord, unshard=self.pipe_unshard):
-            if a.kind in kinds:
-                counts[a.kind] = counts.get(a.kind, 0) + 1
-        for kind, k in counts.items():
-            phase, op = kinds[kind]
-            nbytes = pp.stream_bytes if kind == "SEND_F" else pp.grad_message_bytes
-            out.append(CommEntry(phase, "activations", op, (pp.axis,),
-                                 0 if op == "recv" or nbytes is None else nbytes, k, kind))
+def _pipe_entries(plan: Plan) -> list[CommEntry]:
+    """The pipe axis's traffic of a stage-local plan: the step's scalars (``pipe_scalar_axes``),
+    the tensor axis's activation collectives of its stages, and its point-to-point sends (the
+    stream, or its gradient with the micro-batch's loss, per micro-batch and stage boundary) and
+    receives (counted, no bytes sent)."""
+    pp = plan.pipeline
+    axes = plan.pipe_scalar_axes()
+    out = []
+    if axes and not plan.scalars_ride_gradients:
+        out.append(CommEntry("step", "scalars", "all_reduce", axes,
+                             comm.all_reduce_bytes(plan.scalars_per_step(), plan.mesh.axis_size(axes), 4), 1))
+    if plan.tensor_size > 1:
+        out += [replace(e, count=e.count * plan.grad_accum) for e in plan.activation_entries()]
+    if plan.pipe_coord is None:
         return out
+    kinds = {"SEND_F": ("forward", "send"), "RECV_F": ("forward", "recv"),
+             "SEND_B": ("backward", "send"), "RECV_B": ("backward", "recv")}
+    counts: dict[str, int] = {}
+    for a in pp.lowered(plan.pipe_coord, unshard=plan.pipe_unshard):
+        if a.kind in kinds:
+            counts[a.kind] = counts.get(a.kind, 0) + 1
+    for kind, k in counts.items():
+        phase, op = kinds[kind]
+        nbytes = pp.stream_bytes if kind == "SEND_F" else pp.grad_message_bytes
+        out.append(CommEntry(phase, "activations", op, (pp.axis,),
+                             0 if op == "recv" or nbytes is None else nbytes, k, kind))
+    return out
 
-    def comm_bytes_per_step(self, what: str | None = None) -> int:
-        """Bytes this rank sends per step, all or those of one kind (``params``, ``grads``,
-        ``scalars``); scalars riding in a gradient collective count as ``scalars``."""
-        total = 0
-        for e in self.comm_per_step():
-            if e.op in COPY_OPS:           # moved between memory kinds, not sent: copy_bytes_per_step
-                continue
-            if what is None:
-                total += e.total
-            elif what == "scalars":
-                total += e.total if e.what == "scalars" else e.riders * e.count
-            elif e.what == what:
-                total += e.total - e.riders * e.count
-        return total
+def comm_bytes_per_step(plan: Plan, what: str | None = None) -> int:
+    """Bytes this rank sends per step, all or those of one kind (``params``, ``grads``,
+    ``scalars``); scalars riding in a gradient collective count as ``scalars``."""
+    total = 0
+    for e in plan.comm_per_step():
+        if e.op in COPY_OPS:           # moved between memory kinds, not sent: copy_bytes_per_step
+            continue
+        if what is None:
+            total += e.total
+        elif what == "scalars":
+            total += e.total if e.what == "scalars" else e.riders * e.count
+        elif e.what == what:
+            total += e.total - e.riders * e.count
+    return total
 
-    def copy_bytes_per_step(self, rank: int | None = None) -> dict[str, int]:
-        """Bytes one step moves between memory kinds on this rank, by op (``d2h``, ``h2d``,
-        ``disk_read``, ``disk_write``): the offload entries of ``comm_per_step``."""
-        out = {op: 0 for op in COPY_OPS}
-        for e in self.comm_per_step(rank):
-            if e.op in COPY_OPS:
-                out[e.op] += e.total
-        return out
+def copy_bytes_per_step(plan: Plan, rank: int | None = None) -> dict[str, int]:
+    """Bytes one step moves between memory kinds on this rank, by op (``d2h``, ``h2d``,
+    ``disk_read``, ``disk_write``): the offload entries of ``comm_per_step``."""
+    out = {op: 0 for op in COPY_OPS}
+    for e in plan.comm_per_step(rank):
+        if e.op in COPY_OPS:
+            out[e.op] += e.total
+    return out
 
-    def ring_minimum(self) -> int:
-        """The ring-algorithm bound for parameter and gradient traffic per rank per step, bytes:
-        ``2Ψ(N-1)/N`` elements for DP and ZeRO-1/2; ``3Ψ(N-1)/N`` for ZeRO-3 (per micro-step), where
-        a unit kept gathered from its forward through its backward (the root) needs 2, not 3.
-        Gradients (and ZeRO-1/2's gather of updated parameters) only move for trainable
-        parameters; ZeRO-3 gathers frozen ones too. Under HSDP (``R`` replicas of ``N``-way shards)
-        each gradient shard is also all-reduced over the replicas: ``+2(Ψ/N)(R-1)/R``; DP
-        all-reduces over all ``RN`` ranks. Padding is not counted: a collective over a flat segment
-        of ``T`` elements moves ``ceil(T/N)`` per rank, so what runs exceeds this by less than one
-        element per rank and collective."""
-        n, r = self.data_size, self.replica_size
-        c, g = self.compute_dtype.itemsize, self.reduce_dtype.itemsize
-        f = Fraction(n - 1, n)                        # exact: a bound compared with counted bytes
-        replica = Fraction(2 * g * (r - 1), r * n)    # per trainable element and reduction, over the replicas
-        if self.states.params is not None:
-            if self.pipe_unshard:     # a stage's units: one gather and one reduce-scatter per step
-                return int((c * sum(p.stored(c) for p in self.params) + g * self.num_trainable) * f
-                           + replica * self.num_trainable)
-            once = self.pipe_size > 1            # the microbatch policy: the root once per step
-            total = Fraction(0)
-            for u in self.units:
-                k = 1 if once and u.name == "" else self.grad_accum
-                ps = self.unit_params(u.name)
-                trainable = sum(p.numel for p in ps if p.trainable)
-                total += k * (((2 if u.regathered else 1) * c * sum(p.stored(c) for p in ps) + g * trainable)
-                              * f + replica * trainable)
-            return int(total)
-        if self.states.grads is None:            # all-reduce over every data-parallel rank
-            dpn = n * r
-            return int((Fraction(2 * g * (dpn - 1), dpn) + (c * f if self.states.optim is not None else 0))
-                       * self.num_trainable)
-        # sharded gradients: reduce-scatter (1), the replicas' all-reduce of the shard, and with a
-        # sharded optimizer the all-gather of the updated parameters (1)
-        per = g * f + replica + (c * f if self.states.optim is not None else 0)
-        return int(per * self.num_trainable)
+def ring_minimum(plan: Plan) -> int:
+    """The ring-algorithm bound for parameter and gradient traffic per rank per step, bytes:
+    ``2Ψ(N-1)/N`` elements for DP and ZeRO-1/2; ``3Ψ(N-1)/N`` for ZeRO-3 (per micro-step), where
+    a unit kept gathered from its forward through its backward (the root) needs 2, not 3.
+    Gradients (and ZeRO-1/2's gather of updated parameters) only move for trainable
+    parameters; ZeRO-3 gathers frozen ones too. Under HSDP (``R`` replicas of ``N``-way shards)
+    each gradient shard is also all-reduced over the replicas: ``+2(Ψ/N)(R-1)/R``; DP
+    all-reduces over all ``RN`` ranks. Padding is not counted: a collective over a flat segment
+    of ``T`` elements moves ``ceil(T/N)`` per rank, so what runs exceeds this by less than one
+    element per rank and collective."""
+    n, r = plan.data_size, plan.replica_size
+    c, g = plan.compute_dtype.itemsize, plan.reduce_dtype.itemsize
+    f = Fraction(n - 1, n)                        # exact: a bound compared with counted bytes
+    replica = Fraction(2 * g * (r - 1), r * n)    # per trainable element and reduction, over the replicas
+    if plan.states.params is not None:
+        if plan.pipe_unshard:     # a stage's units: one gather and one reduce-scatter per step
+            return int((c * sum(p.stored(c) for p in plan.params) + g * plan.num_trainable) * f
+                       + replica * plan.num_trainable)
+        once = plan.pipe_size > 1            # the microbatch policy: the root once per step
+        total = Fraction(0)
+        for u in plan.units:
+            k = 1 if once and u.name == "" else plan.grad_accum
+            ps = plan.unit_params(u.name)
+            trainable = sum(p.numel for p in ps if p.trainable)
+            total += k * (((2 if u.regathered else 1) * c * sum(p.stored(c) for p in ps) + g * trainable)
+                          * f + replica * trainable)
+        return int(total)
+    if plan.states.grads is None:            # all-reduce over every data-parallel rank
+        dpn = n * r
+        return int((Fraction(2 * g * (dpn - 1), dpn) + (c * f if plan.states.optim is not None else 0))
+                   * plan.num_trainable)
+    # sharded gradients: reduce-scatter (1), the replicas' all-reduce of the shard, and with a
+    # sharded optimizer the all-gather of the updated parameters (1)
+    per = g * f + replica + (c * f if plan.states.optim is not None else 0)
+    return int(per * plan.num_trainable)
 
 
-def copy_entries(plan, rank: int | None = None) -> list:
+def copy_entries(plan: Plan, rank: int | None = None) -> list:
     """The bytes one step moves between memory kinds on this rank (a stage- and tensor-local plan):
 
     * ``d2h grads`` — the gradients an offloaded update reads, leaving the device in the reduce dtype:

@@ -210,8 +210,34 @@ class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
             yield
 
     def _step(self, micro: list[Any]) -> float:
+        """One step: forward and backward of every micro-batch (gradients reduced as they fill), the step's
+        scalars reduced in one collective, the non-finite checks, then the update."""
         plan = self.plan
         m = plan.grad_accum
+        scale = self.scaler.scale if self.scaler else 1.0
+        loss_sum = self._forward_backward(micro, scale / (self.data_size * m))
+        reduced = self.buckets.finish() if self.buckets is not None else None
+        grads = self._master_grads(reduced, scale)
+        if self.pipe is not None and self.pipe.tied_sums:
+            self.pipe.sum_tied(grads)         # tied embeddings: the first and last stage's shares summed
+        loss, found_inf, sumsq, used = self._step_scalars(loss_sum, grads)
+        loss = loss / (self.data_size * m)
+        self.step_count += 1
+        # the global norm of the (unscaled) gradients, where the step computes it (clipping); else None
+        self.grad_norm = float(sumsq.double().sqrt()) if sumsq is not None else None
+        skip = bool(found_inf > 0) if self.scaler else False
+        self._check_finite(loss, sumsq, skip)
+        if not skip:
+            self._update(grads, used, sumsq, loss)
+        if self.scaler:
+            self.scaler.update(skip)
+        self._release_master_grads()
+        return float(loss)
+
+    def _forward_backward(self, micro: list[Any], factor: float) -> torch.Tensor:
+        """Every micro-batch's forward and backward (through the pipeline's schedule when there is one);
+        returns the sum of their losses on this rank."""
+        plan = self.plan
         self.copies.reset()
         for off in (self.params_offload, self.act_offload):      # their timelines: this step's
             if off is not None:
@@ -220,12 +246,10 @@ class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
         if plan.broadcast_buffers and plan.dp_size > 1:     # rank 0's buffers before the forward, as DDP
             broadcast_buffers(self.model, self.mesh, plan.dp_axes)
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.mesh.device)
-        scale = self.scaler.scale if self.scaler else 1.0
-        factor = scale / (self.data_size * m)
         if self.buckets is not None and self.buckets.riders:
             # read when the last bucket launches (end of the last backward): the loss of every
             # micro-step is in by then, and so is every parameter's "got a gradient" flag
-            self.buckets.rider_values = lambda: self._scalar_vector([loss_sum])
+            self.buckets.rider_values = lambda: self.scalar_vector([loss_sum])
         if self.pipe is not None:
             if self.buckets is not None:
                 self.buckets.begin_micro(sync=False)     # reduced after the schedule (finish)
@@ -234,11 +258,13 @@ class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
             self._accumulate(micro, factor, loss_sum)
         if self.act_offload is not None:
             self.act_offload.end_step()           # (a failed activation write stops the step here)
-        reduced = self.buckets.finish() if self.buckets is not None else None
-        trainable = [s for s in self.states if s.trainable]
-        grads = self._master_grads(reduced, scale)
-        if self.pipe is not None and self.pipe.tied_sums:
-            self.pipe.sum_tied(grads)         # tied embeddings: the first and last stage's shares summed
+        return loss_sum
+
+    def _step_scalars(self, loss_sum: torch.Tensor, grads: list[torch.Tensor]):
+        """``(the loss summed over the mesh, the overflow count, the gradients' sum of squares or None, on how
+        many ranks each trainable parameter got a gradient)``: the step's scalars, then the gradient flags,
+        summed by one all-reduce or already summed in the last gradient bucket's collective."""
+        plan = self.plan
         scalars = [loss_sum]
         split = self.tensor is not None
         sharded = plan.states.grads is not None or split or self.pipe is not None
@@ -259,28 +285,25 @@ class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
                 sumsq = torch.zeros_like(sumsq)           # HSDP: the first replica counts the shards
             if sharded:
                 scalars.append(sumsq)
-        # the step's scalars, then on how many ranks each parameter got a gradient: summed by one
-        # all-reduce, or already summed in the last gradient bucket's collective
         if self.buckets is not None and self.buckets.riders:
             vec = self.buckets.rider_sums
         elif self.pipe is not None:   # over the whole mesh: each stage adds its own
             vec = self.pipe.reduce_scalars(scalars)
         elif split:      # over (data, tensor), each value counted once (TensorRuntime.scalars)
-            vec = self.tensor.reduce_scalars(self._scalar_vector(scalars))
+            vec = self.tensor.reduce_scalars(self.scalar_vector(scalars))
         else:
-            vec = comm.all_reduce(self._scalar_vector(scalars), self.mesh, plan.dp_axes)
-        loss = vec[0] / (self.data_size * m)
+            vec = comm.all_reduce(self.scalar_vector(scalars), self.mesh, plan.dp_axes)
         if sharded:
             k = 1
             if self.scaler:
                 found_inf, k = vec[k], k + 1
             if sumsq is not None:
                 sumsq = vec[k]
-        used = vec[len(scalars):]
-        self.step_count += 1
-        # the global norm of the (unscaled) gradients, where the step computes it (clipping); else None
-        self.grad_norm = float(sumsq.double().sqrt()) if sumsq is not None else None
-        skip = bool(found_inf > 0) if self.scaler else False
+        return vec[0], found_inf, sumsq, vec[len(scalars):]
+
+    def _check_finite(self, loss: torch.Tensor, sumsq: torch.Tensor | None, skip: bool) -> None:
+        """Stop before the update on a non-finite loss (no loss scaler) or gradient norm."""
+        plan = self.plan
         if not self.scaler and not torch.isfinite(loss):
             self._release_master_grads()
             raise NonFiniteLossError(
@@ -293,35 +316,35 @@ class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
                 f"step {self.step_count}: the loss is {loss.item():.6g} but the gradient norm is "
                 f"{sumsq.double().sqrt().item()} ({plan.precision}) — the run stopped before updating the "
                 "parameters. Lower the learning rate or check the model for an overflow in backward.")
-        if not skip:
-            for s, u in zip(trainable, used.tolist()):
-                if u == 0:                                # no gradient on any rank: as one process, skip it
-                    s.master.grad = None
-            if sumsq is not None:
-                total = sumsq.double().sqrt()
-                coef = torch.clamp(plan.clip_grad_norm / (total + 1e-6), max=1.0)
-                for g in grads:
-                    g.mul_(coef.to(device=g.device, dtype=g.dtype))
-            if self.offload is not None:       # the update where the masters are, then the device copies
-                try:
-                    self.offload.step(self.optimizer)
-                except OffloadError:            # nothing of the step was applied (runtime/offload/core.py)
-                    self.step_count -= 1
-                    self._release_master_grads()
-                    raise
+
+    def _update(self, grads: list[torch.Tensor], used: torch.Tensor, sumsq: torch.Tensor | None,
+                loss: torch.Tensor) -> None:
+        """Clip, step the optimizer where the masters are, the learning-rate schedule, then the compute copies."""
+        trainable = [s for s in self.states if s.trainable]
+        for s, u in zip(trainable, used.tolist()):
+            if u == 0:                                # no gradient on any rank: as one process, skip it
+                s.master.grad = None
+        if sumsq is not None:
+            total = sumsq.double().sqrt()
+            coef = torch.clamp(self.plan.clip_grad_norm / (total + 1e-6), max=1.0)
+            for g in grads:
+                g.mul_(coef.to(device=g.device, dtype=g.dtype))
+        if self.offload is not None:       # the update where the masters are, then the device copies
+            try:
+                self.offload.step(self.optimizer)
+            except OffloadError:            # nothing of the step was applied (runtime/offload/core.py)
+                self.step_count -= 1
+                self._release_master_grads()
+                raise
+        else:
+            self.optimizer.step()
+        if self.lr_scheduler is not None:
+            if isinstance(self.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+                self.lr_scheduler.step(float(loss))
             else:
-                self.optimizer.step()
-            if self.lr_scheduler is not None:
-                if isinstance(self.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-                    self.lr_scheduler.step(float(loss))
-                else:
-                    self.lr_scheduler.step()
-            if self.offload is None:
-                self._publish()
-        if self.scaler:
-            self.scaler.update(skip)
-        self._release_master_grads()
-        return float(loss)
+                self.lr_scheduler.step()
+        if self.offload is None:
+            self.publish()
 
     def _accumulate(self, micro: list[Any], factor: float, loss_sum: torch.Tensor) -> None:
         """Forward and backward of each micro-batch in turn, gradients reduced on the last (overlapped
@@ -345,7 +368,7 @@ class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
             if self.units is not None:
                 self.units.end_micro()
 
-    def _scalar_vector(self, scalars: list[torch.Tensor]) -> torch.Tensor:
+    def scalar_vector(self, scalars: list[torch.Tensor]) -> torch.Tensor:
         """``[scalars..., used flag of each trainable parameter]`` in fp32."""
         used = torch.tensor([float(s.used) for s in self.states if s.trainable], device=self.mesh.device)
         return torch.cat([torch.stack([x.reshape(()).float() for x in scalars]), used])
@@ -452,7 +475,7 @@ class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
         return out
 
     @torch.no_grad()
-    def _publish(self) -> None:
+    def publish(self) -> None:
         """After the update: bring the compute-dtype copies up to date with the masters."""
         plan = self.plan
         trainable = [s for s in self.states if s.trainable]

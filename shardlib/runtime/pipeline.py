@@ -473,7 +473,7 @@ class PipelineRuntime:
         its own), on tensor coordinate 0 only, and the loss on one rank per data replica. Returns
         the vector with this rank's flags, in its states' order."""
         eng = self.engine
-        local = eng._scalar_vector(scalars)
+        local = eng.scalar_vector(scalars)
         if self.scalar_axes != self.mesh.canonical_axes(self.mesh.axis_names):
             return comm.all_reduce(local, self.mesh, self.scalar_axes) if self.scalar_axes else local
         k = len(scalars)

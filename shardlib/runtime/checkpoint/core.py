@@ -383,7 +383,7 @@ def load(engine: Engine, path: str | os.PathLike) -> dict:
     if foreign:
         steps = [t for k, (_, t) in where.items() if k.endswith(".step") and t.numel() == 1]
         engine.step_count = int(steps[0].item()) if steps else engine.step_count
-        engine._publish()
+        engine.publish()
         return {}
     torch.set_rng_state(request[rng["cpu"]])
     if "cuda" in rng:
@@ -395,7 +395,7 @@ def load(engine: Engine, path: str | os.PathLike) -> dict:
         for k, v in manifest["scaler"].items():
             setattr(engine.scaler, k, v)
     engine.step_count, engine.samples_seen = manifest["step"], manifest["samples"]
-    engine._publish()                  # the compute copies (and ZeRO-1/2's full parameters) from the masters
+    engine.publish()                  # the compute copies (and ZeRO-1/2's full parameters) from the masters
     return manifest["extra"]
 
 

@@ -195,6 +195,6 @@ def load_pretrained(engine: Engine, path: str | os.PathLike, *, strict: bool = T
     if failed:
         raise CheckpointError(f"load_pretrained: reading {path} failed — {failed[0]}. The engine has no complete "
                               f"values and refuses to step. {RELOAD}")
-    engine._publish()
+    engine.publish()
     engine._needs_load = False
     engine._awaited = frozenset()
