@@ -57,6 +57,7 @@ from torch import nn
 
 from ..validate import is_int
 from .hf_stages import CausalLMStages, meta_or_zeros
+from .stage_checks import combination_problems, tied_across_stages
 from .schedules import Action, lower, schedule_actions, schedule_problems, split_last_backwards
 from .specs import AxisRules, find_stack
 from .stack import POST, PRE, auto_stack, stack_entry_problems, stack_modules, stage_functions
@@ -366,53 +367,14 @@ def derive(model: nn.Module, mesh, *, rules, axis: str, microbatches: int | None
         if counts is None:
             return None, problems
     # what each stage holds, and tied parameters across stages
-    owner: dict[int, tuple[int, str]] = {}
     ranges, start = [], 0
     for c in counts:
         ranges.append(range(start, start + c))
         start += c
-    canonical = {id(t): n for n, t in model.named_parameters()}
-    tied: list[str] = []
-    for s, r in enumerate(ranges):
-        held = [*(pre_params if s == 0 else ()), *(ps for i in r for ps in block_params[i]),
-                *(post_params if s == n_stages - 1 else ())]
-        for pname, t in held:
-            prev = owner.setdefault(id(t), (s, pname))
-            if prev[0] == s:
-                continue
-            if (prev[0], s) == (0, n_stages - 1) and zero3:
-                problems.append(f"plan: parameter {pname!r} is the same tensor as {prev[1]!r} (tied), on the first "
-                                "and last stages, under ZeRO-3 — the two stages would shard it at rest inside "
-                                "different units, so their pieces of it differ and cannot be summed. Use zero=2 (or "
-                                "less) with the pipe axis, untie them (tie_word_embeddings=False), or plan without "
-                                "the pipe axis.")
-            elif (prev[0], s) == (0, n_stages - 1):
-                # Megatron's embedding group: one tensor held by the first and the last stage, its two
-                # gradients summed once a step (runtime/pipeline.py), the same update on both
-                tied.append(canonical[id(t)])
-            else:
-                problems.append(f"plan: parameter {pname!r} is the same tensor as {prev[1]!r} (tied), on stages "
-                                f"{prev[0]} and {s} — expected a weight shared only by the first and the last stage "
-                                "(tied embeddings); another pair of stages cannot hold one tensor. Untie them, or cut "
-                                "the stack so both uses fall on one stage (stages=...), or plan without the pipe axis.")
-    if zero3 and gather == "microbatch":
-        if name == "zb_h1":
-            problems.append("plan: pipe_gather='microbatch' reduce-scatters a unit's gradients when its backward "
-                            "reaches the unit's inputs, but schedule 'zb_h1' computes weight gradients later (W) — "
-                            "expected pipe_gather='step' with zb_h1 (its gradients are reduced once per step), "
-                            "or another schedule.")
-        if not reshard:
-            problems.append("plan: pipe_gather='microbatch' frees each unit after its forward, but "
-                            "reshard_after_forward=False keeps units gathered until their backward — expected "
-                            "reshard_after_forward=True, or pipe_gather='step' to keep a stage gathered "
-                            "through the step.")
-    if name == "zb_h1":
-        rec = [u for u in recompute if u in set(blocks) | set(pre_mods) | set(post_mods)]
-        if rec:
-            problems.append(f"plan: schedule 'zb_h1' splits each backward into an input-gradient part (I) and a "
-                            f"weight-gradient part (W), but units {rec[:4]} recompute their forward inside backward, "
-                            "whose weight gradients cannot be split from it — expected no recompute with zb_h1. "
-                            "Drop recompute, or use schedule='1f1b'.")
+    tied, found = tied_across_stages(ranges, block_params, pre_params, post_params,
+                                     {id(t): n for n, t in model.named_parameters()}, zero3=zero3)
+    problems += found + combination_problems(name, zero3=zero3, gather=gather, reshard=reshard, recompute=recompute,
+                                             stage_modules=set(blocks) | set(pre_mods) | set(post_mods))
     if problems:
         return None, problems
     stage_plans = tuple(
@@ -426,7 +388,7 @@ def derive(model: nn.Module, mesh, *, rules, axis: str, microbatches: int | None
                         tuple(n for n, _ in pre_params), tuple(n for n, _ in post_params), gather=gather,
                         source=source + how_found,
                         block_tuple=fns.tuple_out or 0 if isinstance(fns, CausalLMStages) else 0,
-                        tied=tuple(dict.fromkeys(tied))), problems
+                        tied=tuple(tied)), problems
 
 
 def _explicit(stages, n_stages: int, n_blocks: int, axis: str, p: int, v: int, problems: list[str]

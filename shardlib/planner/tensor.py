@@ -214,55 +214,13 @@ def derive(model: nn.Module, specs: dict[str, PartitionSpec], *, axis: str, size
         where = f"{type(mod).__name__} {mname or '<root>'!r}"
         dims = projection_dims(mod)
         if dims is not None:
-            out_dim, in_dim, out_features, in_features = dims
-            conv = out_dim == 1
-            w = split.get("weight")
-            wq = qual["weight"]
-            wshape = tuple(mod.weight.shape)
-            if w is None:
-                problems.append(f"plan: {qual['bias']} {tuple(mod.bias.shape)} of {where} is split on {axis!r} by "
-                                f"{_fmt(split['bias'])} while its weight is not — expected the bias split only with "
-                                f"the weight's output features (weight {_fmt(_col_spec(conv, axis))}). Split the "
-                                "weight too, or keep the bias replicated.")
-                continue
-            entries = tuple(w) + (None,) * (2 - len(tuple(w)))
-            col = _is(entries[out_dim], axis) and entries[in_dim] is None
-            row = _is(entries[in_dim], axis) and entries[out_dim] is None     # Fused: blocks of the heads
-            if not (col or row):
-                problems.append(_combo(wq, wshape, w, axis, where, conv, in_dim, entries[in_dim]))
-                continue
-            projections.setdefault(_parent(mname), []).append(f"{wq} {wshape} {_fmt(w)}")
-            bias_spec = specs.get(qual.get("bias", ""), PartitionSpec()) if mod.bias is not None else None
-            if col:
-                parts = entries[out_dim].parts if isinstance(entries[out_dim], Fused) else 1
-                want = PartitionSpec(entries[out_dim])
-                if bias_spec is not None and PartitionSpec(*tuple(bias_spec)[:1]) != want:
-                    problems.append(f"plan: {qual['bias']} {tuple(mod.bias.shape)} of {where} is {_fmt(bias_spec)} but "
-                                    f"its weight {wq} {wshape} is column-split {_fmt(w)}: each rank computes only its "
-                                    f"features, so it adds only their bias — expected the bias {_fmt(want)}. Add "
-                                    f"'{qual['bias']}': {_fmt(want)} (or the logical name of its dim) to the spec table.")
-                    continue
-                if parts > 1 and out_features % parts:
-                    problems.append(f"plan: {wq} {wshape} of {where} is {_fmt(w)}, but dim {out_dim} ({out_features} "
-                                    f"features) is not {parts} equal blocks — expected Fused parts dividing the "
-                                    f"width. Declare the blocks it holds, or split it plainly ({_fmt(_col_spec(conv, axis))}).")
-                    continue
-                sites.append(Site(mname, COLUMN, wq, qual.get("bias"), out_features, unit, parts, conv, _parent(mname)))
-            else:
-                if bias_spec is not None and uses_axis(bias_spec, axis):
-                    problems.append(f"plan: {qual['bias']} {tuple(mod.bias.shape)} of {where} is {_fmt(bias_spec)} but "
-                                    f"its weight {wq} {wshape} is row-split {_fmt(w)}: the output is a partial sum "
-                                    "over the full features, so the bias is added once, after the sum — expected "
-                                    f"the bias replicated, P(). Drop it from the spec table.")
-                    continue
-                parts = entries[in_dim].parts if isinstance(entries[in_dim], Fused) else 1
-                if parts > 1 and in_features % parts:
-                    problems.append(f"plan: {wq} {wshape} of {where} is {_fmt(w)}, but dim {in_dim} ({in_features} "
-                                    f"features) is not {parts} equal blocks — expected Fused parts dividing the "
-                                    "width. Declare the blocks it holds, or split it plainly.")
-                    continue
-                sites.append(Site(mname, ROW, wq, qual.get("bias"), in_features, unit, parts, conv, _parent(mname)))
-                if sequence_parallel and size > 1 and unit and mod.bias is not None:
+            site, found, described = _projection_site(mname, mod, dims, qual, split, specs, axis, unit)
+            problems += found
+            if described:
+                projections.setdefault(_parent(mname), []).append(described)
+            if site is not None:
+                sites.append(site)
+                if site.kind == ROW and sequence_parallel and size > 1 and unit and mod.bias is not None:
                     sp_modules.append(mname)
         elif isinstance(mod, nn.Embedding):
             w = split.get("weight")
@@ -321,6 +279,65 @@ def derive(model: nn.Module, specs: dict[str, PartitionSpec], *, axis: str, size
                         "units= not given). Pass units=[...] naming the blocks, or sequence_parallel=False.")
     return TensorPlan(axis, size, bool(sequence_parallel), tuple(sites), tuple(sp_modules),
                       local_attrs=tuple(local_attrs), head_args=tuple(head_args)), problems
+
+
+def _projection_site(mname: str, mod: nn.Module, dims: tuple[int, int, int, int], qual: dict[str, str],
+                     split: dict[str, PartitionSpec], specs: dict[str, PartitionSpec], axis: str, unit: str
+                     ) -> tuple[Site | None, list[str], str]:
+    """The column or row site of projection ``mod`` (a Linear or a Conv1D: ``dims``) whose parameters ``split``
+    uses ``axis``, the problems of its specs, and its weight described for the heads' messages ("" when
+    its weight is not split)."""
+    problems: list[str] = []
+    described = ""
+    where = f"{type(mod).__name__} {mname or '<root>'!r}"
+    out_dim, in_dim, out_features, in_features = dims
+    conv = out_dim == 1
+    w = split.get("weight")
+    wq = qual["weight"]
+    wshape = tuple(mod.weight.shape)
+    if w is None:
+        problems.append(f"plan: {qual['bias']} {tuple(mod.bias.shape)} of {where} is split on {axis!r} by "
+                        f"{_fmt(split['bias'])} while its weight is not — expected the bias split only with "
+                        f"the weight's output features (weight {_fmt(_col_spec(conv, axis))}). Split the "
+                        "weight too, or keep the bias replicated.")
+        return None, problems, described
+    entries = tuple(w) + (None,) * (2 - len(tuple(w)))
+    col = _is(entries[out_dim], axis) and entries[in_dim] is None
+    row = _is(entries[in_dim], axis) and entries[out_dim] is None     # Fused: blocks of the heads
+    if not (col or row):
+        problems.append(_combo(wq, wshape, w, axis, where, conv, in_dim, entries[in_dim]))
+        return None, problems, described
+    described = f"{wq} {wshape} {_fmt(w)}"
+    bias_spec = specs.get(qual.get("bias", ""), PartitionSpec()) if mod.bias is not None else None
+    if col:
+        parts = entries[out_dim].parts if isinstance(entries[out_dim], Fused) else 1
+        want = PartitionSpec(entries[out_dim])
+        if bias_spec is not None and PartitionSpec(*tuple(bias_spec)[:1]) != want:
+            problems.append(f"plan: {qual['bias']} {tuple(mod.bias.shape)} of {where} is {_fmt(bias_spec)} but "
+                            f"its weight {wq} {wshape} is column-split {_fmt(w)}: each rank computes only its "
+                            f"features, so it adds only their bias — expected the bias {_fmt(want)}. Add "
+                            f"'{qual['bias']}': {_fmt(want)} (or the logical name of its dim) to the spec table.")
+            return None, problems, described
+        if parts > 1 and out_features % parts:
+            problems.append(f"plan: {wq} {wshape} of {where} is {_fmt(w)}, but dim {out_dim} ({out_features} "
+                            f"features) is not {parts} equal blocks — expected Fused parts dividing the "
+                            f"width. Declare the blocks it holds, or split it plainly ({_fmt(_col_spec(conv, axis))}).")
+            return None, problems, described
+        return Site(mname, COLUMN, wq, qual.get("bias"), out_features, unit, parts, conv, _parent(mname)), problems, described
+    else:
+        if bias_spec is not None and uses_axis(bias_spec, axis):
+            problems.append(f"plan: {qual['bias']} {tuple(mod.bias.shape)} of {where} is {_fmt(bias_spec)} but "
+                            f"its weight {wq} {wshape} is row-split {_fmt(w)}: the output is a partial sum "
+                            "over the full features, so the bias is added once, after the sum — expected "
+                            f"the bias replicated, P(). Drop it from the spec table.")
+            return None, problems, described
+        parts = entries[in_dim].parts if isinstance(entries[in_dim], Fused) else 1
+        if parts > 1 and in_features % parts:
+            problems.append(f"plan: {wq} {wshape} of {where} is {_fmt(w)}, but dim {in_dim} ({in_features} "
+                            f"features) is not {parts} equal blocks — expected Fused parts dividing the "
+                            "width. Declare the blocks it holds, or split it plainly.")
+            return None, problems, described
+        return Site(mname, ROW, wq, qual.get("bias"), in_features, unit, parts, conv, _parent(mname)), problems, described
 
 
 def _layout_problems(sites: list[Site], modules: dict[str, nn.Module], specs: dict[str, PartitionSpec],
