@@ -35,7 +35,7 @@ from ..validate import flag
 from .access import EngineAccess
 from .batches import split_batch
 from .buckets import GradBuckets
-from .inspection import EngineInspection
+from . import inspection
 from .machine import warn_slow_precision
 from .materialize import is_meta, materialize_stage_
 from .offload.core import Copies, DiskOptimizer, OffloadError, OptimizerOffload
@@ -53,7 +53,7 @@ class NonFiniteLossError(FloatingPointError):
     """The loss became inf or NaN in a run with no loss scaling to absorb it."""
 
 
-class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
+class Engine(EngineSetup, EngineAccess, EnginePretrained):
     def __init__(self, model: nn.Module, plan: Plan, optimizer, *, lr_scheduler=None, loss_fn=None,
                  loss_scale: LossScaler | None = None, mesh: Mesh | None = None, init: bool = True,
                  check_replicas: bool = False):
@@ -146,6 +146,23 @@ class Engine(EngineSetup, EngineInspection, EngineAccess, EnginePretrained):
             from .replicas import check_replicas
             check_replicas(self)
         return loss
+
+    # ---- inspection (runtime/inspection.py: functions of the engine's public state) --------------
+    def memory_held(self, kind: str = "device") -> dict[str, int]:
+        """Bytes of storage this rank holds for model states, by kind (as ``Plan.memory_per_rank``):
+        ``params``, ``grads``, ``optimizer``, ``total``, and ``buffers`` (``inspection.memory_held``)."""
+        return inspection.memory_held(self, kind)
+
+    @property
+    def peak_gathered_bytes(self) -> int:
+        """ZeRO-3: the most bytes of gathered parameters (and gather buffers) held at once."""
+        return inspection.peak_gathered_bytes(self)
+
+    @property
+    def peak_transient_bytes(self) -> dict[str, int]:
+        """ZeRO-3: the most bytes held at once of ``gathered`` parameters, of ``grads`` on their way to a
+        reduce-scatter, and of ``both`` together (``inspection.peak_transient_bytes``)."""
+        return inspection.peak_transient_bytes(self)
 
     # ---- checkpoints (runtime/checkpoint/core.py) -------------------------------------------------------
     def save(self, path, *, extra: dict | None = None, frozen: bool = True):
