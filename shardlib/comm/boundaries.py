@@ -273,7 +273,7 @@ class Boundaries(SeqEdges):
             hit = self._memo.get(id(x))
             if hit is None or hit[0] is not x:
                 hit = self._memo[id(x)] = [x, None, region]
-            elif hit[2] != region:         # two regions read one input: one f for both
+            elif hit[2] != region and self._fusion.mesh is None:   # a trace: two regions read one input
                 self.shared_regions |= {hit[2], region}
             if fuse and not self._tails and hit[1] is None and self._fusion.runs_fused(module, x):
                 return None              # its own backward all-reduces the input's gradient

@@ -214,8 +214,6 @@ class RunConfig:
         if self.mesh.shape.get("pipe", 1) > 1:
             kw.update(schedule=p.schedule, microbatches=p.microbatches, virtual_stages=p.virtual_stages,
                       pipe_gather=p.pipe_gather)
-            if p.microbatches is not None and t.grad_accum == 1:
-                kw.pop("grad_accum")
         if p.replica_axis is not None:
             kw["replica_axis"] = p.replica_axis
         if p.offload:
