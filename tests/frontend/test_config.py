@@ -60,6 +60,32 @@ def test_overrides_reach_the_dataclasses():
     assert run.rules() == {"heads": "tensor", "mlp": "tensor", "vocab": None, "embed": None}
 
 
+def test_every_plan_key_of_the_config_is_one_policy_field_by_the_plan_keyword_of_its_name():
+    """No hand map between Hydra and sl.plan: a key of ``parallel`` or ``train`` is either sl.plan's short form
+    of the same name (one policy field) or a setting of the training loop that the plan never sees."""
+    from dataclasses import fields
+
+    from shardlib.frontend.config.run_config import ParallelConfig, TrainConfig
+    from shardlib.planner.policies import SHORT_FORMS
+    parallel = {f.name for f in fields(ParallelConfig)} - {"name", "rules"}
+    assert parallel <= set(SHORT_FORMS), parallel - set(SHORT_FORMS)
+    loop = {"steps", "batch", "seq", "lr", "lr_schedule", "warmup_steps", "min_lr", "weight_decay", "seed",
+            "log_every"}
+    assert {f.name for f in fields(TrainConfig)} - loop <= set(SHORT_FORMS)
+    # each override reaches the plan's policy field it names, through sl.plan's own table
+    import shardlib as sl
+    from shardlib.models.gpt import GPT
+    run = compose("mesh=pp2_dp2", "parallel=pp_1f1b", "parallel.zero=1", "parallel.microbatches=4",
+                  "parallel.schedule=gpipe", "train.precision=bf16", "train.recompute=selective",
+                  "train.clip_grad_norm=0.5", "+parallel.offload.optimizer=host")
+    plan = sl.plan(GPT(run.model.gpt()), sl.AbstractMesh(run.mesh.shape), **run.plan_kwargs())
+    assert (plan.states.optim is not None, plan.grad_accum, plan.pipeline.schedule, plan.precision,
+            plan.recompute, plan.clip_grad_norm, dict(plan.offload)) == \
+        (True, 4, "gpipe", "bf16", "selective", 0.5, {"optimizer": "host"})
+    # a pipeline's keys are left out where the mesh has no pipe (the 3d preset's schedule on a data mesh)
+    assert "schedule" not in compose("mesh=dp4", "parallel=zero1", "parallel.schedule=1f1b").plan_kwargs()
+
+
 @pytest.mark.parametrize("overrides, expected", [
     (["mesh=nope"], "mesh=nope: no such mesh preset — expected one of"),
     (["parallel=zero9"], "parallel=zero9: no such parallel preset — expected one of"),

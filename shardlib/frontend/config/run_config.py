@@ -27,7 +27,7 @@ from __future__ import annotations
 import difflib
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from ...validate import is_int, is_number
@@ -205,19 +205,23 @@ class RunConfig:
         return dict(self.parallel.rules)
 
     def plan_kwargs(self) -> dict[str, Any]:
-        """``sl.plan``'s keywords for this run (with ``batch=`` left to the caller)."""
-        p, t = self.parallel, self.train
-        kw: dict[str, Any] = dict(zero=p.zero, precision=t.precision, grad_accum=t.grad_accum,
-                                  clip_grad_norm=t.clip_grad_norm, recompute=t.recompute,
-                                  rules=self.rules() or None, sequence_parallel=p.sequence_parallel,
-                                  optimizer="adamw")
-        if self.mesh.shape.get("pipe", 1) > 1:
-            kw.update(schedule=p.schedule, microbatches=p.microbatches, virtual_stages=p.virtual_stages,
-                      pipe_gather=p.pipe_gather)
-        if p.replica_axis is not None:
-            kw["replica_axis"] = p.replica_axis
-        if p.offload:
-            kw.update(offload=dict(p.offload), offload_dir=p.offload_dir)
+        """``sl.plan``'s keywords for this run (with ``batch=`` left to the caller): the rules, and every key of
+        ``parallel`` and ``train`` that is a keyword of ``sl.plan``, by the same name: each is the short form of
+        one policy field (``planner/policies.SHORT_FORMS``: ``parallel.zero`` is ``MemoryPolicy.zero``,
+        ``train.precision`` is ``TrainingPolicy.precision``), so no key is mapped here by hand. A pipeline's
+        keys (``PipelinePolicy``'s, and ``parallel.microbatches``) apply only where the mesh has a pipe."""
+        from ...planner.policies import SHORT_FORMS
+        piped = self.mesh.shape.get("pipe", 1) > 1
+        kw: dict[str, Any] = {"rules": self.rules() or None, "optimizer": "adamw"}
+        for section in (self.parallel, self.train):
+            for f in fields(section):
+                if f.name not in SHORT_FORMS:
+                    continue
+                if section is self.parallel and not piped and (SHORT_FORMS[f.name][0] == "pipeline"
+                                                               or f.name == "microbatches"):
+                    continue
+                value = getattr(section, f.name)
+                kw[f.name] = (dict(value) or None) if f.name == "offload" else value
         return kw
 
     @property
