@@ -98,32 +98,26 @@ class ShardedParameter(torch.Tensor):
     del _raiser
 
 
-class EngineAccess:
-    """Parameter access between steps (mixed into ``Engine``). Inputs from the host: the model, this
-    rank's plan and the whole-mesh one (its pipeline stages), the mesh; the parameters' states and
-    ZeRO-3's units; ``_offload_mapped``, which makes offloaded masters readable."""
+class ParamAccess:
+    """Parameter access between steps, a part of the engine: what the modules hold (the compute
+    parameters, ZeRO-3's resting placeholders, or full values inside ``gathered``), and full values on
+    request. Built with what it reads: the model, this rank's plan and the whole-mesh one (its pipeline
+    stages), the mesh, the parameters' states, ZeRO-3's units, and ``offload_mapped`` (which makes
+    offloaded masters readable)."""
 
-    model: nn.Module
-    plan: Plan
-    global_plan: Plan
-    mesh: Mesh
-    states: list[ParamState]
-    units: UnitRunner | None
-    _offload_mapped: Callable[[], AbstractContextManager[None]]
-
-    # ---- set-up and the swap -------------------------------------------------------------------
-    def _setup_access(self) -> None:
-        """ZeRO-3: put placeholders in the modules, and hooks that swap the real parameters in for a
-        forward called outside ``step`` and refuse ``state_dict``/``load_state_dict`` at rest."""
-        self._access_mode = "compute"          # what the modules hold: compute | resting | gathered
+    def __init__(self, model: nn.Module, plan: Plan, global_plan: Plan, mesh: Mesh, states: list[ParamState],
+                 units: UnitRunner | None, offload_mapped: Callable[[], AbstractContextManager[None]]):
+        self.model, self.plan, self.global_plan, self.mesh = model, plan, global_plan, mesh
+        self.states, self.units, self.offload_mapped = states, units, offload_mapped
+        # ZeRO-3: placeholders in the modules, and hooks that swap the real parameters in for a forward
+        # called outside ``step`` and refuse ``state_dict``/``load_state_dict`` at rest
+        self.mode = "compute"          # what the modules hold: compute | resting | gathered
         self._direct_forward = False
         self._resting: dict[str, torch.Tensor] | None = None
-        if self.plan.states.params is None:
+        if plan.states.params is None:
             return                              # the modules' parameters are always full
-        self._resting = {s.name: ShardedParameter(s.param, self._owner_names(s), self.plan.data_axis)
-                         for s in self.states}
-        model = self.model
-        self._access_handles = [
+        self._resting = {s.name: ShardedParameter(s.param, self._owner_names(s), plan.data_axis) for s in states}
+        self._handles = [
             model.register_forward_pre_hook(self._direct_pre, prepend=True),
             model.register_forward_hook(self._direct_post),
             model.register_state_dict_pre_hook(self._state_dict_pre),
@@ -143,15 +137,15 @@ class EngineAccess:
 
     def _expose(self, mode: str) -> None:
         """Make the modules hold the compute parameters or the resting placeholders (ZeRO-3)."""
-        if self._resting is None or mode == self._access_mode:
-            self._access_mode = mode if self._resting is not None else "compute"
+        if self._resting is None or mode == self.mode:
+            self.mode = mode if self._resting is not None else "compute"
             return
         self._install({s.name: s.param for s in self.states} if mode == "compute" else self._resting)
-        self._access_mode = mode
+        self.mode = mode
 
     @contextmanager
-    def _stepping(self) -> Iterator[None]:
-        if self._access_mode == "gathered":
+    def stepping(self) -> Iterator[None]:
+        if self.mode == "gathered":
             raise ShardingError("step: called inside `with engine.gathered():` — expected the step outside it. "
                                 "Leave the block first (writable=True writes edits back on exit).")
         self._expose("compute")
@@ -161,7 +155,7 @@ class EngineAccess:
             self._expose("resting")
 
     def _direct_pre(self, module, args) -> None:
-        if self._access_mode == "resting":          # model(x) called outside step (evaluation)
+        if self.mode == "resting":          # model(x) called outside step (evaluation)
             self._direct_forward = True
             self._expose("compute")
 
@@ -177,7 +171,7 @@ class EngineAccess:
         self._expose("resting")
 
     def _state_dict_pre(self, module, prefix, keep_vars) -> None:
-        if self._access_mode == "resting":
+        if self.mode == "resting":
             raise ShardingError(
                 f"model.state_dict(): under ZeRO-3 the parameters are sharded over {self.plan.data_axis!r} between "
                 "steps — got a call outside a step, where this rank holds only its part of each parameter (a "
@@ -186,7 +180,7 @@ class EngineAccess:
                 "`with engine.gathered():`.")
 
     def _load_state_dict_pre(self, module, state_dict, prefix, *args) -> None:
-        if self._access_mode == "resting":
+        if self.mode == "resting":
             raise ShardingError(
                 f"model.load_state_dict(): under ZeRO-3 the parameters are sharded over {self.plan.data_axis!r} "
                 "between steps — got a call outside a step, where the modules hold no full parameters to load "
@@ -194,7 +188,7 @@ class EngineAccess:
                 "model.load_state_dict(sd)` on every rank (the values are written to the shards on exit).")
 
     # ---- full values ---------------------------------------------------------------------------
-    def _replicated(self, s) -> torch.Tensor | None:
+    def replicated(self, s) -> torch.Tensor | None:
         """The full value this rank already holds exactly, or None where it holds only its part.
         Decided by the plan alone, so every rank takes the same branch (and collectives match)."""
         states = self.plan.states
@@ -205,7 +199,7 @@ class EngineAccess:
         return None
 
     @torch.no_grad()
-    def _full_params(self) -> dict[str, torch.Tensor]:
+    def full_params(self) -> dict[str, torch.Tensor]:
         """Every parameter's full fp32 value as new tensors, the same on every rank (collective).
 
         Where each rank holds a part (``ParamState.local_piece``: elements ``[lo, hi)`` of the flattened
@@ -217,7 +211,7 @@ class EngineAccess:
             if s.plan.quant is not None:
                 out[s.name] = self._dequantized(s)
                 continue
-            full = self._replicated(s)
+            full = self.replicated(s)
             if full is not None:
                 out[s.name] = full.detach().to(torch.float32, copy=True).view(s.plan.shape)
             else:
@@ -253,10 +247,10 @@ class EngineAccess:
     def _dequantized(self, s) -> torch.Tensor:
         """A quantized weight's tensor shard in fp32: under ZeRO-3 its packed bytes are summed over
         ``data`` into zeros as integers (each byte held by one rank: exact), then dequantized."""
-        return quant_shard(self, s)[0].dequantize().to(torch.float32)
+        return quant_shard(self.mesh, self.plan, s)[0].dequantize().to(torch.float32)
 
     @torch.no_grad()
-    def _write_back(self, values: dict[str, torch.Tensor]) -> None:
+    def write_back(self, values: dict[str, torch.Tensor]) -> None:
         """Store full fp32 ``values`` in every tensor that holds each parameter, in its dtype (a
         quantized frozen weight is never rewritten: its codes are what it is)."""
         states = self.plan.states
@@ -280,15 +274,15 @@ class EngineAccess:
         rank enters. Yields the model."""
         if problem := flag(writable, "gathered: writable"):
             raise ShardingError(f"{problem}.")
-        if self._access_mode == "gathered":
+        if self.mode == "gathered":
             raise ShardingError("gathered: already inside `with engine.gathered():` — expected one at a time. "
                                 "Use the outer block.")
-        previous = self._access_mode
-        with self._offload_mapped():
-            values = self._full_params()
+        previous = self.mode
+        with self.offload_mapped():
+            values = self.full_params()
         params = {s.name: nn.Parameter(values[s.name], requires_grad=s.param.requires_grad) for s in self.states}
         self._install(params)
-        self._access_mode = "gathered"
+        self.mode = "gathered"
         try:
             yield self.model
             if writable:
@@ -302,11 +296,11 @@ class EngineAccess:
                             f"{None if t is None else tuple(t.shape)} — expected a tensor of its shape "
                             f"{s.plan.shape}. Edit values in place (p.copy_(...)) or keep the shape.")
                     held[s.name] = t.detach().float().contiguous()
-                with self._offload_mapped():
-                    self._write_back(held)
+                with self.offload_mapped():
+                    self.write_back(held)
         finally:
             self._install({s.name: s.param for s in self.states})
-            self._access_mode = "compute"
+            self.mode = "compute"
             self._expose(previous)
 
     @torch.no_grad()

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from .grad_sync import GradSync
 from ..comm import core as comm
 from .flat import flat_runs
 from .state import ParamState
@@ -38,7 +39,7 @@ from .state import ParamState
 MAX_IN_FLIGHT = 1     # reduce-scatters in flight at once when a bucket's is launched
 
 
-class GradBuckets:
+class GradBuckets(GradSync):
     """``riders``: how many fp32 scalars travel in the last bucket's all-reduce (0: none; only with
     replicated gradients); the engine sets ``rider_values`` (a callable giving them) before the
     backward that syncs, and reads their sums from ``rider_sums`` after ``finish``."""
@@ -137,8 +138,10 @@ class GradBuckets:
                 for s in states:
                     s.param.grad = None
 
-    def begin_micro(self, sync: bool) -> None:
-        self.sync = sync
+    def begin_micro(self, first: bool, last: bool) -> None:
+        """Reduce on the last micro-batch only (the others accumulate); under a pipe the schedule begins
+        one micro-batch that is not the last: everything is reduced by ``finish``."""
+        self.sync = last
         self.counts = [0] * len(self.buckets)
         self.next = 0
         self.pending = [None] * len(self.buckets)

@@ -32,9 +32,10 @@ from ..comm import core as comm
 from ..errors import ShardingError, ShardingTypeError
 from ..planner.plan import Plan
 from ..validate import flag
-from .access import EngineAccess
+from .access import ParamAccess
 from .batches import split_batch
 from .buckets import GradBuckets
+from .grad_sync import Accumulate, DataReduction, GradSync, MicroBatches, Riding, StepReduction
 from . import inspection
 from .machine import warn_slow_precision
 from .materialize import is_meta, materialize_stage_
@@ -42,9 +43,10 @@ from .offload.core import Copies, DiskOptimizer, OffloadError, OptimizerOffload
 from .offload.activations import activation_offload
 from .offload.params import params_offload
 from .pipeline import PipelineRuntime
-from .pretrained.core import EnginePretrained
+from .pretrained.empty import build_empty, refuse_before_load
 from .scaler import LossScaler
-from .setup import EngineSetup, check_optimizer, loss_scaler, strip_to_stage, validate
+from .setup import (StateBuilder, apply_recompute, build_units, check_optimizer, loss_scaler, strip_to_stage,
+                    validate)
 from .sync import broadcast_buffers, broadcast_module, cast_buffers
 from .tensor import TensorRuntime
 
@@ -53,7 +55,11 @@ class NonFiniteLossError(FloatingPointError):
     """The loss became inf or NaN in a run with no loss scaling to absorb it."""
 
 
-class Engine(EngineSetup, EngineAccess, EnginePretrained):
+class Engine:
+    """The training engine: composed parts, each built with what it reads — the states (``setup.py``), the
+    gradient syncs (``grad_sync.py``: buckets, ZeRO-3 units, the tensor and pipe runtimes), how micro-batches
+    run and the step's scalars are summed, offload, and parameter access between steps (``access.py``)."""
+
     def __init__(self, model: nn.Module, plan: Plan, optimizer, *, lr_scheduler=None, loss_fn=None,
                  loss_scale: LossScaler | None = None, mesh: Mesh | None = None, init: bool = True,
                  check_replicas: bool = False):
@@ -77,9 +83,8 @@ class Engine(EngineSetup, EngineAccess, EnginePretrained):
         # HSDP: gradients are replicated over the replica axis; only its first replica counts them
         # in the clipping norm (the overflow count only needs to be > 0 somewhere)
         self.replica_coord = mesh.coord(mesh.rank, plan.replica_axis) if plan.replica_axis else 0
-        self.cdt, self.rdt = plan.compute_dtype, plan.reduce_dtype
-        # the reduced gradient can be the fp32 master's gradient itself (no copy for the update)
-        self.grad_is_master = not plan.mixed and plan.reduce_dtype == torch.float32
+        builder = StateBuilder(model, plan, mesh)
+        self.cdt, self.rdt, self.grad_is_master = builder.cdt, builder.rdt, builder.grad_is_master
         self.step_count = 0
         self.samples_seen = 0           # rows of the global batches stepped on (a data position)
         self.grad_norm: float | None = None
@@ -92,22 +97,24 @@ class Engine(EngineSetup, EngineAccess, EnginePretrained):
         if piped:              # this rank keeps its stages' parameters; the rest stays shapes only
             strip_to_stage(model, {p.name for p in plan.params})
         # values from a load (init=False): none now, and a step is refused until one
-        self._needs_load = not init
+        self.needs_load: bool | str = not init
+        # the persistent buffers init=False zeroed: a load must bring each of them (load_pretrained empties it)
+        self.awaited: frozenset[str] = frozenset()
         if not init:
-            self.states = self._build_states_empty()
+            self.states, self.awaited = build_empty(builder)
         else:
             if meta and piped:     # rank 0's values replayed for this rank's stages only, then as built
                 materialize_stage_(model, mesh, {p.name for p in plan.params})
             elif meta:      # built on the meta device: rank 0's values, replayed (see _materialize)
-                rng = self._materialize()
+                rng = builder.materialize()
             else:   # every replica starts from rank 0's model, as DDP (split over tensor: the whole mesh does)
                 axes = (tuple(a for a in mesh.axis_names if not piped or a != self.global_plan.pipeline.axis)
                         if plan.tensor_size > 1 else plan.dp_axes)
                 broadcast_module(model, mesh, axes)
-            self.states = self._build_states(rng)
+            self.states = builder.build(rng)
         if plan.mixed:
             cast_buffers(model, self.cdt)
-        self._apply_recompute()
+        apply_recompute(model, plan)
         self.act_offload = activation_offload(self)     # saved activations to the host or a file
         trainable = [s for s in self.states if s.trainable]
         if plan.states.params is None:
@@ -116,36 +123,62 @@ class Engine(EngineSetup, EngineAccess, EnginePretrained):
             riders = plan.scalars_per_step() if plan.scalars_ride_gradients else 0
             self.buckets, self.units = GradBuckets(self, by_bucket, riders), None
         else:
-            self.buckets, self.units = None, self._build_units()
+            self.buckets, self.units = None, build_units(self)
         if piped and self.units is not None and plan.pipe_unshard:
             self.units.remove()       # the pipeline gathers and reduces a stage's units once per step
         # after the units: its unit hooks run after ZeRO-3's gathers
         self.tensor = TensorRuntime(self) if plan.tensor_size > 1 else None
         self.pipe = PipelineRuntime(self) if piped else None
+        # the parts that touch gradients, told of each moment of the step (runtime/grad_sync.py); how the
+        # micro-batches run; how the step's scalars are summed
+        self.syncs: list[GradSync] = [p for p in (self.buckets, self.tensor, self.units, self.pipe) if p is not None]
+        self.micro_batches: MicroBatches = self.pipe if self.pipe is not None else Accumulate(
+            self.syncs, self.tensor.loss if self.tensor is not None else self.loss_of,
+            self.units.freed_use if self.units is not None else None)
+        base = self.pipe or self.tensor or DataReduction(mesh, plan.dp_axes, self.scalar_vector)
+        self.reduction: StepReduction = Riding(base, self.buckets) if self.buckets and self.buckets.riders else base
+        # the gradients differ across ranks (each holds a part): their overflow count and norm are summed
+        self.grads_sharded = plan.states.grads is not None or self.tensor is not None or self.pipe is not None
+        self.loss_sum = torch.zeros((), dtype=torch.float32, device=mesh.device)   # this rank's, this step
+        if self.buckets is not None and self.buckets.riders:
+            # read when the last bucket launches (end of the last backward): the loss of every micro-step
+            # is in by then, and so is every parameter's "got a gradient" flag
+            self.buckets.rider_values = lambda: self.scalar_vector([self.loss_sum])
         self.params_offload = params_offload(self)   # ZeRO-3's shards to the host or to files (runtime/offload/params.py)
         self.offload = _offload(self)           # masters and moments to the host or to files (runtime/offload/core.py)
         self.optimizer = optimizer([s.master for s in trainable])
         check_optimizer(self.optimizer, [s.master for s in trainable], plan, model)
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
-        self._setup_access()
+        self.access = ParamAccess(model, plan, self.global_plan, mesh, self.states, self.units, self.offload_mapped)
 
     # ---- the step ------------------------------------------------------------------------------
     def step(self, batch: Any, *, local: bool = False) -> float:
         """One optimizer step on ``batch`` (the global batch, or this rank's rows with ``local=True``);
         returns the mean loss of the whole batch."""
-        self._refuse_before_load("step")
+        refuse_before_load(self.needs_load, "step")
         if self.pipe is not None and self.pipe.fns.kind == "transformers":    # every rank, before any collective
             problems = self.pipe.fns.batch_problems(batch, "step", "batch")
             if problems:
                 raise ShardingTypeError("\n".join(problems))
         micro, rows = split_batch(self, batch, local)    # validates before any collective
-        with self._stepping():
+        with self.access.stepping():
             loss = self._step(micro)
         self.samples_seen += rows
         if self.check_replicas:
             from .replicas import check_replicas
             check_replicas(self)
         return loss
+
+    # ---- parameter access between steps (runtime/access.py) -------------------------------------
+    def gathered(self, writable: bool = False):
+        """Inside, the model holds every parameter as a full fp32 tensor (FSDP's ``summon_full_params``);
+        ``writable=True`` writes edits back on exit. A collective (``ParamAccess.gathered``)."""
+        return self.access.gathered(writable)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """``model.state_dict()`` of the unsharded model, full fp32 tensors, the same on every rank; loads
+        with ``strict=True`` into a fresh single-process model. A collective (``ParamAccess.full_state_dict``)."""
+        return self.access.full_state_dict()
 
     # ---- inspection (runtime/inspection.py: functions of the engine's public state) --------------
     def memory_held(self, kind: str = "device") -> dict[str, int]:
@@ -172,16 +205,16 @@ class Engine(EngineSetup, EngineAccess, EnginePretrained):
         frozen parameters out (a fine-tune's base is not rewritten every save): ``load`` keeps the
         engine's own frozen values then. A collective."""
         from .checkpoint.core import save
-        with self._offload_mapped():
+        with self.offload_mapped():
             return save(self, path, extra=extra, frozen=frozen)
 
     def load(self, path) -> dict:
         """Restore the state ``save`` wrote — on any mesh, plan and world size; returns its ``extra``.
         A collective."""
         from .checkpoint.core import load
-        with self._offload_mapped():
+        with self.offload_mapped():
             extra = load(self, path)
-        self._needs_load = False
+        self.needs_load = False
         return extra
 
     def load_pretrained(self, path, *, strict: bool = True) -> None:
@@ -190,7 +223,7 @@ class Engine(EngineSetup, EngineAccess, EnginePretrained):
         the shards: each rank reads only its pieces. Everything is checked before any value is written;
         ``strict=False`` ignores tensors the model lacks. Before the first step. A collective."""
         from .pretrained.core import load_pretrained
-        with self._offload_mapped():
+        with self.offload_mapped():
             load_pretrained(self, path, strict=strict)
 
     def save_pretrained(self, path, *, max_shard_size: int | str = "50GB", dtype: torch.dtype = torch.float32,
@@ -203,8 +236,8 @@ class Engine(EngineSetup, EngineAccess, EnginePretrained):
         from ..planner.peft import is_peft
         from .pretrained.peft_export import refuse_quantized, save_peft
         from .pretrained.core import save_pretrained
-        self._refuse_before_load("save_pretrained")
-        with self._offload_mapped():
+        refuse_before_load(self.needs_load, "save_pretrained")
+        with self.offload_mapped():
             if merged or is_peft(self.model):
                 return save_peft(self, path, merged=merged, max_shard_size=max_shard_size, dtype=dtype)
             refuse_quantized(self)
@@ -213,11 +246,11 @@ class Engine(EngineSetup, EngineAccess, EnginePretrained):
     def export(self, path):
         """The full model (``full_state_dict()``) as one safetensors file, for a plain model."""
         from .checkpoint.core import export
-        with self._offload_mapped():
+        with self.offload_mapped():
             return export(self, path)
 
     @contextlib.contextmanager
-    def _offload_mapped(self):
+    def offload_mapped(self):
         """Offloaded to disk: the masters and moments readable and writable in place (file-backed,
         ``runtime/offload/core.py``) inside; otherwise nothing to do."""
         with contextlib.ExitStack() as stack:
@@ -229,14 +262,16 @@ class Engine(EngineSetup, EngineAccess, EnginePretrained):
     def _step(self, micro: list[Any]) -> float:
         """One step: forward and backward of every micro-batch (gradients reduced as they fill), the step's
         scalars reduced in one collective, the non-finite checks, then the update."""
-        plan = self.plan
-        m = plan.grad_accum
+        m = self.plan.grad_accum
         scale = self.scaler.scale if self.scaler else 1.0
         loss_sum = self._forward_backward(micro, scale / (self.data_size * m))
-        reduced = self.buckets.finish() if self.buckets is not None else None
+        reduced = None
+        for sync in self.syncs:
+            got = sync.finish()
+            reduced = got if got is not None else reduced
         grads = self._master_grads(reduced, scale)
-        if self.pipe is not None and self.pipe.tied_sums:
-            self.pipe.sum_tied(grads)         # tied embeddings: the first and last stage's shares summed
+        for sync in self.syncs:
+            sync.complete(grads)          # (the pipe: tied embeddings' shares summed over the stages)
         loss, found_inf, sumsq, used = self._step_scalars(loss_sum, grads)
         loss = loss / (self.data_size * m)
         self.step_count += 1
@@ -252,39 +287,31 @@ class Engine(EngineSetup, EngineAccess, EnginePretrained):
         return float(loss)
 
     def _forward_backward(self, micro: list[Any], factor: float) -> torch.Tensor:
-        """Every micro-batch's forward and backward (through the pipeline's schedule when there is one);
-        returns the sum of their losses on this rank."""
+        """Every micro-batch's forward and backward (in turn, or by the pipeline's schedule); returns the sum
+        of their losses on this rank."""
         plan = self.plan
         self.copies.reset()
         for off in (self.params_offload, self.act_offload):      # their timelines: this step's
             if off is not None:
                 off.timeline = []
-        self._begin_step()
+        for s in self.states:
+            s.used = False
+        for sync in self.syncs:
+            sync.begin_step()
         if plan.broadcast_buffers and plan.dp_size > 1:     # rank 0's buffers before the forward, as DDP
             broadcast_buffers(self.model, self.mesh, plan.dp_axes)
-        loss_sum = torch.zeros((), dtype=torch.float32, device=self.mesh.device)
-        if self.buckets is not None and self.buckets.riders:
-            # read when the last bucket launches (end of the last backward): the loss of every
-            # micro-step is in by then, and so is every parameter's "got a gradient" flag
-            self.buckets.rider_values = lambda: self.scalar_vector([loss_sum])
-        if self.pipe is not None:
-            if self.buckets is not None:
-                self.buckets.begin_micro(sync=False)     # reduced after the schedule (finish)
-            loss_sum += self.pipe.run(micro, factor)
-        else:
-            self._accumulate(micro, factor, loss_sum)
+        self.loss_sum.zero_()
+        self.micro_batches.run(micro, factor, self.loss_sum)
         if self.act_offload is not None:
             self.act_offload.end_step()           # (a failed activation write stops the step here)
-        return loss_sum
+        return self.loss_sum
 
     def _step_scalars(self, loss_sum: torch.Tensor, grads: list[torch.Tensor]):
         """``(the loss summed over the mesh, the overflow count, the gradients' sum of squares or None, on how
         many ranks each trainable parameter got a gradient)``: the step's scalars, then the gradient flags,
         summed by one all-reduce or already summed in the last gradient bucket's collective."""
-        plan = self.plan
         scalars = [loss_sum]
-        split = self.tensor is not None
-        sharded = plan.states.grads is not None or split or self.pipe is not None
+        sharded = self.grads_sharded
         found_inf = torch.zeros((), device=self.mesh.device)
         if self.scaler:       # counted where the gradients are (the host, offloaded), reduced on the device
             found_inf = (sum((~torch.isfinite(g)).sum() for g in grads).float().to(self.mesh.device) if grads
@@ -292,24 +319,13 @@ class Engine(EngineSetup, EngineAccess, EnginePretrained):
             if sharded:
                 scalars.append(found_inf)
         sumsq = None
-        if plan.clip_grad_norm is not None:
-            norm = self.pipe.norm_grads(grads) if self.pipe is not None else grads
-            sumsq = (self.tensor.sum_of_squares(norm) if split else
-                     self.pipe.sum_of_squares(norm) if self.pipe is not None else
-                     sum((g.double() ** 2).sum() for g in norm).float() if norm else torch.zeros(()))
-            sumsq = sumsq.to(self.mesh.device)
+        if self.plan.clip_grad_norm is not None:
+            sumsq = self.reduction.sum_of_squares(grads).to(self.mesh.device)
             if sharded and self.replica_coord != 0:
                 sumsq = torch.zeros_like(sumsq)           # HSDP: the first replica counts the shards
             if sharded:
                 scalars.append(sumsq)
-        if self.buckets is not None and self.buckets.riders:
-            vec = self.buckets.rider_sums
-        elif self.pipe is not None:   # over the whole mesh: each stage adds its own
-            vec = self.pipe.reduce_scalars(scalars)
-        elif split:      # over (data, tensor), each value counted once (TensorRuntime.scalars)
-            vec = self.tensor.reduce_scalars(self.scalar_vector(scalars))
-        else:
-            vec = comm.all_reduce(self.scalar_vector(scalars), self.mesh, plan.dp_axes)
+        vec = self.reduction.reduce(scalars)
         if sharded:
             k = 1
             if self.scaler:
@@ -363,28 +379,6 @@ class Engine(EngineSetup, EngineAccess, EnginePretrained):
         if self.offload is None:
             self.publish()
 
-    def _accumulate(self, micro: list[Any], factor: float, loss_sum: torch.Tensor) -> None:
-        """Forward and backward of each micro-batch in turn, gradients reduced on the last (overlapped
-        with its backward); the losses added into ``loss_sum``."""
-        m = len(micro)
-        for i, mb in enumerate(micro):
-            if self.buckets is not None:
-                self.buckets.begin_micro(sync=i == m - 1)
-            else:
-                self.units.begin_micro(first=i == 0)
-            try:
-                loss = self._loss(mb) if self.tensor is None else self.tensor.loss(mb)
-                loss_sum += loss.detach().float()
-                (loss.float() * factor).backward()
-            except RuntimeError as e:              # a freed ZeRO-3 parameter read: name it
-                if self.units is not None and (said := self.units.freed_use(e)):
-                    raise ShardingError(said) from e
-                raise
-            if self.tensor is not None:
-                self.tensor.clear()
-            if self.units is not None:
-                self.units.end_micro()
-
     def scalar_vector(self, scalars: list[torch.Tensor]) -> torch.Tensor:
         """``[scalars..., used flag of each trainable parameter]`` in fp32."""
         used = torch.tensor([float(s.used) for s in self.states if s.trainable], device=self.mesh.device)
@@ -401,7 +395,9 @@ class Engine(EngineSetup, EngineAccess, EnginePretrained):
         """The current fp16 loss scale (None without fp16)."""
         return self.scaler.scale if self.scaler else None
 
-    def _loss(self, batch: Any) -> torch.Tensor:
+    def loss_of(self, batch: Any) -> torch.Tensor:
+        """The loss of one micro-batch: ``loss_fn(model, batch)``, or the model's own (a scalar, or a
+        transformers output's ``.loss``)."""
         if self.loss_fn is not None:
             out = self.loss_fn(self.model, batch)
         elif isinstance(batch, dict):
@@ -421,12 +417,6 @@ class Engine(EngineSetup, EngineAccess, EnginePretrained):
                                     f"{type(out).__name__}{tuple(out.shape) if isinstance(out, torch.Tensor) else ''}. "
                                     "Return the mean loss from the model, or pass loss_fn=.")
         return out
-
-    def _begin_step(self) -> None:
-        for s in self.states:
-            s.used = False
-        if self.buckets is not None:
-            self.buckets.begin_step()
 
     def _master_grads(self, reduced, scale: float) -> list[torch.Tensor]:
         """Put the reduced, unscaled fp32 gradient on each master; return them.
@@ -497,7 +487,7 @@ class Engine(EngineSetup, EngineAccess, EnginePretrained):
         plan = self.plan
         trainable = [s for s in self.states if s.trainable]
         if self.offload is not None:
-            with self._offload_mapped():
+            with self.offload_mapped():
                 self.offload.publish_all()
             return
         if self.params_offload is not None:        # the masters (on the device) into the offloaded shards
@@ -507,13 +497,13 @@ class Engine(EngineSetup, EngineAccess, EnginePretrained):
                 self.params_offload.commit()
             except OSError as e:
                 self.params_offload.abort()
-                self._needs_load = (
+                self.needs_load = (
                     f"the new parameters of step {self.step_count} could not be written under {plan.offload_dir} "
                     f"({e}), after the optimizer on the device had updated its states: the engine holds no one "
                     "step's state. Load the last checkpoint (engine.load(path)) to go on — or offload the "
                     "optimizer too (offload={'optimizer': 'disk', 'params': 'disk'}), whose failed writes leave "
                     "the step undone.")
-                raise OffloadError(f"step: {self._needs_load}") from None
+                raise OffloadError(f"step: {self.needs_load}") from None
             return
         if plan.states.params is not None:
             if plan.mixed:

@@ -49,6 +49,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from .grad_sync import GradSync
 from ..comm import core as comm
 from ..errors import CollectiveError
 from ..planner.pipeline import loss_words, stream_shape
@@ -65,7 +66,7 @@ class PipelineError(CollectiveError):
     """A pipeline step failed on some rank; raised on every rank, naming the one that failed."""
 
 
-class PipelineRuntime:
+class PipelineRuntime(GradSync):
     """Installed by the engine when its plan cuts the model into pipeline stages."""
 
     def __init__(self, engine: Engine):
@@ -161,11 +162,13 @@ class PipelineRuntime:
         return [named[n] for n in names if named[n].requires_grad and not named[n].is_meta]
 
     # ---- the step ------------------------------------------------------------------------------
-    def run(self, micro: list[Any], factor: float) -> torch.Tensor:
-        """Run this rank's actions over the step's micro-batches; return the sum of the
-        micro-batch losses (of this data replica), the same on every stage: the last computes
-        them, the others receive them behind the output gradients."""
+    def run(self, micro: list[Any], factor: float, loss_sum: torch.Tensor) -> None:
+        """Run this rank's actions over the step's micro-batches; add the sum of the micro-batch losses
+        (of this data replica) into ``loss_sum``, the same on every stage: the last computes them, the
+        others receive them behind the output gradients."""
         eng = self.engine
+        if eng.buckets is not None:
+            eng.buckets.begin_micro(first=True, last=False)     # reduced after the schedule (finish)
         self.losses: dict[int, torch.Tensor] = {}
         self.micro, self.factor = micro, factor
         self.stream = self._stream_shape(micro[0])
@@ -225,7 +228,11 @@ class PipelineRuntime:
         for i in range(len(micro)):           # in micro-batch order, as one process adds them
             total += self.losses[i]
         self.losses = {}
-        return total
+        loss_sum += total
+
+    def complete(self, grads: list[torch.Tensor]) -> None:
+        if self.tied_sums:
+            self.sum_tied(grads)         # tied embeddings: the first and last stage's shares summed
 
     def _post_receives(self, posted: int, through: int) -> int:
         """Post the next receives of the list: every one up to position ``through``, and more while
@@ -250,7 +257,7 @@ class PipelineRuntime:
             if self.zero3 and not self.per_step:      # units whose inputs took no gradient
                 for u in self.units_of[s]:
                     if u is not self.engine.units.root and not u.reduced:
-                        self.engine.units._reduce(u)
+                        self.engine.units.reduce(u)
         elif kind == "I":
             self._backward_input(s, i)
         elif kind == "W":
@@ -280,7 +287,7 @@ class PipelineRuntime:
             if self.zero3:
                 for u in reversed(self.units_of[s]):
                     if not u.reduced:
-                        self.engine.units._reduce(u)
+                        self.engine.units.reduce(u)
         elif kind == "RESHARD":
             pass          # REDUCE_GRAD freed the stage's parameters with its reduce-scatter
         else:
@@ -458,14 +465,18 @@ class PipelineRuntime:
         return out
 
     def sum_of_squares(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """This rank's share of the squared global norm (no tensor axis): its stages' gradients,
-        counted on data coordinate 0 only when they are replicated over ``data``."""
+        """This rank's share of the squared global norm: its stages' gradients (a tied weight's on the
+        first stage only), counted as the tensor axis counts them, else on data coordinate 0 only when
+        they are replicated over ``data``."""
         eng = self.engine
+        grads = self.norm_grads(grads)
+        if eng.tensor is not None:
+            return eng.tensor.sum_of_squares(grads)
         if eng.plan.states.grads is None and eng.data_index != 0:
             return torch.zeros((), device=self.mesh.device)
         return sum(((g.double() ** 2).sum() for g in grads), torch.zeros((), dtype=torch.float64)).float()
 
-    def reduce_scalars(self, scalars: list[torch.Tensor]) -> torch.Tensor:
+    def reduce(self, scalars: list[torch.Tensor]) -> torch.Tensor:
         """Sum ``[scalars..., used flag of each trainable parameter]`` over the plan's
         ``pipe_scalar_axes``: nothing to do at data = 1, this stage's vector over ``data``, or, for
         fp16's overflow count and clipping's norm, every stage's over the whole mesh: the flags then

@@ -63,7 +63,7 @@ def replica_mismatches(engine: Engine) -> list[str]:
     for name in (pipe.tied if pipe is not None else ()):
         groups.setdefault(replica_axes(engine, name), []).append((name, by_name.get(name)))
     out: list[str] = []
-    with engine._offload_mapped():
+    with engine.offload_mapped():
         for axes in sorted(groups, key=lambda a: [mesh.axis_names.index(x) for x in a]):
             entries = groups[axes]
             mine = torch.stack([_fingerprint(s.master.to("cpu")) if s is not None else torch.zeros(2, dtype=torch.int64)

@@ -46,18 +46,26 @@ def strip_to_stage(model: nn.Module, keep: set[str]) -> None:
             mod._parameters[attr] = done[id(p)]
 
 
-class EngineSetup:
-    """The construction half of ``Engine`` (mixed in)."""
+class StateBuilder:
+    """Each parameter's runtime state on this rank (``ParamState``: masters, shards, gradient shards), from
+    the model's values (``build``), replayed from a model on the meta device (``materialize``, then
+    ``build``), or zeros for a load to fill (``pretrained/empty.py``). Holds nothing but what it is built
+    with: the model, this rank's plan and the mesh."""
 
-    def _materialize(self) -> torch.Tensor | None:
-        """A model built on the meta device gets the values a normal build gives it (see
-        ``materialize.py``). Building on meta draws no random numbers, so the generator's state
+    def __init__(self, model: nn.Module, plan: Plan, mesh: Mesh):
+        self.model, self.plan, self.mesh = model, plan, mesh
+        self.cdt, self.rdt = plan.compute_dtype, plan.reduce_dtype
+        # the reduced gradient can be the fp32 master's gradient itself (no copy for the update)
+        self.grad_is_master = not plan.mixed and plan.reduce_dtype == torch.float32
+
+    def materialize(self) -> torch.Tensor | None:
+        """A model built on the meta device gets the values a normal build gives it (``materialize.py``). Building on meta draws no random numbers, so the generator's state
         now is the state the build began from (the seed set before it, or inside the model's
         constructor); every rank takes rank 0's (one ~5 KB broadcast over the whole mesh, a set-up
         collective) and replays from it, so every rank gets rank 0's values bit for bit — the
         set-up broadcast of the model is not needed, and not run. Without ZeRO-3 each rank keeps
         the full model anyway: it is materialized whole, in place. Under ZeRO-3 returns the agreed
-        state, for ``_build_states`` to materialize unit by unit. Afterwards the generator is where
+        state, for ``build`` to materialize unit by unit. Afterwards the generator is where
         rank 0's normal build would leave it, on every rank."""
         real = partly_meta(self.model)
         if real:
@@ -73,29 +81,29 @@ class EngineSetup:
         materialize_(self.model, rng_state=rng)
         return None
 
-    def _build_states(self, rng_state: torch.Tensor | None = None) -> list[ParamState]:
+    def build(self, rng_state: torch.Tensor | None = None) -> list[ParamState]:
         """Each parameter's runtime state, from the model's values. ``rng_state`` (ZeRO-3, a model on
         the meta device): the values are replayed unit by unit from that generator state instead
-        (``_build_states_meta``)."""
+        (``build_meta``)."""
         if rng_state is not None:
-            return self._build_states_meta(rng_state)
-        named, owners = dict(self.model.named_parameters()), self._owners()
+            return self.build_meta(rng_state)
+        named, owners = dict(self.model.named_parameters()), self.owners()
         states = []
         for i, pp in enumerate(self.plan.params):
             p = named[pp.name]
-            st = self._param_state(i, pp, p, p.detach(), owners[id(p)])
-            self._put(st)
+            st = self.param_state(i, pp, p, p.detach(), owners[id(p)])
+            self.put(st)
             states.append(st)
         return states
 
-    def _build_states_meta(self, rng_state: torch.Tensor) -> list[ParamState]:
+    def build_meta(self, rng_state: torch.Tensor) -> list[ParamState]:
         """ZeRO-3 on a meta-device model: the plan's units materialized one at a time
         (``materialize.py``), each rank keeping its piece of each parameter and every buffer; a
         unit's full values are dropped before the next is built, so building holds one unit's
         values (plus one module's scratch tensors), not the model's. The modules get their
         tensors once every unit is built (the replay must see the meta tensors)."""
         model, plan = self.model, self.plan
-        named, owners = dict(model.named_parameters()), self._owners()
+        named, owners = dict(model.named_parameters()), self.owners()
         index = {pp.name: i for i, pp in enumerate(plan.params)}
         groups = unit_groups(model, [u.name for u in plan.units if u.name])
         states: list[ParamState | None] = [None] * len(plan.params)
@@ -105,16 +113,16 @@ class EngineSetup:
                 value = values.pop(name)
                 if name in index:
                     i = index[name]
-                    states[i] = self._param_state(i, plan.params[i], named[name], value, owners[id(named[name])])
+                    states[i] = self.param_state(i, plan.params[i], named[name], value, owners[id(named[name])])
                 else:
                     buffers[name] = value.to(self.mesh.device)
                 del value
         for st in states:
-            self._put(st)
+            self.put(st)
         put_buffers(model, buffers)
         return states
 
-    def _param_state(self, i: int, pp, p: nn.Parameter, full: torch.Tensor,
+    def param_state(self, i: int, pp, p: nn.Parameter, full: torch.Tensor,
                      owners: list[tuple[nn.Module, str]]) -> ParamState:
         """Parameter ``i``'s state from its full value ``full`` (``p`` itself, or a materialized
         value for the meta parameter ``p``): this rank keeps its piece under ZeRO-3, the whole
@@ -126,7 +134,7 @@ class EngineSetup:
         lo, hi = (0, pp.numel) if slot is None else flat.piece(pp.name, mesh.rank)
         st = ParamState(i, pp, p, slot, lo, hi, owners)
         if pp.quant is not None:
-            return self._quantized_state(st, full)
+            return self.quantized_state(st, full)
         if pp.full_shape is not None and tuple(full.shape) != pp.shape:   # split over tensor: keep this rank's shard
             full = Layout(mesh, pp.spec).local_part(full, mesh.rank).clone(   # a fused dim: its chunk of every block
                 memory_format=torch.contiguous_format)          # not a view: the full value is freed
@@ -160,7 +168,7 @@ class EngineSetup:
                 st.param = full
         return st
 
-    def _quantized_state(self, st: ParamState, full: torch.Tensor) -> ParamState:
+    def quantized_state(self, st: ParamState, full: torch.Tensor) -> ParamState:
         """A quantized frozen weight: this rank's tensor shard of it (every component cut to match,
         ``quant/layout.py``), held packed; under ZeRO-3 this rank keeps its piece of the shard's packed
         bytes and the modules hold the shard rebuilt as views of a buffer filled while gathered."""
@@ -185,44 +193,50 @@ class EngineSetup:
         store.untyped_storage().resize_(0)
         return st
 
-    def _owners(self) -> dict[int, list[tuple[nn.Module, str]]]:
+    def owners(self) -> dict[int, list[tuple[nn.Module, str]]]:
         """Every (module, attribute) holding each parameter, by the parameter's id."""
         modules = dict(self.model.named_modules())
         return {k: [(modules[m], a) for m, a in v] for k, v in param_owners(self.model).items()}
 
-    def _put(self, st: ParamState) -> None:
+    def put(self, st: ParamState) -> None:
         """ZeRO-3: the modules hold the parameter's full-shaped tensor (storage only while gathered)."""
         if self.plan.states.params is not None:
             for mod, attr in st.owners:
                 mod._parameters[attr] = st.param
 
-    def _build_units(self) -> UnitRunner:
-        modules = dict(self.model.named_modules())
-        by_name = {s.name: s for s in self.states}
-        flats = flat_runs(self.plan.flat.groups, by_name, self.mesh.rank)     # one per unit, in order
-        root, units = None, []
-        for u, fl in zip(self.plan.units, flats):
-            unit = Unit(u.name, modules[u.name], [by_name[n] for n in u.params], u.reshard_after_forward, fl,
-                        u.backward)
-            if u.name == "":
-                root = unit
-            else:
-                units.append(unit)
-        return UnitRunner(self, units, root)
 
-    def _apply_recompute(self) -> None:
-        from ..comm.recompute import recomputed
 
-        # split over tensor, a recomputed unit runs collectives: recompute it whole (no early stop,
-        # which would skip the collectives after the last tensor backward needs), so what runs is
-        # what the plan traced
-        early = self.plan.tensor_size == 1
-        modules = dict(self.model.named_modules())
-        for u in self.plan.units:
-            if u.recompute or u.selective:
-                mod = modules[u.name]
-                mod.forward = recomputed(mod.forward, "full" if u.recompute else "selective", early_stop=early,
-                                         name=u.name)
+def build_units(engine) -> UnitRunner:
+    """ZeRO-3's units of this rank's plan over the engine's states (``units.py``)."""
+    plan, states = engine.plan, engine.states
+    modules = dict(engine.model.named_modules())
+    by_name = {s.name: s for s in states}
+    flats = flat_runs(plan.flat.groups, by_name, engine.mesh.rank)     # one per unit, in order
+    root, units = None, []
+    for u, fl in zip(plan.units, flats):
+        unit = Unit(u.name, modules[u.name], [by_name[n] for n in u.params], u.reshard_after_forward, fl,
+                    u.backward)
+        if u.name == "":
+            root = unit
+        else:
+            units.append(unit)
+    return UnitRunner(engine, units, root)
+
+
+def apply_recompute(model: nn.Module, plan: Plan) -> None:
+    """Wrap the forward of each unit the plan recomputes (whole, or selective: attention's core)."""
+    from ..comm.recompute import recomputed
+
+    # split over tensor, a recomputed unit runs collectives: recompute it whole (no early stop,
+    # which would skip the collectives after the last tensor backward needs), so what runs is
+    # what the plan traced
+    early = plan.tensor_size == 1
+    modules = dict(model.named_modules())
+    for u in plan.units:
+        if u.recompute or u.selective:
+            mod = modules[u.name]
+            mod.forward = recomputed(mod.forward, "full" if u.recompute else "selective", early_stop=early,
+                                     name=u.name)
 
 
 def validate(model, plan, optimizer, mesh, loss_fn) -> None:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .grad_sync import GradSync
 from ..comm import core as comm
 from ..comm.boundaries import Boundaries, Ops
 from .vocab import ShardedLogits
@@ -26,7 +27,7 @@ def _split(spec, axis: str) -> bool:
     return any(e == axis or (isinstance(e, tuple) and axis in e) for e in tuple(spec))
 
 
-class TensorRuntime:
+class TensorRuntime(GradSync):
     """Installed by the engine when its plan splits parameters over ``tensor``."""
 
     def __init__(self, engine: Engine):
@@ -51,15 +52,18 @@ class TensorRuntime:
         """The engine's loss of one micro-batch, with the LM head's split logits routed to
         vocab-parallel cross-entropy."""
         if self.logits is None:
-            return self.engine._loss(batch)
+            return self.engine.loss_of(batch)
         try:
             with self.logits:
-                return self.engine._loss(batch)
+                return self.engine.loss_of(batch)
         finally:
             self.logits.clear()
 
     def clear(self) -> None:
         self.boundaries.clear()
+
+    def end_micro(self) -> None:
+        self.clear()
 
     def sum_of_squares(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """This rank's share of the squared global norm: its split shards in full, the replicated
@@ -72,12 +76,12 @@ class TensorRuntime:
         rep = sum(((g.double() ** 2).sum() for g, s in zip(grads, self.split) if not s), zero)
         return (split + rep if self.coord == 0 else split).float()
 
-    def reduce_scalars(self, vec: torch.Tensor) -> torch.Tensor:
+    def reduce(self, scalars: list[torch.Tensor]) -> torch.Tensor:
         """All-reduce the step's scalar vector ``[loss, (found_inf), (sumsq), used...]`` over
         ``(data, tensor)``: the loss and the used flags are the same on every tensor coordinate, so
         coordinate 0 alone contributes them (adding zeros is exact)."""
+        vec = self.engine.scalar_vector(scalars)
         if self.coord != 0:
-            vec = vec.clone()
             vec[0] = 0.0
             first_flag = len(vec) - len(self.split)
             vec[first_flag:] = 0.0

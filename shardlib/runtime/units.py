@@ -49,6 +49,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from .grad_sync import GradSync
 from ..comm import core as comm
 from .comm_buffers import Buffer
 from .flat import FlatRun
@@ -91,7 +92,7 @@ class Unit:
         return sum(s.storage.numel() * s.storage.element_size() for s in self.states)
 
 
-class UnitRunner:
+class UnitRunner(GradSync):
     def __init__(self, engine, units: list[Unit], root: Unit | None):
         self.engine = engine
         self.mesh, self.axis = engine.mesh, engine.plan.data_axis
@@ -241,7 +242,7 @@ class UnitRunner:
     def post_backward(self, u: Unit) -> None:
         if u.reduced:
             return
-        self._reduce(u)
+        self.reduce(u)
 
     def _make_grad_hook(self, u: Unit, s: ParamState):
         def hook(param: torch.Tensor) -> None:
@@ -256,7 +257,8 @@ class UnitRunner:
             param.grad = None                        # laid flat: the tensor itself is not kept
         return hook
 
-    def _reduce(self, u: Unit) -> None:
+    def reduce(self, u: Unit) -> None:
+        """Launch the reduce-scatter of unit ``u``'s gradients into this rank's shards: its backward is done."""
         trainable = u.flat.train
         for s in trainable:
             s.used = s.used or s.param.grad is not None
@@ -314,7 +316,7 @@ class UnitRunner:
         u.reduce_buf = None
 
     # ---- per micro-step ------------------------------------------------------------------------
-    def begin_micro(self, first: bool) -> None:
+    def begin_micro(self, first: bool, last: bool = True) -> None:
         self.events = []
         for u in self.all:
             u.reduced = False
@@ -327,7 +329,7 @@ class UnitRunner:
         gather finished and dropped, so no collective stays in flight past the step."""
         for u in reversed(self.all):
             if not u.reduced:
-                self._reduce(u)
+                self.reduce(u)
         for u in self.all:
             if u.status == "gathering":
                 u.pending.wait()

@@ -8,7 +8,7 @@ import pytest
 import shardlib as sl
 
 
-def test_shape_names_size():
+def test_shape_names_and_size_and_equality_depends_on_axis_order():
     m = sl.AbstractMesh({"data": 2, "pipe": 3, "tensor": 4})
     assert m.axis_names == ("data", "pipe", "tensor")
     assert tuple(m.shape) == (2, 3, 4)

@@ -141,7 +141,7 @@ def _round_trips(shape):
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])
-def test_to_dtensor_and_back(world, n):
+def test_to_dtensor_and_back_is_exact_or_refused_where_dtensor_differs(world, n):
     for rank, (problems, ran, refused) in enumerate(world(n, _round_trips, MESHES[n])):
         assert problems == [], f"rank {rank}:\n" + "\n".join(problems)
         assert ran >= 8
@@ -196,7 +196,7 @@ def _torch_made(shape):
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])
-def test_dtensors_made_by_torch(world, n):
+def test_torch_made_dtensors_give_the_predicted_shard_or_are_refused(world, n):
     for rank, (problems, ran, refused) in enumerate(world(n, _torch_made, MESHES[n])):
         assert problems == [], f"rank {rank}:\n" + "\n".join(problems)
         assert ran >= 10

@@ -77,7 +77,7 @@ def test_flatten_unflatten_rebuilds_whole_and_shards():
     assert shard.shape == (12, 32) and torch.equal(shard.dequantize(), q.dequantize()[:, 32:])
 
 
-def test_frozen_linear_weight_parity_and_grads():
+def test_frozen_linear_equals_dequantized_float_in_output_and_grads():
     w = _weight()
     q = Int4Tensor.from_float(w, 32)
     p = nn.Parameter(q, requires_grad=False)
@@ -104,7 +104,7 @@ def test_frozen_linear_weight_parity_and_grads():
         F.linear(x, nn.Parameter(q))                                    # requires_grad=True: refused
 
 
-def test_detach_clone_to_copy_state_dict_deepcopy():
+def test_detach_clone_copy_and_state_dict_keep_int4_values():
     m = quantize_int4_(nn.Sequential(nn.Linear(64, 12), nn.ReLU(), nn.Linear(12, 4)), 32)
     w = m[0].weight
     assert type(w) is Int4Tensor and type(m[2].weight) is nn.Parameter     # 12 in-features: left float
@@ -160,7 +160,7 @@ def test_unsupported_ops_name_the_op_and_the_way_out():
     assert "group_size=32" in repr(q)
 
 
-def test_bad_group_sizes_and_selections():
+def test_bad_group_sizes_and_selections_are_refused_naming_each():
     with pytest.raises(ShardingError, match="even"):
         Int4Tensor.from_float(_weight(), 15)
     with pytest.raises(ShardingError, match="got 64 in-features; expected a multiple of 48"):

@@ -14,7 +14,7 @@ from shardlib import P
 MESH = sl.AbstractMesh({"data": 2, "tensor": 2})
 
 
-def test_contract_examples():
+def test_contract_example_gives_local_shape_slices_and_placements():
     lay = sl.Layout(MESH, P(None, "tensor"))
     assert lay.local_shape((8, 12), rank=3) == (8, 6)
     slices = lay.shard_slices((8, 12))
@@ -42,7 +42,7 @@ def test_uneven_uses_ceil_chunks_trailing_smaller_or_empty():
     assert not lay.is_even((5,)) and lay.is_even((8,))
 
 
-def test_partial_and_memory_and_short_form():
+def test_short_form_and_placements_show_partial_memory_and_axis_order():
     lay = sl.Layout(MESH, P("data"), partial="tensor", memory="cpu")
     assert lay.short() == "S(0)P@cpu"
     assert lay.placements() == (Shard(0), Partial())

@@ -16,7 +16,7 @@ def test_repr_is_itself_and_hashable():
     assert pickle.loads(pickle.dumps(P(("data", "tensor"), None))) == P(("data", "tensor"), None)
 
 
-def test_normalization():
+def test_equivalent_entries_normalize_and_dims_past_the_spec_replicate():
     assert P(("data",)) == P("data")          # one-axis tuple is the axis
     assert P(()) == P(None)                    # empty tuple is replicated
     assert P(["data", "tensor"]) == P(("data", "tensor"))
@@ -63,7 +63,7 @@ def test_fused_is_an_immutable_hashable_entry_with_a_short_repr():
     assert P.from_dim_axes([(), f]) == P(None, f)
 
 
-def test_fused_bad_input():
+def test_fused_bad_parts_axis_nesting_and_reuse_are_refused():
     with pytest.raises(sl.ShardingTypeError, match="parts must be an int >= 1"):
         sl.Fused(0, "tensor")
     with pytest.raises(sl.ShardingTypeError, match="axis must be a mesh axis name"):

@@ -119,7 +119,7 @@ def test_planning_a_huge_mesh_needs_no_processes():
     assert plan.ops == ("all_gather",) and plan.bytes == 99 * 100 * 8 * 4
 
 
-def test_bad_input():
+def test_other_meshes_too_long_specs_and_bad_keywords_are_refused():
     with pytest.raises(sl.ShardingError, match="different meshes"):
         sl.plan_redistribute(L(P()), L(P(), M3), (4,))
     with pytest.raises(sl.SpecError, match="rank 1"):

@@ -340,32 +340,32 @@ def _check_errors(shape: dict) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("n, mesh", WORLDS)
-def test_psum(world, n, mesh):
+def test_psum_matches_one_process_and_sends_the_ring_all_reduce_bytes(world, n, mesh):
     world(n, _check_psum, MESHES[mesh], AXES[mesh])
 
 
 @pytest.mark.parametrize("n, mesh", WORLDS)
-def test_pbroadcast(world, n, mesh):
+def test_pbroadcast_sums_the_gradient_over_the_group_like_one_process(world, n, mesh):
     world(n, _check_pbroadcast, MESHES[mesh], AXES[mesh])
 
 
 @pytest.mark.parametrize("n, mesh", WORLDS)
-def test_all_gather(world, n, mesh):
+def test_all_gather_matches_one_process_and_backward_is_a_reduce_scatter(world, n, mesh):
     world(n, _check_all_gather, MESHES[mesh], AXES[mesh])
 
 
 @pytest.mark.parametrize("n, mesh", WORLDS)
-def test_psum_scatter(world, n, mesh):
+def test_psum_scatter_matches_one_process_and_backward_is_an_all_gather(world, n, mesh):
     world(n, _check_psum_scatter, MESHES[mesh], AXES[mesh])
 
 
 @pytest.mark.parametrize("n, mesh", WORLDS)
-def test_all_to_all(world, n, mesh):
+def test_all_to_all_values_and_gradients_match_one_process(world, n, mesh):
     world(n, _check_all_to_all, MESHES[mesh], AXES[mesh])
 
 
 @pytest.mark.parametrize("n, mesh", WORLDS)
-def test_ppermute(world, n, mesh):
+def test_ppermute_matches_one_process_and_zero_fills_unreceived_shards(world, n, mesh):
     world(n, _check_ppermute, MESHES[mesh], AXES[mesh])
 
 
@@ -400,7 +400,7 @@ def _axis_index_all(shape: dict, axes_list: list) -> list[int]:
     return [sl.axis_index(a, mesh=mesh) for a in axes_list]
 
 
-def test_axis_index(world):
+def test_axis_index_is_the_ranks_position_in_each_group(world):
     got = world(8, _axis_index_all, MESHES[8], AXES[8])
     assert got == [[_index(r, MESHES[8], a) for a in AXES[8]] for r in range(8)]
 

@@ -55,7 +55,7 @@ def _group_facts(shape):
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])
-def test_groups_for_every_axis_combination(world, n):
+def test_every_axis_combination_groups_the_ranks_sharing_other_coords(world, n):
     shape = MESHES[n]
     sizes = tuple(shape.values())
     names = tuple(shape)
@@ -88,7 +88,7 @@ def _my_view(shape):
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])
-def test_rank_coords_and_device(world, n):
+def test_rank_coords_are_row_major_and_the_device_is_the_cpu(world, n):
     shape = MESHES[n]
     sizes = tuple(shape.values())
     for rank, v in enumerate(world(n, _my_view, shape)):
@@ -163,7 +163,7 @@ def _backend_override():
     return mesh.backend, dist.get_backend(mesh.group("data")), mesh.device, x.item(), errors
 
 
-def test_backend_override(world):
+def test_backend_override_is_honoured_and_bad_backends_refused(world):
     for backend, group_backend, device, total, errors in world(2, _backend_override):
         assert (backend, group_backend, device, total) == ("gloo", "gloo", torch.device("cpu"), 2.0)
         assert errors["nccl"][0] == "MeshError" and "'gloo'" in errors["nccl"][1]

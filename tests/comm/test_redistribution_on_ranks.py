@@ -64,7 +64,7 @@ def _assert_ok(results):
     assert failures == [], f"{len(failures)} of {n} pairs failed:\n" + "\n".join(failures[:20])
 
 
-def test_every_pair_world2(world):
+def test_every_pair_on_2_ranks_ends_at_the_destination_shard(world):
     _assert_ok(world(2, _check_pairs, {"data": 2}, (5, 3)))
     _assert_ok(world(2, _check_pairs, {"data": 2, "tensor": 1}, (3,)))
 
@@ -82,12 +82,12 @@ def test_chunks_cover_the_sweep_exactly_once():
 
 
 @pytest.mark.parametrize("part", range(2))
-def test_a_third_of_the_pairs_world4_with_a_size_one_axis(world, part):
+def test_pairs_on_4_ranks_with_a_size_one_axis_end_at_the_destination(world, part):
     _assert_ok(world(4, _check_pairs, {"data": 2, "pipe": 1, "tensor": 2}, (5, 6), *_chunk(part, 2, 3, 1)))
 
 
 @pytest.mark.parametrize("part", range(3))
-def test_a_third_of_the_pairs_world8_uneven(world, part):
+def test_uneven_pairs_on_8_ranks_end_at_the_destination_shard(world, part):
     _assert_ok(world(8, _check_pairs, {"data": 2, "pipe": 2, "tensor": 2}, (5, 6), *_chunk(part, 3, 3, 0)))
 
 
@@ -99,15 +99,15 @@ def test_thirds_see_every_layout_as_source_and_destination():
 
 
 @pytest.mark.parametrize("part", range(2))
-def test_pairs_world8_even(world, part):
+def test_even_pairs_on_8_ranks_end_at_the_destination_shard(world, part):
     _assert_ok(world(8, _check_pairs, {"data": 2, "pipe": 2, "tensor": 2}, (8, 4), *_chunk(part, 2, 5, 1)))
 
 
-def test_pairs_world8_3d(world):
+def test_3d_tensor_pairs_on_8_ranks_end_at_the_destination_shard(world):
     _assert_ok(world(8, _check_pairs, {"data": 2, "pipe": 2, "tensor": 2}, (3, 4, 5), 97, 3, False))
 
 
-def test_uneven_mesh_axis_world4(world):
+def test_uneven_dims_over_a_4_way_axis_end_at_the_destination_shard(world):
     _assert_ok(world(4, _check_pairs, {"data": 4}, (7, 2)))
 
 
@@ -128,7 +128,7 @@ def _grad_pairs(mesh_shape, shape, stride):
     return len(lays) ** 2 // stride, failures
 
 
-def test_redistribute_gradients_world4(world):
+def test_redistribute_gradient_is_the_cotangent_in_the_source_layout(world):
     _assert_ok(world(4, _grad_pairs, {"data": 2, "tensor": 2}, (5, 3), 3))
 
 

@@ -335,7 +335,7 @@ def test_mode_routes_model_code_unchanged(world, k, V, dtype):
             assert fwd == expect and bwd == {}, (name, fwd, bwd)
 
 
-def test_marks_are_weak_cleared_and_unshard(world):
+def test_marks_are_weak_clearable_and_unshard_gives_the_full_logits(world):
     k, V = 3, 10
     results = world(k, _marks_worker, k, V)
     full, y = _model_data(V, torch.float32)
@@ -376,7 +376,7 @@ def _shards(full: torch.Tensor, V: int, k: int) -> list[tuple[int, torch.Tensor]
 
 
 @pytest.mark.parametrize("k,V", CASES, ids=[f"k{k}-V{V}" for k, V in CASES])
-def test_index_and_reshape_rules(k, V):
+def test_index_and_reshape_run_on_the_shard_only_where_exact(k, V):
     """Which indexing and reshapes run on the shard; every one that does gives, on each shard,
     that shard of the op on the full tensor (checked here on real tensors, one process)."""
     from shardlib.runtime.vocab import VocabShard, _index_keeps_last, _reshape_local

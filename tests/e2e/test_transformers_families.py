@@ -119,7 +119,7 @@ def test_every_family_at_tensor_2_trains_like_one_process(world, chunk):
 
 
 @pytest.mark.parametrize("chunk", range(len(CHUNKS)))
-def test_every_family_at_data_2_x_tensor_2_zero3(world, chunk):
+def test_every_family_at_data_2_x_tensor_2_zero3_trains_like_one_process(world, chunk):
     families = list(CHUNKS[chunk])
     per_rank = world(4, _runs, families, {"data": 2, "tensor": 2}, 3)
     for f in families:
@@ -155,7 +155,7 @@ def _run_pipe(family: str, p: int, zero: int, schedule: str) -> dict:
 
 @pytest.mark.parametrize("family,p,zero,schedule", [("gpt2", 4, 0, "1f1b"), ("smollm3", 4, 2, "zb_h1"),
                                                     ("gemma", 2, 1, "interleaved_1f1b")])
-def test_tied_tables_at_every_pipe_size_and_schedule(world, family, p, zero, schedule):
+def test_tied_tables_train_like_one_process_on_every_pipe_and_schedule(world, family, p, zero, schedule):
     """The stages between the first and the last add zeros to the tied weight's sum (pipe 4); the first and
     last virtual stage of an interleaved schedule sit on the two ends of the pipe axis."""
     per_rank = world(p, _run_pipe, family, p, zero, schedule)
@@ -182,7 +182,7 @@ CUBE_CHUNKS = [hf.FAMILIES[i::2] for i in range(2)]
 
 
 @pytest.mark.parametrize("chunk", range(len(CUBE_CHUNKS)))
-def test_every_family_at_2x2x2(world, chunk):
+def test_every_family_at_2x2x2_trains_like_one_process(world, chunk):
     families = list(CUBE_CHUNKS[chunk])
     per_rank = world(8, _cube_runs, families)
     for f in families:
@@ -192,7 +192,7 @@ def test_every_family_at_2x2x2(world, chunk):
 LORA = ["qwen3", "gptj", "gpt2", "opt"]
 
 
-def test_lora_at_tensor_2(world):
+def test_lora_at_tensor_2_trains_like_one_process(world):
     per_rank = world(2, _runs, LORA, {"data": 1, "tensor": 2}, 0, True)
     for f in LORA:
         _check(f, [per_rank[r][f] for r in range(2)], "LoRA, tensor 2", lora=True)
@@ -224,7 +224,7 @@ def _variant_runs(families: list[str]) -> dict:
     return out
 
 
-def test_per_head_qk_norm_variants_at_tensor_2(world):
+def test_per_head_qk_norm_variants_at_tensor_2_train_like_one_process(world):
     """StableLM's per-head q/k LayerNorm list and Cohere's (heads, head_dim) q/k norms keep their attention
     replicated (exact, not silently wrong: a rank would take the first heads' norms); Phi's shared q/k
     LayerNorms inside split attention get their partial gradients summed."""
@@ -389,7 +389,8 @@ _SHARED_TABLE = {"q.weight": sl.P("tensor", None), "q.bias": sl.P("tensor"), "o.
 
 def test_a_shared_value_gets_its_f_derived_or_is_refused():
     """One module's output meeting split values gets f on that output (DeepSeek-V3 MLA's rope key, trained
-    exactly in test_deepseek_mla_under_a_hand_table); a value with no single such output is refused by name."""
+    exactly in test_deepseek_mla_under_a_hand_table_derives_f_and_trains_exactly); a value with no single
+    such output is refused by name."""
     model = sl.shard(_SHARED_TABLE)(_SharedKey())
     plan = sl.plan(model, sl.AbstractMesh({"tensor": 2}), batch=torch.zeros(2, 3, 8))
     assert plan.tensor.output_f == ("shared",)
@@ -414,7 +415,7 @@ def _mla_run(shape: dict) -> dict:
             "sites": len(tp.sites), "derived": (tp.output_f, tp.no_f, tp.partial_modules), **counts}
 
 
-def test_deepseek_mla_under_a_hand_table(world):
+def test_deepseek_mla_under_a_hand_table_derives_f_and_trains_exactly(world):
     """MLA split by hand (q_b_proj, kv_b_proj columns, o_proj row): the rope key shared by every head reaches the
     split attention from kv_a_proj_with_mqa's output, which gets the derived f; kv_b_proj then reads an already
     varying value (no f of its own) and kv_a_layernorm's gradient is partial (summed). Exact, replicas equal."""

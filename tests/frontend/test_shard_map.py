@@ -425,7 +425,7 @@ def _bad_output_chunks(shape: dict) -> str:
 
 @pytest.mark.parametrize("n, data_axes", [(2, "data"), (4, "data"), (4, ("data", "tensor")),
                                           (8, ("pipe", "data"))])
-def test_data_parallel_matmul(world, n, data_axes):
+def test_data_parallel_matmul_matches_one_process_with_one_all_reduce(world, n, data_axes):
     counts = world(n, _dp_matmul, MESHES[n], data_axes)
     # backward: the weight's gradient is summed over the batch axes (one all-reduce) and the input's
     # gradient shards are gathered back to the global input (one all-gather); forward: the output
@@ -440,29 +440,29 @@ def test_replicated_weight_used_twice_is_reduced_once(world):
 
 
 @pytest.mark.parametrize("n, batch", [(2, None), (4, "data"), (8, ("data", "pipe"))])
-def test_megatron_mlp(world, n, batch):
+def test_megatron_mlp_matches_the_single_process_mlp(world, n, batch):
     shape = MESHES[n] if n != 2 else {"tensor": 2}
     world(n, _megatron, shape, batch)
 
 
-def test_column_parallel_output_sharded_on_two_dims(world):
+def test_output_sharded_on_two_dims_matches_one_process(world):
     world(4, _column_parallel_output, MESHES[4])
 
 
 @pytest.mark.parametrize("n, spec", [(2, P("data")), (4, P(("data", "tensor"))), (8, P(("tensor", "data", "pipe")))])
-def test_psum_of_sharded_sum(world, n, spec):
+def test_psum_of_shard_sums_equals_the_full_sum_and_mean(world, n, spec):
     world(n, _psum_of_sharded_sum, MESHES[n], spec)
 
 
 @pytest.mark.parametrize("n, spec", [(4, P(("data", "tensor"))), (4, P(("tensor", "data"))),
                                      (8, P(("data", "pipe", "tensor")))])
-def test_uneven_rows(world, n, spec):
+def test_uneven_and_empty_row_shards_match_one_process(world, n, spec):
     world(n, _uneven, MESHES[n], spec)
 
 
 @pytest.mark.parametrize("n, axes", [(4, ("data", "tensor")), (4, ("tensor", "data")),
                                      (8, ("tensor", "data")), (8, ("pipe", "tensor", "data"))])
-def test_tuple_axes(world, n, axes):
+def test_tuple_axes_shard_one_dim_first_axis_major(world, n, axes):
     shape = MESHES[n]
     owners = world(n, _tuple_axes, shape, axes)[0]
     # chunk c of the global output came from the rank whose index along ``axes`` is c
@@ -477,7 +477,7 @@ def test_tuple_axes(world, n, axes):
     assert owners == want
 
 
-def test_pytree_inputs_and_outputs(world):
+def test_pytree_inputs_and_outputs_match_one_process(world):
     world(2, _pytree, MESHES[2])
 
 
@@ -486,7 +486,7 @@ def test_replicated_input_gradient_not_overcounted(world, n):
     world(n, _invariant_only, MESHES[n])
 
 
-def test_module_parameters_closed_over(world):
+def test_closed_over_module_parameters_get_one_process_gradients(world):
     world(4, _module_closure, MESHES[4])
 
 
@@ -498,11 +498,11 @@ def test_output_varying_over_unsharded_axis_is_an_error(world):
     assert "varies over mesh axes ('data',)" in messages[3]
 
 
-def test_same_tensor_returned_under_two_specs(world):
+def test_one_tensor_under_two_out_specs_is_assembled_by_each(world):
     world(4, _same_tensor_two_specs, MESHES[4])
 
 
-def test_inplace_ops_inputs_without_grad_and_no_grad(world):
+def test_in_place_ops_grad_free_inputs_and_no_grad_match_one_process(world):
     world(4, _inplace_and_no_grad, MESHES[4])
 
 
@@ -515,7 +515,7 @@ def test_output_shards_not_ceil_chunked_is_an_error(world):
 # World of one (no process group) and argument errors, in the test process itself
 # ---------------------------------------------------------------------------------------------
 
-def test_world_of_one():
+def test_world_of_one_runs_no_collective_and_matches_torch():
     mesh = sl.Mesh({"data": 1})
     X, W, C = _randn(100, 5, 3), _randn(101, 3, 2), _randn(102, 5, 2)
 
@@ -541,7 +541,7 @@ def test_world_of_one():
         torch.testing.assert_close(x, X)
 
 
-def test_argument_errors():
+def test_bad_arguments_are_refused_naming_the_spec_or_mesh():
     mesh = sl.Mesh({"data": 1})
     X = torch.ones(4, 2)
     with pytest.raises(sl.ShardingTypeError, match="one entry per argument"):

@@ -12,7 +12,7 @@ def test_every_public_name_imports():
     assert len(set(sl.__all__)) == len(sl.__all__)
 
 
-def test_contract_names():
+def test_every_contract_name_is_exported_and_p_is_partitionspec():
     for name in ["AbstractMesh", "Mesh", "P", "PartitionSpec", "Layout", "psum", "all_gather", "psum_scatter",
                  "all_to_all", "ppermute", "shard_map", "use_mesh", "plan_redistribute", "redistribute",
                  "count_collectives", "to_dtensor", "from_dtensor", "launch"]:

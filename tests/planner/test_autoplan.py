@@ -52,7 +52,7 @@ def test_search_bounds_are_admissible():
         assert least <= min(x.memory["total"] for x in priced) * (1 + 1e-12), (d, p, t)
 
 
-def test_every_plan_returned_plans():
+def test_every_candidate_autoplan_returns_passes_the_run_check():
     from shardlib.frontend.run import check
     for devices, mesh in ((4, "dp4"), (8, "2x2x2")):
         got = sl.autoplan(model="tiny", mesh=mesh, devices=devices, top=4)
@@ -77,7 +77,7 @@ def _train(cfg: dict) -> list[float]:
     return [trainer.step(i, record=False)["loss"] for i in range(2)]
 
 
-def test_the_plans_run(world):
+def test_top_candidates_train_with_equal_finite_losses_on_every_rank(world):
     for devices, mesh in ((4, "dp4"), (8, "2x2x2")):
         for c in sl.autoplan(model="tiny", mesh=mesh, devices=devices, top=1)["candidates"]:
             losses = world(devices, _train, _composed(c["overrides"]))
@@ -104,7 +104,7 @@ def test_a_mesh_preset_axes_are_replaced_whole():
     assert run.mesh.shape == {"data": 4}                 # replaced, not merged
 
 
-def test_explain_json(capsys):
+def test_explain_json_reports_memory_fit_bubble_and_consistent_step_ms(capsys):
     from shardlib.cli.explain import main
     assert main(["model=tiny", "mesh=2x2x2", "--json"]) == 0
     got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -63,7 +63,7 @@ def test_per_parameter_layouts_follow_the_stage():
     assert sl.plan(gpt(), mesh(2)).batch.spec == P("data")
 
 
-def test_units_buckets_tied_and_frozen():
+def test_units_and_buckets_hold_tied_once_and_frozen_never():
     model = gpt()
     model.head.weight = model.wte.weight                   # tied: one parameter, two owners
     model.wpe.weight.requires_grad_(False)
@@ -146,7 +146,7 @@ def test_memory_per_rank_is_the_zero_paper_terms(n, zero):
     assert sgd.memory_per_rank()["optimizer"] == 0
 
 
-def test_memory_by_kind_for_zero2_in_mixed_precision():
+def test_zero2_bf16_memory_per_state_and_at_the_update_by_hand():
     plan = sl.plan(gpt(), mesh(4), zero=2, precision="bf16")
     assert plan.memory_per_rank() == {"params": 2 * PSI, "grads": 2 * PSI // 4, "optimizer": 12 * PSI // 4,
                                       "total": 2 * PSI + 14 * PSI // 4, "buffers": 0}
@@ -324,7 +324,7 @@ def test_transient_bytes_count_padded_buffers():
 # Printing
 # ---------------------------------------------------------------------------------------------
 
-def test_explain_prints_the_plan():
+def test_explain_summarizes_units_and_full_lists_every_parameter():
     plan = sl.plan(gpt(), mesh(4), zero=3, precision="bf16", recompute=True)
     text = plan.explain()
     for words in ("ZeRO-3", "N=4", "bf16 compute", "blocks.0..1 (2 units x 12 params)*", "ZeRO formula",
@@ -350,13 +350,13 @@ def test_planning_a_large_mesh_needs_no_processes():
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("zero", [-1, 4, 7])
-def test_zero_out_of_range(zero):
+def test_zero_out_of_range_is_refused_listing_the_stages(zero):
     with pytest.raises(sl.ShardingError, match=rf"zero={zero} is out of range — expected 0 \(data parallel\)"):
         sl.plan(gpt(), mesh(2), zero=zero)
 
 
 @pytest.mark.parametrize("zero", [True, 1.0, "1"])
-def test_zero_of_the_wrong_kind(zero):
+def test_zero_of_the_wrong_kind_is_a_type_error(zero):
     with pytest.raises(sl.ShardingTypeError, match="zero must be an int"):
         sl.plan(gpt(), mesh(2), zero=zero)
 
@@ -428,13 +428,13 @@ def test_plan_errors_name_the_fix(kwargs, words):
         sl.plan(gpt(), mesh(2), **kwargs)
 
 
-def test_plan_type_errors():
+def test_a_non_module_model_or_non_mesh_is_a_type_error():
     with pytest.raises(sl.ShardingTypeError, match="nn.Module"):
         sl.plan("gpt", mesh(2))
     with pytest.raises(sl.ShardingTypeError, match="Mesh"):
         sl.plan(gpt(), {"data": 2})
 
 
-def test_a_model_without_parameters():
+def test_a_model_without_parameters_is_refused():
     with pytest.raises(sl.ShardingError, match="has no parameters"):
         sl.plan(torch.nn.Sequential(torch.nn.ReLU()), mesh(2))

@@ -37,7 +37,7 @@ def run_of(*overrides: str):
     return run_config(check_overrides(list(overrides)))
 
 
-def test_flops_formula_by_hand():
+def test_flops_are_three_forwards_by_hand_and_near_6nd_at_scale():
     """One layer, d = 4, s = 2, V = 10, 3 tokens: per token a layer's forward is 2·(4+8)·16 + 4·2·4 =
     416 FLOPs, the head 2·4·10 = 80; training is 3x forward (4x the layers' with recompute)."""
     assert transformer_flops(layers=1, d_model=4, seq=2, vocab=10, tokens=3) == 3 * (3 * 416 + 3 * 80)
@@ -95,7 +95,7 @@ def test_estimate_is_the_stated_arithmetic():
 
 
 @pytest.mark.parametrize("name", list(LARGE))
-def test_planning_at_scale_without_processes(name):
+def test_planning_70b_and_1t_at_scale_gives_zero1_states_that_fit(name):
     """70B on 1,024 devices and 1T on 16,384: model states per rank are the ZeRO-1 terms of the rank's
     shard (the model split over tensor x pipe), it fits the device, and the bubble is the formula's."""
     run = run_of(*LARGE[name])

@@ -18,7 +18,8 @@ def _plan(**kw):
 
 
 CASES = [(z, o) for z in (0, 1, 2, 3) for o in ({"optimizer": "host"}, {"optimizer": "disk"})]
-CASES.append((3, {"optimizer": "host", "params": "disk"}))     # params offload needs ZeRO-3 (test_bad_input)
+# params offload needs ZeRO-3 (test_bad_offload_input_is_refused_naming_the_key)
+CASES.append((3, {"optimizer": "host", "params": "disk"}))
 
 
 @pytest.mark.parametrize("zero, offload", CASES)
@@ -55,14 +56,14 @@ def test_no_offload_is_all_device():
     ({"offload": {"activations": "host"}, "recompute": True}, r"with recompute .* nothing of it to move"),
     ({"offload": {"optimizer": "host"}, "offload_dir": "/tmp"}, r"nothing is offloaded to 'disk'"),
 ])
-def test_bad_input(kw, match):
+def test_bad_offload_input_is_refused_naming_the_key(kw, match):
     with pytest.raises(sl.ShardingError, match=match):
         _plan(**kw)
     with pytest.raises(sl.ShardingTypeError, match="offload must be a mapping"):
         _plan(offload="host")
 
 
-def test_disk_folder_checked_on_a_running_mesh(tmp_path):
+def test_disk_offload_checks_the_folder_and_holds_two_generations(tmp_path):
     model = GPT(CFG)
     mesh = sl.Mesh({"data": 1})
     with pytest.raises(sl.ShardingError, match="is not a folder"):
@@ -91,7 +92,7 @@ def test_dry_run_shows_each_kind():
     assert "(device)" in text and "offload: optimizer -> host" in text
 
 
-def test_config_keys_checked():
+def test_bad_offload_config_keys_are_refused_with_the_close_name():
     from shardlib.frontend.config.run_config import ConfigError
     from test_dryrun import run_of
 

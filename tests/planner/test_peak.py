@@ -29,7 +29,7 @@ def plan(zero: int, n: int = 2, cfg: GPTConfig = CFG, **kw):
     return sl.plan(model, sl.AbstractMesh({"data": n}), zero=zero, **kw)
 
 
-def test_counts_by_hand():
+def test_parameter_count_is_the_hand_count():
     assert sum(p.numel for p in plan(0).params) == PSI
 
 
@@ -56,7 +56,7 @@ def test_update_moment_is_states_plus_adam_temporaries():
     assert dp.peak_per_rank()["comm_buffers"] == 0
 
 
-def test_backward_moment_dp_and_zero3_by_hand():
+def test_backward_peak_of_dp_and_zero3_equals_the_hand_count():
     act = 1000
     # DP, fp32: gradients are views of the bucket buffers; a fresh gradient (the largest
     # parameter, 4 bytes an element) lives until it is copied into its view

@@ -237,14 +237,14 @@ def test_a_nested_stack_is_found_and_split_at_every_level():
     assert sl.plan(model, mesh(pipe=2), rules=PIPE).pipeline.stack == "body.blocks"
 
 
-def test_a_stack_entry_naming_a_module_that_is_not_a_list():
+def test_a_stack_entry_that_is_not_a_module_list_is_refused():
     model = Nested()
     sl.shard({"body.norm": ("layers",)})(model)
     the_problem(plan_error(model, mesh(pipe=2), rules=PIPE), "'body.norm'", "a LayerNorm", "nn.ModuleList of blocks",
                 "['body.blocks']")
 
 
-def test_fewer_layers_than_stages():
+def test_fewer_blocks_than_stages_is_refused_naming_the_largest_pipe():
     err = plan_error(gpt(3), mesh(pipe=4), rules=PIPE)
     the_problem(err, "3 blocks", "4 stages", "pipe <= 3")
     err = plan_error(gpt(6), mesh(pipe=4), rules=PIPE, schedule="interleaved_1f1b", virtual_stages=2,
@@ -252,7 +252,7 @@ def test_fewer_layers_than_stages():
     the_problem(err, "6 blocks", "8 stages", "pipe=4 x 2 virtual", "pipe <= 3")
 
 
-def test_explicit_split_that_does_not_add_up():
+def test_an_explicit_split_that_does_not_add_up_is_refused():
     the_problem(plan_error(gpt(4), mesh(pipe=4), rules=PIPE, stages=[1, 1, 1, 2]),
                 "adds up to 5 blocks", "the stack's 4", "add up to 4")
     the_problem(plan_error(gpt(4), mesh(pipe=4), rules=PIPE, stages="E|t t|t t|t L"),
@@ -268,21 +268,21 @@ def test_interleaved_needs_as_many_microbatches_as_ranks():
     the_problem(err, "m=2", "p=4", "microbatches >= 4")
 
 
-def test_batch_that_data_times_microbatches_does_not_divide():
+def test_a_batch_data_times_microbatches_cannot_divide_is_refused():
     model = gpt(4)
     err = plan_error(model, sl.AbstractMesh({"data": 2, "pipe": 2}), rules=PIPE, microbatches=4,
                      batch=token_batch(model.cfg, 12, 0))
     the_problem(err, "12 rows", "data=2 x microbatches=4 = 8", "multiple of 8", "8 or 16")
 
 
-def test_model_without_a_declared_stack():
+def test_pipe_over_a_model_without_a_declared_stack_is_refused():
     mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
     err = plan_error(mlp, mesh(pipe=4), rules=PIPE)
     the_problem(err, "'pipe' over 4 ranks", "declares no layer stack", "('layers',)", "pipeline_pre",
                 "pipe=1")
 
 
-def test_pipe_on_a_dim_that_is_not_the_stack():
+def test_pipe_on_a_dim_that_is_not_the_stack_is_refused():
     err = plan_error(gpt(4), mesh(pipe=2), rules={"layers": "pipe", "embed": "pipe"})
     msg = the_problem(err, "'wte.weight'", "(64, 32)")
     assert "'embed' -> 'pipe'" in msg and "drop 'pipe' from this spec or rule" in msg
@@ -291,12 +291,12 @@ def test_pipe_on_a_dim_that_is_not_the_stack():
     the_problem(info.value, "P('pipe', None)", "shards only the layer stack", "drop 'pipe'")
 
 
-def test_zb_h1_with_recompute():
+def test_zb_h1_with_recompute_is_refused_suggesting_1f1b():
     err = plan_error(gpt(4), mesh(pipe=2), rules=PIPE, schedule="zb_h1", recompute=["blocks.1"])
     the_problem(err, "'zb_h1'", "['blocks.1']", "weight gradients cannot be split", "schedule='1f1b'")
 
 
-def test_tied_embeddings_across_first_and_last_stage():
+def test_embeddings_tied_across_first_and_last_stage_are_held_by_both():
     """A weight tied across the first and last stage is one tensor held by both (issue 38), its gradient summed
     over pipe; under ZeRO-3, or between other stages, refused naming the fix."""
     model = gpt(4)
@@ -318,12 +318,12 @@ def test_tied_embeddings_across_first_and_last_stage():
     the_problem(err, "tied", "expected a weight shared only by the first and the last stage")
 
 
-def test_stack_without_the_pipe_rule():
+def test_a_stack_without_the_pipe_rule_is_refused_naming_the_rule():
     err = plan_error(gpt(4), mesh(pipe=2))
     the_problem(err, "'blocks'", "pipe=2", "{'layers': 'pipe'}")
 
 
-def test_missing_pipeline_pre_and_post():
+def test_missing_pipeline_pre_and_post_are_each_named():
     @sl.shard({"blocks": ("layers",)})
     class Bare(nn.Module):
         def __init__(self):
@@ -354,7 +354,7 @@ def test_saved_bytes_counts_each_saved_buffer_once_and_no_parameter():
     assert saved_bytes(torch.func.functional_call, block, values, (x,)) == got + 4 * 8 * 24 + 4 * 24 * 8
 
 
-def test_block_saved_bytes_per_block_and_with_recompute():
+def test_block_saves_input_and_hidden_or_only_input_under_recompute():
     model = Stack(WIDTHS)
     batch = (torch.zeros(12, 40), torch.zeros(12))
     plan = sl.plan(model, mesh(pipe=3), rules=PIPE, microbatches=3, batch=batch)
@@ -365,7 +365,7 @@ def test_block_saved_bytes_per_block_and_with_recompute():
     assert block_saved_bytes(model, rec) == (rows * 8 * 4,) * len(WIDTHS)    # a checkpoint keeps its input
 
 
-def test_block_saved_bytes_of_a_tensor_split_block():
+def test_a_tensor_split_block_saves_its_ceil_chunk_of_the_hidden():
     # split over tensor=2 (ceil chunks): a rank saves x whole (fc's input is replicated) and its own
     # columns of the relu output, ceil(h/2) on tensor coordinate 0 and the rest on coordinate 1
     widths = [4, 6, 5, 8]
@@ -437,7 +437,7 @@ def test_explain_without_batch_says_bytes_are_unknown():
     assert "(simulator's peak on its rank):\n      unknown without batch=" in text
 
 
-def test_explain_of_an_interleaved_3d_plan():
+def test_explain_of_an_interleaved_3d_plan_shows_placement_and_bubble():
     model = GPT(GPTConfig(n_layers=8, vocab_size=64, d_model=32, n_heads=2, seq_len=8))
     m3 = sl.AbstractMesh({"data": 2, "pipe": 2, "tensor": 2})
     plan = measured(model, sl.plan(model, m3, zero=3, rules=TP, schedule="interleaved_1f1b", virtual_stages=2,

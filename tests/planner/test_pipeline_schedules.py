@@ -181,7 +181,7 @@ def test_p2p_latency_is_paid_once_per_hop_down_and_up_in_gpipe():
 
 # --- memory -----------------------------------------------------------------------------------
 
-def test_peak_live_microbatches():
+def test_peak_live_microbatches_per_rank_follow_each_schedules_formula():
     for p, m, _ in cases("gpipe"):
         assert simulate(schedule_actions("gpipe", p, m), p, m).peak_live == (m,) * p
         assert simulate(schedule_actions("1f1b", p, m), p, m).peak_live == tuple(min(p - r, m) for r in range(p))

@@ -85,7 +85,7 @@ def test_instance_decoration_returns_the_instance_and_touches_only_it():
     assert all(p.__dict__ == {} for p in a.parameters())
 
 
-def test_table_forms_and_mesh_from_use_mesh():
+def test_spec_axes_are_checked_on_the_scoped_mesh_or_at_resolve():
     a, b, c = PlainAttn(), PlainAttn(), PlainAttn()
     sl.shard({"qkv.weight": P("tensor", None)})(a)           # no mesh anywhere: checked at resolve time
     with sl.use_mesh(MESH):
@@ -125,7 +125,7 @@ def test_logical_names_resolve_through_rules_and_default_to_replicated():
     assert specs["fc.weight"] == P("tensor", None) and specs["out.weight"] == P(None, "tensor")
 
 
-def test_axis_rules_construction_and_resolve():
+def test_axis_rules_coerce_pickle_resolve_and_refuse_bad_rules():
     rules = sl.AxisRules({"heads": "tensor", "embed": None, "mlp": ["tensor"], "x": ("a", "b")})
     assert rules["mlp"] == "tensor" and rules["x"] == ("a", "b") and dict(rules)["embed"] is None
     assert sl.AxisRules.coerce(None) == {} and sl.AxisRules.coerce(rules) is rules
@@ -205,7 +205,7 @@ def test_unknown_axis_names_parameter_shape_spec_and_fix():
     assert "Did you mean 'tensor'?" in msg and "add the axis to the mesh" in msg
 
 
-def test_rule_mapping_two_dims_to_one_axis():
+def test_a_rule_mapping_two_dims_to_one_axis_is_refused_naming_both():
     m = sl.shard({"fc.weight": ("mlp", "embed")})(Net())
     with pytest.raises(sl.SpecError) as info:
         resolve_specs(m, MESH, {"embed": "tensor", "mlp": "tensor"})
@@ -215,7 +215,7 @@ def test_rule_mapping_two_dims_to_one_axis():
     assert "Map at most one of 'mlp' and 'embed' to 'tensor'" in msg
 
 
-def test_spec_longer_than_rank_and_axis_twice():
+def test_a_spec_longer_than_the_rank_or_naming_an_axis_twice_is_refused():
     m = sl.shard({"fc.*": P("tensor", None)})(Net())                # fc.bias has rank 1
     with pytest.raises(sl.SpecError) as info:
         resolve_specs(m, MESH)
@@ -228,7 +228,7 @@ def test_spec_longer_than_rank_and_axis_twice():
 
 @pytest.mark.parametrize("spec, fix", [(P("data", None), "zero=3"), (P(("tensor", "data")), "zero=3"),
                                        (P(None, "pipe"), "{'layers': 'pipe'}")])
-def test_data_and_pipe_on_a_parameter(spec, fix):
+def test_data_or_pipe_on_a_parameter_is_refused_naming_the_fix(spec, fix):
     mesh = sl.AbstractMesh({"data": 2, "pipe": 1, "tensor": 2})
     with pytest.raises(sl.SpecError, match=fix):                     # at decoration, when the table says it
         sl.shard(mesh, {"fc.weight": spec})
@@ -240,7 +240,7 @@ def test_data_and_pipe_on_a_parameter(spec, fix):
     assert "'fc.weight' of shape (32, 8)" in msg and "on a parameter" in msg and fix in msg
 
 
-def test_mesh_axis_written_as_logical_name():
+def test_a_mesh_axis_written_as_a_logical_name_is_refused_with_the_fix():
     m = sl.shard({"fc.weight": ("tensor", None)})(Net())            # meant P("tensor", None)
     with pytest.raises(sl.SpecError, match="'tensor' is a mesh axis but no logical dim name.*Write P"):
         resolve_specs(m, MESH)

@@ -118,21 +118,21 @@ def the_problem(err: sl.ShardingError, *words: str) -> str:
 
 # ---- spec tables, through sl.plan ----------------------------------------------------------------
 
-def test_spec_naming_an_axis_the_mesh_lacks():
+def test_spec_naming_an_axis_the_mesh_lacks_is_refused_with_the_fix():
     err = plan_error(toy({**TOY_TP, "blocks.0.fc.weight": P("model", None)}), MESH)
     assert len(err.problems) >= 1
     the_problem(err, "'blocks.0.fc.weight'", f"({H}, {D})", "P('model', None)", "unknown mesh axis 'model'",
                 "('data', 'tensor')", "add the axis to the mesh")
 
 
-def test_parameter_no_pattern_matches_under_strict():
+def test_strict_table_refuses_a_parameter_no_pattern_matches():
     table = {"wte.weight": P("tensor", None), "blocks.*": P(), "ln_f.weight": P(), "head.weight": P("tensor", None)}
     err = plan_error(toy(table, strict=True), MESH)
     assert len(err.problems) == 1, err
     the_problem(err, "'ln_f.bias'", f"({D},)", "matches no pattern", "strict", "Add a pattern for it")
 
 
-def test_two_patterns_giving_one_parameter_different_specs():
+def test_two_patterns_giving_one_parameter_two_specs_are_refused():
     """The GPT's class table names ``ln_f.*`` ``("embed",)``; an instance table splitting it conflicts."""
     model = sl.shard({"ln_f.weight": P("tensor")})(GPT(CFG))
     err = plan_error(model, MESH, rules=RULES)
@@ -141,7 +141,7 @@ def test_two_patterns_giving_one_parameter_different_specs():
                 "'ln_f.*'", "'ln_f.weight'", "Narrow the patterns")
 
 
-def test_rule_mapping_two_logical_dims_of_one_tensor_to_one_axis():
+def test_rules_mapping_two_dims_of_a_tensor_to_one_axis_are_refused():
     err = plan_error(GPT(CFG), MESH, rules={"heads": "tensor", "embed": "tensor"})
     # every attention projection is ("heads", "embed") or ("embed", "heads"); one problem each (listed
     # with what embed -> tensor does elsewhere: norms split on tensor, ...: every problem at once)
@@ -156,7 +156,7 @@ def test_rule_mapping_two_logical_dims_of_one_tensor_to_one_axis():
 
 # ---- heads --------------------------------------------------------------------------------------
 
-def test_heads_not_divisible_by_the_tensor_degree():
+def test_heads_the_tensor_degree_cannot_divide_are_refused_per_module():
     cfg = GPTConfig(vocab_size=67, seq_len=8, d_model=32, n_heads=4, n_layers=2, mlp_width=90)
     err = plan_error(GPT(cfg), tensor_mesh(3), rules=RULES)
     assert len(err.problems) == 2, err                   # one per attention module; uneven MLP/vocab are fine
@@ -170,7 +170,7 @@ def test_heads_not_divisible_by_the_tensor_degree():
     assert len(sl.plan(ok, tensor_mesh(3), rules=RULES).tensor.sites) == 10
 
 
-def test_kv_heads_not_divisible_by_the_tensor_degree():
+def test_kv_heads_the_tensor_degree_cannot_divide_are_refused():
     """4 query heads split over 4 ranks, 2 KV heads do not."""
     err = plan_error(toy(TOY_TP), tensor_mesh(4, data=1))
     assert len(err.problems) == 2, err
@@ -230,14 +230,14 @@ def test_heads_are_read_off_attention_modules_only():
 
 @pytest.mark.parametrize("sp", [False, True])
 @pytest.mark.parametrize("name", ["ln_f.weight", "blocks.0.ln.weight"])
-def test_layernorm_weight_split_on_tensor(name, sp):
+def test_layernorm_weight_split_on_tensor_is_refused(name, sp):
     err = plan_error(toy({**TOY_TP, name: P("tensor")}), MESH, sequence_parallel=sp)
     assert len(err.problems) == 1, err
     the_problem(err, f"{name} ({D},)", f"LayerNorm '{name.rpartition('.')[0]}'", "P('tensor')",
                 "cannot consume a parameter split on 'tensor'", f"Keep {name} replicated (P())")
 
 
-def test_column_linear_with_replicated_bias():
+def test_column_linear_with_a_replicated_bias_is_refused():
     table = {k: v for k, v in TOY_TP.items() if k != "*.fc.bias"}
     err = plan_error(toy(table), MESH)
     assert len(err.problems) == 2, err
@@ -246,7 +246,7 @@ def test_column_linear_with_replicated_bias():
                 "Add 'blocks.0.fc.bias': P('tensor')")
 
 
-def test_row_linear_with_split_bias():
+def test_row_linear_with_a_split_bias_is_refused():
     err = plan_error(toy({**TOY_TP, "*.out.bias": P("tensor")}), MESH)
     assert len(err.problems) == 2, err
     the_problem(err, f"blocks.1.out.bias ({D},)", "Linear 'blocks.1.out'", "is P('tensor')",
@@ -254,7 +254,7 @@ def test_row_linear_with_split_bias():
                 "Drop it from the spec table")
 
 
-def test_embedding_split_on_its_embedding_dim():
+def test_embedding_split_on_its_embedding_dim_is_refused():
     table = {k: v for k, v in TOY_TP.items() if k != "wte.weight"}
     err = plan_error(toy({**table, "wte.weight": P(None, "tensor")}), MESH)
     assert len(err.problems) == 1, err
@@ -262,7 +262,7 @@ def test_embedding_split_on_its_embedding_dim():
                 "expected the vocabulary split", "Use P('tensor', None)")
 
 
-def test_sequence_length_not_divisible_under_sequence_parallel():
+def test_sequence_parallel_refuses_a_length_the_degree_cannot_divide():
     ids = torch.randint(0, CFG.vocab_size, (4, 7))                  # 7 tokens over tensor=2
     err = plan_error(GPT(CFG), MESH, rules=RULES, sequence_parallel=True, batch=(ids, ids))
     assert len(err.problems) == 1, err
@@ -444,7 +444,7 @@ def test_gpt2_plans_conv1d_sites_fused_c_attn_and_local_attributes():
     assert local["transformer.h.0.attn.c_proj.weight"] == (16, 32)
 
 
-def test_fused_parts_that_do_not_divide_the_width():
+def test_fused_parts_that_do_not_divide_the_width_are_refused():
     model = _hf("gpt2")
     table = {"*.mlp.c_fc.weight": P(None, sl.Fused(3, "tensor")), "*.mlp.c_fc.bias": P(sl.Fused(3, "tensor")),
              "*.mlp.c_proj.weight": P("tensor", None)}
@@ -471,7 +471,7 @@ def test_fused_qkv_of_grouped_query_attention_is_refused():
                 "8 query and 2 KV heads", "expected equal blocks", "Keep this projection")
 
 
-def test_fused_qkv_whose_heads_the_degree_cannot_split():
+def test_fused_qkv_whose_heads_the_degree_cannot_split_is_refused():
     from shardlib.planner.hf_tp import tp_table
 
     model = _hf("gpt2")
@@ -503,7 +503,7 @@ def test_fused_row_and_wrong_dim_of_a_conv1d_are_refused():
                 "expected P(None, Fused(3, 'tensor'))")
 
 
-def test_tp_table_of_an_unknown_family():
+def test_tp_table_of_an_unknown_family_is_refused():
     from shardlib.planner.hf_tp import tp_table
 
     with pytest.raises(sl.ShardingError, match="tp_table: ToyLM is of family None"):

@@ -39,7 +39,7 @@ def _clean_env(**extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
-def test_default_environment_choices_and_bad_values():
+def test_mmap_threshold_defaults_to_4mib_obeys_env_and_names_bad_values():
     proc = subprocess.run([sys.executable, "-c", _PROBE], env=_clean_env(), capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]

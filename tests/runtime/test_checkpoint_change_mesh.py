@@ -87,7 +87,7 @@ def saved(world, tmp_path_factory):
 
 
 @pytest.mark.parametrize("source", list(LAYOUTS))
-def test_resume_on_every_layout(world, saved, source):
+def test_resume_on_every_layout_continues_the_saved_run(world, saved, source):
     folder, losses = saved[source]
     for target, (shape, _) in LAYOUTS.items():
         per_rank = world(size(shape), load_run, target, folder) if size(shape) > 1 else [load_run(target, folder)]
@@ -372,6 +372,6 @@ def test_range_boxes_tile_any_flat_range(shape):
             assert len(range_boxes(shape, lo, hi)) <= 2 * len(shape) - 1
 
 
-def test_overlap():
+def test_overlap_of_two_boxes_is_their_intersection_or_none():
     assert overlap(((0, 0), (2, 4)), ((1, 2), (5, 5))) == ((1, 2), (1, 2))
     assert overlap(((0,), (3,)), ((3,), (2,))) is None

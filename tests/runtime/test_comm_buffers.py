@@ -62,7 +62,7 @@ def _in_place(axes_list) -> list[dict]:
     return out
 
 
-def test_in_place_all_gather_and_reduce_scatter(world):
+def test_in_place_all_gather_and_reduce_scatter_fill_the_given_buffer(world):
     for per_rank in world(4, _in_place, ["data", "tensor", ("data", "tensor"), ("tensor", "data")]):
         *checks, err = per_rank
         for c in checks:

@@ -113,7 +113,7 @@ def _access(data: int, name: str, zero: int, precision: str) -> dict:
     out["full"] = full
     # the sharded parameters' values: one all-gather over data, an all-gather's bytes (each rank's
     # parts padded to the widest rank's), not an all-reduce of zero-filled full tensors
-    sharded = [s for s in engine.states if s.plan.quant is None and engine._replicated(s) is None]
+    sharded = [s for s in engine.states if s.plan.quant is None and engine.access.replicated(s) is None]
     widest = max((sum(hi - lo for lo, hi in (s.slot.piece(plan.flat.groups[s.slot.group].segments[s.slot.segment]
                                                               .bounds(r)) for s in sharded)) for r in range(data)),
                  default=0)

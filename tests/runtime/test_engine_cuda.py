@@ -13,7 +13,7 @@ Every CUDA test compares numbers, never only "it ran":
   written out — fp32 masters, a compute copy in the low dtype, fp16's loss scale divided out of
   fp32 gradients, an overflow skips the step): on the CPU the engine at one rank is this reference
   bit for bit (``test_engine_precision.test_one_rank_is_the_reference_bit_for_bit``; re-checked here
-  by ``test_device_helpers_on_cpu``), so on CUDA the bound is tight (a quarter eps in mixed precision,
+  by ``test_cpu_engine_equals_the_reference_policy``), so on CUDA the bound is tight (a quarter eps in mixed precision,
   1e-6 in fp32);
 * recompute: the same losses as without it, and less CUDA memory at the peak;
 * checkpoints: the CUDA generator's state comes back on load (a dropout model continues with the
@@ -21,7 +21,7 @@ Every CUDA test compares numbers, never only "it ran":
 * a meta-device model materialized straight onto the device holds the values of a normal CPU build
   (bit for bit) and trains like it.
 
-``test_device_helpers_on_cpu`` (not marked ``cuda``) runs the same helpers on the CPU here, so the
+``test_cpu_engine_equals_the_reference_policy`` (not marked ``cuda``) runs the same helpers on the CPU here, so the
 CPU half of each comparison is tested on every machine.
 """
 
@@ -195,7 +195,7 @@ def assert_trained(result: dict, model: str, what: str) -> None:
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.filterwarnings("ignore:parallelize. fp16 compute on this CPU:RuntimeWarning")
-def test_device_helpers_on_cpu():
+def test_cpu_engine_equals_the_reference_policy():
     """The helpers the CUDA tests use, on the CPU: the engine equals the reference policy bit for bit
     in fp32 and fp16 (as the suite's one-rank test says), and training moves the loss."""
     for prec in ("fp32", "fp16"):
@@ -252,7 +252,7 @@ def test_fp32_sgd_final_weights_cuda_match_cpu():
 @cuda
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 @pytest.mark.parametrize("zero", [0, 3])
-def test_mixed_precision_cuda(precision, zero):
+def test_mixed_precision_on_cuda_matches_the_policy_and_the_cpu(precision, zero):
     e = eps(precision)
     got = train("cuda", precision=precision, zero=zero)
     cpu = train("cpu", precision=precision, zero=zero)
@@ -302,7 +302,7 @@ def test_fp16_overflow_skips_that_step_on_cuda_as_on_cpu():
 @pytest.mark.cuda
 @cuda
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_recompute_cuda(precision):
+def test_recompute_on_cuda_matches_no_recompute_and_the_cpu(precision):
     tol = 1e-6 if precision == "fp32" else 0.25 * eps(precision)
     got = train("cuda", precision=precision, recompute=True)
     plain = train("cuda", precision=precision)
@@ -381,7 +381,7 @@ def test_checkpoint_round_trip_restores_the_cuda_rng(tmp_path):
 @pytest.mark.cuda
 @cuda
 @pytest.mark.parametrize("zero", [0, 3])
-def test_meta_init_onto_cuda(zero):
+def test_meta_init_onto_cuda_holds_cpu_build_values_and_trains_alike(zero):
     torch.cuda.synchronize()
     eng = build("cuda", meta=True, zero=zero)
     want = make_model("gpt").state_dict()

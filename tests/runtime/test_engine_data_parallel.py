@@ -376,7 +376,7 @@ def test_reference_clips_and_accumulates_for_real():
 
 
 @pytest.mark.parametrize("data", [1, 2, 4])
-def test_parity_fp32(world, data):
+def test_fp32_sweep_trains_like_one_process(world, data):
     cfgs = sweep()
     for cfg, results in zip(cfgs, run_configs(world, cfgs, data)):
         check_parity(cfg, results, reference_for(cfg))
@@ -418,7 +418,7 @@ EXTRA = (
 
 
 @pytest.mark.parametrize("data", [2, 4])
-def test_parity_fp32_models_and_setups(world, data):
+def test_fp32_extra_models_and_setups_train_like_one_process(world, data):
     for cfg, results in zip(EXTRA, run_configs(world, EXTRA, data)):
         ref = reference_for(cfg)
         check_parity(cfg, results, ref)
@@ -427,7 +427,7 @@ def test_parity_fp32_models_and_setups(world, data):
             assert ref["lr"] != make_optimizer(cfg["optimizer"])([torch.zeros(1)]).param_groups[0]["lr"]
 
 
-def test_unused_parameters_at_one_rank(world):
+def test_unused_parameters_at_one_rank_are_left_out_of_the_update(world):
     """At data = 1 the gradient buckets install no hooks (nothing to overlap): whether a parameter
     got a gradient is read after backward, and an unused one is still left out of the update."""
     cfgs = [c for c in EXTRA if c["model"] == "mlp_unused"]

@@ -155,7 +155,7 @@ def test_nonfinite_gradient_norm_stops_when_clipping(world):
         assert res["unchanged"]
 
 
-def test_world_of_one_raises_the_same(world):
+def test_world_of_one_stops_on_a_nan_loss_naming_the_step(world):
     res = _nan_run(1, 1, "fp32", None, "nan")
     assert "step 3" in res["error"] and res["unchanged"]
 

@@ -58,7 +58,7 @@ def _check(world, cfgs: list[dict], shape: dict) -> list[list[dict]]:
     return per_rank
 
 
-def test_hsdp_every_zero_stage(world):
+def test_hsdp_every_zero_stage_trains_like_one_process(world):
     """replica 2 x data 2: DP (one all-reduce over both axes), ZeRO-1/2/3 (sharded over data, the
     shard all-reduced over replica); accumulation, clipping, an uneven MLP, ZeRO-3's outer units."""
     cfgs = [{"model": "gpt", "zero": z} for z in range(4)]
@@ -92,7 +92,7 @@ def test_hsdp_states_are_the_data_sharded_amounts():
         sl.plan(model, sl.AbstractMesh({"copies": 2, "data": 2}), zero=3)   # an unused axis names the fix
 
 
-def test_hsdp_with_tensor_and_pipe(world):
+def test_hsdp_with_tensor_or_pipe_trains_like_one_process(world):
     """A fourth dimension on the same mesh: replica x data x tensor and replica x data x pipe."""
     _check(world, [{"model": "gpt_tp", "zero": 3, "clip": 0.05}], {"replica": 2, "data": 2, "tensor": 2})
     _check(world, [{"model": "gpt_pp", "zero": 1, "microbatches": 2}], {"replica": 2, "data": 2, "pipe": 2})

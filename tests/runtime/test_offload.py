@@ -62,31 +62,31 @@ def _zero3(offloads):
     return tuple(o for o in offloads if "params" not in o and "activations" not in o)
 
 
-def test_gpt_data2_every_zero_stage(world):
+def test_offloaded_gpt_data2_every_zero_stage_matches_no_offload(world):
     per_rank = check(world, "gpt", {"data": 2}, [{"zero": z} for z in (0, 1, 2)], _zero3(ALL) + ("activations=disk",))
     ref = om.reference("gpt")
     assert max_rel(per_rank[0][0]["host"]["losses"], ref) <= 1e-5, (per_rank[0][0]["host"]["losses"], ref)
     check(world, "gpt", {"data": 2}, [{"zero": 3}], ALL)
 
 
-def test_precision_clipping_accumulation(world):
+def test_offload_in_bf16_and_fp16_with_clip_and_accum_matches_no_offload(world):
     check(world, "gpt", {"data": 2}, [{"zero": 3, "precision": "bf16", "accum": 2, "clip": 0.5}], ALL)
     check(world, "gpt", {"data": 2}, [{"zero": 2, "precision": "fp16"}, {"zero": 0, "precision": "fp16", "clip": 1.0}],
           ("host", "disk"))
 
 
-def test_llama_tensor_and_sequence_parallel(world):
+def test_offloaded_llama_tensor_and_sequence_parallel_matches_no_offload(world):
     check(world, "llama", {"data": 2, "tensor": 2}, [{"zero": 3}], ("disk", "optimizer=disk,params=disk,activations=host"))
     check(world, "llama", {"data": 2, "tensor": 2}, [{"zero": 1, "sp": True, "clip": 1.0}], ("host", "activations=disk"))
 
 
-def test_llama_pipe(world):
+def test_offloaded_llama_pipe_matches_no_offload(world):
     check(world, "llama", {"data": 1, "pipe": 2}, [{"zero": 0, "schedule": "1f1b"}], ("disk", "activations=disk"))
     check(world, "llama", {"data": 1, "pipe": 2}, [{"zero": 3, "schedule": "gpipe"}],
           ("host", "optimizer=disk,params=disk,activations=disk"))
 
 
-def test_every_pipeline_schedule(world):
+def test_offload_under_every_pipeline_schedule_matches_no_offload(world):
     """Interleaved 1F1B (v = 2) and ZB-H1 (backward split into B and W) over four blocks at pipe 2."""
     check(world, "gpt4", {"data": 1, "pipe": 2},
           [{"zero": 0, "schedule": "interleaved_1f1b", "virtual": 2}, {"zero": 1, "schedule": "zb_h1", "microbatches": 4},
@@ -95,18 +95,18 @@ def test_every_pipeline_schedule(world):
           ("optimizer=disk,params=disk,activations=disk",))
 
 
-def test_hsdp(world):
+def test_offloaded_hsdp_matches_no_offload(world):
     check(world, "gpt", {"replica": 2, "data": 2}, [{"zero": 3}], ("optimizer=disk,params=disk", "host"))
     check(world, "gpt", {"replica": 2, "data": 2}, [{"zero": 2, "clip": 0.5}], ("disk",))
 
 
-def test_3d(world):
+def test_offloaded_3d_mesh_matches_no_offload(world):
     check(world, "gpt", {"data": 2, "pipe": 2, "tensor": 2}, [{"zero": 3}],
           ("optimizer=disk,params=disk,activations=disk", "optimizer=host,params=host"))
     check(world, "llama", {"data": 2, "pipe": 2, "tensor": 2}, [{"zero": 1}], ("disk",))
 
 
-def test_lora_over_int8_base(world):
+def test_offloaded_lora_over_int8_base_matches_no_offload(world):
     """QLoRA: the adapters' masters and moments offloaded; under ZeRO-3 the packed int8 shards of the
     frozen base on disk (both file generations hold them, never rewritten)."""
     check(world, "lora", {"data": 2}, [{"zero": 3}], ("optimizer=disk,params=disk", "params=host,activations=disk"))

@@ -33,13 +33,13 @@ def test_quantized_base_trains_adapters_like_one_process(world, layout, quant):
 
 
 @pytest.mark.parametrize("quant", ["int8", "int4"])
-def test_quantized_base_in_bf16(world, quant):
+def test_quantized_base_in_bf16_stays_within_bf16_of_one_process(world, quant):
     """Mixed precision: bf16 compute over an fp32-scaled quantized base (dequantized in the input's
     dtype), fp32 masters of the adapters — within bf16 round-off of the fp32 one-process run."""
     check(world, "llama", "q_bf16", quant, rel=1e-2)
 
 
-def test_packed_bytes_at_rest_and_in_gathers():
+def test_quantized_weights_are_held_and_gathered_as_packed_bytes():
     """The plan holds a quantized weight as its packed bytes: int8 about 1/4 of fp32, int4 about 1/8
     plus scales; ZeRO-3 gathers move those bytes, not floats."""
     mesh = sl.AbstractMesh({"data": 2})

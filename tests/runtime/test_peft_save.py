@@ -299,16 +299,16 @@ def _check_sharded_bf16(folder, ref) -> None:
             assert all(h.get_slice(k).get_dtype() == "BF16" for k in h.keys())
 
 
-def test_adapter_and_merged_from_every_layout(world, tmp_path):
+def test_adapter_and_merged_saved_from_every_layout_equal_one_process(world, tmp_path):
     for kind, runs in LAYOUTS.items():
         _check_layouts(kind, tmp_path, runs, world(2, train_save, kind, runs, str(tmp_path)))
 
 
-def test_adapter_and_merged_from_3d(world, tmp_path):
+def test_adapter_and_merged_saved_from_3d_equal_one_process(world, tmp_path):
     _check_layouts("llama", tmp_path, LAYOUT_3D, world(8, train_save, "llama", LAYOUT_3D, str(tmp_path)))
 
 
-def test_refusals_before_writing(world, tmp_path):
+def test_bad_save_targets_are_refused_before_anything_is_written(world, tmp_path):
     from peft import LoraConfig, get_peft_model
 
     hf_models.build("llama", layers=2).save_pretrained(tmp_path / "full")
@@ -333,7 +333,7 @@ def test_refusals_before_writing(world, tmp_path):
     assert not (tmp_path / "int8").exists() and not (tmp_path / "plain").exists()
 
 
-def test_frozenless_checkpoint_across_meshes(world, tmp_path):
+def test_checkpoint_without_frozen_weights_resumes_on_other_meshes(world, tmp_path):
     path, full = str(tmp_path / "lean"), str(tmp_path / "full")
     saved = world(2, save_frozenless, path, full)[0]
     manifest = json.loads((tmp_path / "lean" / "manifest.json").read_text())

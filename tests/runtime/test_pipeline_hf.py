@@ -179,7 +179,7 @@ SCHEDULES = [{"schedule": "gpipe"}, {"schedule": "1f1b"}, {"schedule": "zb_h1"},
              {"schedule": "interleaved_1f1b", "virtual_stages": 2}]
 
 
-def test_llama_pipe_every_schedule_with_and_without_a_mask(world):
+def test_llama_pipe_every_schedule_masked_or_not_trains_like_one_process(world):
     """And with micro-batches of one row, whose labelled tokens differ (15 or 12): the step's loss
     is the mean over the whole batch's tokens, as one process computes it, not the mean of the
     micro-batch means."""
@@ -193,7 +193,7 @@ def test_llama_pipe_every_schedule_with_and_without_a_mask(world):
 
 
 @pytest.mark.parametrize("family", ["qwen2", "mistral", "gpt2", "gpt_neox"])
-def test_other_families_pipe_every_schedule(world, family):
+def test_other_families_at_pipe2_train_like_one_process_every_schedule(world, family):
     cfgs = [{"family": family, "microbatches": 4, "mask": i % 2 == 1, **s} for i, s in enumerate(SCHEDULES)]
     _check(world, cfgs, {"data": 1, "pipe": 2})
 
@@ -206,13 +206,13 @@ def test_what_the_model_does_after_its_head_comes_with_it(world):
     _check(world, cfgs, {"data": 1, "pipe": 2})
 
 
-def test_pipe_by_data_zero3_both_gather_policies(world):
+def test_zero3_under_pipe_either_gather_policy_trains_like_one_process(world):
     cfgs = [{"family": f, "zero": 3, "microbatches": 2, "pipe_gather": g, "mask": g == "microbatch"}
             for f in ("llama", "qwen2", "gpt2", "gpt_neox") for g in ("step", "microbatch")]
     _check(world, cfgs, {"data": 2, "pipe": 2})
 
 
-def test_pipe_by_tensor(world):
+def test_pipe_by_tensor_trains_like_one_process(world):
     cfgs = [{"family": "llama", "microbatches": 2, "declare": True, "vocab": True},
             {"family": "llama", "microbatches": 2, "mask": True, "schedule": "zb_h1"},
             {"family": "qwen2", "microbatches": 4, "schedule": "interleaved_1f1b", "virtual_stages": 2, "mask": True},
@@ -224,7 +224,7 @@ def test_pipe_by_tensor(world):
     _check(world, cfgs, {"pipe": 2, "tensor": 2})
 
 
-def test_data_by_tensor_by_pipe(world, tmp_path):
+def test_data_by_tensor_by_pipe_trains_and_saves_like_one_process(world, tmp_path):
     """2x2x2 for four families; Llama (ZeRO-3) and GPT-2 (Conv1D, fused c_attn) also written back with
     save_pretrained: from_pretrained of the folder holds the trained weights, equal to one process's."""
     from transformers import AutoModelForCausalLM
@@ -259,7 +259,7 @@ def _has(msg: str, *parts: str) -> None:
         assert p in msg, f"{p!r} not in:\n{msg}"
 
 
-def test_a_stack_entry_that_is_not_a_list_of_blocks():
+def test_a_stack_entry_that_is_not_a_list_of_blocks_is_refused():
     model = hf_models.build("llama", layers=2)
     sl.shard({"model.norm": ("layers",)})(model)
     _has(_refused(model), "'model.norm'", "LlamaRMSNorm", "nn.ModuleList of blocks", "'model.layers'")
@@ -274,7 +274,7 @@ def test_tied_embeddings_stay_tied_or_are_refused_with_the_fix():
          "'lm_head.weight'", "'transformer.wte.weight'", "tied", "under ZeRO-3", "tie_word_embeddings=False")
 
 
-def test_a_batch_that_is_not_a_dict():
+def test_a_batch_that_is_not_a_dict_is_refused():
     ids = torch.zeros(4, 16, dtype=torch.long)
     _has(_refused(hf_models.build("llama", layers=2), batch=(ids, ids)), "is a tuple", "model(**batch)", "'labels'")
 
@@ -312,7 +312,7 @@ class _FakeLM(nn.Module):
         return SimpleNamespace(loss=nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()))
 
 
-def test_blocks_needing_tensors_the_adapter_cannot_recompute():
+def test_blocks_needing_other_tensors_are_refused_tuple_blocks_are_not():
     ids = torch.zeros(4, 6, dtype=torch.long)
     _has(_refused(_FakeLM(gated=True), batch={"input_ids": ids, "labels": ids}),
          "block 0 of 'layers' needs 'gate'", "computed from parameters", "only the hidden state crosses")
@@ -325,7 +325,7 @@ def test_blocks_needing_tensors_the_adapter_cannot_recompute():
                    batch={"input_ids": ids, "labels": ids}).pipeline.block_tuple == 0
 
 
-def test_an_unknown_model_without_a_stack_or_protocol():
+def test_a_model_with_several_block_lists_and_no_stack_is_refused():
     class Two(nn.Module):
         def __init__(self):
             super().__init__()

@@ -85,7 +85,7 @@ def _schedules(p: int, ms) -> list[dict]:
     return out
 
 
-def test_pipe2_every_schedule(world):
+def test_pipe2_every_schedule_trains_like_one_process(world):
     """pipe = 2: GPipe, 1F1B, ZB-H1 at m = 1, 2, 4, 8 and interleaved 1F1B (v = 2) at m >= 2."""
     cfgs = _schedules(2, (1, 2, 4, 8))
     cfgs[1]["clip"] = 0.05                                   # clipping by the norm over both stages
@@ -95,12 +95,12 @@ def test_pipe2_every_schedule(world):
     _check(world, cfgs, {"data": 1, "pipe": 2})
 
 
-def test_pipe4_every_schedule(world):
+def test_pipe4_every_schedule_trains_like_one_process(world):
     """pipe = 4: every schedule at m = 1, 4, 8 (interleaved: v = 2, eight stages of one block)."""
     _check(world, _schedules(4, (1, 4, 8)), {"data": 1, "pipe": 4})
 
 
-def test_pipe_by_data(world):
+def test_pipe_by_data_every_zero_stage_trains_like_one_process(world):
     """pipe 2 x data 2 with DP and ZeRO-1/2/3 (ZeRO-3: a stage gathered once per step)."""
     cfgs = [{"zero": z, "microbatches": 4} for z in range(4)]
     cfgs[1]["schedule"] = "gpipe"
@@ -109,7 +109,7 @@ def test_pipe_by_data(world):
     _check(world, cfgs, {"data": 2, "pipe": 2})
 
 
-def test_pipe_by_data_zero3_gathered_per_microbatch(world):
+def test_zero3_per_microbatch_gather_under_pipe_trains_like_one_process(world):
     """ZeRO-3's other gather policy under a pipeline: each unit gathered for every micro-batch's
     forward and backward and reduce-scattered after each backward (the root once per step)."""
     mb = {"zero": 3, "microbatches": 4, "pipe_gather": "microbatch"}
@@ -149,7 +149,7 @@ def test_zero3_gather_schedule_and_peak_under_a_pipeline(world):
             assert micro["peak"] < step["peak"], (r, step["peak"], micro["peak"])
 
 
-def test_pipe_fp16_loss_scaling(world):
+def test_pipe_fp16_skips_the_same_overflowing_steps_as_one_process(world):
     """fp16 with a dynamic scale too large at first (2^40): the steps that overflow on some stage are
     skipped on every rank, the same steps as one process skips; losses within 2.5 fp16 eps of the same
     policy in one process (the tensor tests' bound)."""
@@ -160,14 +160,14 @@ def test_pipe_fp16_loss_scaling(world):
            param_tol={"rtol": 1.0, "atol": 1.0})
 
 
-def test_pipe_by_tensor(world):
+def test_pipe_by_tensor_trains_like_one_process(world):
     """pipe 2 x tensor 2: Megatron TP (vocab-parallel embedding and loss) inside the stages, with
     and without sequence parallelism (the stream between stages is then sequence-split)."""
     cfgs = [{"microbatches": 4, "schedule": "zb_h1"}, {"microbatches": 4, "sp": True}]
     _check(world, cfgs, {"data": 1, "pipe": 2, "tensor": 2})
 
 
-def test_3d_mesh(world):
+def test_3d_mesh_trains_like_one_process(world):
     """data 2 x pipe 2 x tensor 2 = 8 processes, ZeRO-1 and ZeRO-3."""
     cfgs = [{"zero": 1, "microbatches": 2}, {"zero": 3, "microbatches": 2, "sp": True, "clip": 0.05}]
     _check(world, cfgs, {"data": 2, "pipe": 2, "tensor": 2})

@@ -402,7 +402,7 @@ def test_load_after_a_step_and_a_step_before_a_load_are_refused(folder):
     assert again.step(b) == engine.step(b)
 
 
-def test_init_false_on_a_normally_built_model_and_without_labels(folder):
+def test_init_false_drops_built_values_and_unlabelled_steps_are_refused(folder):
     """init=False on a model with values: they are dropped, the load gives the folder's; a transformers
     model called without labels (no .loss) is refused naming the fix."""
     mesh = sl.Mesh({"data": 1})

@@ -75,7 +75,7 @@ def test_core_keeps_only_its_inputs():
             assert saved_bytes(attn, q, k, v) == qkv_bytes, device
 
 
-def test_flops_by_hand():
+def test_recompute_flops_full_redoes_the_layer_selective_the_core():
     """``transformer_flops`` on a one-layer case by hand: d=4, r=4, s=2, V=10, 3 tokens. Dense weights
     2·(4+8)·16 = 384 FLOPs per token, the core 4·2·4 = 32, the head 2·4·10 = 80. Training is 3x
     forward; full recompute 4x the layer's; selective 4x the core's only."""
@@ -124,37 +124,37 @@ def test_selective_needs_an_attention_core():
                 batch={"input_ids": ids, "labels": ids}, microbatches=2, recompute=SEL)
 
 
-def test_bad_recompute_values():
+def test_an_unknown_recompute_value_is_a_type_error_listing_the_choices():
     with pytest.raises(sl.ShardingTypeError, match="recompute must be 'none', 'selective', 'full'"):
         sl.plan(make_model("gpt"), AbstractMesh({"data": 2}), recompute="attention")
 
 
 # ---- parity with one process ---------------------------------------------------------------------
 
-def test_selective_on_the_data_axis(world):
+def test_selective_on_the_data_axis_trains_like_one_process(world):
     cfgs = [{"model": "gpt", "zero": z, "recompute": SEL} for z in (0, 3)]
     for cfg, results in zip(cfgs, run_configs(world, cfgs, 2)):
         check_parity(cfg, results, reference_for(cfg))
 
 
-def test_selective_on_the_tensor_axis(world):
+def test_selective_on_the_tensor_axis_trains_like_one_process(world):
     tensor_check(world, [{"zero": 3, "sp": True, "recompute": SEL},
                          {"zero": 1, "sp": False, "recompute": SEL, "grad_accum": 2}], {"data": 2, "tensor": 2})
 
 
-def test_selective_on_the_pipe_axis(world):
+def test_selective_on_the_pipe_axis_trains_like_one_process(world):
     pipe_check(world, [{"microbatches": 4, "schedule": "1f1b", "recompute": SEL},
                        {"microbatches": 4, "schedule": "zb_h1", "recompute": SEL},
                        {"microbatches": 4, "schedule": "interleaved_1f1b", "virtual_stages": 2,
                         "recompute": SEL}], {"data": 1, "pipe": 2})
 
 
-def test_selective_on_three_axes(world):
+def test_selective_on_three_axes_trains_like_one_process(world):
     pipe_check(world, [{"zero": 3, "microbatches": 2, "sp": True, "recompute": SEL}],
                {"data": 2, "pipe": 2, "tensor": 2})
 
 
-def test_selective_on_a_transformers_llama(world):
+def test_selective_on_a_transformers_llama_trains_like_one_process(world):
     """transformers' SDPA attention (grouped-query: 4 query heads over 2 key/value heads) is found
     and recomputed, at tensor 2 with sequence parallel."""
     from test_tensor_parallel_table import llama_runs, reference

@@ -89,20 +89,20 @@ def _check(world, cfgs: list[dict], shape: dict, **tolerance) -> None:
 
 
 @pytest.mark.parametrize("tensor", [1, 2, 4])
-def test_tensor_parallel_alone(world, tensor):
+def test_tensor_parallel_alone_trains_like_one_process(world, tensor):
     cfgs = [{"sp": False}, {"sp": True}, {"sp": False, "optimizer": "sgd_plain"},
             {"sp": True, "optimizer": "sgd_plain"}]
     _check(world, cfgs, {"data": 1, "tensor": tensor})
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
-def test_data_by_tensor(world, zero):
+def test_data_by_tensor_every_zero_stage_trains_like_one_process(world, zero):
     cfgs = [{"zero": zero, "sp": False}, {"zero": zero, "sp": True},
             {"zero": zero, "sp": True, "optimizer": "sgd_plain"}]
     _check(world, cfgs, {"data": 2, "tensor": 2})
 
 
-def test_data_by_tensor_policies(world):
+def test_data_by_tensor_accum_clip_and_recompute_train_like_one_process(world):
     """Accumulation, clipping (the global norm counts each element once over both axes) and
     recompute, with and without SP."""
     cfgs = [{"zero": 2, "sp": True, "grad_accum": 2, "clip": 0.05, "optimizer": "sgd"},
@@ -112,7 +112,7 @@ def test_data_by_tensor_policies(world):
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_data_by_tensor_mixed_precision(world, precision):
+def test_data_by_tensor_mixed_precision_matches_one_process_policy(world, precision):
     """bf16/fp16 compute with fp32 masters (fp16: a dynamic loss scale, 2^10 so that neither run
     overflows), ZeRO-3 with SP: the losses of the same policy in one process, within 2.5 epsilon of
     the low dtype (``test_engine_precision``'s bound: the rounding of another order of sums; here
@@ -164,7 +164,7 @@ def _per_block(plan, unit: str) -> collections.Counter:
     return c
 
 
-def test_megatron_collectives_per_block():
+def test_block_plans_megatrons_two_all_reduces_or_equal_volume_sp_pairs():
     """Per block: 2 all-reduces forward and 2 backward without SP; with SP each becomes an
     all-gather + reduce-scatter pair of the same total volume."""
     mesh = sl.AbstractMesh({"data": 2, "tensor": 2})

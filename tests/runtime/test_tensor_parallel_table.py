@@ -69,7 +69,7 @@ def llama_runs(cfgs: list[dict], shape: dict) -> list[dict]:
 
 
 @pytest.mark.parametrize("shape", [{"data": 1, "tensor": 2}, {"data": 2, "tensor": 2}])
-def test_llama_tensor_parallel(world, shape):
+def test_llama_tensor_parallel_trains_like_one_process(world, shape):
     cfgs = [{"zero": 0}, {"zero": 0, "sp": True, "vocab": True}]
     if shape["data"] > 1:
         cfgs += [{"zero": 3, "vocab": True}, {"zero": 3, "sp": True}]

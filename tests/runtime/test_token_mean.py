@@ -96,13 +96,13 @@ def _check(world, n: int, cfgs: list[dict]) -> None:
                                                          f"planned {res['planned']}"
 
 
-def test_unequal_token_counts_on_two_ranks(world):
+def test_unequal_token_counts_on_two_ranks_give_the_one_process_loss(world):
     data2 = {"shape": {"data": 2}, "grad_accum": 2}
     _check(world, 2, [data2, {**data2, "local": True}, {**data2, "zero": 3},
                       {"shape": {"data": 1, "pipe": 2}, "microbatches": 4, "schedule": "1f1b"}])
 
 
-def test_unequal_token_counts_data_by_tensor_vocab_parallel(world):
+def test_unequal_token_counts_with_a_vocab_parallel_head_match_one_process(world):
     _check(world, 4, [{"shape": {"data": 2, "tensor": 2}, "zero": 3, "grad_accum": 2}])
 
 
@@ -117,7 +117,7 @@ def test_the_one_process_count_is_the_shifted_labels():
 
 
 @pytest.mark.parametrize("case", ["loss_fn", "no labels", "tuple", "not transformers"])
-def test_left_alone(case):
+def test_counts_tokens_only_for_hf_models_given_labelled_dicts_no_loss_fn(case):
     model = hf_models.build("llama", layers=2)
     batch = _batches()[0]
     if case == "loss_fn":

@@ -299,7 +299,7 @@ def check_model(engine: Engine, manifest: dict, path: Path) -> None:
         problems.append(f"load: {path} was saved without its frozen parameters, and {len(trainable)} of them are "
                         f"trainable in this engine — got {trainable[:4]}; expected their values in the checkpoint. "
                         "Freeze them as when saving, or resume from a checkpoint saved with frozen=True.")
-    if absent and engine._needs_load:
+    if absent and engine.needs_load:
         problems.append(f"load: {path} holds no frozen parameters ({len(absent)} left out, e.g. {absent[:3]}), and "
                         "this engine was built with init=False and has no values for them — expected them set "
                         "first. Call engine.load_pretrained(base_folder) before engine.load, or build with init=True.")

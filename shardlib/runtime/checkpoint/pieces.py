@@ -17,6 +17,8 @@ from ...quant.layout import QuantSpec, views
 
 if TYPE_CHECKING:
     from ..engine import Engine
+    from ...algebra.mesh import Mesh
+    from ...planner.plan import Plan
 
 
 # ---- what a rank holds ------------------------------------------------------------------------
@@ -94,15 +96,15 @@ def rank_pieces(engine: Engine, *, frozen: bool = True, quantized: bool = False
     return pieces, whole
 
 
-def quant_shard(engine: Engine, s) -> tuple[torch.Tensor, torch.Tensor | None]:
+def quant_shard(mesh: Mesh, plan: Plan, s) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A quantized weight's tensor shard on this rank, and under ZeRO-3 the byte buffer its components
     view: the ranks' pieces of its packed bytes summed over ``data`` into zeros (each byte held by one
     rank: exact). A collective of the data group under ZeRO-3."""
     if s.store is None:
         return s.param.detach(), None
-    raw = torch.zeros(s.store.numel() * s.store.element_size(), dtype=torch.uint8, device=engine.mesh.device)
+    raw = torch.zeros(s.store.numel() * s.store.element_size(), dtype=torch.uint8, device=mesh.device)
     s.local_piece(raw.view(s.store.dtype)).view(torch.uint8).copy_(s.shard.view(torch.uint8))
-    comm.all_reduce(raw, engine.mesh, engine.plan.data_axis, inplace=True)
+    comm.all_reduce(raw, mesh, plan.data_axis, inplace=True)
     return views(s.param, raw, tuple(s.plan.shape)), raw
 
 
@@ -112,7 +114,7 @@ def _quant_pieces(engine: Engine, s, spec: QuantSpec) -> list[Piece]:
     covering the shard's box of the weight, a component kept whole on a dim (a per-row scale under a
     row split) held whole. Saved in their own dtypes: a load on any mesh gets the same codes. ``spec``
     is the whole weight's (a shard's own may see a dim it cuts as one entry spanning it)."""
-    q, raw = quant_shard(engine, s)
+    q, raw = quant_shard(engine.mesh, engine.plan, s)
     shape, (_, start) = tensor_block(engine, s)
     out = []
     for c in spec.components:

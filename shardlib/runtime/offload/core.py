@@ -26,7 +26,7 @@ optimizer is stepped on one chunk at a time, its tensors swapped in; an elementw
 one step over the whole tensor — its per-parameter scalars (Adam's step count) are taken from before
 the step for every chunk of a parameter. ``timeline`` records each chunk's read, update and write
 and how long the update waited for each read (``perf_counter`` seconds) for the benchmark. Outside
-the step (checkpoints, ``gathered()``, ``load_pretrained``) ``engine._offload_mapped()`` maps the current generation: the masters and
+the step (checkpoints, ``gathered()``, ``load_pretrained``) ``engine.offload_mapped()`` maps the current generation: the masters and
 moments become file-backed tensors (page cache, not the process's anonymous memory), read and
 written in place.
 

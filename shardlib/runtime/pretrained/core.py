@@ -35,7 +35,6 @@ from ...planner.peft import is_peft
 from ..checkpoint.core import gather_objects
 from ..checkpoint.files import CheckpointError
 from ..checkpoint.pieces import rank_pieces
-from .empty import EnginePretrained as EnginePretrained    # re-exported: the names once defined here
 from .files import CONFIG, DTYPES, FLOATS, RELOAD, Entry, read_folder
 from .names import param_aliases, persistent_buffers, renamed
 from .names import reverted as reverted
@@ -81,7 +80,7 @@ def _check(engine: Engine, path: Path, config: dict | None, entries: dict[str, E
         if name in entries:
             buffers[name] = name
             problems += _entry_problems(path, name, entries[name], tuple(b.shape), b.dtype)
-        elif engine._needs_load and name in engine._awaited:     # zeroed by init=False: a load must fill it
+        elif engine.needs_load and name in engine.awaited:     # zeroed by init=False: a load must fill it
             problems.append(f"load_pretrained: {path} holds no buffer {name!r} — expected every persistent buffer "
                             f"of a model built without values (init=False). {RELOAD}")
     if strict:
@@ -163,7 +162,7 @@ def load_pretrained(engine: Engine, path: str | os.PathLike, *, strict: bool = T
     chunk = min(_CHUNK, max(1, max(math.prod(entries[n].shape) * DTYPES[entries[n].dtype].itemsize
                                    for n in params.values()) // 4))
     failed = None
-    engine._needs_load = True                      # until every rank has read all of its pieces
+    engine.needs_load = True                      # until every rank has read all of its pieces
     try:
         for p in pieces:
             if not p.key.startswith("param/"):
@@ -196,5 +195,5 @@ def load_pretrained(engine: Engine, path: str | os.PathLike, *, strict: bool = T
         raise CheckpointError(f"load_pretrained: reading {path} failed — {failed[0]}. The engine has no complete "
                               f"values and refuses to step. {RELOAD}")
     engine.publish()
-    engine._needs_load = False
-    engine._awaited = frozenset()
+    engine.needs_load = False
+    engine.awaited = frozenset()

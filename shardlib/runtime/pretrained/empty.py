@@ -14,7 +14,6 @@ one is refused by name). A step before a load is refused.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -24,95 +23,83 @@ from ...errors import ShardingError
 from ..checkpoint.files import CheckpointError
 
 if TYPE_CHECKING:
-    from ...algebra.mesh import Mesh
-    from ...planner.plan import Plan
+    from ..setup import StateBuilder
     from ..state import ParamState
 
 
-class EnginePretrained:
-    """Empty states and buffers for ``init=False`` (mixed into ``Engine``). ``_awaited`` names the
-    persistent buffers ``_fill_buffers`` zeroed: a load must bring each of them (a successful
-    ``load_pretrained`` empties it). Inputs from the host: the model, plan and mesh; ``_needs_load``
-    (True until a load, or why the engine holds no one step's state); and set-up's way of building
-    a parameter's state (``_owners``, ``_param_state``, ``_put``: ``setup.py``)."""
+def refuse_before_load(needs_load: bool | str, api: str) -> None:
+    """``api`` refused while the engine holds no values (``init=False`` before a load) or no one step's
+    state (``needs_load`` then says why)."""
+    if isinstance(needs_load, str):       # a failure left it without one step's state
+        raise CheckpointError(f"{api}: {needs_load}")
+    if needs_load:
+        raise CheckpointError(f"{api}: the engine was built with init=False and its parameters have no values "
+                              "yet — expected a load first. Call engine.load_pretrained(folder) (or "
+                              "engine.load(checkpoint)) before the first step, or parallelize with init=True.")
 
-    model: nn.Module
-    plan: Plan
-    mesh: Mesh
-    _needs_load: bool | str
-    _owners: Callable[[], dict[int, list[tuple[nn.Module, str]]]]
-    _param_state: Callable[..., ParamState]
-    _put: Callable[[ParamState], None]
-    _awaited: frozenset[str] = frozenset()
 
-    def _refuse_before_load(self, api: str) -> None:
-        if isinstance(self._needs_load, str):       # a failure left it without one step's state
-            raise CheckpointError(f"{api}: {self._needs_load}")
-        if self._needs_load:
-            raise CheckpointError(f"{api}: the engine was built with init=False and its parameters have no values "
-                                  "yet — expected a load first. Call engine.load_pretrained(folder) (or "
-                                  "engine.load(checkpoint)) before the first step, or parallelize with init=True.")
-
-    def _build_states_empty(self) -> list:
-        """Each parameter's state with zeros for values, each rank allocating only what it holds."""
-        self._fill_buffers()
-        named, owners = dict(self.model.named_parameters()), self._owners()
-        zero3 = self.plan.states.params is not None
-        states = []
-        for i, pp in enumerate(self.plan.params):
-            p = named[pp.name]
-            who = owners[id(p)]
-            # ZeRO-3 keeps only its piece (cloned from this): one zero seen whole through strides of 0,
-            # not a whole tensor allocated for a moment; kept whole, the zeros are the parameter itself
-            if pp.quant is not None:         # the codes' own layout (a load overwrites them, never a float)
-                if p.is_meta:
-                    raise ShardingError(f"parallelize: {pp.name} is a quantized {pp.quant.kind} on the meta device "
-                                        "with init=False — got no codes to lay out; expected a quantized weight with "
-                                        "values. Build the base, quantize it, then parallelize it.")
-                st = self._param_state(i, pp, p, p.detach(), who)
-                self._put(st)
-                states.append(st)
-                continue
-            full = torch.zeros((), device=self.mesh.device).expand(pp.shape) if zero3 else \
-                torch.zeros(pp.shape, device=self.mesh.device)
-            if p.is_meta and self.plan.states.params is None:      # kept whole: a real parameter first
-                p = nn.Parameter(full, requires_grad=pp.trainable)
-                for mod, attr in who:
-                    mod._parameters[attr] = p
-            st = self._param_state(i, pp, p, full, who)
-            self._put(st)
+def build_empty(builder: StateBuilder) -> tuple[list[ParamState], frozenset[str]]:
+    """Each parameter's state with zeros for values, each rank allocating only what it holds; and the
+    persistent buffers zeroed here, which a load must bring (``fill_buffers``)."""
+    awaited = fill_buffers(builder.model, builder.mesh.device)
+    named, owners = dict(builder.model.named_parameters()), builder.owners()
+    zero3 = builder.plan.states.params is not None
+    states = []
+    for i, pp in enumerate(builder.plan.params):
+        p = named[pp.name]
+        who = owners[id(p)]
+        # ZeRO-3 keeps only its piece (cloned from this): one zero seen whole through strides of 0,
+        # not a whole tensor allocated for a moment; kept whole, the zeros are the parameter itself
+        if pp.quant is not None:         # the codes' own layout (a load overwrites them, never a float)
+            if p.is_meta:
+                raise ShardingError(f"parallelize: {pp.name} is a quantized {pp.quant.kind} on the meta device "
+                                    "with init=False — got no codes to lay out; expected a quantized weight with "
+                                    "values. Build the base, quantize it, then parallelize it.")
+            st = builder.param_state(i, pp, p, p.detach(), who)
+            builder.put(st)
             states.append(st)
-        return states
+            continue
+        full = torch.zeros((), device=builder.mesh.device).expand(pp.shape) if zero3 else \
+            torch.zeros(pp.shape, device=builder.mesh.device)
+        if p.is_meta and builder.plan.states.params is None:      # kept whole: a real parameter first
+            p = nn.Parameter(full, requires_grad=pp.trainable)
+            for mod, attr in who:
+                mod._parameters[attr] = p
+        st = builder.param_state(i, pp, p, full, who)
+        builder.put(st)
+        states.append(st)
+    return states, awaited
 
-    @torch.no_grad()
-    def _fill_buffers(self) -> None:
-        """Meta buffers get values: zeros for persistent ones (the load fills them), and the model's
-        own ``_init_weights(module)`` for each module holding one (transformers recomputes rotary
-        tables there); a float buffer it leaves unset is refused."""
-        init = getattr(self.model, "_init_weights", None)
-        unset, awaited = [], set()
-        for mname, mod in self.model.named_modules():
-            metas = [k for k, b in mod._buffers.items() if b is not None and b.is_meta]
-            if not metas:
-                continue
-            for k in metas:
-                b = mod._buffers[k]
-                mod._buffers[k] = torch.full(b.shape, float("nan"), dtype=b.dtype) if b.is_floating_point() \
-                    else torch.zeros(b.shape, dtype=b.dtype)
-            if callable(init):
-                init(mod)
-            for k in metas:
-                if k in mod._non_persistent_buffers_set and (not callable(init) or (
-                        mod._buffers[k].is_floating_point() and torch.isnan(mod._buffers[k]).any())):
-                    unset.append(f"{mname}.{k}" if mname else k)
-                elif k not in mod._non_persistent_buffers_set:
-                    mod._buffers[k].zero_()
-                    awaited.add(f"{mname}.{k}" if mname else k)
-            for k in metas:
-                mod._buffers[k] = mod._buffers[k].to(self.mesh.device)
-        self._awaited = frozenset(awaited)
-        if unset:
-            raise CheckpointError(
-                f"parallelize: init=False on a meta-device model whose non-persistent buffer(s) {unset[:6]} are not "
-                "in any checkpoint and were not computed — expected the model's _init_weights(module) to set them "
-                "(transformers models do). Build the model on a real device, or use init=True.")
+
+@torch.no_grad()
+def fill_buffers(model: nn.Module, device: torch.device) -> frozenset[str]:
+    """Meta buffers get values: zeros for persistent ones (the load fills them), and the model's
+    own ``_init_weights(module)`` for each module holding one (transformers recomputes rotary
+    tables there); a float buffer it leaves unset is refused."""
+    init = getattr(model, "_init_weights", None)
+    unset, awaited = [], set()
+    for mname, mod in model.named_modules():
+        metas = [k for k, b in mod._buffers.items() if b is not None and b.is_meta]
+        if not metas:
+            continue
+        for k in metas:
+            b = mod._buffers[k]
+            mod._buffers[k] = torch.full(b.shape, float("nan"), dtype=b.dtype) if b.is_floating_point() \
+                else torch.zeros(b.shape, dtype=b.dtype)
+        if callable(init):
+            init(mod)
+        for k in metas:
+            if k in mod._non_persistent_buffers_set and (not callable(init) or (
+                    mod._buffers[k].is_floating_point() and torch.isnan(mod._buffers[k]).any())):
+                unset.append(f"{mname}.{k}" if mname else k)
+            elif k not in mod._non_persistent_buffers_set:
+                mod._buffers[k].zero_()
+                awaited.add(f"{mname}.{k}" if mname else k)
+        for k in metas:
+            mod._buffers[k] = mod._buffers[k].to(device)
+    if unset:
+        raise CheckpointError(
+            f"parallelize: init=False on a meta-device model whose non-persistent buffer(s) {unset[:6]} are not "
+            "in any checkpoint and were not computed — expected the model's _init_weights(module) to set them "
+            "(transformers models do). Build the model on a real device, or use init=True.")
+    return frozenset(awaited)

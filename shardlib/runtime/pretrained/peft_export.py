@@ -83,7 +83,7 @@ class FloatSender(Sender):
             return super().full(name)
         st = self.quant.get(name)
         if st is not None:
-            f = quant_shard(self.engine, st)[0].dequantize().to(torch.float32).contiguous()
+            f = quant_shard(self.engine.mesh, self.engine.plan, st)[0].dequantize().to(torch.float32).contiguous()
             shape, block = tensor_block(self.engine, st)
             self.mine[name] = Piece(f"param/{name}", shape, block, tuple(st.plan.shape), 0, f.numel(), f.view(-1))
         self.owner[name] = self.quant_owner[name]
