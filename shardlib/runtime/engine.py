@@ -28,8 +28,7 @@ import torch
 from torch import nn
 
 from ..algebra.mesh import Mesh
-from ..comm import core as comm
-from ..errors import ShardingError, ShardingTypeError
+from ..errors import ShardingTypeError
 from ..planner.plan import Plan
 from ..validate import flag
 from .access import ParamAccess
@@ -38,6 +37,7 @@ from .buckets import GradBuckets
 from .grad_sync import Accumulate, DataReduction, GradSync, MicroBatches, Riding, StepReduction
 from . import inspection
 from .machine import warn_slow_precision
+from .masters import LostStep, Masters
 from .materialize import is_meta, materialize_stage_
 from .offload.core import Copies, DiskOptimizer, OffloadError, OptimizerOffload
 from .offload.activations import activation_offload
@@ -58,7 +58,9 @@ class NonFiniteLossError(FloatingPointError):
 class Engine:
     """The training engine: composed parts, each built with what it reads — the states (``setup.py``), the
     gradient syncs (``grad_sync.py``: buckets, ZeRO-3 units, the tensor and pipe runtimes), how micro-batches
-    run and the step's scalars are summed, offload, and parameter access between steps (``access.py``)."""
+    run and the step's scalars are summed, offload, the masters' side of the update (``masters.py``), and
+    parameter access between steps (``access.py``). It is the ``TrainingState`` (``state.py``) that checkpoints,
+    pretrained loading and export take."""
 
     def __init__(self, model: nn.Module, plan: Plan, optimizer, *, lr_scheduler=None, loss_fn=None,
                  loss_scale: LossScaler | None = None, mesh: Mesh | None = None, init: bool = True,
@@ -146,6 +148,8 @@ class Engine:
             self.buckets.rider_values = lambda: self.scalar_vector([self.loss_sum])
         self.params_offload = params_offload(self)   # ZeRO-3's shards to the host or to files (runtime/offload/params.py)
         self.offload = _offload(self)           # masters and moments to the host or to files (runtime/offload/core.py)
+        self.masters = Masters(plan, self.states, self.buckets, self.offload, self.params_offload,
+                               self.offload_mapped)
         self.optimizer = optimizer([s.master for s in trainable])
         check_optimizer(self.optimizer, [s.master for s in trainable], plan, model)
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
@@ -269,7 +273,7 @@ class Engine:
         for sync in self.syncs:
             got = sync.finish()
             reduced = got if got is not None else reduced
-        grads = self._master_grads(reduced, scale)
+        grads = self.masters.grads(reduced, scale)
         for sync in self.syncs:
             sync.complete(grads)          # (the pipe: tied embeddings' shares summed over the stages)
         loss, found_inf, sumsq, used = self._step_scalars(loss_sum, grads)
@@ -283,7 +287,7 @@ class Engine:
             self._update(grads, used, sumsq, loss)
         if self.scaler:
             self.scaler.update(skip)
-        self._release_master_grads()
+        self.masters.release()
         return float(loss)
 
     def _forward_backward(self, micro: list[Any], factor: float) -> torch.Tensor:
@@ -338,13 +342,13 @@ class Engine:
         """Stop before the update on a non-finite loss (no loss scaler) or gradient norm."""
         plan = self.plan
         if not self.scaler and not torch.isfinite(loss):
-            self._release_master_grads()
+            self.masters.release()
             raise NonFiniteLossError(
                 f"step {self.step_count}: the loss is {loss.item()} ({plan.precision}) — the run stopped before "
                 "updating the parameters. Lower the learning rate, check the data of this step, or clip "
                 "gradients (plan(..., clip_grad_norm=1.0)).")
         if not skip and sumsq is not None and not torch.isfinite(sumsq):
-            self._release_master_grads()
+            self.masters.release()
             raise NonFiniteLossError(
                 f"step {self.step_count}: the loss is {loss.item():.6g} but the gradient norm is "
                 f"{sumsq.double().sqrt().item()} ({plan.precision}) — the run stopped before updating the "
@@ -367,7 +371,7 @@ class Engine:
                 self.offload.step(self.optimizer)
             except OffloadError:            # nothing of the step was applied (runtime/offload/core.py)
                 self.step_count -= 1
-                self._release_master_grads()
+                self.masters.release()
                 raise
         else:
             self.optimizer.step()
@@ -418,104 +422,14 @@ class Engine:
                                     "Return the mean loss from the model, or pass loss_fn=.")
         return out
 
-    def _master_grads(self, reduced, scale: float) -> list[torch.Tensor]:
-        """Put the reduced, unscaled fp32 gradient on each master; return them.
-
-        In fp32 the master's gradient is the reduced gradient itself (no copy); in mixed
-        precision it is an fp32 copy that lives until the update is done."""
-        plan = self.plan
-        by_name: dict[str, torch.Tensor] = {}
-        if reduced is not None:
-            for bucket, grads in zip(plan.buckets(), reduced):
-                by_name.update((pp.name, g) for pp, g in zip(bucket, grads))
-        out, host = [], []
-        if self.offload is not None:          # gradient shards copied in during backward (ZeRO-2/3)
-            self.offload.sync()
-        for s in self.states:
-            if not s.trainable:
-                continue
-            if s.grad_shard is not None:
-                if plan.states.params is None and by_name[s.name] is not s.grad_shard:
-                    s.grad_shard.copy_(by_name[s.name])       # ZeRO-2: keep only the reduced rows
-                g = s.grad_shard
-            else:
-                g = by_name[s.name]                             # DP: full; ZeRO-1: this rank's rows
-                if g.numel() != s.hi - s.lo:                     # replicated grads, sharded optimizer
-                    g = s.local_piece(g)
-                if self.offload is not None:                    # read by the update on the host
-                    host.append((len(out), s))
-                    out.append(self.offload.to_host(g).view(s.master_shape))
-                    continue
-            if plan.mixed or g.dtype != torch.float32:
-                mg = g.float().view(s.master_shape)
-                if scale != 1.0:
-                    mg.div_(scale)
-            else:
-                mg = g.view(s.master_shape)
-            s.master.grad = mg
-            out.append(mg)
-        if host:                              # the host reads them from here: the copies must have landed
-            self.offload.sync()
-            for i, s in host:
-                mg = out[i].float() if out[i].dtype != torch.float32 else out[i]
-                if scale != 1.0:
-                    mg.div_(scale)
-                out[i] = s.master.grad = mg
-        return out
-
-    def _release_master_grads(self) -> None:
-        """Drop gradients that live only for the update (fp32 copies, ZeRO-1's reduced rows); keep
-        those that are views of storage kept between steps (bucket buffers, gradient shards)."""
-        kept = {t.untyped_storage().data_ptr() for t in self._kept_grad_storage()}
-        for s in self.states:
-            if s.master is None or s.master.grad is None:
-                continue
-            if s.master.grad.untyped_storage().data_ptr() not in kept:
-                s.master.grad = None
-
-    def _kept_grad_storage(self) -> list[torch.Tensor]:
-        out = [s.grad_shard for s in self.states if s.grad_shard is not None]
-        if self.buckets is not None and self.buckets.views:
-            out += self.buckets.buffers
-        if self.buckets is not None and self.buckets.direct:     # one data rank: autograd's own gradients
-            out += [s.param.grad for s in self.states if s.trainable and s.param.grad is not None]
-        return out
-
-    @torch.no_grad()
     def publish(self) -> None:
-        """After the update: bring the compute-dtype copies up to date with the masters."""
-        plan = self.plan
-        trainable = [s for s in self.states if s.trainable]
-        if self.offload is not None:
-            with self.offload_mapped():
-                self.offload.publish_all()
-            return
-        if self.params_offload is not None:        # the masters (on the device) into the offloaded shards
-            try:
-                for s in trainable:
-                    self.params_offload.publish(s, s.master.detach().view(-1), 0, "device")
-                self.params_offload.commit()
-            except OSError as e:
-                self.params_offload.abort()
-                self.needs_load = (
-                    f"the new parameters of step {self.step_count} could not be written under {plan.offload_dir} "
-                    f"({e}), after the optimizer on the device had updated its states: the engine holds no one "
-                    "step's state. Load the last checkpoint (engine.load(path)) to go on — or offload the "
-                    "optimizer too (offload={'optimizer': 'disk', 'params': 'disk'}), whose failed writes leave "
-                    "the step undone.")
-                raise OffloadError(f"step: {self.needs_load}") from None
-            return
-        if plan.states.params is not None:
-            if plan.mixed:
-                for s in trainable:
-                    s.shard.copy_(s.master)
-            return
-        if plan.states.optim is None:
-            if plan.mixed:
-                for s in trainable:
-                    s.param.data.copy_(s.master.view(s.param.shape))
-            return
-        self.buckets.publish(self.cdt)           # all-gather the updated pieces, bucket by bucket
+        """After the update: bring the compute-dtype copies up to date with the masters (``Masters.publish``).
+        A failed write of offloaded parameters leaves the engine without one step's state: a load is needed."""
+        try:
+            self.masters.publish(self.step_count)
+        except LostStep as e:
+            self.needs_load = e.why
+            raise OffloadError(f"step: {e.why}") from None
 
 
 def _offload(engine: Engine) -> OptimizerOffload | None:

@@ -1,14 +1,20 @@
-"""Per-parameter runtime state: the tensors that realize a ``ParamPlan``'s layouts."""
+"""Per-parameter runtime state: the tensors that realize a ``ParamPlan``'s layouts; and ``TrainingState``,
+what checkpoints, pretrained loading and export read and write of a training run."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 
 from ..planner.flat import FlatSlot
-from ..planner.plan import ParamPlan
+from ..planner.plan import ParamPlan, Plan
+
+if TYPE_CHECKING:
+    from ..algebra.mesh import Mesh
+    from .scaler import LossScaler
 
 
 @dataclass(eq=False)
@@ -66,3 +72,29 @@ class ParamState:
         ``[lo, hi)`` of it flattened): what ``master``, ``shard`` and ``grad_shard`` hold of the
         parameter where it is sharded. The one place that knows how a parameter is split."""
         return full.view(-1)[self.lo:self.hi]
+
+
+class TrainingState(Protocol):
+    """What checkpoints (``checkpoint/``), pretrained loading and export (``pretrained/``) take: the states
+    and the plan of a run, not its engine. The engine provides exactly these; those modules read nothing
+    else from it (``tests/package/test_composition.py``)."""
+
+    model: nn.Module
+    mesh: Mesh
+    plan: Plan                    # this rank's (its tensor shards' shapes)
+    global_plan: Plan             # the whole mesh's (its pipeline stages)
+    states: list[ParamState]
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: Any
+    scaler: LossScaler | None
+    offload: Any                  # the optimizer's offload to the host or files (``offload/core.py``), or None
+    step_count: int
+    samples_seen: int
+    needs_load: bool | str        # no values yet (init=False), or why it holds no one step's state
+    awaited: frozenset[str]       # persistent buffers init=False zeroed: a load must bring them
+
+    def publish(self) -> None:
+        """The compute copies brought up to date with the masters."""
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter and buffer, full, the same on every rank (a collective)."""

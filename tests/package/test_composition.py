@@ -65,6 +65,36 @@ def test_no_module_reads_another_parts_private_state():
         "\n".join(found)
 
 
+def test_checkpoints_and_pretrained_take_the_training_state_not_the_engine():
+    """``checkpoint/`` and ``pretrained/`` take a ``TrainingState`` (the states and the plan of a run): they
+    import no engine and read nothing else from what they are given."""
+    from shardlib.runtime.state import TrainingState
+    allowed = {n for n in vars(TrainingState) if not n.startswith("_")} | set(TrainingState.__annotations__)
+    folders = [ROOT / "runtime" / "checkpoint", ROOT / "runtime" / "pretrained"]
+    extra = []
+    for p in sorted(f for d in folders for f in d.glob("*.py")):
+        src = p.read_text()
+        assert "from ..engine import" not in src and "runtime.engine" not in src, p
+        for n in ast.walk(ast.parse(src)):
+            if isinstance(n, ast.Attribute) and (
+                    isinstance(n.value, ast.Name) and n.value.id in ("training", "engine", "eng")
+                    or isinstance(n.value, ast.Attribute) and n.value.attr in ("training", "engine")) \
+                    and n.attr not in allowed:
+                extra.append(f"{p.relative_to(ROOT.parent)}:{n.lineno}: .{n.attr}")
+    assert extra == [], "read from the run but not in TrainingState:\n" + "\n".join(extra)
+    # and the engine provides every name of it
+    missing = [n for n in sorted(allowed) if n not in dir(Engine) and n not in _assigned(Engine)]
+    assert missing == [], missing
+
+
+def _assigned(cls: type) -> set[str]:
+    import inspect
+    import textwrap
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    return {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
+            and isinstance(n.value, ast.Name) and n.value.id == "self"}
+
+
 @pytest.mark.parametrize("source, expected", [
     ("engine._needs_load = True", [(1, "engine._needs_load")]),
     ("x = self.engine.units._reduce(u)", [(1, "units._reduce")]),

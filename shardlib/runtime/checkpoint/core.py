@@ -64,35 +64,35 @@ from .files import clean_partial as clean_partial, latest as latest   # the seri
 from .pieces import Piece, param_of, quantized_names, rank_pieces, tensor_block
 
 if TYPE_CHECKING:
-    from ..engine import Engine
+    from ..training import TrainingState
 
 
 # ---- collective helpers -------------------------------------------------------------------------
 
-def _world(engine: Engine) -> int:
-    return engine.mesh.size
+def _world(training: TrainingState) -> int:
+    return training.mesh.size
 
 
-def gather_objects(engine: Engine, obj: Any) -> list[Any]:
+def gather_objects(training: TrainingState, obj: Any) -> list[Any]:
     """Every rank's ``obj``, in rank order, on every rank."""
-    if _world(engine) == 1:
+    if _world(training) == 1:
         return [obj]
-    out: list[Any] = [None] * _world(engine)
+    out: list[Any] = [None] * _world(training)
     dist.all_gather_object(out, obj)
     return out
 
 
-def from_rank_zero(engine: Engine, obj: Any) -> Any:
+def from_rank_zero(training: TrainingState, obj: Any) -> Any:
     """Rank 0's ``obj`` on every rank."""
-    if _world(engine) == 1:
+    if _world(training) == 1:
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
 
 
-def rank_zero(engine: Engine) -> bool:
-    return engine.mesh.rank == 0
+def rank_zero(training: TrainingState) -> bool:
+    return training.mesh.rank == 0
 
 
 def _json_safe(x: Any) -> Any:
@@ -112,7 +112,7 @@ _DROP = object()
 
 # ---- save ---------------------------------------------------------------------------------------
 
-def save(engine: Engine, path: str | os.PathLike, *, extra: dict | None = None, frozen: bool = True) -> Path:
+def save(training: TrainingState, path: str | os.PathLike, *, extra: dict | None = None, frozen: bool = True) -> Path:
     """Write the engine's whole training state to the folder ``path`` (see the module doc);
     ``frozen=False`` leaves the frozen parameters' values out. A collective: every rank calls it
     with the same ``path``. Returns ``path``."""
@@ -127,25 +127,25 @@ def save(engine: Engine, path: str | os.PathLike, *, extra: dict | None = None, 
         raise CheckpointError(f"{problem}; expected True (write the frozen "
                               "parameters too) or False (leave them out).")
     # rank 0's temporary name, hash and verdict on the folder, on every rank (one broadcast)
-    token, algo, problem = from_rank_zero(engine, (uuid.uuid4().hex[:12], default_hash(),
-                                         writable(path.parent) if engine.mesh.rank == 0 else None))
+    token, algo, problem = from_rank_zero(training, (uuid.uuid4().hex[:12], default_hash(),
+                                         writable(path.parent) if training.mesh.rank == 0 else None))
     tmp = path.parent / f".{path.name}.tmp-{token}"
     if problem:
         raise CheckpointError(problem)
-    if rank_zero(engine):           # a save killed earlier left its temporary folder: clear it
+    if rank_zero(training):           # a save killed earlier left its temporary folder: clear it
         for stale in path.parent.glob(f".{path.name}.tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)
-    planner = _save_planner(engine, frozen)
-    rank = engine.mesh.rank
+    planner = _save_planner(training, frozen)
+    rank = training.mesh.rank
     failed, hashes = None, {}
     try:
         writer = hashing_writer(tmp, algo)
         with _no_zip_crc():
-            dcp.save({}, storage_writer=writer, planner=planner, no_dist=_world(engine) == 1)
+            dcp.save({}, storage_writer=writer, planner=planner, no_dist=_world(training) == 1)
         hashes = writer.hashes()                    # hashed as written (DCP fsynced the files)
     except (Exception, dcp_error()) as e:      # DCP raises on every rank when any rank's write failed
         failed = dcp_failure(e)
-    got = gather_objects(engine, (failed, hashes))         # one exchange: every rank's failure and hashes
+    got = gather_objects(training, (failed, hashes))         # one exchange: every rank's failure and hashes
     failed = [f for f, _ in got if f]
     if failed:
         if rank == 0:
@@ -158,12 +158,12 @@ def save(engine: Engine, path: str | os.PathLike, *, extra: dict | None = None, 
             if f.name not in files:
                 files[f.name] = file_hash(f, algo)
         merged = {k: list(m.size) for k, m in planner.metadata.state_dict_metadata.items() if hasattr(m, "size")}
-        manifest = _manifest(engine, merged, files, extra, frozen)
+        manifest = _manifest(training, merged, files, extra, frozen)
         manifest["hash"] = algo
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         fsync_dir(tmp, (MANIFEST,))
         install(tmp, path)
-    if _world(engine) > 1:
+    if _world(training) > 1:
         dist.barrier()
     return path
 
@@ -185,15 +185,17 @@ def _no_zip_crc():
             ser.set_crc32_options(prev)
 
 
-def _save_planner(engine: Engine, frozen: bool):
+def _save_planner(training: TrainingState, frozen: bool):
     """What this rank writes (``checkpoint_dcp``'s names): its boxes of every sharded tensor, its
     replicated tensors whole, the group hyper-parameters and its RNG states."""
     from .dcp import BoxSavePlanner, Chunked, Names, param_group_entries
 
-    names = Names.of(engine)
-    pieces, whole = rank_pieces(engine, frozen=frozen, quantized=frozen)
-    pp = engine.global_plan.pipeline
-    if pp is not None and pp.tied and engine.pipe is not None and not engine.pipe.counts_tied:
+    names = Names.of(training)
+    pieces, whole = rank_pieces(training, frozen=frozen, quantized=frozen)
+    pp = training.global_plan.pipeline
+    mesh = training.mesh
+    if pp is not None and pp.tied and training.global_plan.pipe_size > 1 and \
+            0 not in {s.index for s in pp.stages_of(mesh.coord(mesh.rank, pp.axis))}:
         # a weight tied across the first and last stage is written once, by the first stage's ranks
         pieces = [p for p in pieces if param_of(p.key) not in pp.tied]
         whole = {k: v for k, v in whole.items() if k.rpartition("/")[2] not in pp.tied}
@@ -204,23 +206,23 @@ def _save_planner(engine: Engine, frozen: bool):
             for box, off in p.boxes:
                 c.chunks[tuple(box[0])] = (tuple(box[1]), lambda p=p, box=box, off=off: p.box_tensor(box, off).detach())
     out: dict = {names.saved(k)[0]: v.detach() for k, v in whole.items()}
-    if any(s.trainable for s in engine.states):
-        out.update(param_group_entries(engine))
-    rank = engine.mesh.rank
+    if any(s.trainable for s in training.states):
+        out.update(param_group_entries(training))
+    rank = training.mesh.rank
     out[names.read(f"rng/cpu/{rank}")[0]] = torch.get_rng_state()
     if torch.cuda.is_available():
         out[names.read(f"rng/cuda/{rank}")[0]] = torch.cuda.get_rng_state()
     return BoxSavePlanner(chunked, out)
 
 
-def _manifest(engine: Engine, index: dict, files: dict, extra: dict | None, frozen: bool) -> dict:
-    gplan, opt = engine.global_plan, engine.optimizer
+def _manifest(training: TrainingState, index: dict, files: dict, extra: dict | None, frozen: bool) -> dict:
+    gplan, opt = training.global_plan, training.optimizer
     groups = [{k: _json_safe(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
-    sched = engine.lr_scheduler
-    scaler = engine.scaler
+    sched = training.lr_scheduler
+    scaler = training.scaler
     return {
         "format": FORMAT, "version": VERSION, "shardlib": _version(), "torch": torch.__version__,
-        "mesh": gplan.mesh.axis_sizes, "world": engine.mesh.size,
+        "mesh": gplan.mesh.axis_sizes, "world": training.mesh.size,
         "plan": {"zero": gplan.zero, "precision": gplan.precision, "pipe": gplan.pipe_size,
                  "tensor": gplan.tensor_size, "replica": gplan.replica_size},
         "params": {p.name: {"shape": list(p.shape), "trainable": p.trainable} for p in gplan.params},
@@ -230,7 +232,7 @@ def _manifest(engine: Engine, index: dict, files: dict, extra: dict | None, froz
         "scheduler": None if sched is None else {"class": type(sched).__name__,
                                                  "state": _json_safe(sched.state_dict())},
         "scaler": None if not scaler else {k: getattr(scaler, k) for k in ("scale", "good_steps", "skipped_steps")},
-        "step": engine.step_count, "samples": engine.samples_seen, "extra": extra or {},
+        "step": training.step_count, "samples": training.samples_seen, "extra": extra or {},
     }
 
 
@@ -241,13 +243,13 @@ def _version() -> str:
 
 # ---- series: step folders and a `latest` pointer ---------------------------------------------
 
-def save_step(engine: Engine, folder: str | os.PathLike, step: int, *, extra: dict | None = None, keep: int = 2,
+def save_step(training: TrainingState, folder: str | os.PathLike, step: int, *, extra: dict | None = None, keep: int = 2,
               frozen: bool = True) -> Path:
     """``folder/step-000123``, then ``folder/latest`` pointing at it (replaced atomically), then all
     but the newest ``keep`` step folders removed. ``frozen=False``: as ``save``'s (the base left out)."""
     folder = Path(folder)
-    path = save(engine, folder / f"step-{step:06d}", extra=extra, frozen=frozen)
-    if engine.mesh.rank == 0:
+    path = save(training, folder / f"step-{step:06d}", extra=extra, frozen=frozen)
+    if training.mesh.rank == 0:
         tmp = folder / f".{LATEST}.tmp-{uuid.uuid4().hex[:8]}"
         tmp.write_text(path.name + "\n")
         os.replace(tmp, folder / LATEST)
@@ -255,14 +257,14 @@ def save_step(engine: Engine, folder: str | os.PathLike, step: int, *, extra: di
         for old in steps[:-keep] if keep > 0 else []:
             if old != path:
                 shutil.rmtree(old, ignore_errors=True)
-    if _world(engine) > 1:
+    if _world(training) > 1:
         dist.barrier()
     return path
 
 
 # ---- load ---------------------------------------------------------------------------------------
 
-def check_files(engine: Engine, path: Path, manifest: dict) -> None:
+def check_files(training: TrainingState, path: Path, manifest: dict) -> None:
     """Every file the manifest names is there, whole (its hash: the manifest's ``hash``, SHA-256 where it
     names none), checked over the ranks (rank r hashes files r, r + world, ...); and no data file it does
     not name."""
@@ -271,35 +273,35 @@ def check_files(engine: Engine, path: Path, manifest: dict) -> None:
     hasher(algo)         # an unknown hash (or xxhash missing) refused on every rank, before any collective
     bad = []
     for i, name in enumerate(names):
-        if i % _world(engine) != engine.mesh.rank:
+        if i % _world(training) != training.mesh.rank:
             continue
         f = path / name
         if not f.is_file():
             bad.append(f"{name} is missing")
         elif file_hash(f, algo) != manifest["files"][name]:
             bad.append(f"{name} is corrupt (its {algo} hash differs from the manifest's)")
-    if engine.mesh.rank == 0:
+    if training.mesh.rank == 0:
         extra = sorted(f.name for f in path.glob("*.distcp") if f.name not in manifest["files"])
         bad += [f"{n} is not part of the checkpoint" for n in extra[:5]]
-    bad = sorted({b for got in gather_objects(engine, bad) for b in got})
+    bad = sorted({b for got in gather_objects(training, bad) for b in got})
     if bad:
         raise CheckpointError([f"load: {path}: {b} — the checkpoint is truncated or corrupt; load an earlier one."
                                for b in bad[:10]], api="load")
 
 
-def check_model(engine: Engine, manifest: dict, path: Path) -> None:
-    problems = params_problems(manifest, {p.name: tuple(p.shape) for p in engine.global_plan.params}, path)
+def check_model(training: TrainingState, manifest: dict, path: Path) -> None:
+    problems = params_problems(manifest, {p.name: tuple(p.shape) for p in training.global_plan.params}, path)
     opt = manifest["optimizer"]["class"]
-    if opt != type(engine.optimizer).__name__:
+    if opt != type(training.optimizer).__name__:
         problems.append(f"load: {path} was saved with optimizer {opt}, this engine uses "
-                        f"{type(engine.optimizer).__name__} — expected the same optimizer class.")
+                        f"{type(training.optimizer).__name__} — expected the same optimizer class.")
     absent = manifest.get("absent", [])
-    trainable = sorted(p.name for p in engine.global_plan.params if p.trainable and p.name in absent)
+    trainable = sorted(p.name for p in training.global_plan.params if p.trainable and p.name in absent)
     if trainable:
         problems.append(f"load: {path} was saved without its frozen parameters, and {len(trainable)} of them are "
                         f"trainable in this engine — got {trainable[:4]}; expected their values in the checkpoint. "
                         "Freeze them as when saving, or resume from a checkpoint saved with frozen=True.")
-    if absent and engine.needs_load:
+    if absent and training.needs_load:
         problems.append(f"load: {path} holds no frozen parameters ({len(absent)} left out, e.g. {absent[:3]}), and "
                         "this engine was built with init=False and has no values for them — expected them set "
                         "first. Call engine.load_pretrained(base_folder) before engine.load, or build with init=True.")
@@ -308,7 +310,7 @@ def check_model(engine: Engine, manifest: dict, path: Path) -> None:
 
 
 @torch.no_grad()
-def load(engine: Engine, path: str | os.PathLike) -> dict:
+def load(training: TrainingState, path: str | os.PathLike) -> dict:
     """Restore the engine's whole training state from ``path`` (or the checkpoint its ``latest``
     names), saved on any mesh; returns the ``extra`` given to ``save``. A collective.
 
@@ -318,13 +320,13 @@ def load(engine: Engine, path: str | os.PathLike) -> dict:
     from .dcp import Names
 
     path = resolve(Path(path).absolute())
-    manifest = from_rank_zero(engine, _try(_manifest_or_foreign, path))
+    manifest = from_rank_zero(training, _try(_manifest_or_foreign, path))
     if isinstance(manifest, CheckpointError):
         raise manifest
     foreign = manifest is None
     if not foreign:
-        check_model(engine, manifest, path)
-        check_files(engine, path, manifest)
+        check_model(training, manifest, path)
+        check_files(training, path, manifest)
     reader = safe_reader(path)
     try:
         metadata = reader.read_metadata()
@@ -333,12 +335,12 @@ def load(engine: Engine, path: str | os.PathLike) -> dict:
     except Exception as e:
         raise CheckpointError(f"load: {path}'s DCP metadata cannot be read — {dcp_failure(e)}.") from None
     saved = {k: tuple(m.size) for k, m in metadata.state_dict_metadata.items() if hasattr(m, "size")}
-    names = Names.of(engine)
+    names = Names.of(training)
     kept = set(manifest.get("absent", [])) if manifest else set()       # frozen values the engine keeps
-    pieces, whole = rank_pieces(engine, quantized=not any(n in kept for n in quantized_names(engine)))
+    pieces, whole = rank_pieces(training, quantized=not any(n in kept for n in quantized_names(training)))
     pieces = [p for p in pieces if p.key.startswith("optim/") or param_of(p.key) not in kept]
     by_key = {p.key: p for p in pieces}
-    fresh = _fresh_states(engine, names, saved, by_key, whole, pieces)
+    fresh = _fresh_states(training, names, saved, by_key, whole, pieces)
     boxes: dict[str, list] = {}
     request: dict[str, torch.Tensor] = {}
     where: dict[str, tuple[str, torch.Tensor]] = {}
@@ -356,7 +358,7 @@ def load(engine: Engine, path: str | os.PathLike) -> dict:
         if name is not None:
             request[name] = torch.empty(saved[name], dtype=t.dtype)
             where[name] = (k, t)
-    rank_saved = engine.mesh.rank % manifest["world"] if manifest else None
+    rank_saved = training.mesh.rank % manifest["world"] if manifest else None
     rng = {}
     if manifest:
         rng["cpu"] = names.read(f"rng/cpu/{rank_saved}")[0]
@@ -365,7 +367,7 @@ def load(engine: Engine, path: str | os.PathLike) -> dict:
         if torch.cuda.is_available() and cuda in saved:
             rng["cuda"] = cuda
             request[cuda] = torch.empty_like(torch.cuda.get_rng_state())
-    planner = _read(engine, path, reader, boxes, request)
+    planner = _read(training, path, reader, boxes, request)
     short = sorted({n for n, bs in boxes.items() for box, t in bs
                     if planner.covered.get((n, tuple(box[0])), 0) != t.numel()})
     if short:
@@ -375,27 +377,27 @@ def load(engine: Engine, path: str | os.PathLike) -> dict:
     for p in pieces:
         if p.refill is not None:
             p.refill()
-    _restore_optimizer(engine, manifest, fresh)
-    for s in engine.states:          # frozen values go back into what the engine computes with
+    _restore_optimizer(training, manifest, fresh)
+    for s in training.states:          # frozen values go back into what the engine computes with
         if not s.trainable and f"param/{s.name}" in by_key:
             src = s.shard if s.shard is not None else s.local_piece(s.param.data)
             src.copy_(by_key[f"param/{s.name}"].flat.view_as(src))
     if foreign:
         steps = [t for k, (_, t) in where.items() if k.endswith(".step") and t.numel() == 1]
-        engine.step_count = int(steps[0].item()) if steps else engine.step_count
-        engine.publish()
+        training.step_count = int(steps[0].item()) if steps else training.step_count
+        training.publish()
         return {}
     torch.set_rng_state(request[rng["cpu"]])
     if "cuda" in rng:
         torch.cuda.set_rng_state(request[rng["cuda"]])
-    sched = engine.lr_scheduler
+    sched = training.lr_scheduler
     if sched is not None and manifest["scheduler"] is not None:
         sched.load_state_dict({**sched.state_dict(), **manifest["scheduler"]["state"]})
-    if engine.scaler and manifest["scaler"]:
+    if training.scaler and manifest["scaler"]:
         for k, v in manifest["scaler"].items():
-            setattr(engine.scaler, k, v)
-    engine.step_count, engine.samples_seen = manifest["step"], manifest["samples"]
-    engine.publish()                  # the compute copies (and ZeRO-1/2's full parameters) from the masters
+            setattr(training.scaler, k, v)
+    training.step_count, training.samples_seen = manifest["step"], manifest["samples"]
+    training.publish()                  # the compute copies (and ZeRO-1/2's full parameters) from the masters
     return manifest["extra"]
 
 
@@ -425,7 +427,7 @@ def _missing(path: Path, key: str, saved: dict, foreign: bool, names) -> None:
                               "Quantize the model as when saving, or load a checkpoint saved from it.")
 
 
-def _fresh_states(engine: Engine, names, saved: dict, by_key: dict, whole: dict, pieces: list) -> dict:
+def _fresh_states(training: TrainingState, names, saved: dict, by_key: dict, whole: dict, pieces: list) -> dict:
     """Optimizer state the checkpoint holds and this engine has not created yet (no step taken),
     allocated like the masters (on disk where the states are offloaded there) and added to what is read."""
     fresh: dict[str, dict[str, torch.Tensor]] = {}
@@ -435,16 +437,16 @@ def _fresh_states(engine: Engine, names, saved: dict, by_key: dict, whole: dict,
             if name.startswith(prefix):
                 pname, _, k = name[len(prefix):].rpartition(".")
                 by_param.setdefault(pname, []).append((k, name))
-    for s in engine.states:
+    for s in training.states:
         if not s.trainable or s.name not in by_param:
             continue
-        shape, block = tensor_block(engine, s)
+        shape, block = tensor_block(training, s)
         for k, name in by_param[s.name]:
             key = f"optim/{k}/{s.name}"
             if key in by_key or key in whole or k in fresh.get(s.name, {}):
                 continue
             if saved[name] == tuple(shape) and len(shape) > 0:
-                t = engine.offload.fresh(s, k) if engine.offload is not None else None
+                t = training.offload.fresh(s, k) if training.offload is not None else None
                 t = torch.zeros_like(s.master, dtype=torch.float32) if t is None else t
                 fresh.setdefault(s.name, {})[k] = t
                 p = Piece(key, shape, block, tuple(s.plan.shape), s.lo, s.hi, t.reshape(-1))
@@ -457,7 +459,7 @@ def _fresh_states(engine: Engine, names, saved: dict, by_key: dict, whole: dict,
     return fresh
 
 
-def _read(engine: Engine, path: Path, reader, boxes: dict, request: dict):
+def _read(training: TrainingState, path: Path, reader, boxes: dict, request: dict):
     """DCP reads the chunks overlapping ``boxes`` into their views and ``request`` whole."""
     import torch.distributed.checkpoint as dcp
 
@@ -465,7 +467,7 @@ def _read(engine: Engine, path: Path, reader, boxes: dict, request: dict):
 
     planner = BoxLoadPlanner(boxes, request)
     try:
-        dcp.load({}, storage_reader=reader, planner=planner, no_dist=_world(engine) == 1)
+        dcp.load({}, storage_reader=reader, planner=planner, no_dist=_world(training) == 1)
     except (Exception, dcp_error()) as e:
         if reader.refused is not None:       # the metadata asked for code: say so, whatever DCP made of it
             raise reader.refused from None
@@ -473,13 +475,13 @@ def _read(engine: Engine, path: Path, reader, boxes: dict, request: dict):
     return planner
 
 
-def _restore_optimizer(engine: Engine, manifest: dict, fresh: dict[str, dict[str, torch.Tensor]]) -> None:
-    opt = engine.optimizer
+def _restore_optimizer(training: TrainingState, manifest: dict, fresh: dict[str, dict[str, torch.Tensor]]) -> None:
+    opt = training.optimizer
     for g, saved in zip(opt.param_groups, manifest["optimizer"]["param_groups"] if manifest else []):
         for k, v in saved.items():
             if k in g and not isinstance(g[k], torch.Tensor):
                 g[k] = tuple(v) if isinstance(g[k], tuple) else v
-    masters = {s.name: s.master for s in engine.states if s.trainable}
+    masters = {s.name: s.master for s in training.states if s.trainable}
     for name, state in fresh.items():
         st = opt.state[masters[name]]
         for k, t in state.items():
@@ -495,19 +497,19 @@ def _try(fn, *args):
 
 # ---- export ---------------------------------------------------------------------------------------
 
-def export(engine: Engine, path: str | os.PathLike) -> Path | None:
+def export(training: TrainingState, path: str | os.PathLike) -> Path | None:
     """``engine.full_state_dict()`` written by rank 0 as one ``safetensors`` file (tensors only, tied
     parameters stored once per name), loadable into a plain single-process model. A collective."""
     from safetensors.torch import save_file
 
-    full = engine.full_state_dict()
+    full = training.full_state_dict()
     path = Path(path)
-    if engine.mesh.rank == 0:
+    if training.mesh.rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
         save_file({k: v.detach().contiguous().clone() for k, v in full.items() if isinstance(v, torch.Tensor)},
                   str(tmp), metadata={"format": "pt", "producer": f"shardlib {_version()}"})
         os.replace(tmp, path)
-    if _world(engine) > 1:
+    if _world(training) > 1:
         dist.barrier()
     return path

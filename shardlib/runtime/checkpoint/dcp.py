@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.planner_helpers import _create_write_items, cr
 from ...algebra.boxes import Box
 
 if TYPE_CHECKING:
-    from ..engine import Engine
+    from ..training import TrainingState
 
 OWN = "_shardlib."                   # what only shardlib reads
 OPTIM = "optimizer."                 # torchtitan's key for the optimizer's state
@@ -56,8 +56,8 @@ class Names:
     persistent: frozenset[str]
 
     @classmethod
-    def of(cls, engine: Engine) -> Names:
-        model = engine.model
+    def of(cls, training: TrainingState) -> Names:
+        model = training.model
         first = {id(p): k for k, p in model.named_parameters()}
         aliases: dict[str, list[str]] = {}
         for k, p in model.named_parameters(remove_duplicate=False):
@@ -95,18 +95,18 @@ class Names:
         raise ValueError(key)
 
 
-def param_group_entries(engine: Engine) -> dict[str, Any]:
+def param_group_entries(training: TrainingState) -> dict[str, Any]:
     """``optimizer.param_groups.<name>.<key>``: each trainable parameter's group hyper-parameters
     (tensor-valued ones as numbers), as ``get_optimizer_state_dict(flatten_optimizer_state_dict=True)``
     gives them. Written by the ranks at coordinate 0 of every axis but ``pipe`` (each stage's first
     rank: every parameter once, the plans DCP gathers not ``world`` times longer)."""
-    mesh, gplan = engine.mesh, engine.global_plan
+    mesh, gplan = training.mesh, training.global_plan
     pipe = gplan.pipeline.axis if gplan.pipe_size > 1 else None
     if any(mesh.coord(mesh.rank, a) for a in mesh.axis_names if a != pipe):
         return {}
-    by_master = {id(s.master): s.name for s in engine.states if s.trainable}
+    by_master = {id(s.master): s.name for s in training.states if s.trainable}
     out = {}
-    for g in engine.optimizer.param_groups:
+    for g in training.optimizer.param_groups:
         for p in g["params"]:
             name = by_master.get(id(p))
             if name is None:

@@ -16,7 +16,7 @@ from ...comm import core as comm
 from ...quant.layout import QuantSpec, views
 
 if TYPE_CHECKING:
-    from ..engine import Engine
+    from ..training import TrainingState
     from ...algebra.mesh import Mesh
     from ...planner.plan import Plan
 
@@ -45,39 +45,39 @@ class Piece:
         return self.flat.as_strided(box[1], self._strides[off], self.flat.storage_offset() + off)
 
 
-def tensor_block(engine: Engine, s) -> tuple[tuple[int, ...], tuple[tuple[int, ...], tuple[int, ...]]]:
+def tensor_block(training: TrainingState, s) -> tuple[tuple[int, ...], tuple[tuple[int, ...], tuple[int, ...]]]:
     """(global shape, ``(parts, start)``) of parameter state ``s``'s tensor-parallel block: per dim,
     the number of fused blocks (1 for a plain dim) and where this rank's chunk of each begins."""
     pp = s.plan
     if pp.full_shape is None:
         return tuple(pp.shape), ((1,) * len(pp.shape), (0,) * len(pp.shape))
-    lay = Layout(engine.mesh, pp.spec)
+    lay = Layout(training.mesh, pp.spec)
     shape = tuple(pp.full_shape)
-    first, _ = lay.local_boxes(shape, engine.mesh.rank)[0]      # block 0 of each fused dim: its start in it
+    first, _ = lay.local_boxes(shape, training.mesh.rank)[0]      # block 0 of each fused dim: its start in it
     fused = lay.fused
     return shape, (tuple(fused.get(d, 1) for d in range(len(shape))), tuple(g.start for g in first))
 
 
-def rank_pieces(engine: Engine, *, frozen: bool = True, quantized: bool = False
+def rank_pieces(training: TrainingState, *, frozen: bool = True, quantized: bool = False
             ) -> tuple[list[Piece], dict[str, torch.Tensor]]:
     """Every sharded tensor this rank holds (values, optimizer states) and its replicated ones
     (per-parameter optimizer scalars, buffers); ``frozen=False`` leaves frozen parameters out.
     Quantized weights only with ``quantized=True``, as their components (``_quant_pieces``: a
     collective under ZeRO-3, each rank then holding its tensor shards' packed bytes whole)."""
     pieces, whole = [], {}
-    opt_state = engine.optimizer.state
-    specs = {p.name: p.quant for p in engine.global_plan.params if p.quant is not None}
-    for s in engine.states:
+    opt_state = training.optimizer.state
+    specs = {p.name: p.quant for p in training.global_plan.params if p.quant is not None}
+    for s in training.states:
         if not frozen and not s.trainable:
             continue
-        shape, block = tensor_block(engine, s)
+        shape, block = tensor_block(training, s)
         local = tuple(s.plan.shape)
 
         def add(key: str, t: torch.Tensor) -> None:
             pieces.append(Piece(key, shape, block, local, s.lo, s.hi, t.reshape(-1)))
 
         if s.plan.quant is not None:
-            pieces += _quant_pieces(engine, s, specs[s.name]) if quantized else []
+            pieces += _quant_pieces(training, s, specs[s.name]) if quantized else []
         elif s.trainable:
             add(f"param/{s.name}", s.master.detach())
             for k, v in opt_state.get(s.master, {}).items():
@@ -90,7 +90,7 @@ def rank_pieces(engine: Engine, *, frozen: bool = True, quantized: bool = False
         else:
             src = s.shard if s.shard is not None else s.local_piece(s.param.detach())
             add(f"param/{s.name}", src.detach().float())
-    for name, b in engine.model.named_buffers():
+    for name, b in training.model.named_buffers():
         if not b.is_meta:
             whole[f"buffer/{name}"] = b
     return pieces, whole
@@ -108,14 +108,14 @@ def quant_shard(mesh: Mesh, plan: Plan, s) -> tuple[torch.Tensor, torch.Tensor |
     return views(s.param, raw, tuple(s.plan.shape)), raw
 
 
-def _quant_pieces(engine: Engine, s, spec: QuantSpec) -> list[Piece]:
+def _quant_pieces(training: TrainingState, s, spec: QuantSpec) -> list[Piece]:
     """A quantized frozen weight as its components (``quant/<name>/<component>``: codes, scales, zero
     points), each a global tensor of which this rank's tensor shard holds one box — the entries
     covering the shard's box of the weight, a component kept whole on a dim (a per-row scale under a
     row split) held whole. Saved in their own dtypes: a load on any mesh gets the same codes. ``spec``
     is the whole weight's (a shard's own may see a dim it cuts as one entry spanning it)."""
-    q, raw = quant_shard(engine.mesh, engine.plan, s)
-    shape, (_, start) = tensor_block(engine, s)
+    q, raw = quant_shard(training.mesh, training.plan, s)
+    shape, (_, start) = tensor_block(training, s)
     out = []
     for c in spec.components:
         comp = getattr(q, c.name)
@@ -130,8 +130,8 @@ def _quant_pieces(engine: Engine, s, spec: QuantSpec) -> list[Piece]:
     return out
 
 
-def quantized_names(engine: Engine) -> list[str]:
-    return [p.name for p in engine.global_plan.params if p.quant is not None]
+def quantized_names(training: TrainingState) -> list[str]:
+    return [p.name for p in training.global_plan.params if p.quant is not None]
 
 
 def param_of(key: str) -> str:

@@ -44,16 +44,16 @@ from .save import save_pretrained as save_pretrained
 from .save import whole_index
 
 if TYPE_CHECKING:
-    from ..engine import Engine
+    from ..training import TrainingState
 
 _CHUNK = 64 << 20            # bytes: the most one read spans in a file
 
 
-def _check(engine: Engine, path: Path, config: dict | None, entries: dict[str, Entry], strict: bool
+def _check(training: TrainingState, path: Path, config: dict | None, entries: dict[str, Entry], strict: bool
            ) -> tuple[dict[str, str], dict[str, str]]:
     """Every problem with the folder for this model, raised at once; else the file name of each
     parameter (by plan name) and of each persistent buffer found."""
-    model, problems = engine.model, []
+    model, problems = training.model, []
     mconf = getattr(model, "config", None)
     if config is not None and mconf is not None and hasattr(mconf, "model_type"):
         arch, want = config.get("architectures") or [], type(model).__name__
@@ -65,7 +65,7 @@ def _check(engine: Engine, path: Path, config: dict | None, entries: dict[str, E
         problems.append(f"load_pretrained: {path} has no {CONFIG} — expected a transformers folder for "
                         f"{type(model).__name__}. Write it with save_pretrained.")
     params: dict[str, str] = {}
-    shapes = {p.name: tuple(p.shape) for p in engine.global_plan.params}
+    shapes = {p.name: tuple(p.shape) for p in training.global_plan.params}
     for first, names in param_aliases(model).items():
         found = next((n for n in names if n in entries), None)
         if found is None:
@@ -80,7 +80,7 @@ def _check(engine: Engine, path: Path, config: dict | None, entries: dict[str, E
         if name in entries:
             buffers[name] = name
             problems += _entry_problems(path, name, entries[name], tuple(b.shape), b.dtype)
-        elif engine.needs_load and name in engine.awaited:     # zeroed by init=False: a load must fill it
+        elif training.needs_load and name in training.awaited:     # zeroed by init=False: a load must fill it
             problems.append(f"load_pretrained: {path} holds no buffer {name!r} — expected every persistent buffer "
                             f"of a model built without values (init=False). {RELOAD}")
     if strict:
@@ -122,19 +122,19 @@ def _rows(box: Box, i: int, n: int) -> Box:
 
 
 @torch.no_grad()
-def load_pretrained(engine: Engine, path: str | os.PathLike, *, strict: bool = True) -> None:
+def load_pretrained(training: TrainingState, path: str | os.PathLike, *, strict: bool = True) -> None:
     """Fill the engine's parameters (and persistent buffers) from a transformers folder, each rank
     reading only its pieces (see the module doc). Checked whole before any value is written."""
     from safetensors import safe_open
 
     path = Path(path).absolute()
-    if engine.step_count > 0:
-        raise CheckpointError(f"load_pretrained: the engine has taken {engine.step_count} step(s) — expected a load "
+    if training.step_count > 0:
+        raise CheckpointError(f"load_pretrained: the engine has taken {training.step_count} step(s) — expected a load "
                               "before the first step (the optimizer's state would belong to other weights). Load "
                               "pretrained weights into a fresh engine, or resume training with "
                               "engine.load(checkpoint).")
-    held = [s.name for s in engine.states if s.plan.quant is not None]
-    if held or is_peft(engine.model):        # the same on every rank: decided by the model alone
+    held = [s.name for s in training.states if s.plan.quant is not None]
+    if held or is_peft(training.model):        # the same on every rank: decided by the model alone
         what = (f"quantized weights ({', '.join(held[:2])}{', ...' if len(held) > 2 else ''})" if held
                 else "a PEFT model (its names are base_model.model.*, its adapters in no base folder)")
         raise CheckpointError(f"load_pretrained: the engine holds {what} — expected a plain float model: a folder "
@@ -145,24 +145,24 @@ def load_pretrained(engine: Engine, path: str | os.PathLike, *, strict: bool = T
     mine = None
     try:
         config, entries = read_folder(path)
-        entries = renamed(engine.model, entries)
-        params, buffers = _check(engine, path, config, entries, strict)
+        entries = renamed(training.model, entries)
+        params, buffers = _check(training, path, config, entries, strict)
     except CheckpointError as e:
         mine = e
-    theirs = [(r, m) for r, m in enumerate(gather_objects(engine, None if mine is None else str(mine))) if m]
+    theirs = [(r, m) for r, m in enumerate(gather_objects(training, None if mine is None else str(mine))) if m]
     if mine is not None:
         raise mine
     if theirs:
         r, why = theirs[0]
         raise CheckpointError(f"load_pretrained: another rank (rank {r}) cannot read {path} — {why} Give every node "
                               "the same folder.")
-    pieces, _ = rank_pieces(engine)
+    pieces, _ = rank_pieces(training)
     # a read holds its bytes about three times (the file's mapped pages, safetensors' buffer, the
     # tensor it returns): reads span at most a quarter of the largest tensor (and _CHUNK)
     chunk = min(_CHUNK, max(1, max(math.prod(entries[n].shape) * DTYPES[entries[n].dtype].itemsize
                                    for n in params.values()) // 4))
     failed = None
-    engine.needs_load = True                      # until every rank has read all of its pieces
+    training.needs_load = True                      # until every rank has read all of its pieces
     try:
         for p in pieces:
             if not p.key.startswith("param/"):
@@ -180,20 +180,20 @@ def load_pretrained(engine: Engine, path: str | os.PathLike, *, strict: bool = T
                     (dst[i:i + step] if box[1] else dst).copy_(got)
                     del got
         by_key = {p.key: p for p in pieces}
-        for s in engine.states:            # frozen values into what the engine computes with
+        for s in training.states:            # frozen values into what the engine computes with
             if not s.trainable:
                 dst = s.shard if s.shard is not None else s.local_piece(s.param.data)
                 dst.copy_(by_key[f"param/{s.name}"].flat.view_as(dst))
-        held = persistent_buffers(engine.model)
+        held = persistent_buffers(training.model)
         for name, fname in buffers.items():
             with safe_open(str(entries[fname].file), framework="pt") as f:
                 held[name].copy_(f.get_tensor(entries[fname].key))
     except Exception as e:                 # noqa: BLE001 — reported on every rank below
-        failed = f"rank {engine.mesh.rank}: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-    failed = [f for f in gather_objects(engine, failed) if f]
+        failed = f"rank {training.mesh.rank}: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+    failed = [f for f in gather_objects(training, failed) if f]
     if failed:
         raise CheckpointError(f"load_pretrained: reading {path} failed — {failed[0]}. The engine has no complete "
                               f"values and refuses to step. {RELOAD}")
-    engine.publish()
-    engine.needs_load = False
-    engine.awaited = frozenset()
+    training.publish()
+    training.needs_load = False
+    training.awaited = frozenset()

@@ -49,7 +49,7 @@ from .files import CONFIG, INDEX, SAFE, OutFile, header_bytes, tidy, write_refus
 from .save import Sender
 
 if TYPE_CHECKING:
-    from ..engine import Engine
+    from ..training import TrainingState
 
 ADAPTER_CONFIG, ADAPTER_SAFE = "adapter_config.json", "adapter_model.safetensors"
 _SAVEABLE = (torch.float32, torch.float16, torch.bfloat16)
@@ -62,15 +62,15 @@ class FloatSender(Sender):
     group's pieces of its packed bytes first, ``checkpoint.quant_shard``), and the shards' boxes go to
     rank 0 as floats — one weight's shards at a time."""
 
-    def __init__(self, engine: Engine):
-        super().__init__(engine)
-        self.quant = {s.name: s for s in engine.states if s.plan.quant is not None}
+    def __init__(self, training: TrainingState):
+        super().__init__(training)
+        self.quant = {s.name: s for s in training.states if s.plan.quant is not None}
         self.quant_owner: dict[str, list[tuple[int, Box]]] = {}
         mine = {}
         for n, st in self.quant.items():
-            _, (_, start) = tensor_block(engine, st)
+            _, (_, start) = tensor_block(training, st)
             mine[n] = (start, tuple(st.plan.shape))
-        for r, got in enumerate(gather_objects(engine, mine)):
+        for r, got in enumerate(gather_objects(training, mine)):
             for n, b in got.items():
                 have = self.quant_owner.setdefault(n, [])
                 if math.prod(b[1]) and all(b != x for _, x in have):
@@ -83,8 +83,8 @@ class FloatSender(Sender):
             return super().full(name)
         st = self.quant.get(name)
         if st is not None:
-            f = quant_shard(self.engine.mesh, self.engine.plan, st)[0].dequantize().to(torch.float32).contiguous()
-            shape, block = tensor_block(self.engine, st)
+            f = quant_shard(self.training.mesh, self.training.plan, st)[0].dequantize().to(torch.float32).contiguous()
+            shape, block = tensor_block(self.training, st)
             self.mine[name] = Piece(f"param/{name}", shape, block, tuple(st.plan.shape), 0, f.numel(), f.view(-1))
         self.owner[name] = self.quant_owner[name]
         try:
@@ -93,30 +93,30 @@ class FloatSender(Sender):
             self.mine.pop(name, None)
 
 
-def refuse_quantized(engine: Engine) -> None:
+def refuse_quantized(training: TrainingState) -> None:
     """A model with quantized weights that is not a PEFT model cannot be written by
     ``pretrained.save_pretrained`` (its sender assembles float parameters only): refused by name."""
-    names = [p.name for p in engine.global_plan.params if p.quant is not None]
+    names = [p.name for p in training.global_plan.params if p.quant is not None]
     if names:
         raise CheckpointError(
-            f"save_pretrained: {type(engine.model).__name__} holds {len(names)} quantized weight(s) (e.g. "
+            f"save_pretrained: {type(training.model).__name__} holds {len(names)} quantized weight(s) (e.g. "
             f"{names[0]!r}) — expected float weights for a transformers folder. Wrap the model with "
             "peft.get_peft_model and save the adapter folder (or merged=True: a float model with the adapters "
             "folded in), or take engine.full_state_dict() (quantized weights dequantized).")
 
 
 @torch.no_grad()
-def save_peft(engine: Engine, path: str | os.PathLike, *, merged: bool, max_shard_size: int | str,
+def save_peft(training: TrainingState, path: str | os.PathLike, *, merged: bool, max_shard_size: int | str,
               dtype: torch.dtype) -> Path:
     """The adapter folder (``merged=False``) or the merged plain model (see the module doc). A
     collective; a bad argument or folder is refused on every rank before anything is written."""
-    model = engine.model
+    model = training.model
     if not is_peft(model):
         raise CheckpointError(f"save_pretrained: merged=True folds PEFT adapters into their base weights — got a "
                               f"{type(model).__name__}, not a peft PeftModel; expected a model wrapped by "
                               "peft.get_peft_model. Call save_pretrained(path) without merged=True.")
     if dtype not in _SAVEABLE:
-        kinds = sorted({p.quant.kind for p in engine.global_plan.params if p.quant is not None})
+        kinds = sorted({p.quant.kind for p in training.global_plan.params if p.quant is not None})
         what = ("a merged export" + (f" of a quantized ({', '.join(kinds)}) base" if kinds else "")) if merged \
             else "a PEFT adapter"
         raise CheckpointError(f"save_pretrained: {what} to dtype {dtype} — merged weights and adapters are floats "
@@ -124,12 +124,12 @@ def save_peft(engine: Engine, path: str | os.PathLike, *, merged: bool, max_shar
                               "float16. Pass dtype=torch.bfloat16 (or torch.float32).")
     path = Path(path).absolute()
     layers = _lora_layers(model) if merged else {}          # refuses what cannot merge, on every rank
-    problems = from_rank_zero(engine, _folder_problems(model, path, merged) if engine.mesh.rank == 0 else None)
+    problems = from_rank_zero(training, _folder_problems(model, path, merged) if training.mesh.rank == 0 else None)
     if problems:
         raise CheckpointError(problems, api="save_pretrained")
     if merged:
-        return _save_merged(engine, path, layers, max_shard_size, dtype)
-    return _save_adapters(engine, path, dtype)
+        return _save_merged(training, path, layers, max_shard_size, dtype)
+    return _save_adapters(training, path, dtype)
 
 
 # ---- the folder -----------------------------------------------------------------------------------
@@ -191,13 +191,13 @@ def _folder_problems(model: nn.Module, path: Path, merged: bool) -> list[str]:
 
 # ---- adapters -------------------------------------------------------------------------------------
 
-def _adapter_names(engine: Engine) -> list[str]:
+def _adapter_names(training: TrainingState) -> list[str]:
     """The model's names of the tensors PEFT saves, each once, in PEFT's order: PEFT picks them from a
     state dict of shapes only (meta tensors)."""
     from peft import get_peft_model_state_dict
 
-    model = engine.model
-    shapes = {p.name: tuple(p.shape) for p in engine.global_plan.params}
+    model = training.model
+    shapes = {p.name: tuple(p.shape) for p in training.global_plan.params}
     meta = {n: torch.empty(shapes[first], device="meta")
             for first, names in param_aliases(model).items() for n in names}
     meta.update({n: torch.empty(b.shape, dtype=b.dtype, device="meta")
@@ -210,14 +210,14 @@ def _adapter_names(engine: Engine) -> list[str]:
     return out
 
 
-def _save_adapters(engine: Engine, path: Path, dtype: torch.dtype) -> Path:
-    model, rank0 = engine.model, engine.mesh.rank == 0
+def _save_adapters(training: TrainingState, path: Path, dtype: torch.dtype) -> Path:
+    model, rank0 = training.model, training.mesh.rank == 0
     first = {n: f for f, names in param_aliases(model).items() for n in names}
     buffers = persistent_buffers(model)
     # the base never leaves its ranks: only trainable pieces are read (a frozen adapter, if any, needs them all)
-    sender = Sender(engine, frozen=not all(s.trainable for s in engine.states if is_adapter(s.name)))
+    sender = Sender(training, frozen=not all(s.trainable for s in training.states if is_adapter(s.name)))
     full = {}
-    for n in _adapter_names(engine):
+    for n in _adapter_names(training):
         t = sender.full(first[n]) if n in first else buffers[n]
         if rank0:
             full[n] = t.to(dtype) if t.is_floating_point() else t
@@ -227,7 +227,7 @@ def _save_adapters(engine: Engine, path: Path, dtype: torch.dtype) -> Path:
             model.save_pretrained(str(path), state_dict=full)
         except OSError as e:
             failed = write_refused(path, e)
-    failed = from_rank_zero(engine, failed)
+    failed = from_rank_zero(training, failed)
     if failed:
         raise CheckpointError(failed)
     return path
@@ -282,15 +282,15 @@ def _merged_names(base: nn.Module, layers: dict) -> list[tuple[str, str]]:
     return out
 
 
-def _save_merged(engine: Engine, path: Path, layers: dict, max_shard_size: int | str, dtype: torch.dtype) -> Path:
+def _save_merged(training: TrainingState, path: Path, layers: dict, max_shard_size: int | str, dtype: torch.dtype) -> Path:
     from huggingface_hub import split_torch_state_dict_into_shards
     from huggingface_hub.serialization._base import parse_size_to_int
 
-    model, rank0 = engine.model, engine.mesh.rank == 0
+    model, rank0 = training.model, training.mesh.rank == 0
     base = model.get_base_model()
     prefix = next(n for n, m in model.named_modules() if m is base) + "."
     first = {n: f for f, names in param_aliases(model).items() for n in names}
-    shapes = {p.name: tuple(p.shape) for p in engine.global_plan.params}
+    shapes = {p.name: tuple(p.shape) for p in training.global_plan.params}
     buffers = persistent_buffers(base)
     names = _merged_names(base, layers)
     kinds = {src: (shapes[first[prefix + src]], dtype) if prefix + src in first else
@@ -314,11 +314,11 @@ def _save_merged(engine: Engine, path: Path, layers: dict, max_shard_size: int |
                     base.generation_config.save_pretrained(path)
         except OSError as e:
             failed = write_refused(path, e)
-    failed = from_rank_zero(engine, failed)
+    failed = from_rank_zero(training, failed)
     if failed:
         raise CheckpointError(failed)
     merged_of = {f"{m}.base_layer.weight": m for m in layers}
-    sender, src_of = FloatSender(engine), dict(names)
+    sender, src_of = FloatSender(training), dict(names)
     for fname, tensors in split.filename_to_tensors.items():
         head, offsets = header_bytes([(n, kinds[src_of[n]][1], kinds[src_of[n]][0]) for n in tensors])
         out = OutFile(path / f".{fname}.tmp-{uuid.uuid4().hex[:8]}", head) if rank0 and failed is None else None
@@ -339,7 +339,7 @@ def _save_merged(engine: Engine, path: Path, layers: dict, max_shard_size: int |
             tidy(path, split, sum(math.prod(kinds[src][0]) for _, src in names if src not in buffers), hf)
         except OSError as e:
             failed = write_refused(path, e)
-    failed = from_rank_zero(engine, failed)
+    failed = from_rank_zero(training, failed)
     if failed:
         raise CheckpointError(failed)
     return path

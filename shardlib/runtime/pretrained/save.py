@@ -30,7 +30,7 @@ from .files import OutFile, header_bytes, tidy, write_refused
 from .names import persistent_buffers, reverted, saved_names
 
 if TYPE_CHECKING:
-    from ..engine import Engine
+    from ..training import TrainingState
 
 
 def whole_index(box: Box) -> tuple[slice, ...]:
@@ -39,7 +39,7 @@ def whole_index(box: Box) -> tuple[slice, ...]:
 
 
 @torch.no_grad()
-def save_pretrained(engine: Engine, path: str | os.PathLike, *, max_shard_size: int | str = "50GB",
+def save_pretrained(training: TrainingState, path: str | os.PathLike, *, max_shard_size: int | str = "50GB",
                     dtype: torch.dtype = torch.float32) -> Path:
     """Write the model as ``model.save_pretrained(path)`` does in one process (see the module doc); a
     model without a transformers ``config`` gets the safetensors files only. A collective."""
@@ -49,7 +49,7 @@ def save_pretrained(engine: Engine, path: str | os.PathLike, *, max_shard_size: 
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise CheckpointError(f"save_pretrained: dtype {dtype} — expected torch.float32, float16 or bfloat16.")
     path = Path(path).absolute()
-    model, gplan = engine.model, engine.global_plan
+    model, gplan = training.model, training.global_plan
     names = saved_names(model)
     shapes = {p.name: tuple(p.shape) for p in gplan.params}
     buffers = persistent_buffers(model)
@@ -63,7 +63,7 @@ def save_pretrained(engine: Engine, path: str | os.PathLike, *, max_shard_size: 
                                                if isinstance(max_shard_size, str) else int(max_shard_size))
     del meta
     hf = hasattr(getattr(model, "config", None), "save_pretrained")
-    rank0 = engine.mesh.rank == 0
+    rank0 = training.mesh.rank == 0
     if hf:                                # as save_pretrained: the saved dtype and the class in the config
         model.config.dtype = str(dtype).split(".")[1]
         model.config.architectures = [type(model).__name__]
@@ -78,10 +78,10 @@ def save_pretrained(engine: Engine, path: str | os.PathLike, *, max_shard_size: 
                     model.generation_config.save_pretrained(path)
         except OSError as e:
             problem = f"save_pretrained: cannot write {path} ({e.strerror}) — expected a writable folder."
-    problem = gather_objects(engine, problem)[0]
+    problem = gather_objects(training, problem)[0]
     if problem:
         raise CheckpointError(problem)
-    sender, src_of = Sender(engine), dict(names)
+    sender, src_of = Sender(training), dict(names)
     failed: str | None = None        # rank 0's write failure: it goes on receiving so every send matches
     for fname, tensors in split.filename_to_tensors.items():
         head, offsets = header_bytes([(n, kinds[src_of[n]][1], kinds[src_of[n]][0]) for n in tensors])
@@ -101,7 +101,7 @@ def save_pretrained(engine: Engine, path: str | os.PathLike, *, max_shard_size: 
             tidy(path, split, sum(p.numel for p in gplan.params), hf)
         except OSError as e:
             failed = write_refused(path, e)
-    failed = from_rank_zero(engine, failed)          # every rank learns rank 0's verdict (and waits for the files)
+    failed = from_rank_zero(training, failed)          # every rank learns rank 0's verdict (and waits for the files)
     if failed:
         raise CheckpointError(failed)
     return path
@@ -111,15 +111,15 @@ class Sender:
     """Full parameters on rank 0, one at a time: every rank tells once which boxes it holds; each box of
     each tensor is sent by the lowest rank holding it (replicas send nothing), point to point."""
 
-    def __init__(self, engine: Engine, *, frozen: bool = True):
+    def __init__(self, training: TrainingState, *, frozen: bool = True):
         """``frozen=False``: trainable parameters only (a PEFT adapter's save never reads the base)."""
-        self.engine = engine
-        self.shapes = {p.name: tuple(p.shape) for p in engine.global_plan.params}
-        pieces, _ = rank_pieces(engine, frozen=frozen)
+        self.training = training
+        self.shapes = {p.name: tuple(p.shape) for p in training.global_plan.params}
+        pieces, _ = rank_pieces(training, frozen=frozen)
         self.mine = {p.key[len("param/"):]: p for p in pieces if p.key.startswith("param/")}
         held = {k: [b for b, _ in p.boxes] for k, p in self.mine.items()}
         self.owner: dict[str, list[tuple[int, Box]]] = {}
-        for r, got in enumerate(gather_objects(engine, held)):
+        for r, got in enumerate(gather_objects(training, held)):
             for k, boxes in got.items():
                 have = self.owner.setdefault(k, [])
                 for b in boxes:
@@ -128,7 +128,7 @@ class Sender:
 
     def full(self, name: str) -> torch.Tensor | None:
         """Parameter ``name``'s full fp32 value on rank 0 (None elsewhere)."""
-        e = self.engine
+        e = self.training
         me = e.mesh.rank
         out = torch.zeros(self.shapes[name], dtype=torch.float32) if me == 0 else None
         recvs, sends = [], []
