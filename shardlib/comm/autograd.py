@@ -38,26 +38,22 @@ class PBroadcast(torch.autograd.Function):
         return comm.all_reduce(g.contiguous(), ctx.mesh, ctx.axes), None, None
 
 
-class AllGather(torch.autograd.Function):
-    @staticmethod
+def _transposes(name: str, there, back, doc: str) -> type[torch.autograd.Function]:
+    """An autograd function along a dim that runs ``there`` forward and its transpose ``back`` backward."""
+
     def forward(ctx, x, mesh, axes, dim):
         ctx.mesh, ctx.axes, ctx.dim = mesh, axes, dim
-        return _fresh(gather_dim(x, mesh, axes, dim), x)
+        return _fresh(there(x, mesh, axes, dim), x)
 
-    @staticmethod
     def backward(ctx, g):
-        return scatter_dim(g.contiguous(), ctx.mesh, ctx.axes, ctx.dim), None, None, None
+        return back(g.contiguous(), ctx.mesh, ctx.axes, ctx.dim), None, None, None
+
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward),
+                                                   "backward": staticmethod(backward), "__doc__": doc})
 
 
-class PsumScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, mesh, axes, dim):
-        ctx.mesh, ctx.axes, ctx.dim = mesh, axes, dim
-        return _fresh(scatter_dim(x, mesh, axes, dim), x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return gather_dim(g.contiguous(), ctx.mesh, ctx.axes, ctx.dim), None, None, None
+AllGather = _transposes("AllGather", gather_dim, scatter_dim, "All-gather along a dim; backward reduce-scatters.")
+PsumScatter = _transposes("PsumScatter", scatter_dim, gather_dim, "Reduce-scatter along a dim; backward all-gathers.")
 
 
 class AllToAll(torch.autograd.Function):

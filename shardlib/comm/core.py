@@ -250,6 +250,14 @@ def reduce_scatter_single_fn():
     return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def _alone(x: torch.Tensor, out: torch.Tensor | None, async_op: bool):
+    """A group of one: ``x`` itself is the result (copied into ``out`` when one is given)."""
+    if out is not None and out.data_ptr() != x.data_ptr():
+        out.copy_(x.reshape(out.shape))
+        x = out
+    return _done(x, async_op)
+
+
 def all_gather(x: torch.Tensor, mesh: Mesh, axes: str | Sequence[str], *, async_op: bool = False,
                tag: str = "", out: torch.Tensor | None = None):
     """Concatenate every group member's ``x`` along dim 0, in mesh order of the members.
@@ -261,10 +269,7 @@ def all_gather(x: torch.Tensor, mesh: Mesh, axes: str | Sequence[str], *, async_
     canon = mesh.canonical_axes(axes)
     k = group_size(mesh, canon)
     if k == 1:
-        if out is not None and out.data_ptr() != x.data_ptr():
-            out.copy_(x.reshape(out.shape))
-            x = out
-        return _done(x, async_op)
+        return _alone(x, out, async_op)
     shape = (k * x.shape[0],) + tuple(x.shape[1:]) if x.dim() else (k,)
     if out is None:
         out = x.new_empty(shape)
@@ -298,10 +303,7 @@ def reduce_scatter(x: torch.Tensor, mesh: Mesh, axes: str | Sequence[str], *, op
     canon = mesh.canonical_axes(axes)
     k = group_size(mesh, canon)
     if k == 1:
-        if out is not None and out.data_ptr() != x.data_ptr():
-            out.copy_(x.reshape(out.shape))
-            x = out
-        return _done(x, async_op)
+        return _alone(x, out, async_op)
     if x.dim() == 0 or x.shape[0] % k:
         raise CollectiveError(f"reduce_scatter over {canon}: dim 0 of shape {tuple(x.shape)} does not "
                               f"divide by the group size {k} — expected a multiple of {k}. Pad first.")

@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from ...models.gpt import GPTConfig
 from ...validate import is_int, is_number
 from .calibration import Calibration as Calibration, calibrated, fraction
 from .checking import ConfigError as ConfigError, DataError as DataError, Checker, field_names
@@ -42,7 +43,6 @@ LR_SCHEDULES = ("cosine", "linear", "constant")
 SOURCES = ("stdlib", "file", "dataset")
 FORMATS = ("text", "json", "parquet")          # datasets.load_dataset's packaged builders
 MODEL_KINDS = ("gpt", "hf")
-_GPT_SIZES = ("vocab_size", "d_model", "n_heads", "n_layers", "mlp_ratio")
 
 
 @dataclass(frozen=True)
@@ -130,25 +130,18 @@ class ParallelConfig:
     offload_dir: str | None = None
 
 
-@dataclass(frozen=True)
-class ModelConfig:
-    """``kind: gpt`` — the reference GPT of these sizes; ``kind: hf`` — the transformers causal LM in the
-    folder ``path`` (its config.json sets the sizes; ``seq_len`` is then the training sequence length)."""
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig(GPTConfig):
+    """``kind: gpt`` — the reference GPT of these sizes: the fields of ``GPTConfig``, which this is (a field
+    added there is a config key here); ``kind: hf`` — the transformers causal LM in the folder ``path`` (its
+    config.json sets the sizes; ``seq_len`` is then the training sequence length)."""
 
     name: str
-    vocab_size: int = 256
-    seq_len: int = 64
-    d_model: int = 128
-    n_heads: int = 4
-    n_layers: int = 2
-    mlp_ratio: int = 4
     kind: str = "gpt"
     path: str | None = None
 
-    def gpt(self):
-        from ...models.gpt import GPTConfig
-        return GPTConfig(vocab_size=self.vocab_size, seq_len=self.seq_len, d_model=self.d_model,
-                         n_heads=self.n_heads, n_layers=self.n_layers, mlp_ratio=self.mlp_ratio)
+    def gpt(self) -> GPTConfig:
+        return GPTConfig(**{f.name: getattr(self, f.name) for f in fields(GPTConfig)})
 
 
 @dataclass(frozen=True)
@@ -346,17 +339,16 @@ def _model(raw: Any, problems: list[str]) -> ModelConfig:
                             "(config.json, safetensors, tokenizer files): give model.path=<folder>. Make a small one "
                             "offline with python examples/make_tiny_hf.py <folder>.")
             path = None
-        for key in _GPT_SIZES:
+        for key in (f.name for f in fields(GPTConfig) if f.name != "seq_len"):
             if key in c.raw:
                 problems.append(f"model.{key}: not used with model.kind=hf — the folder's config.json sets the "
                                 "model's sizes. Remove it, or edit the folder's config.")
     elif path is not None:
         problems.append(f"model.path: {path!r} is only read with model.kind=hf — expected model=hf "
                         f"model.path=<folder>, or no path for the reference GPT.")
-    out = ModelConfig(name=c.str("name", "model"), vocab_size=c.int("vocab_size", 256), seq_len=c.int("seq_len", 64),
-                      d_model=c.int("d_model", 128), n_heads=c.int("n_heads", 4), n_layers=c.int("n_layers", 2),
-                      mlp_ratio=c.int("mlp_ratio", 4), kind=kind,
-                      path=c.str("path", None, optional=True) if path is not None else None)
+    sizes = {f.name: c.int(f.name, f.default, optional=f.default is None) for f in fields(GPTConfig)}
+    out = ModelConfig(name=c.str("name", "model"), kind=kind, path=c.str("path", None, optional=True)
+                      if path is not None else None, **sizes)
     if kind == "gpt" and out.d_model % out.n_heads:
         problems.append(f"model.n_heads: {out.n_heads} heads do not divide model.d_model={out.d_model} — expected a "
                         "divisor of d_model.")

@@ -45,8 +45,8 @@ from ..checkpoint.core import from_rank_zero, gather_objects
 from ..checkpoint.pieces import Piece, quant_shard, tensor_block
 from ..checkpoint.files import CheckpointError
 from .names import param_aliases, persistent_buffers, reverted, saved_names
-from .files import CONFIG, INDEX, SAFE, OutFile, header_bytes, tidy, write_refused
-from .save import Sender
+from .files import CONFIG, INDEX, SAFE, OutFile, header_bytes, tidy
+from .save import Sender, on_rank_zero
 
 if TYPE_CHECKING:
     from ..training import TrainingState
@@ -221,16 +221,7 @@ def _save_adapters(training: TrainingState, path: Path, dtype: torch.dtype) -> P
         t = sender.full(first[n]) if n in first else buffers[n]
         if rank0:
             full[n] = t.to(dtype) if t.is_floating_point() else t
-    failed = None
-    if rank0:
-        try:
-            model.save_pretrained(str(path), state_dict=full)
-        except OSError as e:
-            failed = write_refused(path, e)
-    failed = from_rank_zero(training, failed)
-    if failed:
-        raise CheckpointError(failed)
-    return path
+    return on_rank_zero(training, path, lambda: model.save_pretrained(str(path), state_dict=full))
 
 
 # ---- merged ---------------------------------------------------------------------------------------
@@ -303,20 +294,17 @@ def _save_merged(training: TrainingState, path: Path, layers: dict, max_shard_si
                                                max_shard_size=size)
     del meta
     hf = hasattr(getattr(base, "config", None), "save_pretrained")
+
+    def configs() -> None:
+        path.mkdir(parents=True, exist_ok=True)
+        if hf:
+            _plain_config(base, dtype).save_pretrained(path)
+            can = getattr(base, "can_generate", None)
+            if callable(can) and can() and getattr(base, "generation_config", None) is not None:
+                base.generation_config.save_pretrained(path)
+
+    on_rank_zero(training, path, configs)
     failed = None
-    if rank0:
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-            if hf:
-                _plain_config(base, dtype).save_pretrained(path)
-                can = getattr(base, "can_generate", None)
-                if callable(can) and can() and getattr(base, "generation_config", None) is not None:
-                    base.generation_config.save_pretrained(path)
-        except OSError as e:
-            failed = write_refused(path, e)
-    failed = from_rank_zero(training, failed)
-    if failed:
-        raise CheckpointError(failed)
     merged_of = {f"{m}.base_layer.weight": m for m in layers}
     sender, src_of = FloatSender(training), dict(names)
     for fname, tensors in split.filename_to_tensors.items():
@@ -334,15 +322,8 @@ def _save_merged(training: TrainingState, path: Path, layers: dict, max_shard_si
             del t
         if out is not None:
             failed = out.install(path / fname)
-    if rank0 and failed is None:
-        try:
-            tidy(path, split, sum(math.prod(kinds[src][0]) for _, src in names if src not in buffers), hf)
-        except OSError as e:
-            failed = write_refused(path, e)
-    failed = from_rank_zero(training, failed)
-    if failed:
-        raise CheckpointError(failed)
-    return path
+    return on_rank_zero(training, path, lambda: tidy(
+        path, split, sum(math.prod(kinds[src][0]) for _, src in names if src not in buffers), hf), failed)
 
 
 def _plain_config(base: nn.Module, dtype: torch.dtype):

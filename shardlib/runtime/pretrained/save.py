@@ -13,6 +13,8 @@ receiving (every send is matched); one broadcast after the last tensor makes eve
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import math
 import os
 import uuid
@@ -96,12 +98,18 @@ def save_pretrained(training: TrainingState, path: str | os.PathLike, *, max_sha
             del t
         if out is not None:
             failed = out.install(path / fname)
-    if rank0 and failed is None:
+    return on_rank_zero(training, path, lambda: tidy(path, split, sum(p.numel for p in gplan.params), hf), failed)
+
+
+def on_rank_zero(training: TrainingState, path: Path, write: Callable[[], object], failed: str | None = None) -> Path:
+    """``write`` into ``path`` on rank 0 (unless ``failed`` already says why not); every rank learns rank 0's
+    verdict (and so waits for the files) and raises it as a ``CheckpointError``. Returns ``path``."""
+    if training.mesh.rank == 0 and failed is None:
         try:
-            tidy(path, split, sum(p.numel for p in gplan.params), hf)
+            write()
         except OSError as e:
             failed = write_refused(path, e)
-    failed = from_rank_zero(training, failed)          # every rank learns rank 0's verdict (and waits for the files)
+    failed = from_rank_zero(training, failed)
     if failed:
         raise CheckpointError(failed)
     return path
