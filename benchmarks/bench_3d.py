@@ -83,10 +83,8 @@ not hide the other's numbers.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -96,7 +94,8 @@ import torch
 import torch.distributed as dist
 from bench_pipeline import GPTStage, lm_loss                        # benchmarks/ is on the path when run
 from bench_tensor_parallel import CountCollectives, torch_tp_plan
-from harness import gathered_alternate, rss_of, common_options, reference_losses, run_sides, write_rows
+from harness import (gathered_alternate, gpt_line, max_rel, missing_cells, ms_cell, n_params, pair_cells, print_tables,
+                     reference_losses, rss_of, run_configs, run_sides, side_by_side_parser, step_times, write_rows)
 
 import shardlib as sl
 from shardlib.comm.core import NETWORK_OPS
@@ -126,8 +125,9 @@ def make_optimizer(params) -> torch.optim.Optimizer:
 class Built:
     """One side, built in a rank: ``step(global_batch)`` runs a training step and returns the loss this rank
     knows (shardlib: the global batch's; torch: the mean of its micro-batch losses on the last stage, None
-    elsewhere). ``plan``: shardlib's; ``groups``: torch's process-group names -> mesh axis."""
-    step: Callable[[Batch], float | None]
+    elsewhere). ``plan``: shardlib's; ``groups``: torch's process-group names -> mesh axis. What
+    ``counted_step`` and ``collect`` read (``bench_hf.py`` and ``bench_peft.py`` build theirs too)."""
+    step: Callable[[Any], float | None]
     plan: Any = None
     groups: dict[str, str] = field(default_factory=dict)
 
@@ -278,7 +278,7 @@ def rss_main(label: str, side: str, steps: int) -> dict:
 def collect(per: list[dict], side: str, steps: int) -> dict:
     """One side's times, global-batch losses and bytes from every rank's record."""
     recs = [r[side] for r in per]
-    times = [max(r["spans"][k][1] for r in recs) - min(r["spans"][k][0] for r in recs) for k in range(steps)]
+    times = step_times(recs, steps)
     losses = []
     for xs in zip(*(r["losses"] for r in recs)):   # mean over the ranks that know a loss (torch: last stage)
         known = [x for x in xs if x is not None]
@@ -304,13 +304,9 @@ def run_config(label: str, sides: list[str], warmup: int, steps: int, timeout: t
                      lambda per, side: collect(per[0], side, steps))
 
 
-def _rel(a: list[float], b: list[float]) -> float:
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
-
-
 def summarize(row: dict, ref: list[float]) -> dict:
     for side, r in row["results"].items():
-        r["dloss"] = _rel(r["losses"], ref)
+        r["dloss"] = max_rel(r["losses"], ref)
         if side in row["rss"]:
             rs = row["rss"][side]
             r["peak_mb"] = max(x["peak"] for x in rs) / 2**20
@@ -318,7 +314,7 @@ def summarize(row: dict, ref: list[float]) -> dict:
     res = row["results"]
     if "torch" in res and "shardlib" in res:
         row["ratio"] = res["shardlib"]["ms"] / res["torch"]["ms"]
-        row["dloss_sl_torch"] = _rel(res["shardlib"]["losses"], res["torch"]["losses"])
+        row["dloss_sl_torch"] = max_rel(res["shardlib"]["losses"], res["torch"]["losses"])
         row["shardlib_ms"], row["torch_ms"] = res["shardlib"]["ms"], res["torch"]["ms"]
         row["dloss"] = max(res["shardlib"]["dloss"], res["torch"]["dloss"])
     return row
@@ -326,16 +322,15 @@ def summarize(row: dict, ref: list[float]) -> dict:
 
 def _cells(row: dict, side: str) -> list[str]:
     """ms, peak RSS, bytes data / pipe / tensor / mesh, Δloss vs 1 process — or why there is none."""
-    if side in row["failed"]:
-        return [f"FAILED ({row['failed'][side]})"] + ["–"] * 3
-    if side not in row["results"]:
-        return ["–"] * 4
+    missing = missing_cells(row, side, 4)
+    if missing is not None:
+        return missing
     r, fb = row["results"][side], sl.format_bytes
     rss = f"{r['peak_mb']:.0f} (+{r['rise_mb']:.0f})" if "peak_mb" in r else "–"
     by = r["bytes"]
     eq = {None: "", True: " (= planned)", False: " (≠ planned)"}[by["counted_eq_planned"]]
     bytes_ = " / ".join(fb(int(by[a])) for a in (*AXES, "mesh")) + eq
-    return [f"{r['ms']:.0f} ({r['p25']:.0f}-{r['p75']:.0f})", rss, bytes_, f"{r['dloss']:.1e}"]
+    return [ms_cell(r), rss, bytes_, f"{r['dloss']:.1e}"]
 
 
 def table(rows: list[dict]) -> str:
@@ -345,9 +340,7 @@ def table(rows: list[dict]) -> str:
     lines = [head]
     for r in rows:
         t, s = _cells(r, "torch"), _cells(r, "shardlib")
-        ratio = f"**{r['ratio']:.2f}**" if "ratio" in r else "–"
-        vs = f"{r['dloss_sl_torch']:.1e}" if "dloss_sl_torch" in r else "–"
-        load = "–".join(f"{x:.1f}" for x in r["load"])
+        ratio, vs, load = pair_cells(r)
         lines.append("| " + " | ".join([r["config"], r["baseline"], t[0], s[0], ratio, t[1], s[1], t[2], s[2],
                                         t[3], s[3], vs, load]) + " |")
     return "\n".join(lines)
@@ -364,37 +357,20 @@ def ops_lines(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
-    ap.add_argument("--sides", nargs="*", default=["shardlib", "torch"], choices=["shardlib", "torch"])
-    common_options(ap, steps=16)
-    args = ap.parse_args(argv)
+    args = side_by_side_parser(__doc__, CONFIGS, steps=16).parse_args(argv)
     t_start = time.time()
     ref = reference_losses(CFG, BATCH, args.warmup + args.steps, make_optimizer)
-    rows = []
-    for label in args.configs:
-        t0 = time.time()
-        row = summarize(run_config(label, args.sides, args.warmup, args.steps, (args.timeout, args.world_timeout),
-                                   not args.no_rss), ref)
-        rows.append(row)
-        for side, err in row["failed"].items():
-            print(f"{label}: {side}: {err}", file=sys.stderr, flush=True)
-        for side, r in row["results"].items():
-            print(f"{label} {side}: {r['ms']:.0f} ms (p25-p75 {r['p25']:.0f}-{r['p75']:.0f}), "
-                  f"Δloss vs 1 process {r['dloss']:.1e}", file=sys.stderr, flush=True)
-        print(f"{label}: done in {time.time() - t0:.0f} s, load {row['load']}", file=sys.stderr, flush=True)
-    n_params = sum(q.numel() for q in GPT(CFG, seed=0).parameters())
-    print(f"\nGPT {CFG.n_layers} layers, d_model {CFG.d_model}, {CFG.n_heads} heads, vocab {CFG.vocab_size}, "
-          f"seq {CFG.seq_len} ({n_params / 1e6:.2f} M parameters); mesh data {MESH['data']} x pipe {MESH['pipe']} "
+    rows = run_configs(args, run_config, lambda row: summarize(row, ref),
+                       lambda r: f"{r['ms']:.0f} ms (p25-p75 {r['p25']:.0f}-{r['p75']:.0f}), "
+                                 f"Δloss vs 1 process {r['dloss']:.1e}")
+    print(f"\n{gpt_line(CFG)} ({n_params(CFG) / 1e6:.2f} M parameters); mesh data {MESH['data']} x pipe {MESH['pipe']} "
           f"x tensor {MESH['tensor']} (8 gloo processes, 1 thread each, {os.cpu_count()} cores); global batch "
           f"{BATCH}, 1F1B over {M} micro-batches per data rank, blocks {CFG.n_layers // 2} | {CFG.n_layers // 2}; "
           f"fp32 AdamW lr {LR}; torch {torch.__version__}. Median of {args.steps} alternating steps after "
           f"{args.warmup} warm-up (p25-p75); step = latest end - earliest start over the ranks. Bytes: sent per rank "
           f"per step (ring model), mean over the ranks, one counted warm-up step. Δloss: relative, every step. "
           f"Load: 1-min load average at the config's start-end. Total {time.time() - t_start:.0f} s.\n")
-    print(table(rows))
-    print("\nCollectives counted in one step (rank 0):\n")
-    print(ops_lines(rows))
+    print_tables(rows, table, ("Collectives counted in one step (rank 0)", ops_lines))
     write_rows(rows, args.json)
 
 

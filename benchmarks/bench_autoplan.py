@@ -16,11 +16,11 @@ measured best (goal: within 10%).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 
-from bench_estimate import rank_times      # (benchmarks/: the same timing as the estimate's benchmark)
+from bench_estimate import measured_step   # (benchmarks/: the same timing as the estimate's benchmark)
+from harness import write_rows
 from shardlib.cli.autoplan import block_probe, exact, model_shape
 from shardlib.cli.compose import check_overrides
 from shardlib.frontend.config.run_config import run_config
@@ -80,8 +80,6 @@ def candidates(model: str, devices: int, batch: int, plans: int) -> list[tuple[a
 
 
 def main(argv=None) -> None:
-    from shardlib.frontend.launch.launcher import launch
-
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny")
     p.add_argument("--batch", type=int, default=16)
@@ -93,8 +91,7 @@ def main(argv=None) -> None:
     rows = []
     for n in args.devices:
         for cand, ov, predicted in candidates(args.model, n, args.batch, args.plans):
-            per_rank = launch(rank_times, n, run_config(check_overrides(ov)), args.steps, threads=1)
-            measured = statistics.median(max(x) for x in zip(*per_rank))
+            measured = measured_step(run_config(check_overrides(ov)), n, args.steps)
             rows.append({"devices": n, "mesh": cand.axes, "plan": ap.describe(cand), "overrides": ov,
                          "predicted_ms": 1e3 * predicted, "measured_ms": 1e3 * measured})
             print(f"{n} ranks {cand.axes} {ap.describe(cand)}: predicted {1e3 * predicted:.0f} ms, measured "
@@ -116,9 +113,7 @@ def main(argv=None) -> None:
             print(f"| {i} | {r['mesh']} | {q['zero']} | {q['sequence_parallel']} | {q['schedule'] or '-'}"
                   f"{' v=2' if q['virtual_stages'] > 1 else ''} | {q['microbatches']} | {q['recompute']} | "
                   f"{'host' if q['offload'] else '-'} | {r['predicted_ms']:.0f} | {r['measured_ms']:.0f} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_rows(rows, args.json)
 
 
 if __name__ == "__main__":

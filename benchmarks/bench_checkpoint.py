@@ -22,7 +22,7 @@ loss equals the one the saved state gives.
 from __future__ import annotations
 
 import argparse
-import json
+import math
 import shutil
 import statistics
 import tempfile
@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from harness import optimizer_step, write_rows   # benchmarks/ is on the path when run as a script
 
 import shardlib as sl
 from shardlib.models import GPT, GPTConfig, token_batch
@@ -81,13 +82,11 @@ def rank_main(label: str, repeats: int, root: str) -> dict:
     topt = torch.optim.AdamW(tmodel.parameters(), lr=1e-3)
     rank, n = dist.get_rank(), dist.get_world_size()
     rows = b0[0].shape[0] // n
+    local_step = optimizer_step(tmodel, topt, lambda m, b: m(*(t[rank * rows:(rank + 1) * rows] for t in b)))
 
     def tstep(b):
-        loss = tmodel(*(t[rank * rows:(rank + 1) * rows] for t in b))
-        loss.backward()
-        topt.step()
-        topt.zero_grad(set_to_none=True)
-        out = loss.detach().clone()
+        """FSDP2's step on this rank's rows; the global batch's loss (the mean over the ranks)."""
+        out = local_step(b).clone()
         dist.all_reduce(out)
         return float(out) / n
     tstep(b0)
@@ -130,9 +129,7 @@ def main(argv=None) -> None:
     out = []
     for label in args.configs:
         shape = CONFIGS[label][1]
-        n = 1
-        for v in shape.values():
-            n *= v
+        n = math.prod(shape.values())
         with tempfile.TemporaryDirectory() as root:
             per_rank = sl.launch(rank_main, n, label, args.repeats, root, threads=1, timeout=300)
         r0 = per_rank[0]
@@ -151,17 +148,14 @@ def main(argv=None) -> None:
           "save CPU s (all ranks) | load CPU s (all ranks) | bytes on disk shardlib / DCP+FSDP2 |\n"
           "|---|---|---|---|---|---|---|---|")
     for r in out:
-        ranks = 1
-        for v in r["mesh"].values():
-            ranks *= v
-        print(f"| {r['config']} ({' x '.join(f'{a} {s}' for a, s in r['mesh'].items())}) | {ranks} | "
+        mesh = " x ".join(f"{a} {s}" for a, s in r["mesh"].items())
+        print(f"| {r['config']} ({mesh}) | {math.prod(r['mesh'].values())} | "
               f"{r['params'] / 1e6:.2f} M | {r['shardlib_save_ms']:.0f} / {r['torch_save_ms']:.0f} | "
               f"{r['shardlib_load_ms']:.0f} / {r['torch_load_ms']:.0f} | "
               f"{r['shardlib_save_cpu_s']:.2f} / {r['torch_save_cpu_s']:.2f} | "
               f"{r['shardlib_load_cpu_s']:.2f} / {r['torch_load_cpu_s']:.2f} | "
               f"{sl.format_bytes(r['shardlib_bytes'])} / {sl.format_bytes(r['torch_bytes'])} |")
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1))
+    write_rows(out, args.json)
 
 
 if __name__ == "__main__":

@@ -34,9 +34,6 @@ the shardlib form's plan for both sides).
 from __future__ import annotations
 
 import argparse
-import ctypes
-import gc
-import json
 import os
 import statistics
 import sys
@@ -47,7 +44,8 @@ import torch.distributed as dist
 
 import shardlib as sl
 from bench_memory import CFG as MEMORY_CFG
-from bench_memory import TINY, PeakRSS, proc_status   # benchmarks/ is on the path when run as a script
+from bench_memory import TINY, release_memory, warmed_meter   # benchmarks/ is on the path when run as a script
+from harness import n_params, optimizer_step, write_rows
 from shardlib.models import GPT, GPTConfig, token_batch
 
 CFG = GPTConfig(vocab_size=512, seq_len=64, d_model=256, n_heads=4, n_layers=4)   # PLATFORM.md's model
@@ -68,14 +66,6 @@ TITAN = ("ZeRO-3 titan", "titan", "FSDP2 fully_shard, torchtitan's wrapping")
 def pairs(n: int, forms: list[str] | None = None) -> list[tuple]:
     out = PAIRS + ([HSDP] if n == 4 else [])
     return out + [TITAN] if forms and TITAN[0] in forms else out
-
-
-def release_memory() -> None:
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:
-        pass
 
 
 def make_shardlib(mesh, zero, cfg=CFG):
@@ -117,16 +107,7 @@ def make_torch(kind, cfg=CFG):
         for block in model.blocks:
             fully_shard(block, reshard_after_forward=reshard)
         fully_shard(model, reshard_after_forward=reshard)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-    def step(batch):
-        loss = model(*batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    return step
+    return optimizer_step(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
 
 
 def _make(mesh, zero, which: str, cfg):
@@ -143,14 +124,8 @@ def rss_main(n: int, zero: int, which: str, steps: int, model: str = "small") ->
     torch.set_num_threads(1)
     cfg, batch = MODELS[model]
     mesh = sl.Mesh({"data": n})
-    warm, _ = _make(mesh, zero, which, TINY)      # what torch loads on first use, through the same code
-    for b in local_batches(mesh.rank, n, 2, TINY, batch):
-        warm(b)
-    del warm
-    gc.collect()
-    base = proc_status("VmRSS")
-    meter = PeakRSS()
-    meter.start()
+    # what torch loads on first use, through the same code
+    base, meter = warmed_meter(lambda: _make(mesh, zero, which, TINY)[0], local_batches(mesh.rank, n, 2, TINY, batch))
     batches = local_batches(mesh.rank, n, steps, cfg, batch)
     step, plan = _make(mesh, zero, which, cfg)
     for b in batches:
@@ -309,7 +284,7 @@ def main(argv=None) -> None:
                 loads.append(os.getloadavg())
         rows += summarize(n, timed, rss)
         print(f"N={n}: done in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
-    psi = sum(p.numel() for p in GPT(cfg, seed=0).parameters())
+    psi = n_params(cfg)
     print(f"\nGPT {psi / 1e6:.0f}M parameters ({cfg.n_layers} layers, d_model {cfg.d_model}, vocab {cfg.vocab_size}, "
           f"seq {cfg.seq_len}), global batch {batch}, fp32 AdamW; torch {torch.__version__}, gloo, 1 thread per rank, "
           f"{os.cpu_count()} cores; median of {args.steps} steps each; load average (1 min) during the run "
@@ -318,9 +293,7 @@ def main(argv=None) -> None:
           f"{'VmHWM (exact)' if all(r['rss_exact'] for r in rows) else 'sampled VmRSS'}, "
           f"{args.rss_steps or args.warmup + 2} steps in a fresh world per approach\n")
     print(table(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_rows(rows, args.json)
 
 
 if __name__ == "__main__":

@@ -14,12 +14,12 @@ estimate on this machine; the estimate is not fitted to these runs.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
+from harness import write_rows   # benchmarks/ is on the path when run as a script
 
 from shardlib.cli.compose import check_overrides
 from shardlib.frontend.config.run_config import run_config
@@ -45,9 +45,16 @@ def rank_times(run, steps: int) -> list[float]:
     return out[2:]
 
 
-def main(argv=None) -> None:
+def measured_step(run, n: int, steps: int) -> float:
+    """``run`` trained in a world of ``n`` processes: the median over ``steps`` steps (after 2 warm-up steps) of
+    the slowest rank's step, seconds."""
     from shardlib.frontend.launch.launcher import launch
 
+    per_rank = launch(rank_times, n, run, steps, threads=1)
+    return statistics.median(max(x) for x in zip(*per_rank))
+
+
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--json", default=None)
@@ -57,8 +64,7 @@ def main(argv=None) -> None:
     for mesh, parallel in LAYOUTS:
         run = run_config(check_overrides([f"mesh={mesh}", f"parallel={parallel}", *args.overrides]))
         est = dry_run(run).estimate
-        per_rank = launch(rank_times, run.mesh.size, run, args.steps, threads=1)
-        measured = statistics.median(max(x) for x in zip(*per_rank))
+        measured = measured_step(run, run.mesh.size, args.steps)
         rows.append({"mesh": mesh, "parallel": parallel, "ranks": run.mesh.size, "measured_ms": 1e3 * measured,
                      "estimate_ms": 1e3 * est.total_s, "overlapped_ms": 1e3 * est.overlapped_s,
                      "compute_ms": 1e3 * est.compute_with_bubble_s, "comm_ms": 1e3 * sum(est.comm_s.values()),
@@ -69,9 +75,7 @@ def main(argv=None) -> None:
     for r in rows:
         print(f"| {r['mesh']} | {r['parallel']} | {r['ranks']} | {r['measured_ms']:.0f} | {r['estimate_ms']:.0f} | "
               f"{r['overlapped_ms']:.0f} | {r['compute_ms']:.0f} / {r['comm_ms']:.0f} | **{r['ratio']:.2f}** |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_rows(rows, args.json)
 
 
 if __name__ == "__main__":

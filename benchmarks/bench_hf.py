@@ -49,20 +49,21 @@ checked against one process's ``from_pretrained`` loss on the same batch.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from bench_3d import collect, counted_step, ops_lines, summarize, table    # benchmarks/ is on the path
+from bench_3d import Built, collect, counted_step, ops_lines, summarize, table    # benchmarks/ is on the path
 from bench_memory import PeakRSS, proc_status
-from harness import gathered_alternate, rss_of, common_options, launch, run_sides, write_rows
+from harness import (common_options, gathered_alternate, launch, print_tables, rss_of, run_sides, train_losses,
+                     write_rows)
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.masking_utils import create_causal_mask
 
@@ -96,10 +97,15 @@ def make_optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=LR)
 
 
-def llama_batch(cfg: LlamaConfig, batch: int, step: int) -> Batch:
+def ids_batch(vocab: int, batch: int, seq: int, step: int) -> Batch:
+    """Step ``step``'s batch of ``batch`` random sequences of ``seq`` tokens (seed ``1000 + step``), its own labels."""
     g = torch.Generator().manual_seed(1000 + step)
-    ids = torch.randint(0, cfg.vocab_size, (batch, cfg.max_position_embeddings), generator=g)
+    ids = torch.randint(0, vocab, (batch, seq), generator=g)
     return {"input_ids": ids, "labels": ids.clone()}
+
+
+def llama_batch(cfg: LlamaConfig, batch: int, step: int) -> Batch:
+    return ids_batch(cfg.vocab_size, batch, cfg.max_position_embeddings, step)
 
 
 def build_llama(cfg: LlamaConfig) -> LlamaForCausalLM:
@@ -107,27 +113,16 @@ def build_llama(cfg: LlamaConfig) -> LlamaForCausalLM:
     return LlamaForCausalLM(cfg).float().train()
 
 
+def hf_loss(model, batch: Batch) -> torch.Tensor:
+    """A transformers causal LM's own loss of ``batch``: ``model(**batch).loss``."""
+    return model(**batch).loss
+
+
 def reference_losses(count: int) -> list[float]:
     """One process, the whole global batch, ``model(**batch).loss``: what every side must match."""
     torch.set_num_threads(1)
-    model = build_llama(STEP_CFG)
-    opt = make_optimizer(model.parameters())
-    out = []
-    for s in range(count):
-        loss = model(**llama_batch(STEP_CFG, BATCH, s)).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        out.append(loss.item())
-    return out
-
-
-@dataclass
-class Built:
-    """One side in a rank (``bench_3d.counted_step``/``collect`` read ``step``, ``plan``, ``groups``)."""
-    step: Any
-    plan: Any = None
-    groups: dict[str, str] = field(default_factory=dict)
+    return train_losses(build_llama(STEP_CFG), make_optimizer, (llama_batch(STEP_CFG, BATCH, s) for s in range(count)),
+                        hf_loss)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -396,9 +391,7 @@ def run_load(repeats: int, timeout: tuple[float, float], layouts: list[str], sid
         out["reference_loss"] = load_reference(folder)
         for layout in layouts:
             shape = LOAD_LAYOUTS[layout]
-            n = 1
-            for v in shape.values():
-                n *= v
+            n = math.prod(shape.values())
             for side in sides:
                 row = {"layout": layout, "side": side, "runs": [], "failed": None}
                 for _ in range(repeats):
@@ -456,9 +449,7 @@ def main(argv=None) -> None:
         rows = []
         for label in args.configs:
             shape, torch_name = CONFIGS[label]
-            n = 1
-            for v in shape.values():
-                n *= v
+            n = math.prod(shape.values())
             row = {"config": label, "form": f"transformers Llama {label} ({' x '.join(f'{a} {v}' for a, v in shape.items())}"
                    f"{', ZeRO-3' if 'data' in shape else ''}, 1F1B m={M})", "baseline": torch_name, "ranks": n,
                    "results": {}, "failed": {}, "rss": {}, "load": [os.getloadavg()[0]]}
@@ -474,9 +465,7 @@ def main(argv=None) -> None:
               f"{STEP_CFG.max_position_embeddings}; global batch {BATCH}, 1F1B m={M} per data rank; fp32 AdamW; "
               f"{args.steps} alternating steps after {args.warmup} warm-up; torch {torch.__version__}, "
               f"{os.cpu_count()} cores.\n")
-        print(table(rows))
-        print("\nCollectives counted in one step (rank 0):\n")
-        print(ops_lines(rows))
+        print_tables(rows, table, ("Collectives counted in one step (rank 0)", ops_lines))
     if "pipeline" in args.parts:
         per, err = launch(probe_pipeline, 2, 1, timeout=(min(args.timeout, 30.0), args.world_timeout))
         probe = per[1] if per is not None else {"error": err, "crossing": []}

@@ -31,15 +31,17 @@ ranks): FSDP2 too, as it runs in the same kind of rank.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
-import json
 import os
 import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterable
 
 import torch
+from harness import n_params, optimizer_step, write_rows   # benchmarks/ is on the path when run as a script
 
 import shardlib as sl
 from shardlib.models import GPT, GPTConfig, token_batch
@@ -59,6 +61,15 @@ def proc_status(key: str) -> int:
             if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError(f"/proc/self/status has no {key}")
+
+
+def release_memory() -> None:
+    """Collect garbage and hand glibc's free heap back to the kernel (``malloc_trim``)."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
 
 
 class PeakRSS:
@@ -93,6 +104,20 @@ class PeakRSS:
         self._stop.set()
 
 
+def warmed_meter(make_step: Callable[[], Callable], batches: Iterable) -> tuple[int, PeakRSS]:
+    """A tiny model's steps through the same code (``make_step()`` over ``batches``: what torch loads on first
+    use), the step dropped: the RSS after it (the baseline) and a ``PeakRSS`` started there."""
+    step = make_step()
+    for b in batches:
+        step(b)
+    del step
+    gc.collect()
+    base = proc_status("VmRSS")
+    meter = PeakRSS()
+    meter.start()
+    return base, meter
+
+
 def _batches(cfg: GPTConfig, rank: int, n: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     out = []
     for s in range(count):
@@ -112,15 +137,7 @@ def _build(cfg: GPTConfig, mesh, zero: int | None):
         for block in model.blocks:
             fully_shard(block)
         fully_shard(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-        def step(batch):
-            loss = model(*batch)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return float(loss.detach())
-        return step, plan
+        return optimizer_step(model, torch.optim.AdamW(model.parameters(), lr=1e-3)), plan
     engine = sl.parallelize(model, plan, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
     return (lambda batch: engine.step(batch, local=True)), plan
 
@@ -131,14 +148,7 @@ def rank_main(zero: int | None, steps: int) -> dict:
     n = mesh.axis_size("data")
     # warm-up: load what torch loads on first use, through the same code, on a tiny model
     before = proc_status("VmRSS")
-    step, _ = _build(TINY, mesh, zero)
-    for b in _batches(TINY, mesh.rank, n, 2):
-        step(b)
-    del step
-    gc.collect()
-    base = proc_status("VmRSS")
-    meter = PeakRSS()
-    meter.start()
+    base, meter = warmed_meter(lambda: _build(TINY, mesh, zero)[0], _batches(TINY, mesh.rank, n, 2))
     step, plan = _build(CFG, mesh, zero)
     batches = _batches(CFG, mesh.rank, n, steps)
     with torch.device("meta"):
@@ -183,7 +193,7 @@ def main(argv=None) -> None:
         rows.append({"config": label, **worst, "ms": per_rank[0]["ms"]})
         print(f"{label}: peak rise {worst['rise'] / MiB:.0f} MiB (planned {worst['planned'] / MiB:.0f}), "
               f"{time.time() - t0:.0f} s", file=sys.stderr, flush=True)
-    psi = sum(p.numel() for p in GPT(CFG, seed=0).parameters())
+    psi = n_params(CFG)
     exact = all(r["exact"] for r in rows)
     print(f"\nGPT {psi / 1e6:.0f}M parameters (d_model {CFG.d_model}, {CFG.n_layers} layers, vocab {CFG.vocab_size}, "
           f"seq {CFG.seq_len}), fp32 AdamW, data = 2 (gloo, 1 thread per rank, {os.cpu_count()} cores), "
@@ -192,9 +202,7 @@ def main(argv=None) -> None:
           f"step ({max(r['warmup'] for r in rows) / MiB:.0f} MiB); activations planned "
           f"{rows[0]['activations'] / MiB:.0f} MiB.\n")
     print(table(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_rows(rows, args.json)
 
 
 if __name__ == "__main__":

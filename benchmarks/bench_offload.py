@@ -29,8 +29,6 @@ Reported per configuration (rank 0; the other rank alike):
 from __future__ import annotations
 
 import argparse
-import ctypes
-import gc
 import json
 import statistics
 import sys
@@ -39,6 +37,7 @@ import threading
 import time
 
 import torch
+from bench_memory import proc_status, release_memory   # benchmarks/ is on the path when run as a script
 
 import shardlib as sl
 from shardlib.models import GPT, GPTConfig, token_batch
@@ -49,22 +48,6 @@ CONFIGS = {"none": None, "optimizer=host": {"optimizer": "host"},
            "optimizer=disk,params=disk": {"optimizer": "disk", "params": "disk"}}
 
 
-def rss_anon() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no RssAnon in /proc/self/status")
-
-
-def trim() -> None:
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:
-        pass
-
-
 class Sampler:
     """The most ``RssAnon`` seen while running (a thread reading it every ``every`` seconds)."""
 
@@ -72,14 +55,14 @@ class Sampler:
         self.every, self.peak, self._stop = every, 0, threading.Event()
 
     def __enter__(self):
-        self.peak = rss_anon()
+        self.peak = proc_status("RssAnon")
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
         return self
 
     def _run(self):
         while not self._stop.wait(self.every):
-            self.peak = max(self.peak, rss_anon())
+            self.peak = max(self.peak, proc_status("RssAnon"))
 
     def __exit__(self, *exc):
         self._stop.set()
@@ -97,20 +80,20 @@ def worker(name: str, steps: int, folder: str) -> dict:
     del model
     batches = [token_batch(CFG, ROWS * mesh.size, seed=s) for s in range(steps + 1)]
     losses = [engine.step(batches[0])]                  # warm-up: the optimizer's states now exist
-    trim()
-    rest = rss_anon()
+    release_memory()
+    rest = proc_status("RssAnon")
     times = []
     with Sampler() as peak:
         for b in batches[1:]:
             t0 = time.perf_counter()
             losses.append(engine.step(b))
             times.append(time.perf_counter() - t0)
-    trim()
-    after = rss_anon()
+    release_memory()
+    after = proc_status("RssAnon")
     ckpt = {}                                 # a checkpoint's save and load: the rise of RssAnon above rest
     for what in ("save", "load"):
-        trim()
-        base = rss_anon()
+        release_memory()
+        base = proc_status("RssAnon")
         with Sampler() as peak_ck:
             engine.save(f"{folder}/ckpt-{name}") if what == "save" else engine.load(f"{folder}/ckpt-{name}")
         ckpt[what] = peak_ck.peak - base

@@ -46,13 +46,16 @@ import argparse
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from bench_3d import collect, counted_step                          # benchmarks/ is on the path when run
-from harness import common_options, gathered_alternate, launch, rss_of, write_rows
+from bench_3d import Built, collect, counted_step                   # benchmarks/ is on the path when run
+from bench_hf import hf_loss, ids_batch
+from bench_hf import llama_config as hf_llama_config
+from harness import (common_options, gathered_alternate, launch, max_rel, optimizer_step, rss_of, train_losses,
+                     write_rows)
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import shardlib as sl
@@ -81,11 +84,8 @@ FULL, QUICK = Size(), Size(hidden=64, inter=160, layers=2, vocab=256, seq=32, ba
 
 
 def llama_config(s: Size) -> LlamaConfig:
-    return LlamaConfig(vocab_size=s.vocab, hidden_size=s.hidden, intermediate_size=s.inter,
-                       num_attention_heads=s.heads, num_key_value_heads=s.kv, head_dim=s.hidden // s.heads,
-                       num_hidden_layers=s.layers, max_position_embeddings=s.seq, attention_dropout=0.0,
-                       tie_word_embeddings=False, use_cache=False, pad_token_id=None, attn_implementation="sdpa",
-                       dtype=torch.float32)
+    """``bench_hf``'s Llama config at the sizes of ``s``."""
+    return hf_llama_config(s.vocab, s.hidden, s.inter, s.heads, s.kv, s.layers, s.seq)
 
 
 def adapted(module: torch.nn.Module, fqn: str) -> bool:
@@ -117,21 +117,11 @@ def make_optimizer(params) -> torch.optim.Optimizer:
 
 
 def global_batch(s: Size, d: int, step: int) -> Batch:
-    g = torch.Generator().manual_seed(1000 + step)
-    ids = torch.randint(0, s.vocab, (s.batch * d, s.seq), generator=g)
-    return {"input_ids": ids, "labels": ids.clone()}
+    return ids_batch(s.vocab, s.batch * d, s.seq, step)
 
 
 def rows_of(batch: Batch, s: Size, rank: int) -> Batch:
     return {k: v[rank * s.batch:(rank + 1) * s.batch] for k, v in batch.items()}
-
-
-@dataclass
-class Built:
-    """One side in a rank (``bench_3d.counted_step``/``collect`` read ``step``, ``plan``, ``groups``)."""
-    step: Any
-    plan: Any = None
-    groups: dict[str, str] = field(default_factory=dict)
 
 
 def run_shardlib(s: Size, d: int, int8: bool) -> Built:
@@ -160,17 +150,10 @@ def run_local(s: Size, d: int, int8: bool) -> Built:
 
 def _plain_step(model, s: Size):
     """One optimizer step of ``model`` on this rank's rows of a batch (the torch-side loop): the loss."""
-    opt = make_optimizer(model.parameters())
     rank = dist.get_rank()
-
-    def step(batch: Batch) -> float:
-        loss = model(**rows_of(batch, s, rank)).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return float(loss.detach())
-
-    return step
+    step = optimizer_step(model, make_optimizer(model.parameters()),
+                          lambda m, batch: hf_loss(m, rows_of(batch, s, rank)))
+    return lambda batch: float(step(batch))
 
 
 def build(side: str, s: Size, d: int) -> Built:
@@ -214,20 +197,7 @@ def rss_main(s: Size, d: int, side: str, steps: int) -> dict:
 def reference_losses(s: Size, d: int, int8: bool, count: int) -> list[float]:
     """One process, the whole global batch of ``d`` ranks, the same AdamW: what every side must match."""
     torch.set_num_threads(2)
-    model = peft_model(s, int8)
-    opt = make_optimizer(model.parameters())
-    out = []
-    for k in range(count):
-        loss = model(**global_batch(s, d, k)).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        out.append(float(loss.detach()))
-    return out
-
-
-def _rel(a: list[float], b: list[float]) -> float:
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+    return train_losses(peft_model(s, int8), make_optimizer, (global_batch(s, d, k) for k in range(count)), hf_loss)
 
 
 def op_bytes(ops: dict[str, list[int]]) -> dict[str, int]:
@@ -261,14 +231,14 @@ def run_data(s: Size, d: int, sides: list[str], warmup: int, steps: int, timeout
                 ref = reference_losses(s, d, int8, warmup)
                 for side, r in row["results"].items():
                     if side.endswith("int8") == int8 and side != "local":
-                        r["dloss_ref"] = _rel(r["losses"][:warmup], ref)
+                        r["dloss_ref"] = max_rel(r["losses"][:warmup], ref)
     res = row["results"]
     for side, r in res.items():
         if "fsdp2" in res and side != "fsdp2":
             r["ratio"] = r["ms"] / res["fsdp2"]["ms"]
         twin = side.replace("shardlib", "fsdp2")
         if side.startswith("shardlib") and twin in res:
-            r["dloss_fsdp2"] = _rel(r["losses"], res[twin]["losses"])
+            r["dloss_fsdp2"] = max_rel(r["losses"], res[twin]["losses"])
     print(f"data {d}: timed world and references done in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
     if rss:
         for side in [x for x in res if x != "local"]:

@@ -78,11 +78,9 @@ does not hide the other's numbers.
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -90,8 +88,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from bench_memory import proc_status  # benchmarks/ is on the path when run as a script
-from harness import alternate, common_options, reference_losses, run_sides, write_rows
+from harness import (gathered_alternate, gpt_line, max_rel, missing_cells, ms_cell,  # benchmarks/ is on the path
+                     n_params, pair_cells, print_tables, reference_losses, rss_of, run_configs, run_sides,
+                     side_by_side_parser, step_times, write_rows)
 from torch import nn
 
 import shardlib as sl
@@ -285,14 +284,12 @@ def rank_main(label: str, sides: list[str], warmup: int, steps: int) -> dict:
     v = {"torch": vt, "shardlib": vs}
     batches = [token_batch(CFG, BATCH, s) for s in range(warmup + steps)]
     built = {side: SIDES[side](schedule, p, m, v[side]) for side in sides}
-    mine = alternate(built, batches, warmup, record=lambda b: b.records())
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    everyone = gathered_alternate(built, batches, warmup, record=lambda b: b.records())
     res = {}
     for side, b in built.items():
         per = [e[side] for e in everyone]
         res[side] = {
-            "times": [max(r["spans"][k][1] for r in per) - min(r["spans"][k][0] for r in per) for k in range(steps)],
+            "times": step_times(per, steps),
             "losses": [next(x for x in xs if x is not None) for xs in zip(*(r["losses"] for r in per))],
             "records": [[rec for r in per for rec in r["records"][k]] for k in range(steps)],
             "actions": b.actions}
@@ -301,13 +298,9 @@ def rank_main(label: str, sides: list[str], warmup: int, steps: int) -> dict:
 
 def rss_main(label: str, side: str, steps: int) -> dict:
     """In a fresh world, one side alone: RSS before building and its peak (VmHWM) after ``steps``."""
-    torch.set_num_threads(1)
     schedule, p, m, vt, vs = CONFIGS[label]
-    before = proc_status("VmRSS")
-    b = SIDES[side](schedule, p, m, vt if side == "torch" else vs)
-    for s in range(steps):
-        b.step(token_batch(CFG, BATCH, s))
-    return {"before": before, "peak": proc_status("VmHWM")}
+    return rss_of(lambda: SIDES[side](schedule, p, m, vt if side == "torch" else vs),
+                  lambda s: token_batch(CFG, BATCH, s), steps)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -384,7 +377,7 @@ def summarize(row: dict, ref: list[float]) -> dict:
     for side, r in row["results"].items():
         t, q = r["times"], statistics.quantiles(r["times"], n=4)
         r["ms"], r["p25"], r["p75"] = 1e3 * statistics.median(t), 1e3 * q[0], 1e3 * q[2]
-        r["dloss"] = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref))
+        r["dloss"] = max_rel(r["losses"], ref)
         net = [[Record._make(x) for x in recs] for recs in r["records"]]
         idle = [idle_of(x) for x in net]
         r["idle_median"] = statistics.median(sum(f.values()) / len(f) for f in idle)
@@ -414,7 +407,7 @@ def summarize(row: dict, ref: list[float]) -> dict:
     if "torch" in row["results"] and "shardlib" in row["results"]:
         ts, ss = row["results"]["torch"], row["results"]["shardlib"]
         row["ratio"] = ss["ms"] / ts["ms"]
-        row["dloss_sl_torch"] = max(abs(a - b) / abs(b) for a, b in zip(ss["losses"], ts["losses"]))
+        row["dloss_sl_torch"] = max_rel(ss["losses"], ts["losses"])
     return row
 
 
@@ -434,15 +427,14 @@ def _f(x: float | None) -> str:
 
 def _cells(row: dict, side: str) -> list[str]:
     """ms, RSS per rank, idle measured / simulated, Δloss — or why there is no number."""
-    if side in row["failed"]:
-        return [f"FAILED ({row['failed'][side]})", "–", "–", "–"]
-    if side not in row["results"]:
-        return ["no counterpart" if row["v"][side] is None else "–", "–", "–", "–"]
+    missing = missing_cells(row, side, 4, "no counterpart" if row["v"][side] is None else "–")
+    if missing is not None:
+        return missing
     r = row["results"][side]
     rss = "/".join(f"{x:.0f}" for x in r["peak_mb"]) + " (+" + "/".join(f"{x:.0f}" for x in r["rise_mb"]) + ")" \
         if "peak_mb" in r else "–"
     idle = f"{r['idle_median']:.2f} / {_f(r['simulated'])}"
-    return [f"{r['ms']:.0f} ({r['p25']:.0f}-{r['p75']:.0f})", rss, idle, f"{r['dloss']:.1e}"]
+    return [ms_cell(r), rss, idle, f"{r['dloss']:.1e}"]
 
 
 def table(rows: list[dict]) -> str:
@@ -454,9 +446,7 @@ def table(rows: list[dict]) -> str:
         t, s = _cells(r, "torch"), _cells(r, "shardlib")
         formula = _f(r["results"]["shardlib"]["formula"] if "shardlib" in r["results"] else
                      formula_idle(r["schedule"], r["p"], r["m"], r["v"]["shardlib"]))
-        ratio = f"**{r['ratio']:.2f}**" if "ratio" in r else "–"
-        vs = f"{r['dloss_sl_torch']:.1e}" if "dloss_sl_torch" in r else "–"
-        load = "–".join(f"{x:.1f}" for x in r["load"])
+        ratio, vs, load = pair_cells(r)
         lines.append("| " + " | ".join([r["config"], str(r["p"]), str(r["m"]), f"{r['v']['torch']}/{r['v']['shardlib'] or '–'}",
                                         r["torch_class"], t[0], s[0], ratio, t[1], s[1], t[2], s[2], formula,
                                         t[3], s[3], vs, load]) + " |")
@@ -479,40 +469,27 @@ def kinds_table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
-    ap.add_argument("--sides", nargs="*", default=["shardlib", "torch"], choices=["shardlib", "torch"])
-    common_options(ap, steps=15)
+    ap = side_by_side_parser(__doc__, CONFIGS, steps=15)
     ap.add_argument("--png", default=None, help="write each config's median-step timelines (PNG) into this folder")
     args = ap.parse_args(argv)
     ref = reference_losses(CFG, BATCH, args.warmup + args.steps, make_optimizer)
-    rows = []
-    for label in args.configs:
-        t0 = time.time()
-        row = summarize(run_config(label, args.sides, args.warmup, args.steps, (args.timeout, args.world_timeout),
-                                   not args.no_rss), ref)
-        rows.append(row)
-        for side, err in row["failed"].items():
-            print(f"{label}: {side}: {err}", file=sys.stderr, flush=True)
-        for side, r in row["results"].items():
-            print(f"{label} {side}: {r['ms']:.0f} ms, idle {r['idle_median']:.2f} (simulated {_f(r['simulated'])}); "
-                  f"median ms per action: {' '.join(f'{k} {c:.1f}' for k, c in r['cost_ms'].items())}",
-                  file=sys.stderr, flush=True)
-            if args.png:
-                os.makedirs(args.png, exist_ok=True)
-                plot(row, side, os.path.join(args.png, f"timeline_{label}_{side}.png"))
-        print(f"{label}: done in {time.time() - t0:.0f} s, load {row['load']}", file=sys.stderr, flush=True)
-    n_params = sum(q.numel() for q in GPT(CFG, seed=0).parameters())
-    print(f"\nGPT {CFG.n_layers} layers, d_model {CFG.d_model}, {CFG.n_heads} heads, vocab {CFG.vocab_size}, "
-          f"seq {CFG.seq_len} ({n_params / 1e6:.2f} M parameters), global batch {BATCH}, fp32 SGD lr {LR}; "
+
+    def png(label: str, row: dict, side: str) -> None:
+        if args.png:
+            os.makedirs(args.png, exist_ok=True)
+            plot(row, side, os.path.join(args.png, f"timeline_{label}_{side}.png"))
+
+    rows = run_configs(args, run_config, lambda row: summarize(row, ref),
+                       lambda r: f"{r['ms']:.0f} ms, idle {r['idle_median']:.2f} (simulated {_f(r['simulated'])}); "
+                                 f"median ms per action: {' '.join(f'{k} {c:.1f}' for k, c in r['cost_ms'].items())}",
+                       png)
+    print(f"\n{gpt_line(CFG)} ({n_params(CFG) / 1e6:.2f} M parameters), global batch {BATCH}, fp32 SGD lr {LR}; "
           f"torch {torch.__version__}, gloo, 1 thread per rank, {os.cpu_count()} cores; median of {args.steps} "
           f"steps each (p25-p75), step = latest end - earliest start over the ranks. Idle: median over steps of "
           f"the mean over ranks; simulated: "
           f"the schedule with the run's median F/B/I/W per stage. Δloss: relative, every step. Load: 1-min "
           f"load average at the config's start-end.\n")
-    print(table(rows))
-    print("\nPer rank, ms per step in each action kind:\n")
-    print(kinds_table(rows))
+    print_tables(rows, table, ("Per rank, ms per step in each action kind", kinds_table))
     write_rows(rows, args.json)
 
 

@@ -59,8 +59,8 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardlib as sl
-from bench_memory import proc_status   # benchmarks/ is on the path when run as a script
-from harness import alternate, reference_losses, write_rows
+from harness import (alternate, gpt_line, max_rel, print_tables, reference_losses,  # benchmarks/ is on the path
+                     rss_of, write_rows)
 from shardlib.comm.core import all_gather_bytes, all_reduce_bytes, broadcast_bytes, reduce_scatter_bytes
 from shardlib.models import GPT, GPTConfig, token_batch
 
@@ -340,14 +340,9 @@ def rank_main(label: str, warmup: int, steps: int) -> dict:
 
 def rss_main(label: str, side: str, steps: int) -> dict:
     """In a fresh world, one side alone: RSS before building and its peak (VmHWM) after ``steps``."""
-    torch.set_num_threads(1)
     mesh_shape, sp, zero, _ = CONFIGS[label]
     batches = local_batches(mesh_shape, dist.get_rank(), steps)
-    before = proc_status("VmRSS")
-    step = SIDES[side](CFG, mesh_shape, sp, zero).step
-    for b in batches:
-        step(b)
-    return {"before": before, "peak": proc_status("VmHWM")}
+    return rss_of(lambda: SIDES[side](CFG, mesh_shape, sp, zero), batches.__getitem__, steps)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -366,7 +361,7 @@ def summarize(label: str, per_rank: list[dict], rss: dict[str, list[dict]], ref:
             "peak_mb": max(r["peak"] for r in rss[side]) / 2**20,
             "rise_mb": max(r["peak"] - r["before"] for r in rss[side]) / 2**20,
             "bytes": r0["bytes"][side], "planned": r0["planned"].get(side),
-            "dloss": max(abs(a - b) / abs(b) for a, b in zip(r0["losses"][side], ref))}
+            "dloss": max_rel(r0["losses"][side], ref)}
     if "shardlib" in row and "torch" in row:
         row["ratio"] = row["shardlib"]["ms"] / row["torch"]["ms"]
     return row
@@ -432,13 +427,10 @@ def main(argv=None) -> None:
         for side, err in per_rank[0]["errors"].items():
             print(f"{label}: {side}: pending ({err})", file=sys.stderr, flush=True)
         print(f"{label}: done in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
-    print(f"\nGPT {CFG.n_layers} layers, d_model {CFG.d_model}, {CFG.n_heads} heads, vocab {CFG.vocab_size}, "
-          f"seq {CFG.seq_len}, global batch {BATCH}, fp32 AdamW; torch {torch.__version__}, gloo, 1 thread per rank, "
+    print(f"\n{gpt_line(CFG)}, global batch {BATCH}, fp32 AdamW; torch {torch.__version__}, gloo, 1 thread per rank, "
           f"{os.cpu_count()} cores; median of {args.steps} steps each. Bytes: sent per rank per step (ring model), "
           f"rank 0. Δloss: relative to one process on the whole batch, every step (warm-up included).\n")
-    print(table(rows))
-    print("\nCollectives counted in one step (rank 0):\n")
-    print(ops_table(rows))
+    print_tables(rows, table, ("Collectives counted in one step (rank 0)", ops_table))
     write_rows(rows, args.json)
 
 

@@ -534,19 +534,29 @@ def report(env: dict, cfgs: dict, results: dict, smoke: bool) -> str:
             return "not run"
         return None if x.get("ok") else (x.get("error") or "failed").splitlines()[0][:300]
 
+    def head(cols: list[str]) -> list[str]:
+        """A Markdown table's head: the column names and the rule under them."""
+        return ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+
+    def side_rows(parts, cols: list[str]):
+        """``(name, label, result)`` of each part of ``parts`` (name, label) that ran; a failed part's row
+        (its first error line, the other cells empty) goes into the table instead."""
+        for name, label in parts:
+            if err(name):
+                L.append(f"| {label} | failed: {err(name)} " + "|" * (len(cols) - 1) + " ")
+                continue
+            yield name, label, r(name)["result"]
+
     # item 2
     c = cfgs["2"]
+    cols = ["side", "params", "step ms (median)", "tokens/s", "TFLOP/s", "MFU", "MFU by 6NT", "CUDA peak", "first loss",
+            "last loss"]
     L += ["## 2. Single-GPU speed", "",
           f"GPT vocab {c['vocab']}, seq {c['seq']}, d_model {c['d']}, {c['heads']} heads, {c['layers']} layers; "
           f"batch {c['batch']} x {c['seq']} tokens; bf16; AdamW fused; {c['warmup']} warm-up + median of {c['steps']} steps.", "",
-          "| side | params | step ms (median) | tokens/s | TFLOP/s | MFU | MFU by 6NT | CUDA peak | first loss | last loss |",
-          "|---|---|---|---|---|---|---|---|---|---|"]
-    for name, label in (("2-shardlib", "shardlib engine (precision=bf16)"), ("2-torch", "PyTorch autocast bf16")):
-        x = r(name)
-        if err(name):
-            L.append(f"| {label} | failed: {err(name)} ||||||||| ")
-            continue
-        y = x["result"]
+          *head(cols)]
+    for name, label, y in side_rows((("2-shardlib", "shardlib engine (precision=bf16)"),
+                                     ("2-torch", "PyTorch autocast bf16")), cols):
         L.append(f"| {label} | {y['params'] / 1e9:.3f} B | {fmt_ms(y['median_s'])} | {y.get('tokens_per_s', 0):,.0f} | "
                  f"{y.get('achieved_tflops', 0):.1f} | {100 * y.get('mfu', 0):.1f}% | {100 * y.get('mfu_6nd', 0):.1f}% | "
                  f"{fmt_b(y.get('cuda_peak_bytes'))} | "
@@ -570,18 +580,15 @@ def report(env: dict, cfgs: dict, results: dict, smoke: bool) -> str:
 
     # item 3
     c = cfgs["3"]
+    cols = ["side", "step ms", "tokens/s", "vs no offload", "optimizer.step ms", "CUDA peak", "plan's peak",
+            "copies counted (d2h / h2d)", "planned (d2h / h2d)"]
     L += ["## 3. Offload", "",
           f"GPT vocab {c['vocab']}, seq {c['seq']}, d_model {c['d']}, {c['layers']} layers; batch {c['batch']} x {c['seq']}; "
           f"bf16, ZeRO-2 at world 1; AdamW fused; {c['warmup']} warm-up + median of {c['steps']} steps.", "",
-          "| side | step ms | tokens/s | vs no offload | optimizer.step ms | CUDA peak | plan's peak | copies counted (d2h / h2d) | planned (d2h / h2d) |",
-          "|---|---|---|---|---|---|---|---|---|"]
+          *head(cols)]
     base = r("3-plain").get("result", {}).get("median_s") if not err("3-plain") else None
-    for name, label in (("3-plain", "shardlib, no offload"), ("3-host", "shardlib, optimizer on host"),
-                        ("3-fsdp2", "FSDP2 CPUOffloadPolicy")):
-        if err(name):
-            L.append(f"| {label} | failed: {err(name)} |||||||| ")
-            continue
-        y = r(name)["result"]
+    for name, label, y in side_rows((("3-plain", "shardlib, no offload"), ("3-host", "shardlib, optimizer on host"),
+                                     ("3-fsdp2", "FSDP2 CPUOffloadPolicy")), cols):
         rel = f"{base / y['median_s']:.2f}x throughput" if base and y.get("median_s") else "-"
         upd = y.get("optimizer_step_s") or []
         pk = y.get("plan", {}).get("peak_per_rank", {}).get("peak")
@@ -602,8 +609,8 @@ def report(env: dict, cfgs: dict, results: dict, smoke: bool) -> str:
 
     # item 5
     L += ["## 5. The estimator (`python -m shardlib.explain`, h100_64's figures on one device)", "",
-          "| config | estimated step ms | measured ms | measured / estimated | estimated memory | measured CUDA peak |",
-          "|---|---|---|---|---|---|"]
+          *head(["config", "estimated step ms", "measured ms", "measured / estimated", "estimated memory",
+                 "measured CUDA peak"])]
     if err("5-explain"):
         L.append(f"| failed: {err('5-explain')} ||||||")
     else:
@@ -631,7 +638,7 @@ def report(env: dict, cfgs: dict, results: dict, smoke: bool) -> str:
         if "error" in y:
             L.append(f"the 2-rank world failed: {y['error'][:600]}")
         else:
-            L += ["| ZeRO | max rel. loss diff vs one process | ranks agree |", "|---|---|---|"]
+            L += head(["ZeRO", "max rel. loss diff vs one process", "ranks agree"])
             for z, row in y["zero"].items():
                 L.append(f"| {z} | {row['max_rel_vs_one_process']:.2e} | {row['ranks_agree']} |" if "error" not in row
                          else f"| {z} | failed: {row['error'][:300]} | |")
@@ -642,7 +649,7 @@ def report(env: dict, cfgs: dict, results: dict, smoke: bool) -> str:
     elif v:
         L += ["", f"verify: {err('4-verify')}"]
     L.append("")
-    L += ["## Parts", "", "| part | ok | wall s | error |", "|---|---|---|---|"]
+    L += ["## Parts", "", *head(["part", "ok", "wall s", "error"])]
     for name, x in results.items():
         L.append(f"| {name} | {x.get('ok')} | {x.get('wall_s', 0):.1f} | {(x.get('error') or '').splitlines()[0][:200] if x.get('error') else ''} |")
     return "\n".join(L) + "\n"

@@ -92,10 +92,11 @@ def adamw(params, lr: float = 1e-2):
     return torch.optim.AdamW(params, lr=lr, weight_decay=0.1, eps=1e-3)
 
 
-def train_alone(model, batches, *, lr: float = 1e-2, loss=None) -> list[float]:
-    """The one-process reference: ``model`` trained in place by ``adamw`` on each batch in turn,
-    the loss ``model(**batch).loss`` (or ``loss(model, batch)``); the losses, as floats."""
-    opt = adamw(list(model.parameters()), lr)
+def train_alone(model, batches, *, lr: float = 1e-2, loss=None, optimizer=None) -> list[float]:
+    """The one-process reference: ``model`` trained in place by ``adamw`` (or ``optimizer(params)``) on
+    each batch in turn, the loss ``model(**batch).loss`` (or ``loss(model, batch)``); the losses, as floats."""
+    params = list(model.parameters())
+    opt = adamw(params, lr) if optimizer is None else optimizer(params)
     out = []
     for b in batches:
         opt.zero_grad(set_to_none=True)

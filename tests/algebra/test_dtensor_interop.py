@@ -13,6 +13,7 @@ import torch
 
 import shardlib as sl
 from shardlib import P
+from worlds import raised
 
 MESHES = {2: {"data": 2}, 4: {"data": 2, "tensor": 2}, 8: {"data": 2, "pipe": 2, "tensor": 2}}
 
@@ -86,6 +87,25 @@ def _cases(shape):
     return cases
 
 
+def _refused(problems: list, case: str, convert, needle: str, differs: str) -> None:
+    """``convert()`` must raise a SpecError that says ``needle``; a problem is noted where it converts or says else."""
+    try:
+        convert()
+        problems.append(f"{case}: converted although {differs}")
+    except sl.SpecError as e:
+        if needle not in str(e):
+            problems.append(f"{case}: unclear error {e}")
+
+
+def _every_rank_clean(per_rank: list, n: int, min_ran: int) -> None:
+    """No rank noted a problem, each converted at least ``min_ran`` cases, and refused some exactly on the meshes
+    where DTensor's split and shardlib's can differ (more than one axis)."""
+    for rank, (problems, ran, refused) in enumerate(per_rank):
+        assert problems == [], f"rank {rank}:\n" + "\n".join(problems)
+        assert ran >= min_ran
+        assert (refused > 0) == (n > 2)   # e.g. (2, 6) over 2x2: DTensor splits it 2,1,2,1, shardlib 2,2,2,0
+
+
 # ---- to_dtensor / from_dtensor round trips --------------------------------------------------------------
 
 def _round_trips(shape):
@@ -111,12 +131,8 @@ def _round_trips(shape):
         expect_full = g * (k * (k + 1) // 2)
         if not _expressible(gshape, shape, dim_axes):
             refused += 1
-            try:
-                sl.to_dtensor(local, lay, gshape)
-                problems.append(f"{case}: converted although DTensor splits it differently")
-            except sl.SpecError as e:
-                if "Pad dim" not in str(e):
-                    problems.append(f"{case}: unclear error {e}")
+            _refused(problems, case, lambda: sl.to_dtensor(local, lay, gshape), "Pad dim",
+                     "DTensor splits it differently")
             continue
         ran += 1
         dt = sl.to_dtensor(local, lay, gshape)
@@ -142,10 +158,7 @@ def _round_trips(shape):
 
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_to_dtensor_and_back_is_exact_or_refused_where_dtensor_differs(world, n):
-    for rank, (problems, ran, refused) in enumerate(world(n, _round_trips, MESHES[n])):
-        assert problems == [], f"rank {rank}:\n" + "\n".join(problems)
-        assert ran >= 8
-        assert (refused > 0) == (n > 2)   # e.g. (2, 6) over 2x2: DTensor splits it 2,1,2,1, shardlib 2,2,2,0
+    _every_rank_clean(world(n, _round_trips, MESHES[n]), n, min_ran=8)
 
 
 def _torch_made(shape):
@@ -168,12 +181,8 @@ def _torch_made(shape):
                         for d in range(2)]
             if not _expressible(gshape, shape, dim_axes):
                 refused += 1
-                try:
-                    sl.from_dtensor(dt, mesh)
-                    problems.append(f"{case}: converted although shardlib chunks it differently")
-                except sl.SpecError as e:
-                    if "from_dtensor" not in str(e):
-                        problems.append(f"{case}: unclear error {e}")
+                _refused(problems, case, lambda: sl.from_dtensor(dt, mesh), "from_dtensor",
+                         "shardlib chunks it differently")
                 continue
             ran += 1
             local, lay = sl.from_dtensor(dt, mesh)
@@ -197,51 +206,39 @@ def _torch_made(shape):
 
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_torch_made_dtensors_give_the_predicted_shard_or_are_refused(world, n):
-    for rank, (problems, ran, refused) in enumerate(world(n, _torch_made, MESHES[n])):
-        assert problems == [], f"rank {rank}:\n" + "\n".join(problems)
-        assert ran >= 10
-        assert (refused > 0) == (n > 2)
+    _every_rank_clean(world(n, _torch_made, MESHES[n]), n, min_ran=10)
 
 
 # ---- what DTensor cannot express: clear errors, before any collective ------------------------------------
 
 def _inexpressible():
-    import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
     from shardlib.testing import get_mesh
 
     mesh = get_mesh({"data": 2, "tensor": 2})
-    errors = {}
-
-    def grab(name, f):
-        try:
-            f()
-            errors[name] = None
-        except (sl.SpecError, sl.ShardingError, sl.ShardingTypeError) as e:
-            errors[name] = (type(e).__name__, str(e))
-
-    lay = sl.Layout(mesh, P(("tensor", "data")))
-    grab("out of mesh order", lambda: sl.to_dtensor(torch.zeros(2), lay, (8,)))
+    out_of_order = sl.Layout(mesh, P(("tensor", "data")))
     lay = sl.Layout(mesh, P(("data", "tensor")))
-    grab("uneven multi-axis", lambda: sl.to_dtensor(torch.zeros(lay.local_shape((6,))), lay, (6,)))
-    grab("wrong local shape", lambda: sl.to_dtensor(torch.zeros(3), lay, (8,)))
-    for op in ("max", "avg"):
-        dt = DTensor.from_local(torch.ones(2), mesh.device_mesh, [Partial(op), Replicate()], run_check=False)
-        grab(f"Partial({op})", lambda dt=dt: sl.from_dtensor(dt, mesh))
+    partial = {op: DTensor.from_local(torch.ones(2), mesh.device_mesh, [Partial(op), Replicate()], run_check=False)
+               for op in ("max", "avg")}
     dt = DTensor.from_local(torch.ones(2), mesh.device_mesh, [Shard(0), Replicate()], run_check=False)
-    grab("not a DTensor", lambda: sl.from_dtensor(torch.ones(2), mesh))
-    grab("other mesh", lambda: sl.from_dtensor(dt, get_mesh({"data": 4})))
-    grab("no mesh", lambda: sl.from_dtensor(dt))
     # same names and sizes, but ranks laid out column-major (no groups built: nothing to communicate)
     dm = DeviceMesh("cpu", torch.arange(4).reshape(2, 2).T.contiguous(), mesh_dim_names=("data", "tensor"),
                     _init_backend=False)
-    grab("permuted ranks", lambda: sl.from_dtensor(DTensor.from_local(torch.ones(2), dm, [Shard(0), Replicate()],
-                                                                      run_check=False), mesh))
-    x = torch.ones(1)
-    dist.all_reduce(x)   # every error came before any collective: the world is still in step
-    return errors, x.item()
+    # every error comes before any collective: the world is still in step after them
+    return raised({
+        "out of mesh order": lambda: sl.to_dtensor(torch.zeros(2), out_of_order, (8,)),
+        "uneven multi-axis": lambda: sl.to_dtensor(torch.zeros(lay.local_shape((6,))), lay, (6,)),
+        "wrong local shape": lambda: sl.to_dtensor(torch.zeros(3), lay, (8,)),
+        "Partial(max)": lambda: sl.from_dtensor(partial["max"], mesh),
+        "Partial(avg)": lambda: sl.from_dtensor(partial["avg"], mesh),
+        "not a DTensor": lambda: sl.from_dtensor(torch.ones(2), mesh),
+        "other mesh": lambda: sl.from_dtensor(dt, get_mesh({"data": 4})),
+        "no mesh": lambda: sl.from_dtensor(dt),
+        "permuted ranks": lambda: sl.from_dtensor(DTensor.from_local(torch.ones(2), dm, [Shard(0), Replicate()],
+                                                                     run_check=False), mesh),
+    }, (sl.SpecError, sl.ShardingError, sl.ShardingTypeError))
 
 
 def test_inexpressible_layouts_raise_clear_errors(world):

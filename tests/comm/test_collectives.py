@@ -97,6 +97,16 @@ def _reference(B: torch.Tensor, C: torch.Tensor, ref_op, world: int, weight=lamb
     return [y.detach() for y in ys], B.grad if B.grad is not None else torch.zeros_like(B)
 
 
+def _matches_one_process(mesh, op, ref_op, B: torch.Tensor, C: torch.Tensor, weight=lambda r: 1.0):
+    """``op`` on this rank's ``B[rank]`` with cotangent ``C[rank]``: its output and input gradient are the
+    single-process ``_reference``'s for this rank. Returns the forward and backward counters."""
+    y, gx, fwd, bwd = _run(mesh, op, B[mesh.rank], C[mesh.rank])
+    ys, gB = _reference(B, C, ref_op, mesh.size, weight)
+    torch.testing.assert_close(y, ys[mesh.rank])
+    torch.testing.assert_close(gx, gB[mesh.rank])
+    return fwd, bwd
+
+
 # ---------------------------------------------------------------------------------------------
 # Workers (module level: they are pickled by reference into the pool)
 # ---------------------------------------------------------------------------------------------
@@ -104,7 +114,7 @@ def _reference(B: torch.Tensor, C: torch.Tensor, ref_op, world: int, weight=lamb
 def _check_psum(shape: dict, axes_list: list) -> None:
     from shardlib.testing import get_mesh
     mesh = get_mesh(shape)
-    rank, world = mesh.rank, mesh.size
+    world = mesh.size
     for t, axes in enumerate(axes_list):
         k = len(_members(0, shape, axes))
         B = _randn(10 + t, world, 3, 2)
@@ -112,10 +122,9 @@ def _check_psum(shape: dict, axes_list: list) -> None:
         Cg = _randn(100 + t, world, 3, 2)
         C = torch.stack([Cg[min(_members(r, shape, axes))] for r in range(world)])
         with sl.use_mesh(mesh):
-            y, gx, fwd, bwd = _run(mesh, lambda x: sl.psum(x, axes), B[rank], C[rank])
-        ys, gB = _reference(B, C, lambda B, r: B[_members(r, shape, axes)].sum(0), world, weight=lambda r: 1 / k)
-        torch.testing.assert_close(y, ys[rank])
-        torch.testing.assert_close(gx, gB[rank])
+            fwd, bwd = _matches_one_process(mesh, lambda x: sl.psum(x, axes),
+                                            lambda B, r: B[_members(r, shape, axes)].sum(0), B, C,
+                                            weight=lambda r: 1 / k)
         assert _ops(fwd) == _one("all_reduce", k) and _ops(bwd) == {}, (fwd.summary(), bwd.summary())
         assert fwd.bytes == min(2 * (k - 1) * (-(-6 // k)), 2 * 6) * 8          # ring all-reduce, no padding sent
         if k > 1:   # the group's axes, in mesh order, size-1 axes dropped
@@ -123,11 +132,8 @@ def _check_psum(shape: dict, axes_list: list) -> None:
 
         # psum then per-rank use: pbroadcast makes the cotangent per rank, psum's sum comes back
         C2 = _randn(200 + t, world, 3, 2)
-        y, gx, fwd, bwd = _run(mesh, lambda x: sl.pbroadcast(sl.psum(x, axes, mesh=mesh), axes, mesh=mesh),
-                               B[rank], C2[rank])
-        ys, gB = _reference(B, C2, lambda B, r: B[_members(r, shape, axes)].sum(0), world)
-        torch.testing.assert_close(y, ys[rank])
-        torch.testing.assert_close(gx, gB[rank])
+        fwd, bwd = _matches_one_process(mesh, lambda x: sl.pbroadcast(sl.psum(x, axes, mesh=mesh), axes, mesh=mesh),
+                                        lambda B, r: B[_members(r, shape, axes)].sum(0), B, C2)
         assert _ops(fwd) == _one("all_reduce", k) and _ops(bwd) == _one("all_reduce", k)
 
 
@@ -154,16 +160,14 @@ def _check_pbroadcast(shape: dict, axes_list: list) -> None:
 def _check_all_gather(shape: dict, axes_list: list) -> None:
     from shardlib.testing import get_mesh
     mesh = get_mesh(shape)
-    rank, world = mesh.rank, mesh.size
+    world = mesh.size
     for t, (axes, dim) in enumerate(itertools.product(axes_list, (0, 1, -1))):
         k = len(_members(0, shape, axes))
         B = _randn(30 + t, world, 2, 3)
         y0 = torch.cat([B[m] for m in _members(0, shape, axes)], dim)
         C = _randn(130 + t, world, *y0.shape)
-        y, gx, fwd, bwd = _run(mesh, lambda x: sl.all_gather(x, axes, dim, mesh=mesh), B[rank], C[rank])
-        ys, gB = _reference(B, C, lambda B, r: torch.cat([B[m] for m in _members(r, shape, axes)], dim), world)
-        torch.testing.assert_close(y, ys[rank])
-        torch.testing.assert_close(gx, gB[rank])
+        fwd, bwd = _matches_one_process(mesh, lambda x: sl.all_gather(x, axes, dim, mesh=mesh),
+                                        lambda B, r: torch.cat([B[m] for m in _members(r, shape, axes)], dim), B, C)
         assert _ops(fwd) == _one("all_gather", k) and _ops(bwd) == _one("reduce_scatter", k)
         assert fwd.bytes == (k - 1) * 6 * 8 and bwd.bytes == (k - 1) * 6 * 8
 
@@ -171,7 +175,7 @@ def _check_all_gather(shape: dict, axes_list: list) -> None:
 def _check_psum_scatter(shape: dict, axes_list: list) -> None:
     from shardlib.testing import get_mesh
     mesh = get_mesh(shape)
-    rank, world = mesh.rank, mesh.size
+    world = mesh.size
     for t, (axes, dim) in enumerate(itertools.product(axes_list, (0, 1))):
         k = len(_members(0, shape, axes))
         full = [3, 2]
@@ -184,10 +188,7 @@ def _check_psum_scatter(shape: dict, axes_list: list) -> None:
             total = B[_members(r, shape, axes)].sum(0)
             return total.chunk(k, dim)[_index(r, shape, axes)]
 
-        y, gx, fwd, bwd = _run(mesh, lambda x: sl.psum_scatter(x, axes, dim, mesh=mesh), B[rank], C[rank])
-        ys, gB = _reference(B, C, ref, world)
-        torch.testing.assert_close(y, ys[rank])
-        torch.testing.assert_close(gx, gB[rank])
+        fwd, bwd = _matches_one_process(mesh, lambda x: sl.psum_scatter(x, axes, dim, mesh=mesh), ref, B, C)
         # the backward of a reduce-scatter is exactly one all-gather, and nothing else
         assert _ops(fwd) == _one("reduce_scatter", k) and _ops(bwd) == _one("all_gather", k), bwd.summary()
         assert fwd.bytes == (k - 1) * 6 * 8 and bwd.bytes == (k - 1) * 6 * 8
@@ -196,7 +197,7 @@ def _check_psum_scatter(shape: dict, axes_list: list) -> None:
 def _check_all_to_all(shape: dict, axes_list: list) -> None:
     from shardlib.testing import get_mesh
     mesh = get_mesh(shape)
-    rank, world = mesh.rank, mesh.size
+    world = mesh.size
     cases = [(0, 1), (1, 0), (0, 2), (2, 1), (1, 1)]
     for t, (axes, (s, c)) in enumerate(itertools.product(axes_list, cases)):
         k = len(_members(0, shape, axes))
@@ -209,10 +210,7 @@ def _check_all_to_all(shape: dict, axes_list: list) -> None:
             return torch.cat([B[m].chunk(k, s)[me] for m in _members(r, shape, axes)], c)
 
         C = _randn(150 + t, world, *ref(B, 0).shape)
-        y, gx, fwd, bwd = _run(mesh, lambda x: sl.all_to_all(x, axes, s, c, mesh=mesh), B[rank], C[rank])
-        ys, gB = _reference(B, C, ref, world)
-        torch.testing.assert_close(y, ys[rank])
-        torch.testing.assert_close(gx, gB[rank])
+        fwd, bwd = _matches_one_process(mesh, lambda x: sl.all_to_all(x, axes, s, c, mesh=mesh), ref, B, C)
         assert _ops(fwd) == _one("all_to_all", k) and _ops(bwd) == _one("all_to_all", k)
 
 
@@ -229,7 +227,7 @@ def _perms(k: int) -> list[list[tuple[int, int]]]:
 def _check_ppermute(shape: dict, axes_list: list) -> None:
     from shardlib.testing import get_mesh
     mesh = get_mesh(shape)
-    rank, world = mesh.rank, mesh.size
+    world = mesh.size
     for t, axes in enumerate(axes_list):
         k = len(_members(0, shape, axes))
         for u, perm in enumerate(_perms(k)):
@@ -241,10 +239,7 @@ def _check_ppermute(shape: dict, axes_list: list) -> None:
                 return B[_members(r, shape, axes)[src]] if src is not None else B.new_zeros(2, 3)
 
             with sl.use_mesh(mesh):
-                y, gx, fwd, bwd = _run(mesh, lambda x: sl.ppermute(x, axes, perm), B[rank], C[rank])
-            ys, gB = _reference(B, C, ref, world)
-            torch.testing.assert_close(y, ys[rank])
-            torch.testing.assert_close(gx, gB[rank])
+                fwd, bwd = _matches_one_process(mesh, lambda x: sl.ppermute(x, axes, perm), ref, B, C)
             assert set(_ops(fwd)) <= {"send_recv"} and set(_ops(bwd)) <= {"send_recv"}
 
 
@@ -339,34 +334,21 @@ def _check_errors(shape: dict) -> list[str]:
 # Tests
 # ---------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("n, mesh", WORLDS)
-def test_psum_matches_one_process_and_sends_the_ring_all_reduce_bytes(world, n, mesh):
-    world(n, _check_psum, MESHES[mesh], AXES[mesh])
+# each collective's forward and backward against one process, on every world; the id says what is checked
+CHECKS = {
+    "psum-matches-one-process-and-sends-the-ring-all-reduce-bytes": _check_psum,
+    "pbroadcast-sums-the-gradient-over-the-group-like-one-process": _check_pbroadcast,
+    "all_gather-matches-one-process-and-backward-is-a-reduce-scatter": _check_all_gather,
+    "psum_scatter-matches-one-process-and-backward-is-an-all-gather": _check_psum_scatter,
+    "all_to_all-values-and-gradients-match-one-process": _check_all_to_all,
+    "ppermute-matches-one-process-and-zero-fills-unreceived-shards": _check_ppermute,
+}
 
 
 @pytest.mark.parametrize("n, mesh", WORLDS)
-def test_pbroadcast_sums_the_gradient_over_the_group_like_one_process(world, n, mesh):
-    world(n, _check_pbroadcast, MESHES[mesh], AXES[mesh])
-
-
-@pytest.mark.parametrize("n, mesh", WORLDS)
-def test_all_gather_matches_one_process_and_backward_is_a_reduce_scatter(world, n, mesh):
-    world(n, _check_all_gather, MESHES[mesh], AXES[mesh])
-
-
-@pytest.mark.parametrize("n, mesh", WORLDS)
-def test_psum_scatter_matches_one_process_and_backward_is_an_all_gather(world, n, mesh):
-    world(n, _check_psum_scatter, MESHES[mesh], AXES[mesh])
-
-
-@pytest.mark.parametrize("n, mesh", WORLDS)
-def test_all_to_all_values_and_gradients_match_one_process(world, n, mesh):
-    world(n, _check_all_to_all, MESHES[mesh], AXES[mesh])
-
-
-@pytest.mark.parametrize("n, mesh", WORLDS)
-def test_ppermute_matches_one_process_and_zero_fills_unreceived_shards(world, n, mesh):
-    world(n, _check_ppermute, MESHES[mesh], AXES[mesh])
+@pytest.mark.parametrize("check", list(CHECKS.values()), ids=list(CHECKS))
+def test_collective_matches_one_process(world, check, n, mesh):
+    world(n, check, MESHES[mesh], AXES[mesh])
 
 
 @pytest.mark.parametrize("n, dp_axes, tp_axis", [

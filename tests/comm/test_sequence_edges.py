@@ -30,12 +30,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardlib as sl
+from hf_models import train_alone
 from llama import LLAMA_TP, LLAMA_VOCAB_TP, llama_batch, tiny_config, tiny_llama
 from shardlib.models import GPT
 from shardlib.testing import get_mesh
-from test_engine_data_parallel import GPT_TP_CFG, make_batches, make_model, make_optimizer, max_rel
+from test_engine_data_parallel import GPT_TP_CFG, make_batches, make_model, make_optimizer
 from test_tensor_parallel import train_counting
-from test_tensor_parallel_table import LR, STEPS, llama_runs
+from test_tensor_parallel_table import PARAM_TOL, check_ranks, llama_runs
 from test_tensor_parallel_table import reference as llama_reference
 
 RULES = {"heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
@@ -113,15 +114,7 @@ def test_llama_edges_train_like_one_process(world, shape):
     cfgs = [{"zero": 0 if shape["data"] == 1 else 3, "sp": True, "vocab": True}]
     n = shape["data"] * shape["tensor"]
     per_rank = world(n, llama_runs, cfgs, shape)
-    ref = llama_reference()
-    for r in range(n):
-        res = per_rank[r][0]
-        rel = max_rel(res["losses"], ref["losses"])
-        assert rel <= 1e-5, f"{shape} rank {r}: {res['losses']} vs {ref['losses']} ({rel:.3g})"
-        for name, want in ref["params"].items():
-            torch.testing.assert_close(res["params"][name], want, rtol=1e-3, atol=1e-2 * LR * STEPS,
-                                       msg=lambda m, k=name: f"{shape} rank {r}, {k}: {m}")
-        assert res["counted"] == res["planned"], f"{shape} rank {r}: ran {res['counted']}, planned {res['planned']}"
+    check_ranks([per_rank[r][0] for r in range(n)], llama_reference(), f"{shape}", **PARAM_TOL)
 
 
 # ---- other readers of the gathered stream --------------------------------------------------------
@@ -158,14 +151,8 @@ def _value_run(zero: int, shape: dict) -> dict:
 
 def _value_reference() -> dict:
     model = ValueGPT()
-    opt = make_optimizer("sgd_plain")(list(model.parameters()))
-    losses = []
-    for idx, targets in make_batches("gpt_tp", 4):
-        opt.zero_grad(set_to_none=True)
-        loss = model(idx, targets)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
+    losses = train_alone(model, make_batches("gpt_tp", 4), optimizer=make_optimizer("sgd_plain"),
+                         loss=lambda m, batch: m(*batch))
     return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
@@ -176,12 +163,4 @@ def test_other_readers_of_the_gathered_stream_stay_exact(world, shape, zero):
     gradients are equal), counted collectives = planned."""
     n = shape["data"] * shape["tensor"]
     per_rank = world(n, _value_run, zero, shape)
-    ref = _value_reference()
-    for r in range(n):
-        res = per_rank[r]
-        rel = max_rel(res["losses"], ref["losses"])
-        assert rel <= 1e-5, f"{shape} rank {r}: {res['losses']} vs {ref['losses']} ({rel:.3g})"
-        for name, want in ref["params"].items():
-            torch.testing.assert_close(res["params"][name], want, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m, k=name: f"{shape} rank {r}, {k}: {m}")
-        assert res["counted"] == res["planned"], f"{shape} rank {r}: ran {res['counted']}, planned {res['planned']}"
+    check_ranks(per_rank, _value_reference(), f"{shape}", rtol=1e-5, atol=1e-6)

@@ -16,6 +16,7 @@ axis that splits nothing, a plan kind shardlib does not lower, an activation mee
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 import torch
@@ -58,8 +59,13 @@ def _run(family: str, shape: dict, zero: int, lora: bool = False) -> dict:
             "tied": plan.pipeline.tied if plan.pipeline else (), **counts}
 
 
-def _runs(families: list[str], shape: dict, zero: int, lora: bool = False) -> dict:
-    return {f: _run(f, shape, zero, lora) for f in families}
+def _zero(zero: int | dict, family: str) -> int:
+    return zero[family] if isinstance(zero, dict) else zero
+
+
+def _runs(families: list[str], shape: dict, zero: int | dict, lora: bool = False) -> dict:
+    """Each family trained on a ``shape`` mesh at ZeRO ``zero`` (one stage for all, or one per family)."""
+    return {f: _run(f, shape, _zero(zero, f), lora) for f in families}
 
 
 def _lora(model):
@@ -93,6 +99,18 @@ def _check(family: str, per_rank: list[dict], where: str, lora: bool = False) ->
                                        msg=lambda m, k=k: f"{at}, {k}: {m}")
 
 
+def _train_and_check(world, families: list[str], shape: dict, zero: int | dict, lora: bool = False) -> list[dict]:
+    """``families`` trained on every rank of a ``shape`` mesh (``_runs``), each checked against one process
+    (``_check``). Returns every rank's results."""
+    n = math.prod(shape.values())
+    per_rank = world(n, _runs, families, shape, zero, lora)
+    axes = " x ".join(f"{a} {k}" for a, k in shape.items() if k > 1)
+    for f in families:
+        where = f"{'LoRA, ' if lora else ''}{axes}, ZeRO-{_zero(zero, f)}"
+        _check(f, [per_rank[r][f] for r in range(n)], where, lora)
+    return per_rank
+
+
 CHUNKS = [hf.FAMILIES[i::4] for i in range(4)]
 # multi-query GPT-BigCode (one K and one V head), grouped-query Phi-3's fused q|k|v of unequal blocks, and
 # DeepSeek-V3's MLA, which its own plan keeps replicated: attention replicated, the MLPs split. MoE experts stay
@@ -103,9 +121,7 @@ ATTENTION_REPLICATED = {"gpt_bigcode", "phi3", "deepseek_v3"}
 @pytest.mark.parametrize("chunk", range(len(CHUNKS)))
 def test_every_family_at_tensor_2_trains_like_one_process(world, chunk):
     families = list(CHUNKS[chunk])
-    per_rank = world(2, _runs, families, {"data": 1, "tensor": 2}, 0)
-    for f in families:
-        _check(f, [per_rank[r][f] for r in range(2)], "tensor 2")
+    per_rank = _train_and_check(world, families, {"data": 1, "tensor": 2}, 0)
     # attention split in every dense family but ATTENTION_REPLICATED's
     for f in families:
         assert per_rank[0][f]["attention"] == (f not in ATTENTION_REPLICATED), f
@@ -120,10 +136,7 @@ def test_every_family_at_tensor_2_trains_like_one_process(world, chunk):
 
 @pytest.mark.parametrize("chunk", range(len(CHUNKS)))
 def test_every_family_at_data_2_x_tensor_2_zero3_trains_like_one_process(world, chunk):
-    families = list(CHUNKS[chunk])
-    per_rank = world(4, _runs, families, {"data": 2, "tensor": 2}, 3)
-    for f in families:
-        _check(f, [per_rank[r][f] for r in range(4)], "data 2 x tensor 2, ZeRO-3")
+    _train_and_check(world, list(CHUNKS[chunk]), {"data": 2, "tensor": 2}, 3)
 
 
 PIPE_CHUNKS = [hf.FAMILIES[i::4] for i in range(4)]
@@ -134,9 +147,8 @@ def test_every_family_at_pipe_2_trains_like_one_process(world, chunk):
     """1F1B over 2 micro-batches, the model's own loss: tied embeddings held by both stages and summed
     (bit-equal copies), blocks returning tuples, MoE blocks (probed on zeros), DeepSeek-V3's dense first block."""
     families = list(PIPE_CHUNKS[chunk])
-    per_rank = world(2, _runs, families, {"data": 1, "pipe": 2}, 0)
+    per_rank = _train_and_check(world, families, {"data": 1, "pipe": 2}, 0)
     for f in families:
-        _check(f, [per_rank[r][f] for r in range(2)], "pipe 2")
         tied = per_rank[0][f]["tied"]
         assert bool(tied) == (f in hf.TIED), (f, tied)
 
@@ -171,31 +183,23 @@ def test_tied_tables_train_like_one_process_on_every_pipe_and_schedule(world, fa
             torch.testing.assert_close(res["state"][k], v, rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{at}, {k}: {m}")
 
 
-def _cube_runs(families: list[str]) -> dict:
-    """data 2 x pipe 2 x tensor 2: ZeRO-3 where the family's embeddings are untied, ZeRO-1 where they are tied
-    across the pipe's first and last stage (ZeRO-3 refuses those)."""
-    shape = {"data": 2, "pipe": 2, "tensor": 2}
-    return {f: _run(f, shape, 1 if f in hf.TIED else 3) for f in families}
-
-
 CUBE_CHUNKS = [hf.FAMILIES[i::2] for i in range(2)]
 
 
 @pytest.mark.parametrize("chunk", range(len(CUBE_CHUNKS)))
 def test_every_family_at_2x2x2_trains_like_one_process(world, chunk):
+    """data 2 x pipe 2 x tensor 2: ZeRO-3 where the family's embeddings are untied, ZeRO-1 where they are tied
+    across the pipe's first and last stage (ZeRO-3 refuses those)."""
     families = list(CUBE_CHUNKS[chunk])
-    per_rank = world(8, _cube_runs, families)
-    for f in families:
-        _check(f, [per_rank[r][f] for r in range(8)], f"2x2x2 ZeRO-{1 if f in hf.TIED else 3}")
+    _train_and_check(world, families, {"data": 2, "pipe": 2, "tensor": 2},
+                     {f: 1 if f in hf.TIED else 3 for f in families})
 
 
 LORA = ["qwen3", "gptj", "gpt2", "opt"]
 
 
 def test_lora_at_tensor_2_trains_like_one_process(world):
-    per_rank = world(2, _runs, LORA, {"data": 1, "tensor": 2}, 0, True)
-    for f in LORA:
-        _check(f, [per_rank[r][f] for r in range(2)], "LoRA, tensor 2", lora=True)
+    _train_and_check(world, LORA, {"data": 1, "tensor": 2}, 0, lora=True)
 
 
 # ---- configurations with per-head q/k norms -----------------------------------------------------------

@@ -94,11 +94,17 @@ def _each(accounting):
             yield data, r, cfg, res
 
 
-def test_counted_collectives_equal_the_plan(accounting):
+def _each_step(accounting):
+    """Every step of every configuration on every rank, with what the plan says and where it ran."""
     for data, r, cfg, res in _each(accounting):
         for s in res["steps"]:
-            assert s["by_op"] == res["planned_by_op"], f"N={data} rank {r} {cfg}"
-            assert s["bytes"] == res["planned_bytes"], f"N={data} rank {r} {cfg}"
+            yield s, res, f"N={data} rank {r} {cfg}"
+
+
+def test_counted_collectives_equal_the_plan(accounting):
+    for s, res, at in _each_step(accounting):
+        assert s["by_op"] == res["planned_by_op"], at
+        assert s["bytes"] == res["planned_bytes"], at
 
 
 def test_parameter_and_gradient_traffic_is_the_ring_minimum(accounting):
@@ -115,9 +121,9 @@ def test_parameter_and_gradient_traffic_is_the_ring_minimum(accounting):
 
 
 def test_held_storage_equals_the_plan_at_rest_and_at_the_update(accounting):
+    for s, res, at in _each_step(accounting):
+        assert s["held"] == res["rest"], f"{at}: held {s['held']} vs plan {res['rest']}"
     for data, r, cfg, res in _each(accounting):
-        for s in res["steps"]:
-            assert s["held"] == res["rest"], f"N={data} rank {r} {cfg}: held {s['held']} vs plan {res['rest']}"
         assert res["at_update"] == res["update"], f"N={data} rank {r} {cfg}"
 
 

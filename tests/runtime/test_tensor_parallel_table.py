@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import shardlib as sl
+from hf_models import train_alone
 from llama import LLAMA_TP, LLAMA_VOCAB_TP, llama_batch, tiny_config, tiny_llama
 from shardlib.testing import get_mesh
 from test_engine_data_parallel import max_rel
@@ -22,6 +23,7 @@ from test_tensor_parallel import train_counting
 STEPS = 4
 BATCH = 4
 LR = 1e-2
+PARAM_TOL = {"rtol": 1e-3, "atol": 1e-2 * LR * STEPS}    # AdamW's (test_engine_data_parallel.param_tolerance says why)
 
 
 def _batches() -> list[dict]:
@@ -39,15 +41,21 @@ def _optimizer(params):
 
 def reference() -> dict:
     model = tiny_llama()
-    opt = _optimizer(list(model.parameters()))
-    losses = []
-    for batch in _batches():
-        opt.zero_grad(set_to_none=True)
-        loss = _loss(model, batch)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
+    losses = train_alone(model, _batches(), optimizer=_optimizer, loss=_loss)
     return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def check_ranks(results: list[dict], ref: dict, where: str, *, rtol: float, atol: float) -> None:
+    """Each rank's results (``losses``, ``params``, ``counted``, ``planned``) against one process's ``ref``:
+    losses within 1e-5 relative, final parameters within ``rtol``/``atol``, counted collectives the planned."""
+    for r, res in enumerate(results):
+        at = f"{where} rank {r}"
+        rel = max_rel(res["losses"], ref["losses"])
+        assert rel <= 1e-5, f"{at}: {res['losses']} vs {ref['losses']} ({rel:.3g})"
+        for name, want in ref["params"].items():
+            torch.testing.assert_close(res["params"][name], want, rtol=rtol, atol=atol,
+                                       msg=lambda m, k=name: f"{at}, {k}: {m}")
+        assert res["counted"] == res["planned"], f"{at}: ran {res['counted']}, planned {res['planned']}"
 
 
 def llama_run(cfg: dict, shape: dict) -> dict:
@@ -77,15 +85,7 @@ def test_llama_tensor_parallel_trains_like_one_process(world, shape):
     per_rank = world(n, llama_runs, cfgs, shape)
     ref = reference()
     for i, cfg in enumerate(cfgs):
-        for r in range(n):
-            res = per_rank[r][i]
-            rel = max_rel(res["losses"], ref["losses"])
-            assert rel <= 1e-5, f"{cfg} {shape} rank {r}: {res['losses']} vs {ref['losses']} ({rel:.3g})"
-            for name, want in ref["params"].items():
-                torch.testing.assert_close(res["params"][name], want, rtol=1e-3, atol=1e-2 * LR * STEPS,
-                                           msg=lambda m, n=name: f"{cfg} {shape} rank {r}, {n}: {m}")
-            assert res["counted"] == res["planned"], f"{cfg} {shape} rank {r}: ran {res['counted']}, " \
-                                                     f"planned {res['planned']}"
+        check_ranks([per_rank[r][i] for r in range(n)], ref, f"{cfg} {shape}", **PARAM_TOL)
 
 
 def _export_llama(path: str) -> None:
@@ -112,12 +112,8 @@ def test_a_tensor_parallel_llama_exports_to_a_plain_transformers_model(world, tm
     fresh = LlamaForCausalLM(tiny_config())
     fresh.load_state_dict(load_file(path), strict=True)
     ref = tiny_llama()
-    opt = _optimizer(list(ref.parameters()))
     batches = _batches()
-    for b in batches[:2]:
-        opt.zero_grad(set_to_none=True)
-        _loss(ref, b).backward()
-        opt.step()
+    train_alone(ref, batches[:2], optimizer=_optimizer, loss=_loss)
     with torch.no_grad():
         want, got = float(_loss(ref, batches[2])), float(_loss(fresh.train(), batches[2]))
     assert abs(got - want) <= 1e-5 * abs(want), (got, want)
