@@ -17,6 +17,7 @@ from einops import rearrange
 from torch import nn
 
 from ..planner.specs import shard
+from .moe import MoE
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,20 @@ class GPTConfig:
     n_layers: int = 2
     mlp_ratio: int = 4
     mlp_width: int | None = None       # the MLP's hidden width (default mlp_ratio * d_model)
+    # a mixture of experts in place of each block's MLP (models/moe.py) when n_experts > 0
+    n_experts: int = 0
+    top_k: int = 2                     # experts per token
+    expert_width: int | None = None    # each expert's hidden width (default: the MLP's)
+    shared_experts: int = 0            # always-on experts beside the routed ones (Qwen2-MoE, DeepSeek)
+    norm_topk: bool = True             # the chosen experts' weights renormalized to sum to 1 (Mixtral)
+    aux_loss: float = 0.01             # the load-balancing loss's coefficient in the training loss
+
+    def __post_init__(self) -> None:
+        if self.expert_width is None:
+            object.__setattr__(self, "expert_width", self.hidden)
+        if self.n_experts < 0 or self.n_experts and not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"GPTConfig: top_k={self.top_k} of n_experts={self.n_experts} — expected n_experts >= 0 "
+                             "and 1 <= top_k <= n_experts.")
 
     @property
     def hidden(self) -> int:
@@ -78,7 +93,7 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(cfg.d_model)
         self.attn = Attention(cfg)
         self.ln2 = nn.LayerNorm(cfg.d_model)
-        self.mlp = MLPBlock(cfg)
+        self.mlp = MoE(cfg) if cfg.n_experts else MLPBlock(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -129,7 +144,10 @@ class GPT(nn.Module):
         logits = self.head(self.ln_f(x))
         if targets is None:
             return logits
-        return F.cross_entropy(rearrange(logits, "b s v -> (b s) v"), rearrange(targets, "b s -> (b s)"))
+        loss = F.cross_entropy(rearrange(logits, "b s v -> (b s) v"), rearrange(targets, "b s -> (b s)"))
+        if self.cfg.n_experts and self.cfg.aux_loss:     # every MoE layer's load-balancing loss, as transformers adds it
+            loss = loss + self.cfg.aux_loss * sum(b.mlp.aux_loss for b in self.blocks)
+        return loss
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         x = self.pipeline_pre(idx, targets)

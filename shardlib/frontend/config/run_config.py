@@ -346,13 +346,26 @@ def _model(raw: Any, problems: list[str]) -> ModelConfig:
     elif path is not None:
         problems.append(f"model.path: {path!r} is only read with model.kind=hf — expected model=hf "
                         f"model.path=<folder>, or no path for the reference GPT.")
-    sizes = {f.name: c.int(f.name, f.default, optional=f.default is None) for f in fields(GPTConfig)}
+    sizes = {f.name: _gpt_field(c, f.name, f.default) for f in fields(GPTConfig)}
     out = ModelConfig(name=c.str("name", "model"), kind=kind, path=c.str("path", None, optional=True)
                       if path is not None else None, **sizes)
+    if kind == "gpt" and out.n_experts and out.top_k > out.n_experts:
+        problems.append(f"model.top_k: {out.top_k} experts per token is more than model.n_experts={out.n_experts} — "
+                        "expected at most n_experts.")
     if kind == "gpt" and out.d_model % out.n_heads:
         problems.append(f"model.n_heads: {out.n_heads} heads do not divide model.d_model={out.d_model} — expected a "
                         "divisor of d_model.")
     return out
+
+
+def _gpt_field(c: Checker, key: str, default: Any) -> Any:
+    """One ``GPTConfig`` field checked by its default's kind: a flag, a number (the aux loss's coefficient,
+    >= 0), or an int (>= 1; 0 allowed where the default is 0: no experts, no shared experts)."""
+    if isinstance(default, bool):
+        return c.bool(key, default)
+    if isinstance(default, float):
+        return c.number(key, default)
+    return c.int(key, default, low=0 if default == 0 else 1, optional=default is None)
 
 
 RECOMPUTE = ("none", "selective", "full", False, True)

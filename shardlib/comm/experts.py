@@ -1,0 +1,94 @@
+"""Token routing as a redistribution: the rows of a token-sharded batch moved to the ranks holding their
+experts (dispatch), and the experts' outputs moved back (combine), over an ``expert`` axis.
+
+A rank holds the experts ``[c·E/n, (c+1)·E/n)`` of the ``E`` experts split over the ``n`` ranks of the axis
+(``c``: its coordinate; dim 0 of the experts' weights laid out ``P("expert", ...)``). Each of its tokens
+chose ``k`` experts; the ``T·k`` (token, expert) pairs sorted by expert are, in that order, grouped by the
+rank that holds their expert. Dispatch exchanges the counts first (an all-to-all of ``n`` ints), then
+moves the rows with a ragged all-to-all: rank ``c`` receives, from every rank in turn, the rows for its
+experts, each with its local expert id and routing weight. Combine is the transposed all-to-all, and each
+returned row is added into its token's output in the same expert order one process adds them, so
+outputs match one process to the bit where the experts' own arithmetic does. Both moves are autograd
+functions whose backward is the transposed move: the gradient of the rows, the routing weights (hence the
+router) and the experts' weights come out as one process computes them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from . import core as comm
+
+if TYPE_CHECKING:
+    from ..algebra.mesh import Mesh
+
+
+class RaggedAllToAll(torch.autograd.Function):
+    """``x``'s rows ``in_splits[g]`` at a time to group member ``g``; ``out_splits[g]`` arrive from each.
+    Backward: the transposed move (splits swapped)."""
+
+    @staticmethod
+    def forward(ctx, x, mesh, axis, in_splits, out_splits):
+        ctx.mesh, ctx.axis, ctx.splits = mesh, axis, (in_splits, out_splits)
+        return comm.all_to_all(x.contiguous(), mesh, axis, in_splits=in_splits, out_splits=out_splits)
+
+    @staticmethod
+    def backward(ctx, g):
+        in_splits, out_splits = ctx.splits
+        return comm.all_to_all(g.contiguous(), ctx.mesh, ctx.axis, in_splits=out_splits,
+                               out_splits=in_splits), None, None, None, None
+
+
+@dataclass
+class Routed:
+    """What dispatch sent, for combine to bring back: the (token, expert) pairs' tokens in the order sent,
+    the rows sent to and received from each member, and the batch's shape."""
+
+    token: torch.Tensor
+    in_splits: list[int]
+    out_splits: list[int]
+    rows: int
+    mesh: Mesh
+    axis: str
+
+
+def dispatch(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, n_experts: int, mesh: Mesh,
+             axis: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Routed]:
+    """``x [T, H]`` routed by ``index [T, k]`` (global expert ids) with ``weights [T, k]``: returns the rows
+    this rank's experts get ``[R, H]``, each row's local expert id ``[R]`` and weight ``[R]``, and what
+    combine needs."""
+    n = mesh.axis_size(axis)
+    if n_experts % n:
+        raise ValueError(f"dispatch: {n_experts} experts do not split over {axis}={n} — expected a multiple of {n}.")
+    per = n_experts // n
+    k = index.shape[1]
+    expert = index.reshape(-1)
+    order = torch.argsort(expert, stable=True)               # by expert: grouped by the rank that holds it
+    token = torch.arange(x.shape[0], device=x.device).repeat_interleave(k)[order]
+    expert = expert[order]
+    in_splits = torch.bincount(expert // per, minlength=n)
+    out_splits = comm.all_to_all(in_splits, mesh, axis)       # each member's count for this rank's experts
+    ins, outs = in_splits.tolist(), out_splits.tolist()
+    rows = RaggedAllToAll.apply(x[token], mesh, axis, ins, outs)
+    local = comm.all_to_all(expert % per, mesh, axis, in_splits=ins, out_splits=outs)
+    w = RaggedAllToAll.apply(weights.reshape(-1)[order], mesh, axis, ins, outs)
+    return rows, local, w, Routed(token, ins, outs, x.shape[0], mesh, axis)
+
+
+def combine(y: torch.Tensor, routed: Routed) -> torch.Tensor:
+    """The experts' outputs ``y [R, H]`` (in the order dispatch delivered the rows) back to their tokens:
+    ``[T, H]``, each token's outputs added in expert order."""
+    back = RaggedAllToAll.apply(y, routed.mesh, routed.axis, routed.out_splits, routed.in_splits)
+    out = back.new_zeros((routed.rows,) + tuple(back.shape[1:]))
+    return out.index_add(0, routed.token, back)
+
+
+def batch_sum(t: torch.Tensor, mesh: Mesh, axes: tuple[str, ...]) -> torch.Tensor:
+    """``t`` summed over the ranks the batch is split over, for a statistic of the whole batch inside each
+    rank's loss (the router's load-balancing loss: Megatron's global aux loss). Each rank's loss holds its
+    share of the term, so the backward sums the cotangents over those ranks too (all-reduce both ways)."""
+    from .collectives import pbroadcast, psum
+    return psum(pbroadcast(t, axes, mesh=mesh), axes, mesh=mesh)

@@ -1,0 +1,109 @@
+"""The reference GPT's mixture of experts: a router, routed experts stored as fused 3-D weights (as
+transformers 5 stores them: ``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj [E, H, I]``) and
+optional shared experts (Qwen2-MoE, DeepSeek), with the load-balancing loss of Switch/Mixtral.
+
+The experts run on whatever experts their weights hold (the count is read off the weight, as attention
+reads its heads): on one process every expert; split over an ``expert`` axis, this rank's, given the rows
+routed to them (``top_k_index`` then names local experts). ``Experts.forward`` has transformers' signature
+``(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``, each row's output the
+weighted sum of its experts' outputs; an expert no row chose still runs (on zero rows), so every expert
+weight gets a gradient, zero or not, at every step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..planner.specs import shard
+
+if TYPE_CHECKING:
+    from .gpt import GPTConfig
+
+
+# each expert's weights are one slice of dim 0, the logical dim ``experts``: rules={"experts": "expert"}
+# splits them over an expert axis; their own dims may split over tensor ("moe_mlp": the expert's width)
+@shard({"gate_up_proj": ("experts", "moe_mlp", "embed"), "down_proj": ("experts", "embed", "moe_mlp")})
+class Experts(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        e, h, i = cfg.n_experts, cfg.d_model, cfg.expert_width
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(hidden_states)
+        for e in range(self.gate_up_proj.shape[0]):
+            token, slot = torch.where(top_k_index == e)
+            gate, up = F.linear(hidden_states[token], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[e])
+            out.index_add_(0, token, y * top_k_weights[token, slot, None].to(y.dtype))
+        return out
+
+
+@shard({"gate_up.weight": ("moe_mlp", "embed"), "down.weight": ("embed", "moe_mlp")})
+class SharedExperts(nn.Module):
+    """``n`` always-on experts as one SwiGLU MLP of ``n`` experts' width (Qwen2-MoE's and DeepSeek's shared
+    experts), added to every token's routed output."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        width = cfg.shared_experts * cfg.expert_width
+        self.gate_up = nn.Linear(cfg.d_model, 2 * width, bias=False)
+        self.down = nn.Linear(width, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+@shard({"gate.weight": (None, "embed")})
+class MoE(nn.Module):
+    """Route each token to ``top_k`` of ``n_experts`` by a softmax router (renormalized over the chosen ones
+    with ``norm_topk``), add the shared experts' output, and keep the layer's load-balancing loss
+    ``E · Σ_e f_e · P_e`` (``f_e``: the fraction of the tokens' choices that went to ``e``, ``P_e``: its mean
+    router probability) in ``aux_loss`` for the model to add."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_experts, self.top_k, self.norm_topk = cfg.n_experts, cfg.top_k, cfg.norm_topk
+        self.gate = nn.Linear(cfg.d_model, cfg.n_experts, bias=False)      # the router
+        self.experts = Experts(cfg)
+        self.shared = SharedExperts(cfg) if cfg.shared_experts else None
+        self.aux_loss: torch.Tensor | None = None
+        self.reduce_stats: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(router probabilities [T, E] in fp32, top_k_index [T, k], top_k_weights [T, k])``."""
+        probs = F.softmax(self.gate(flat).float(), dim=-1)
+        weights, index = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return probs, index, weights
+
+    def balance_loss(self, probs: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """Switch's load-balancing loss: ``E · Σ_e f_e · P_e``. Its statistics are the whole batch's where the
+        batch is split over ranks: ``reduce_stats`` (set by the runtime: a sum over the batch's axes, whose
+        backward sums the cotangents back — Megatron's global aux loss) adds every rank's counts, probability
+        sums and tokens; without it, these tokens'."""
+        stats = torch.cat([F.one_hot(index, self.n_experts).sum(dim=(0, 1)).float(),
+                           torch.tensor([float(index.shape[0])], device=probs.device)])
+        sums = probs.sum(dim=0)
+        if self.reduce_stats is not None:
+            stats, sums = self.reduce_stats(stats.detach()), self.reduce_stats(sums)
+        chosen, tokens = stats[:-1], stats[-1]
+        return self.n_experts * (chosen / (tokens * self.top_k) * sums / tokens).sum()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        probs, index, weights = self.route(flat)
+        y = self.experts(flat, index, weights.to(flat.dtype))
+        if self.shared is not None:
+            y = y + self.shared(flat)
+        self.aux_loss = self.balance_loss(probs, index)
+        return y.view_as(x)
