@@ -29,6 +29,7 @@ from .policies import (DataPolicy, MemoryPolicy, MeshRoles, PipelinePolicy, Poli
 from .specs import resolve_specs
 from .states import StateLayouts
 from .tensor import TensorPlan, derive
+from .experts import expert_params, expert_problems
 from .tensor_use import axis_use_problems, dims_source
 from .traffic import fused_sizes
 from .units import few, find_units, param_owners, unit_problems, with_leaf_units
@@ -49,6 +50,7 @@ def _plan(model: nn.Module, mesh: AbstractMesh, *, policies: Policies, rules: An
     states, unit_names, stack_units, rec, sel, specs, tplan, pplan = (
         r.states, r.unit_names, r.stack_units, r.recompute, r.selective, r.specs, r.tensor, r.pipeline)
     replica_axis = pol.roles.replica_of(mesh)
+    expert_axis = r.expert_axis
     grad_accum = pplan.microbatches if pplan is not None else (pol.training.microbatches or 1)
     precision, clip_grad_norm = pol.training.precision, pol.training.clip_grad_norm
     rdt, state_bytes = pol.training.reduction_dtype(), pol.training.state_bytes()
@@ -74,7 +76,8 @@ def _plan(model: nn.Module, mesh: AbstractMesh, *, policies: Policies, rules: An
     bucket_bytes = int(bucket_mb * 2**20)
 
     tied = set(pplan.tied) if pplan is not None else set()
-    buckets = _buckets(named, param_unit, states, tied, itemsize, bucket_bytes)
+    experts = expert_params(specs, expert_axis)
+    buckets = _buckets(named, param_unit, states, tied, itemsize, bucket_bytes, experts)
     specs = {k: _trim(v) for k, v in specs.items()}
     params = [ParamPlan(name, tuple(p.shape), param_unit[name], buckets.get(name), p.requires_grad,
                         *state_layouts(specs.get(name, PartitionSpec()) if p.dim() else PartitionSpec()),
@@ -88,12 +91,14 @@ def _plan(model: nn.Module, mesh: AbstractMesh, *, policies: Policies, rules: An
     # so set-up sends rank 0's generator state over the whole mesh instead of the model
     meta = bool(tensors) and all(t.is_meta for t in tensors)
     setup = ((torch.uint8, torch.get_rng_state().numel()),) if meta else fused_sizes(tensors)
-    dp = (replica_axis, data_axis) if replica_axis is not None else data_axis
+    dp = tuple(a for a in (replica_axis, data_axis, expert_axis) if a is not None)     # the batch's axes
+    dp = dp[0] if len(dp) == 1 else dp
     out = Plan(mesh=mesh, data_axis=data_axis, states=states, precision=precision, reduce_dtype=rdt,
                grad_accum=grad_accum, clip_grad_norm=clip_grad_norm, optimizer_state_bytes=state_bytes,
                bucket_bytes=bucket_bytes, params=tuple(params), units=tuple(unit_list), batch=layout(dp),
                broadcast_buffers=broadcast_buffers, buffer_sizes=fused_sizes(buffers),
                setup_sizes=setup, meta_build=meta, tensor=tplan, pipeline=pplan, replica_axis=replica_axis,
+               expert_axis=expert_axis,
                offload=kinds, offload_dir=None if offload_dir is None else os.fspath(offload_dir))
     if offload_dir is not None and any(k == "disk" for _, k in kinds) and getattr(mesh, "rank", None) is not None:
         found = disk_problems(offload_dir, out.disk_bytes())      # a running mesh: this machine's disk
@@ -127,7 +132,7 @@ def _param_units(model: nn.Module, named: list, unit_names: list[str]) -> dict[s
 
 
 def _buckets(named: list, param_unit: dict[str, str], states: StateLayouts, tied: set[str], itemsize: int,
-             bucket_bytes: int) -> dict[str, int]:
+             bucket_bytes: int, experts: set[str] = frozenset()) -> dict[str, int]:
     """Each trainable parameter's gradient bucket (none under ZeRO-3: its units are its buckets).
 
     Gradient buckets, in reverse order (the order gradients tend to become ready in backward),
@@ -135,7 +140,8 @@ def _buckets(named: list, param_unit: dict[str, str], states: StateLayouts, tied
     unit's full gradients are freed as soon as its bucket is reduce-scattered (as FSDP2 does per
     unit), which bounds the transient memory at no measured cost in time. A weight tied across the
     first and last pipeline stage is a bucket of its own: both stages then lay it out alike (the same
-    pieces of it under ZeRO-1/2), so its two gradients add up piece by piece."""
+    pieces of it under ZeRO-1/2), so its two gradients add up piece by piece. Experts' weights (split over
+    the expert axis, their gradients summed over data alone) and the rest never share a bucket."""
     buckets: dict[str, int] = {}
     if states.params is None:
         b, filled, last_unit = 0, 0, None
@@ -145,6 +151,9 @@ def _buckets(named: list, param_unit: dict[str, str], states: StateLayouts, tied
             size = p.numel() * itemsize
             unit = param_unit[name] if name not in tied else f"<tied {name}>"
             alone = name in tied or (last_unit or "").startswith("<tied ")
+            if name in experts:
+                unit = f"<experts {unit}>"
+            alone = alone or name in experts or (last_unit or "").startswith("<experts ")
             if filled and (filled + size > bucket_bytes or ((states.grads is not None or alone) and unit != last_unit)):
                 b, filled = b + 1, 0
             buckets[name] = b
@@ -182,7 +191,8 @@ def plan(model: nn.Module, mesh: AbstractMesh, zero: int | None = None, *, state
          rules: Any = None, sequence_parallel: bool = False, batch: Any = None, tensor_axis: str = "tensor",
          microbatches: int | None = None, schedule: str | None = None, virtual_stages: int | None = None,
          stages: Any = None, pipe_axis: str = "pipe", pipe_gather: str = "step",
-         replica_axis: str | None = None, offload: Any = None, offload_dir: Any = None,
+         replica_axis: str | None = None, expert_axis: str | None = None, offload: Any = None,
+         offload_dir: Any = None,
          roles: MeshRoles | None = None, data: DataPolicy | None = None, tensor: TensorPolicy | None = None, pipeline: PipelinePolicy | None = None,
          memory: MemoryPolicy | None = None, training: TrainingPolicy | None = None) -> Plan:
     """Plan training of ``model`` on ``mesh``: data parallel / ZeRO on ``data``, tensor parallel on ``tensor``.
@@ -295,6 +305,7 @@ class Resolved:
     tensor: TensorPlan | None
     pipeline: PipelinePlan | None
     offload: tuple
+    expert_axis: str | None = None
 
 
 def _check(model: nn.Module, mesh: AbstractMesh, pol: Policies, *, rules: Any, batch: Any) -> Resolved:
@@ -367,9 +378,14 @@ def _check(model: nn.Module, mesh: AbstractMesh, pol: Policies, *, rules: Any, b
             for m in tproblems + axis_use_problems(model, tplan, mesh, roles.tensor, rules):
                 add(m)
             tplan = replace(tplan, dims_from=dims_source(model))
+        for m in expert_problems(specs, mesh, roles, mem.states(roles.data), kinds):
+            add(m)
     if problems:
         messages = [m for _, m in problems]
         if all(wrong_kind for wrong_kind, _ in problems):
             raise ShardingTypeError(str(ShardingError(messages, api="plan")))
         raise ShardingError(messages, api="plan")
-    return Resolved(mem.states(roles.data), unit_names, set(stack_units), rec, sel, specs, tplan, pplan, kinds)
+    expert = roles.expert_of(mesh)
+    expert = expert if expert is not None and mesh.axis_sizes[expert] > 1 else None
+    return Resolved(mem.states(roles.data), unit_names, set(stack_units), rec, sel, specs, tplan, pplan, kinds,
+                    expert)

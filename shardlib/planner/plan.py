@@ -172,6 +172,8 @@ class Plan:
     activations: tuple[tuple[int, tuple[CommEntry, ...]], ...] = ()
     # set in a tensor-local plan (``local``): the tensor coordinate whose shards it describes
     local_coord: int | None = None
+    # set in an expert-local plan (``local``): the expert coordinate whose experts it holds
+    expert_coord: int | None = None
     # the pipe axis (planner/pipeline.py); None when the mesh has no pipe axis larger than 1
     pipeline: PipelinePlan | None = None
     # set in a stage-local plan (``local``): the pipe coordinate whose stages it holds
@@ -181,6 +183,8 @@ class Plan:
     tied_pieces: tuple[tuple[str, int], ...] = ()
     # HSDP: a second data axis over which the training states are replicated (``data`` shards them)
     replica_axis: str | None = None
+    # the expert axis (planner/experts.py): experts' weights split over it, the batch too
+    expert_axis: str | None = None
     # memory kinds (planner/offload.py): ((state, "host" | "disk"), ...) — states not named live on the device
     offload: tuple[tuple[str, str], ...] = ()
     offload_dir: str | None = None
@@ -220,15 +224,29 @@ class Plan:
         return self.mesh.axis_size(self.replica_axis) if self.replica_axis is not None else 1
 
     @property
+    def expert_size(self) -> int:
+        """Ranks the experts split over (1 without an expert axis)."""
+        return self.mesh.axis_size(self.expert_axis) if self.expert_axis is not None else 1
+
+    @property
     def dp_axes(self) -> tuple[str, ...]:
-        """The axes the batch splits over and gradients are summed over: ``data``, and under HSDP
-        the replica axis before it (replica major)."""
-        return (self.replica_axis, self.data_axis) if self.replica_axis is not None else (self.data_axis,)
+        """The axes the batch splits over and gradients are summed over: ``data``, under HSDP the replica
+        axis before it (replica major), and the expert axis after it (experts' gradients: ``grad_axes``)."""
+        return tuple(a for a in (self.replica_axis, self.data_axis, self.expert_axis) if a is not None)
 
     @property
     def dp_size(self) -> int:
-        """Data-parallel ranks: the batch's chunks (``replica x data``)."""
-        return self.data_size * self.replica_size
+        """Data-parallel ranks: the batch's chunks (``replica x data x expert``)."""
+        return self.data_size * self.replica_size * self.expert_size
+
+    def is_expert(self, name: str) -> bool:
+        """Whether parameter ``name`` is split over the expert axis (an expert's weights)."""
+        return self.expert_axis is not None and self.expert_axis in self.param(name).spec.axes
+
+    def grad_axes(self, name: str) -> tuple[str, ...]:
+        """The axes parameter ``name``'s gradient is summed over: the batch's, but for an expert's weights,
+        which the expert axis splits (their gradients came to them over it)."""
+        return tuple(a for a in self.dp_axes if not (a == self.expert_axis and self.is_expert(name)))
 
     @property
     def num_params(self) -> int:
@@ -273,7 +291,8 @@ class Plan:
         """Whether this is a whole-mesh plan whose parameters are split over ``tensor`` or cut into
         pipeline stages (its per-rank accounting is that of ``local(rank)``)."""
         return ((self.tensor_size > 1 and self.local_coord is None)
-                or (self.pipe_size > 1 and self.pipe_coord is None))
+                or (self.pipe_size > 1 and self.pipe_coord is None)
+                or (self.expert_size > 1 and self.expert_coord is None))
 
     def tensor_coord(self, rank: int | None = None) -> int:
         return self.mesh.coord(self._rank(rank), self.tensor.axis) if self.tensor is not None else 0
@@ -286,7 +305,8 @@ class Plan:
         left local. The plan itself when nothing is split over ``tensor`` or ``pipe``."""
         if not self.split:
             return self
-        key = (self.pipe_coord_of(rank), self.tensor_coord(rank) if self.tensor_size > 1 else None)
+        key = (self.pipe_coord_of(rank), self.tensor_coord(rank) if self.tensor_size > 1 else None,
+               self.mesh.coord(self._rank(rank), self.expert_axis) if self.expert_size > 1 else None)
         cache = self._local_plans
         if key not in cache:
             cache[key] = _localize(self, self._rank(rank), key)
@@ -420,17 +440,17 @@ class LocalPlan(Plan):
     itself."""
 
 
-def _localize(plan: Plan, rank: int, key: tuple[int, int | None]) -> LocalPlan:
+def _localize(plan: Plan, rank: int, key: tuple[int, int | None, int | None]) -> LocalPlan:
     out = _localized(plan, rank, key)
     if plan.pipeline is not None and plan.pipe_size > 1 and plan.pipeline.tied:
         out = replace(out, tied_pieces=_tied_pieces(plan, rank, out if key[0] == 0 else None))
     return LocalPlan(**{f.name: getattr(out, f.name) for f in fields(out)})
 
 
-def _localized(plan: Plan, rank: int, key: tuple[int, int | None]) -> Plan:
+def _localized(plan: Plan, rank: int, key: tuple[int, int | None, int | None]) -> Plan:
     """``plan.local(rank)``: the parameters of ``rank``'s pipeline stages; shapes become its tensor
-    shards, layouts the data axis's."""
-    pcoord, tcoord = key
+    (and expert) shards, layouts the data axis's."""
+    pcoord, tcoord, ecoord = key
     mesh, st = plan.mesh, plan.states
     out = plan
     if plan.pipeline is not None and plan.pipe_size > 1:
@@ -445,7 +465,7 @@ def _localized(plan: Plan, rank: int, key: tuple[int, int | None]) -> Plan:
                 units.append(replace(u, params=held))
         out = replace(out, params=keep, units=tuple(units), pipe_coord=pcoord,
                       activations=_stage_activations(plan, mine))
-    if tcoord is None or plan.tensor_size <= 1:
+    if (tcoord is None or plan.tensor_size <= 1) and ecoord is None:
         return out
 
     def data_layout(axis: str | None) -> Layout:
@@ -456,7 +476,7 @@ def _localized(plan: Plan, rank: int, key: tuple[int, int | None]) -> Plan:
     for p in out.params:
         shape = tuple(p.compute.local_shape(p.shape, rank)) if p.shape else p.shape   # compute = the spec's layout
         params.append(replace(p, shape=shape, full_shape=p.shape, rest=rest, compute=rep, grad=grad, optim=optim))
-    return replace(out, params=tuple(params), local_coord=tcoord)
+    return replace(out, params=tuple(params), local_coord=tcoord, expert_coord=ecoord)
 
 
 def _tied_pieces(plan: Plan, rank: int, local: Plan | None) -> tuple[tuple[str, int], ...]:

@@ -60,14 +60,21 @@ class _Policy:
 
 @dataclass(frozen=True, kw_only=True, repr=False)
 class MeshRoles(_Policy):
-    """Which mesh axis plays which role: ``data`` (the batch, ZeRO's shards), ``tensor``, ``pipe``, and
-    HSDP's ``replica`` (by default an axis named ``"replica"`` when the mesh has one). An axis of size > 1
-    that plays no role is refused."""
+    """Which mesh axis plays which role: ``data`` (the batch, ZeRO's shards), ``tensor``, ``pipe``, HSDP's
+    ``replica`` (by default an axis named ``"replica"`` when the mesh has one), and ``expert`` (by default an
+    axis named ``"expert"``: experts split over it, the batch too). An axis of size > 1 that plays no role is
+    refused."""
 
     data: str | None = None
     tensor: str | None = None
     pipe: str | None = None
     replica: str | None = None
+    expert: str | None = None
+
+    def expert_of(self, mesh: Any) -> str | None:
+        """The expert axis: the one given, else an axis named ``"expert"``; None where it is absent."""
+        name = self.expert if isinstance(self.expert, str) else "expert"
+        return name if name in mesh.axis_names else None
 
     def replica_of(self, mesh: Any) -> str | None:
         """HSDP's replica axis: the one given, else an axis named ``"replica"``; None where it is absent."""
@@ -94,13 +101,22 @@ class MeshRoles(_Policy):
         elif rep is not None and rep in (data, tensor, pipe):
             out.append((False, f"plan: replica_axis={rep!r} is also the data, tensor or pipe axis — expected an axis "
                                "of its own."))
-        used = (data, tensor, pipe, self.replica_of(mesh))
+        exp = self.expert
+        if exp is not None and not isinstance(exp, str):
+            out.append((True, f"plan: expert_axis must be a mesh axis name or None — got {type(exp).__name__} {exp!r}."))
+        elif exp is not None and exp not in mesh.axis_names:
+            out.append((False, f"plan: expert_axis={exp!r} is not an axis of the mesh {mesh.axis_sizes} — expected the "
+                               "axis the experts split over. Add it to the mesh, or drop expert_axis."))
+        elif exp is not None and exp in (data, tensor, pipe, rep):
+            out.append((False, f"plan: expert_axis={exp!r} is also the data, tensor, pipe or replica axis — expected "
+                               "an axis of its own."))
+        used = (data, tensor, pipe, self.replica_of(mesh), self.expert_of(mesh))
         others = {a: s for a, s in mesh.axis_sizes.items() if a not in used and s > 1}
         if others and isinstance(data, str) and data in mesh.axis_names:
             out.append((False, f"plan: axes {others} are larger than 1, but this plan uses only {data!r}, {pipe!r} "
                                f"and {tensor!r} — expected the other axes of size 1. Use them as one of those "
-                               "(data_axis=, pipe_axis=, tensor_axis=, or replica_axis= for HSDP: states sharded "
-                               "over data, replicated over it) or give them size 1."))
+                               "(data_axis=, pipe_axis=, tensor_axis=, expert_axis= for experts, or replica_axis= "
+                               "for HSDP: states sharded over data, replicated over it) or give them size 1."))
         return out
 
 
@@ -225,7 +241,7 @@ GROUPS: dict[str, type[_Policy]] = {"roles": MeshRoles, "data": DataPolicy, "ten
 # every flat keyword of sl.plan: the one (group, field) it sets
 SHORT_FORMS: dict[str, tuple[str, str]] = {
     "data_axis": ("roles", "data"), "tensor_axis": ("roles", "tensor"), "pipe_axis": ("roles", "pipe"),
-    "replica_axis": ("roles", "replica"),
+    "replica_axis": ("roles", "replica"), "expert_axis": ("roles", "expert"),
     "bucket_mb": ("data", "bucket_mb"), "broadcast_buffers": ("data", "broadcast_buffers"),
     "sequence_parallel": ("tensor", "sequence_parallel"),
     "schedule": ("pipeline", "schedule"), "virtual_stages": ("pipeline", "virtual_stages"),

@@ -111,9 +111,10 @@ def scalars_ride_gradients(plan: Plan) -> bool:
     replicated (overflow and norm are then computed locally, so nothing waits for the reduced
     gradients; under a pipe axis: when the scalars are summed over ``data`` alone) and reduced
     in fp32 (the loss keeps its precision). Not in a reduce-scatter: each rank would receive
-    its own row's sum, added in another order, and ranks must agree on the loss to the bit."""
+    its own row's sum, added in another order, and ranks must agree on the loss to the bit. Nor with an
+    expert axis: an expert's bucket is summed over data alone."""
     piped = plan.pipeline is not None and plan.pipe_size > 1
-    return (plan.states.params is None and plan.states.grads is None and plan.dp_size > 1
+    return (plan.states.params is None and plan.states.grads is None and plan.dp_size > 1 and plan.expert_size == 1
             and plan.reduce_dtype == torch.float32 and plan.tensor_size == 1
             and (not piped or plan.pipe_scalar_axes() == plan.mesh.canonical_axes(plan.dp_axes)))
 
@@ -170,10 +171,14 @@ def comm_per_step(plan: Plan, rank: int | None = None) -> list[CommEntry]:
                 shard = groups[i].chunk(TRAIN)
                 if plan.states.grads is None:
                     numel = sum(p.numel for p in bucket)
-                    out.append(CommEntry("backward", "grads", "all_reduce", dp,
-                                         comm.all_reduce_bytes(numel + extra, dpn, g), 1, f"bucket {i}",
-                                         comm.all_reduce_bytes(numel + extra, dpn, g)
-                                         - comm.all_reduce_bytes(numel, dpn, g)))
+                    # an expert's gradients are summed over data alone (Plan.grad_axes)
+                    bx = plan.mesh.canonical_axes(plan.grad_axes(bucket[0].name))
+                    bn = plan.mesh.axis_size(bx) if bx else 1
+                    if bn > 1:
+                        out.append(CommEntry("backward", "grads", "all_reduce", bx,
+                                             comm.all_reduce_bytes(numel + extra, bn, g), 1, f"bucket {i}",
+                                             comm.all_reduce_bytes(numel + extra, bn, g)
+                                             - comm.all_reduce_bytes(numel, bn, g)))
                 else:
                     if n > 1:
                         out.append(CommEntry("backward", "grads", "reduce_scatter", axis,

@@ -361,7 +361,7 @@ class ParamAccess:
         """``id(local value) -> full value`` of every parameter split over tensor, gathered from
         the tensor shards (uneven and fused ones too) by the redistribution planner, in plan order
         on every rank (the collectives match)."""
-        if self.plan.tensor_size == 1:
+        if self.plan.tensor_size == 1 and self.plan.expert_size == 1:
             return {}
         done: dict[int, torch.Tensor] = {}
         for s in self.states:

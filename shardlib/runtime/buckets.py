@@ -53,6 +53,8 @@ class GradBuckets(GradSync):
         self.dp = plan.dp_axes
         self.replica = plan.replica_axis if plan.replica_size > 1 else None
         self.buckets = buckets
+        # each bucket's gradients summed over its axes: the batch's, an expert's over data alone (Plan.grad_axes)
+        self.axes_of = [plan.grad_axes(states[0].name) if states else self.dp for states in buckets]
         self.sharded = plan.states.grads is not None
         self.rdt = plan.reduce_dtype
         # one data rank, gradients replicated in their own dtype: nothing to reduce, so the reduced
@@ -171,7 +173,7 @@ class GradBuckets(GradSync):
                 parts = [(s.param.grad if s.param.grad is not None else torch.zeros_like(s.param))
                          .reshape(-1).to(self.rdt) for s in states]
                 buf = torch.cat(parts + ([tail.to(self.rdt)] if tail is not None else []))
-            self.pending[b] = comm.all_reduce(buf, self.mesh, self.dp, async_op=True, inplace=True)
+            self.pending[b] = comm.all_reduce(buf, self.mesh, self.axes_of[b], async_op=True, inplace=True)
         else:
             flat = self.flats[b].pack_grads([s.param.grad for s in self.flats[b].train], self.rdt,
                                             self.engine.mesh.device)

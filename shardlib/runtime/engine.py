@@ -34,6 +34,7 @@ from ..validate import flag
 from .access import ParamAccess
 from .batches import split_batch
 from .buckets import GradBuckets
+from .experts import ExpertReduction, global_statistics, route_experts
 from .grad_sync import Accumulate, DataReduction, GradSync, MicroBatches, Riding, StepReduction
 from . import inspection
 from .machine import warn_slow_precision
@@ -137,10 +138,15 @@ class Engine:
         self.micro_batches: MicroBatches = self.pipe if self.pipe is not None else Accumulate(
             self.syncs, self.tensor.loss if self.tensor is not None else self.loss_of,
             self.units.freed_use if self.units is not None else None)
-        base = self.pipe or self.tensor or DataReduction(mesh, plan.dp_axes, self.scalar_vector)
+        # the expert axis (runtime/experts.py): experts run on their rows, routed to them and back
+        self.experts = route_experts(model, plan, self.global_plan, mesh) if plan.expert_size > 1 else []
+        global_statistics(model, mesh, plan.dp_axes)       # a router's balance statistics: the whole batch's
+        base = self.pipe or self.tensor or (ExpertReduction(mesh, plan, self.states, self.scalar_vector)
+                                            if self.experts else DataReduction(mesh, plan.dp_axes, self.scalar_vector))
         self.reduction: StepReduction = Riding(base, self.buckets) if self.buckets and self.buckets.riders else base
         # the gradients differ across ranks (each holds a part): their overflow count and norm are summed
-        self.grads_sharded = plan.states.grads is not None or self.tensor is not None or self.pipe is not None
+        self.grads_sharded = (plan.states.grads is not None or self.tensor is not None or self.pipe is not None
+                              or bool(self.experts))
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=mesh.device)   # this rank's, this step
         if self.buckets is not None and self.buckets.riders:
             # read when the last bucket launches (end of the last backward): the loss of every micro-step

@@ -363,11 +363,11 @@ def test_zero_of_the_wrong_kind_is_a_type_error(zero):
 
 def test_plan_reports_every_problem_at_once():
     with pytest.raises(sl.ShardingError) as info:
-        sl.plan(gpt(), sl.AbstractMesh({"data": 2, "expert": 2}), precision="fp8", grad_accum=0,
+        sl.plan(gpt(), sl.AbstractMesh({"data": 2, "extra": 2}), precision="fp8", grad_accum=0,
                 clip_grad_norm=-1.0, bucket_mb=0, optimizer="lion")
     msg = str(info.value)
     assert "6 problems" in msg
-    for words in ("'expert': 2", "fp8", "grad_accum", "clip_grad_norm", "bucket_mb", "lion"):
+    for words in ("'extra': 2", "fp8", "grad_accum", "clip_grad_norm", "bucket_mb", "lion"):
         assert words in msg, words
 
 
