@@ -18,7 +18,8 @@ from shardlib.frontend.run import check, lr_factor
 # a mesh for each parallel preset
 MESH_FOR = {"dp": "dp4", "zero1": "dp4", "zero2": "dp4", "zero3": "dp4", "hsdp": "hsdp2x2", "tp": "tp2",
             "tp_sp": "dp2_tp2", "pp_gpipe": "pp2", "pp_1f1b": "pp2_dp2", "pp_interleaved": "pp2", "pp_zb": "pp4",
-            "3d": "2x2x2", "zero_offload": "dp2", "zero_infinity": "dp2"}
+            "3d": "2x2x2", "zero_offload": "dp2", "zero_infinity": "dp2", "ep": "dp2_ep2"}
+MODEL_FOR = {"ep": "moe_tiny"}          # a preset that needs a model of its kind (default: the tiny GPT)
 
 
 def compose(*overrides: str) -> RunConfig:
@@ -34,9 +35,9 @@ def problems_of(*overrides: str) -> list[str]:
 def test_every_preset_is_listed_and_every_parallel_preset_plans_on_its_mesh():
     assert set(presets("parallel")) == set(MESH_FOR)
     assert {"single", "dp4", "dp2_tp2", "hsdp2x2", "2x2x2", "h100_1024", "h100_16384"} <= set(presets("mesh"))
-    assert {"tiny", "70b", "1t"} <= set(presets("model"))
+    assert {"tiny", "70b", "1t", "moe_tiny"} <= set(presets("model"))
     for parallel, mesh in MESH_FOR.items():
-        run = compose(f"parallel={parallel}", f"mesh={mesh}", "train=quick")
+        run = compose(f"parallel={parallel}", f"mesh={mesh}", "train=quick", f"model={MODEL_FOR.get(parallel, 'tiny')}")
         assert run.parallel.name == parallel and run.mesh.name == mesh
         assert check(run) == [], (parallel, mesh, check(run))
 

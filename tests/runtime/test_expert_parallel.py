@@ -107,3 +107,36 @@ def test_plan_sums_an_experts_gradient_over_data_alone_and_the_rest_over_data_x_
     assert local.param("blocks.1.mlp.experts.gate_up_proj").shape == (2, 64, 32)
     entries = [e for e in plan.comm_per_step() if e.what == "grads"]
     assert {e.axes for e in entries} == {("data",), ("data", "expert")}
+
+
+def _save_then_resume(shape: dict, folder: str, save: bool):
+    """``save``: two steps on ``shape``, saved to ``folder``; else: loaded from ``folder`` on ``shape`` and the
+    third step taken. Returns the step's losses and (after resuming) every parameter beside the reference's."""
+    mesh = sl.Mesh(shape)
+    model = GPT(CFG, seed=0)
+    plan = sl.plan(model, mesh, rules={"experts": "expert"} if "expert" in shape else None)
+    engine = sl.parallelize(model, plan, optimizer=_opt)
+    if save:
+        losses = [engine.step(token_batch(CFG, BATCH, step)) for step in range(2)]
+        engine.save(folder)
+        return {"losses": losses}
+    engine.load(folder)
+    losses = [engine.step(token_batch(CFG, BATCH, 2))]
+    want_losses, want = _reference(CFG, None)
+    got = engine.full_state_dict()
+    return {"losses": losses, "want_losses": want_losses[2:], "params": {k: (got[k], want[k]) for k in want}}
+
+
+@pytest.mark.parametrize("to", [{"data": 1}, {"data": 2, "expert": 2}, {"data": 2}], ids=["one", "d2e2", "data2"])
+def test_a_checkpoint_saved_on_expert_2_resumes_on_another_layout(world, tmp_path, to):
+    folder = str(tmp_path / "ckpt")
+    saved = world(2, _save_then_resume, {"expert": 2}, folder, True)
+    n = 1
+    for s in to.values():
+        n *= s
+    res = world(n, _save_then_resume, to, folder, False) if n > 1 else [_save_then_resume(to, folder, False)]
+    assert saved[0]["losses"] == pytest.approx(_reference(CFG, None)[0][:2], rel=1e-5)
+    for r in res:
+        assert r["losses"] == pytest.approx(r["want_losses"], rel=1e-5)
+        for k, (got, want) in r["params"].items():
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=k)

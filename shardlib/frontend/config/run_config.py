@@ -451,14 +451,21 @@ def _cross(run: RunConfig) -> list[str]:
                    "mesh=hsdp2x2).")
     for axis, size in shape.items():
         used = {a for _, x in run.parallel.rules for a in (x if isinstance(x, tuple) else (x,))}
-        if size > 1 and axis in ("tensor", "pipe") and axis not in used:
+        if size > 1 and axis in ("tensor", "pipe", "expert") and axis not in used:
             out.append(f"parallel: mesh={run.mesh.name} has {axis}={size}, but parallel={run.parallel.name} maps no "
-                       f"logical dim to {axis!r} — expected a preset that uses it (e.g. parallel=3d), or a mesh "
-                       f"without it.")
+                       f"logical dim to {axis!r} — expected a preset that uses it (e.g. "
+                       f"parallel={'ep' if axis == 'expert' else '3d'}), or a mesh without it.")
+    if "expert" in shape and shape["expert"] > 1 and run.model.kind == "gpt":
+        if not run.model.n_experts:
+            out.append(f"model: mesh={run.mesh.name} splits experts over expert={shape['expert']}, but model="
+                       f"{run.model.name} has none — expected a mixture-of-experts model (e.g. model=moe_tiny).")
+        elif run.model.n_experts % shape["expert"]:
+            out.append(f"model.n_experts: {run.model.n_experts} experts do not split over expert={shape['expert']} — "
+                       "expected a multiple of the expert axis.")
     if run.model.kind == "gpt" and run.train.seq is not None and run.train.seq > run.model.seq_len:
         out.append(f"train.seq: {run.train.seq} tokens is longer than model.seq_len={run.model.seq_len} positions — "
                    "expected train.seq <= model.seq_len.")
-    dp = shape.get("data", 1) * (shape.get(ra, 1) if ra else shape.get("replica", 1))
+    dp = shape.get("data", 1) * (shape.get(ra, 1) if ra else shape.get("replica", 1)) * shape.get("expert", 1)
     need = dp * run.microbatches
     if run.train.batch % need:
         lo, hi = run.train.batch // need * need, (run.train.batch // need + 1) * need
