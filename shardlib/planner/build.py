@@ -29,7 +29,7 @@ from .policies import (DataPolicy, MemoryPolicy, MeshRoles, PipelinePolicy, Poli
 from .specs import resolve_specs
 from .states import StateLayouts
 from .tensor import TensorPlan, derive
-from .experts import expert_params, expert_problems
+from .experts import expert_layers, expert_params, expert_problems
 from .tensor_use import axis_use_problems, dims_source
 from .traffic import fused_sizes
 from .units import few, find_units, param_owners, unit_problems, with_leaf_units
@@ -98,7 +98,10 @@ def _plan(model: nn.Module, mesh: AbstractMesh, *, policies: Policies, rules: An
                bucket_bytes=bucket_bytes, params=tuple(params), units=tuple(unit_list), batch=layout(dp),
                broadcast_buffers=broadcast_buffers, buffer_sizes=fused_sizes(buffers),
                setup_sizes=setup, meta_build=meta, tensor=tplan, pipeline=pplan, replica_axis=replica_axis,
-               expert_axis=expert_axis,
+               expert_axis=expert_axis, expert_layers=expert_layers(
+                   model, {n: tuple(p.shape) for n, p in named}, experts,
+                   _tokens(batch, mesh.axis_size(dp) * grad_accum))
+               if experts else (),
                offload=kinds, offload_dir=None if offload_dir is None else os.fspath(offload_dir))
     if offload_dir is not None and any(k == "disk" for _, k in kinds) and getattr(mesh, "rank", None) is not None:
         found = disk_problems(offload_dir, out.disk_bytes())      # a running mesh: this machine's disk
@@ -268,6 +271,16 @@ def _with_stream(model: nn.Module, pplan, plan: Plan, batch) -> Any:
     if tp is not None and tp.sequence_parallel and tp.size > 1:
         shape[tp.seq_dim] //= tp.size           # the stream is sequence-split between the stack's blocks
     return replace(pplan, stream=tuple(shape), stream_dtype=str(plan.compute_dtype).replace("torch.", ""))
+
+
+def _tokens(batch: Any, chunks: int) -> int | None:
+    """Rows of tokens a rank's micro-batch holds: the example batch's first tensor ``(B, S, ...)`` split into
+    ``chunks`` (data-parallel ranks x micro-batches), times its sequence; None without a batch."""
+    from torch.utils._pytree import tree_leaves
+    leaves = [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor) and t.dim() >= 2] if batch is not None else []
+    if not leaves:
+        return None
+    return leaves[0].shape[0] // chunks * leaves[0].shape[1]
 
 
 def _trim(spec: PartitionSpec) -> PartitionSpec:

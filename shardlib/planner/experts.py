@@ -10,7 +10,10 @@ expert axis are refused by name, not run wrong.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
+
+from torch import nn
 
 from ..algebra.spec import PartitionSpec
 
@@ -48,4 +51,59 @@ def expert_problems(specs: dict[str, PartitionSpec], mesh: Any, roles: Any, stat
                    "expected zero=0. Use zero=0 with the expert axis.")
     if offload:
         out.append(f"plan: the expert axis {axis!r} with offload is not supported yet — expected no offload.")
+    return out
+
+
+@dataclass(frozen=True)
+class ExpertLayer:
+    """One experts module on the expert axis, for planning its routing: ``experts`` in all, ``top_k`` per
+    token, rows of ``hidden`` elements, ``tokens`` rows entering it per rank and micro-batch (None where the
+    plan was made without an example batch)."""
+
+    name: str
+    experts: int
+    top_k: int
+    hidden: int
+    tokens: int | None
+
+
+def expert_layers(model: nn.Module, params: dict[str, tuple[int, ...]], experts: set[str],
+                  tokens: int | None) -> tuple[ExpertLayer, ...]:
+    """The experts modules holding ``experts`` (their weights' full shapes in ``params``): the count from dim 0,
+    the hidden width from ``down_proj``'s ``[E, H, I]`` (else the last dim of the first weight), ``top_k`` from
+    the module that routes to them (its ``top_k``, or the model config's ``num_experts_per_tok``)."""
+    modules = dict(model.named_modules())
+    config = getattr(model, "config", None)
+    out = []
+    for owner in sorted({n.rpartition(".")[0] for n in experts}):
+        mine = sorted(n for n in experts if n.rpartition(".")[0] == owner)
+        down = next((n for n in mine if n.endswith("down_proj")), None)
+        hidden = params[down][1] if down is not None else params[mine[0]][-1]
+        parent = modules.get(owner.rpartition(".")[0]) if "." in owner else model
+        k = getattr(parent, "top_k", None) or getattr(config, "num_experts_per_tok", None) or 1
+        out.append(ExpertLayer(owner, params[mine[0]][0], int(k), hidden, tokens))
+    return tuple(out)
+
+
+def routing_entries(layers: tuple[ExpertLayer, ...], n: int, axis: str, itemsize: int, microbatches: int) -> list:
+    """Each experts module's all-to-alls of one step over the expert axis (``n`` ranks), for uniform routing
+    (each rank's ``T·k`` rows spread evenly over the ``n`` ranks, ``(n-1)/n`` of them leaving it), per
+    micro-batch: forward the counts (``n`` int64), the rows (``H`` elements), their local expert ids
+    (int64) and routing weights, and the outputs back; backward the rows', weights' and outputs' gradients
+    (``comm/experts.py``). The bytes are what a rank sends."""
+    from .traffic import CommEntry
+    out = []
+    for layer in layers:
+        if layer.tokens is None or n == 1:
+            continue
+        away = layer.tokens * layer.top_k * (n - 1) // n          # rows sent to other ranks
+        rows, c = away * layer.hidden * itemsize, itemsize
+        out += [CommEntry("forward", "routing", "all_to_all", (axis,), (n - 1) * 8, microbatches, f"{layer.name} counts"),
+                CommEntry("forward", "routing", "all_to_all", (axis,), rows, microbatches, f"{layer.name} rows"),
+                CommEntry("forward", "routing", "all_to_all", (axis,), away * 8, microbatches, f"{layer.name} expert ids"),
+                CommEntry("forward", "routing", "all_to_all", (axis,), away * c, microbatches, f"{layer.name} weights"),
+                CommEntry("forward", "routing", "all_to_all", (axis,), rows, microbatches, f"{layer.name} combine"),
+                CommEntry("backward", "routing", "all_to_all", (axis,), rows, microbatches, f"{layer.name} combine"),
+                CommEntry("backward", "routing", "all_to_all", (axis,), away * c, microbatches, f"{layer.name} weights"),
+                CommEntry("backward", "routing", "all_to_all", (axis,), rows, microbatches, f"{layer.name} rows")]
     return out

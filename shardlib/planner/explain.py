@@ -48,6 +48,11 @@ def explain(plan: Plan, max_params: int | None = None, *, full: bool = False) ->
              f"optimizer {_spec(plan.states.optim)}, local grads "
              f"{'kept' if plan.states.keep_local_grads else 'freed after reduction'}",
              f"  batch: {plan.batch.spec} (dim 0 over {' x '.join(repr(a) for a in plan.dp_axes)})"]
+    if plan.expert_size > 1:
+        names = ", ".join(layer.name for layer in plan.expert_layers[:3]) + (" ..." if len(plan.expert_layers) > 3 else "")
+        lines.append(f"  experts: split over {plan.expert_axis!r} (E={plan.expert_size}) in {len(plan.expert_layers)} "
+                     f"module(s) ({names}); tokens routed by a ragged all-to-all; an expert's gradients summed over "
+                     f"{' x '.join(repr(a) for a in plan.dp_axes if a != plan.expert_axis)}, the rest's over the batch's axes")
     if plan.tensor is not None:
         lines += _tensor_lines(plan, full)
     if plan.pipeline is not None:

@@ -185,6 +185,8 @@ class Plan:
     replica_axis: str | None = None
     # the expert axis (planner/experts.py): experts' weights split over it, the batch too
     expert_axis: str | None = None
+    # its experts modules, for planning their routing (planner/experts.py)
+    expert_layers: tuple = ()
     # memory kinds (planner/offload.py): ((state, "host" | "disk"), ...) — states not named live on the device
     offload: tuple[tuple[str, str], ...] = ()
     offload_dir: str | None = None

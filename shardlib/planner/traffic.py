@@ -192,6 +192,9 @@ def comm_per_step(plan: Plan, rank: int | None = None) -> list[CommEntry]:
         if not plan.scalars_ride_gradients and plan.tensor_size == 1 and plan.pipe_size == 1:
             out.append(CommEntry("step", "scalars", "all_reduce", dp,
                                  comm.all_reduce_bytes(plan.scalars_per_step(), dpn, 4), 1))
+    if plan.expert_size > 1:       # the routing's all-to-alls (planner/experts.py: uniform routing)
+        from .experts import routing_entries
+        out += routing_entries(plan.expert_layers, plan.expert_size, plan.expert_axis, c, plan.grad_accum)
     if plan.pipe_size > 1:
         out += _pipe_entries(plan) + _tied_entries(plan)
     elif plan.tensor_size > 1:

@@ -140,3 +140,22 @@ def test_a_checkpoint_saved_on_expert_2_resumes_on_another_layout(world, tmp_pat
         assert r["losses"] == pytest.approx(r["want_losses"], rel=1e-5)
         for k, (got, want) in r["params"].items():
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=k)
+
+
+def test_comm_per_step_lists_each_layers_all_to_alls_at_uniform_routing_by_hand():
+    shape = {"data": 2, "expert": 2}
+    plan = sl.plan(GPT(CFG, seed=0), sl.AbstractMesh(shape), rules={"experts": "expert"}, grad_accum=2,
+                   batch=token_batch(CFG, BATCH, 0))
+    # a rank's micro-batch: 8 rows / (4 batch ranks x 2 micro-batches) x 16 tokens; top 2 of 4 experts over
+    # 2 ranks: half of its 2 x 16 (token, expert) rows leave it, 32 fp32 elements each
+    tokens, k, n, hidden = 8 // 4 // 2 * 16, 2, 2, 32
+    away = tokens * k * (n - 1) // n
+    want = {"counts": (n - 1) * 8, "rows": away * hidden * 4, "expert ids": away * 8, "weights": away * 4,
+            "combine": away * hidden * 4}
+    got = [e for e in plan.comm_per_step() if e.op == "all_to_all"]
+    assert len(got) == 8 * CFG.n_layers and all(e.axes == ("expert",) and e.count == 2 for e in got)
+    for e in got:
+        assert e.bytes == want[e.where.split(".experts ")[1]], e
+    # without an example batch the routing is not estimated (no tokens to price)
+    assert not [e for e in sl.plan(GPT(CFG, seed=0), sl.AbstractMesh(shape), rules={"experts": "expert"})
+                .comm_per_step() if e.op == "all_to_all"]
