@@ -83,27 +83,3 @@ def expert_layers(model: nn.Module, params: dict[str, tuple[int, ...]], experts:
         k = getattr(parent, "top_k", None) or getattr(config, "num_experts_per_tok", None) or 1
         out.append(ExpertLayer(owner, params[mine[0]][0], int(k), hidden, tokens))
     return tuple(out)
-
-
-def routing_entries(layers: tuple[ExpertLayer, ...], n: int, axis: str, itemsize: int, microbatches: int) -> list:
-    """Each experts module's all-to-alls of one step over the expert axis (``n`` ranks), for uniform routing
-    (each rank's ``T·k`` rows spread evenly over the ``n`` ranks, ``(n-1)/n`` of them leaving it), per
-    micro-batch: forward the counts (``n`` int64), the rows (``H`` elements), their local expert ids
-    (int64) and routing weights, and the outputs back; backward the rows', weights' and outputs' gradients
-    (``comm/experts.py``). The bytes are what a rank sends."""
-    from .traffic import CommEntry
-    out = []
-    for layer in layers:
-        if layer.tokens is None or n == 1:
-            continue
-        away = layer.tokens * layer.top_k * (n - 1) // n          # rows sent to other ranks
-        rows, c = away * layer.hidden * itemsize, itemsize
-        out += [CommEntry("forward", "routing", "all_to_all", (axis,), (n - 1) * 8, microbatches, f"{layer.name} counts"),
-                CommEntry("forward", "routing", "all_to_all", (axis,), rows, microbatches, f"{layer.name} rows"),
-                CommEntry("forward", "routing", "all_to_all", (axis,), away * 8, microbatches, f"{layer.name} expert ids"),
-                CommEntry("forward", "routing", "all_to_all", (axis,), away * c, microbatches, f"{layer.name} weights"),
-                CommEntry("forward", "routing", "all_to_all", (axis,), rows, microbatches, f"{layer.name} combine"),
-                CommEntry("backward", "routing", "all_to_all", (axis,), rows, microbatches, f"{layer.name} combine"),
-                CommEntry("backward", "routing", "all_to_all", (axis,), away * c, microbatches, f"{layer.name} weights"),
-                CommEntry("backward", "routing", "all_to_all", (axis,), rows, microbatches, f"{layer.name} rows")]
-    return out

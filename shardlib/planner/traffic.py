@@ -193,7 +193,6 @@ def comm_per_step(plan: Plan, rank: int | None = None) -> list[CommEntry]:
             out.append(CommEntry("step", "scalars", "all_reduce", dp,
                                  comm.all_reduce_bytes(plan.scalars_per_step(), dpn, 4), 1))
     if plan.expert_size > 1:       # the routing's all-to-alls (planner/experts.py: uniform routing)
-        from .experts import routing_entries
         out += routing_entries(plan.expert_layers, plan.expert_size, plan.expert_axis, c, plan.grad_accum)
     if plan.pipe_size > 1:
         out += _pipe_entries(plan) + _tied_entries(plan)
@@ -365,4 +364,27 @@ def copy_entries(plan: Plan, rank: int | None = None) -> list:
         nbytes = n_opt * (4 + plan.optimizer_state_bytes)
         out.append(CommEntry("step", "optimizer", "disk_read", (), nbytes, 1))
         out.append(CommEntry("step", "optimizer", "disk_write", (), nbytes, 1))
+    return out
+
+
+def routing_entries(layers: tuple, n: int, axis: str, itemsize: int, microbatches: int) -> list:
+    """Each experts module's all-to-alls of one step over the expert axis (``n`` ranks), for uniform routing
+    (each rank's ``T·k`` rows spread evenly over the ``n`` ranks, ``(n-1)/n`` of them leaving it), per
+    micro-batch: forward the counts (``n`` int64), the rows (``H`` elements), their local expert ids
+    (int64) and routing weights, and the outputs back; backward the rows', weights' and outputs' gradients
+    (``comm/experts.py``). The bytes are what a rank sends."""
+    out = []
+    for layer in layers:
+        if layer.tokens is None or n == 1:
+            continue
+        away = layer.tokens * layer.top_k * (n - 1) // n          # rows sent to other ranks
+        rows, c = away * layer.hidden * itemsize, itemsize
+        out += [CommEntry("forward", "routing", "all_to_all", (axis,), (n - 1) * 8, microbatches, f"{layer.name} counts"),
+                CommEntry("forward", "routing", "all_to_all", (axis,), rows, microbatches, f"{layer.name} rows"),
+                CommEntry("forward", "routing", "all_to_all", (axis,), away * 8, microbatches, f"{layer.name} expert ids"),
+                CommEntry("forward", "routing", "all_to_all", (axis,), away * c, microbatches, f"{layer.name} weights"),
+                CommEntry("forward", "routing", "all_to_all", (axis,), rows, microbatches, f"{layer.name} combine"),
+                CommEntry("backward", "routing", "all_to_all", (axis,), rows, microbatches, f"{layer.name} combine"),
+                CommEntry("backward", "routing", "all_to_all", (axis,), away * c, microbatches, f"{layer.name} weights"),
+                CommEntry("backward", "routing", "all_to_all", (axis,), rows, microbatches, f"{layer.name} rows")]
     return out
