@@ -29,7 +29,7 @@ from .policies import (DataPolicy, MemoryPolicy, MeshRoles, PipelinePolicy, Poli
 from .specs import resolve_specs
 from .states import StateLayouts
 from .tensor import TensorPlan, derive
-from .experts import expert_layers, expert_params, expert_problems
+from .experts import aux_loss_problems, expert_layers, expert_params, expert_problems
 from .tensor_use import axis_use_problems, dims_source
 from .traffic import fused_sizes
 from .units import few, find_units, param_owners, unit_problems, with_leaf_units
@@ -392,6 +392,9 @@ def _check(model: nn.Module, mesh: AbstractMesh, pol: Policies, *, rules: Any, b
                 add(m)
             tplan = replace(tplan, dims_from=dims_source(model))
         for m in expert_problems(specs, mesh, roles, mem.states(roles.data), kinds):
+            add(m)
+        ranks = [a for a in (roles.data or "data", roles.replica_of(mesh), roles.expert_of(mesh)) if a in sizes]
+        for m in aux_loss_problems(model, mesh.axis_size(tuple(ranks)) if ranks else 1):
             add(m)
     if problems:
         messages = [m for _, m in problems]

@@ -23,6 +23,21 @@ def expert_params(specs: dict[str, PartitionSpec], axis: str | None) -> set[str]
     return {n for n, s in specs.items() if axis is not None and axis in s.axes} if axis else set()
 
 
+def aux_loss_problems(model: nn.Module, batch_ranks: int) -> list[str]:
+    """A transformers MoE model adding its router's load-balancing loss (``output_router_logits``) computes its
+    statistics over the tokens it is given: with the batch split over ranks that is each rank's share, not
+    the batch's, so the loss (and the router's gradients) would differ from one process. Refused until those
+    statistics are made global for transformers models as they are for ``models/moe.py``."""
+    config = getattr(model, "config", None)
+    if batch_ranks > 1 and getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0):
+        return [f"plan: {type(model).__name__} adds its router's load-balancing loss (config.output_router_logits="
+                f"True), whose statistics it takes over the tokens it is given — with the batch split over "
+                f"{batch_ranks} ranks each rank's, not the batch's, and training would differ from one process. "
+                "Set config.output_router_logits=False (the loss without the aux term), or train on one process; "
+                "global statistics for transformers routers are not supported yet."]
+    return []
+
+
 def expert_problems(specs: dict[str, PartitionSpec], mesh: Any, roles: Any, states: Any, offload: tuple) -> list[str]:
     """What is wrong with the expert axis of this plan, if it has one of size > 1."""
     axis = roles.expert_of(mesh)

@@ -31,8 +31,11 @@ def route_experts(model: nn.Module, plan: Plan, global_plan: Plan, mesh: Mesh) -
     for pp in plan.params:
         if plan.is_expert(pp.name):
             owners[pp.name.rpartition(".")[0]] = global_plan.param(pp.name).shape[0]
+    local = {pp.name.rpartition(".")[0]: pp.shape[0] for pp in plan.params if plan.is_expert(pp.name)}
     for name, n_experts in owners.items():
         module = modules[name]
+        if isinstance(getattr(module, "num_experts", None), int):
+            module.num_experts = local[name]      # transformers' experts count the experts they hold (grouped_mm)
         module.forward = _routed(module.forward, n_experts, mesh, plan.expert_axis)
     return sorted(owners)
 

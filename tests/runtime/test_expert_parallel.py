@@ -159,3 +159,55 @@ def test_comm_per_step_lists_each_layers_all_to_alls_at_uniform_routing_by_hand(
     # without an example batch the routing is not estimated (no tokens to price)
     assert not [e for e in sl.plan(GPT(CFG, seed=0), sl.AbstractMesh(shape), rules={"experts": "expert"})
                 .comm_per_step() if e.op == "all_to_all"]
+
+
+def _mixtral(router_logits: bool = False):
+    from transformers import MixtralConfig, MixtralForCausalLM
+    cfg = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                        max_position_embeddings=32, output_router_logits=router_logits, router_aux_loss_coef=0.05)
+    torch.manual_seed(0)
+    return MixtralForCausalLM(cfg)
+
+
+def _hf_batch(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    ids = torch.randint(0, 64, (BATCH, 12), generator=g)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _train_mixtral(shape: dict, router_logits: bool):
+    mesh = sl.Mesh(shape)
+    ref = _mixtral(router_logits)
+    opt = _opt(list(ref.parameters()))
+    want_losses = []
+    for step in range(STEPS):
+        loss = ref(**_hf_batch(step)).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want_losses.append(float(loss))
+    want = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+    model = _mixtral(router_logits)
+    engine = sl.parallelize(model, sl.plan(model, mesh, rules={"experts": "expert"}), optimizer=_opt)
+    losses = [engine.step(_hf_batch(step)) for step in range(STEPS)]
+    got = engine.full_state_dict()
+    return {"losses": losses, "want_losses": want_losses, "params": {k: (got[k], want[k]) for k in want}}
+
+
+@pytest.mark.parametrize("shape", [{"expert": 2}, {"data": 2, "expert": 2}], ids=["expert2", "data2_expert2"])
+def test_transformers_mixtral_on_the_expert_axis_trains_like_one_process(world, shape):
+    n = 1
+    for s in shape.values():
+        n *= s
+    for r in world(n, _train_mixtral, shape, False):
+        assert r["losses"] == pytest.approx(r["want_losses"], rel=1e-5), (r["losses"], r["want_losses"])
+        for k, (got, want) in r["params"].items():
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=k)
+
+
+def test_transformers_router_aux_loss_with_a_split_batch_is_refused_until_its_statistics_are_global():
+    model = _mixtral(router_logits=True)
+    with pytest.raises(sl.ShardingError, match="output_router_logits"):
+        sl.plan(model, sl.AbstractMesh({"expert": 2}), rules={"experts": "expert"})
+    sl.plan(model, sl.AbstractMesh({"data": 1}))          # one process: its own loss, as it is
