@@ -207,6 +207,9 @@ class Trainer:
         out = {"step": i + 1, "loss": loss, "lr": lr, "grad_norm": self.engine.grad_norm, "step_ms": 1e3 * dt,
                "tokens_per_s": self.tokens_per_step / dt,
                "bytes_per_axis": {"+".join(k) or "local": v for k, v in sorted(counter.by_axes().items())}}
+        if self.engine.tokens_per_expert:      # the expert axis: the batch's tokens per expert, and the imbalance
+            out["tokens_per_expert"] = self.engine.tokens_per_expert
+            out["expert_imbalance"] = self.engine.expert_imbalance
         if record:
             out["peak_rss"] = self.peak_rss()
         return out

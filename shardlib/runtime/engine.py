@@ -139,14 +139,15 @@ class Engine:
             self.syncs, self.tensor.loss if self.tensor is not None else self.loss_of,
             self.units.freed_use if self.units is not None else None)
         # the expert axis (runtime/experts.py): experts run on their rows, routed to them and back
-        self.experts = route_experts(model, plan, self.global_plan, mesh) if plan.expert_size > 1 else []
+        self.experts = route_experts(model, plan, self.global_plan, mesh) if plan.expert_size > 1 else None
         global_statistics(model, mesh, plan.dp_axes)       # a router's balance statistics: the whole batch's
-        base = self.pipe or self.tensor or (ExpertReduction(mesh, plan, self.states, self.scalar_vector)
-                                            if self.experts else DataReduction(mesh, plan.dp_axes, self.scalar_vector))
+        base = self.pipe or self.tensor or (
+            ExpertReduction(mesh, plan, self.states, self.scalar_vector, self.experts) if self.experts
+            else DataReduction(mesh, plan.dp_axes, self.scalar_vector))
         self.reduction: StepReduction = Riding(base, self.buckets) if self.buckets and self.buckets.riders else base
         # the gradients differ across ranks (each holds a part): their overflow count and norm are summed
         self.grads_sharded = (plan.states.grads is not None or self.tensor is not None or self.pipe is not None
-                              or bool(self.experts))
+                              or self.experts is not None)
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=mesh.device)   # this rank's, this step
         if self.buckets is not None and self.buckets.riders:
             # read when the last bucket launches (end of the last backward): the loss of every micro-step
@@ -399,6 +400,17 @@ class Engine:
         """The last step's pipeline actions on this rank: ``Record(rank, action, start, end)`` with
         ``time.perf_counter`` seconds (``frontend/plots/timeline.py`` plots them); empty without a pipe axis."""
         return list(self.pipe.timeline) if self.pipe is not None else []
+
+    @property
+    def tokens_per_expert(self) -> dict[str, list[int]]:
+        """The last step's tokens per expert of every experts module on the expert axis (the whole batch's,
+        each token once per chosen expert); empty without an expert axis."""
+        return dict(self.experts.last) if self.experts is not None else {}
+
+    @property
+    def expert_imbalance(self) -> float | None:
+        """The last step's most loaded expert over the mean (the worst module's); None without an expert axis."""
+        return self.experts.imbalance() if self.experts is not None else None
 
     @property
     def loss_scale(self) -> float | None:

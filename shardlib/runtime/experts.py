@@ -23,28 +23,63 @@ if TYPE_CHECKING:
     from .state import ParamState
 
 
-def route_experts(model: nn.Module, plan: Plan, global_plan: Plan, mesh: Mesh) -> list[str]:
+def route_experts(model: nn.Module, plan: Plan, global_plan: Plan, mesh: Mesh) -> ExpertCounts:
     """Wrap the forward of every module holding expert weights with dispatch and combine over the expert
-    axis; returns their names."""
+    axis; returns the step's per-expert token counts they fill (``ExpertCounts``)."""
     modules = dict(model.named_modules())
     owners: dict[str, int] = {}
     for pp in plan.params:
         if plan.is_expert(pp.name):
             owners[pp.name.rpartition(".")[0]] = global_plan.param(pp.name).shape[0]
     local = {pp.name.rpartition(".")[0]: pp.shape[0] for pp in plan.params if plan.is_expert(pp.name)}
-    for name, n_experts in owners.items():
+    counts = ExpertCounts(sorted(owners), owners, mesh, plan.expert_axis)
+    for i, (name, n_experts) in enumerate(sorted(owners.items())):
         module = modules[name]
         if isinstance(getattr(module, "num_experts", None), int):
             module.num_experts = local[name]      # transformers' experts count the experts they hold (grouped_mm)
-        module.forward = _routed(module.forward, n_experts, mesh, plan.expert_axis)
-    return sorted(owners)
+        module.forward = _routed(module.forward, n_experts, mesh, plan.expert_axis, counts, i)
+    return counts
 
 
-def _routed(forward, n_experts: int, mesh: Mesh, axis: str):
+def _routed(forward, n_experts: int, mesh: Mesh, axis: str, counts: ExpertCounts, layer: int):
     def routed(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, **kwargs: Any):
         rows, local, weights, back = dispatch(hidden_states, top_k_index, top_k_weights, n_experts, mesh, axis)
+        counts.add(layer, local)
         return combine(forward(rows, local[:, None], weights[:, None], **kwargs), back)
     return routed
+
+
+class ExpertCounts:
+    """The step's tokens per expert of every experts module: each rank adds the rows its experts received
+    (in forward, not in a recompute), at its experts' places; summed over the batch's axes in the step's
+    scalar all-reduce (``ExpertReduction``), they are the whole batch's (each token once per chosen expert)."""
+
+    def __init__(self, names: list[str], experts: dict[str, int], mesh: Mesh, axis: str):
+        self.names = names
+        self.width = max(experts.values()) if experts else 0
+        self.n = mesh.axis_size(axis)
+        self.coord = mesh.coord(mesh.rank, axis)
+        self.local = torch.zeros(len(names), self.width, dtype=torch.float32, device=mesh.device)
+        self.last: dict[str, list[int]] = {}
+
+    def add(self, layer: int, local_ids: torch.Tensor) -> None:
+        if torch._C._current_graph_task_id() != -1:        # a recompute inside backward: counted already
+            return
+        per = self.width // self.n
+        self.local[layer, self.coord * per:(self.coord + 1) * per] += torch.bincount(local_ids, minlength=per).float()
+
+    def __bool__(self) -> bool:
+        return bool(self.names)
+
+    def settle(self, summed: torch.Tensor) -> None:
+        """The summed counts of this step: kept as ``last``; the accumulator starts the next step at zero."""
+        self.last = {name: [int(round(v)) for v in row] for name, row in zip(self.names, summed.view_as(self.local).tolist())}
+        self.local.zero_()
+
+    def imbalance(self) -> float | None:
+        """The most loaded expert's tokens over the mean, the worst module's (1.0: perfectly even)."""
+        worst = [max(c) * len(c) / sum(c) for c in self.last.values() if sum(c)]
+        return max(worst) if worst else None
 
 
 def global_statistics(model: nn.Module, mesh: Mesh, axes: tuple[str, ...]) -> int:
@@ -65,8 +100,9 @@ class ExpertReduction(DataReduction):
     first data coordinate) and the rest on the first data and expert coordinates; summed over the batch's
     axes it counts each element once."""
 
-    def __init__(self, mesh: Mesh, plan: Plan, states: list[ParamState], vector):
+    def __init__(self, mesh: Mesh, plan: Plan, states: list[ParamState], vector, counts: ExpertCounts):
         super().__init__(mesh, plan.dp_axes, vector)
+        self.counts = counts
         self.expert = [plan.is_expert(s.name) for s in states if s.trainable]
         others = [a for a in plan.dp_axes if a != plan.expert_axis]
         self.first = all(mesh.coord(mesh.rank, a) == 0 for a in others)
@@ -80,3 +116,11 @@ class ExpertReduction(DataReduction):
             if e or self.first_expert:
                 total = total + (g.double() ** 2).sum()
         return total.float()
+
+    def reduce(self, scalars: list[torch.Tensor]) -> torch.Tensor:
+        """The scalars, with the step's tokens per expert riding the same all-reduce (no collective more)."""
+        from ..comm import core as comm
+        vec = self.vector(scalars)
+        out = comm.all_reduce(torch.cat([vec, self.counts.local.reshape(-1)]), self.mesh, self.axes)
+        self.counts.settle(out[len(vec):])
+        return out[:len(vec)]

@@ -38,6 +38,19 @@ def _reference(cfg: GPTConfig, clip: float | None) -> tuple[list[float], dict[st
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def _reference_before_last(cfg: GPTConfig, clip: float | None) -> dict[str, torch.Tensor]:
+    """The reference's parameters after ``STEPS - 1`` steps (what the last step routes with)."""
+    model = GPT(cfg, seed=0)
+    opt = _opt(list(model.parameters()))
+    for step in range(STEPS - 1):
+        model(*token_batch(cfg, BATCH, step)).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+    return model.state_dict()
+
+
 def _train(shape: dict, cfg: GPTConfig, clip: float | None):
     mesh = sl.Mesh(shape)
     want_losses, want = _reference(cfg, clip)
@@ -48,7 +61,20 @@ def _train(shape: dict, cfg: GPTConfig, clip: float | None):
     with sl.count_collectives() as counted:
         losses = [engine.step(token_batch(cfg, BATCH, step)) for step in range(STEPS)]
     got = engine.full_state_dict()
-    return {"losses": losses, "want_losses": want_losses, "held": held,
+    # the last step's tokens per expert, counted one process's way: each token once per chosen expert
+    ref = GPT(cfg, seed=0)
+    ref.load_state_dict(_reference_before_last(cfg, clip))
+    idx, _ = token_batch(cfg, BATCH, STEPS - 1)
+    want_counts = {}
+    with torch.no_grad():
+        x = ref.pipeline_pre(idx)
+        for i, block in enumerate(ref.blocks):
+            h = block.ln2(x + block.attn(block.ln1(x)))
+            _, index, _ = block.mlp.route(h.reshape(-1, h.shape[-1]))
+            want_counts[f"blocks.{i}.mlp.experts"] = torch.bincount(index.reshape(-1), minlength=cfg.n_experts).tolist()
+            x = block(x)
+    return {"losses": losses, "want_losses": want_losses, "held": held, "counts": engine.tokens_per_expert,
+            "want_counts": want_counts, "imbalance": engine.expert_imbalance,
             "params": {k: (got[k], want[k]) for k in want}, "a2a": sum(1 for c in counted.records if c.op == "all_to_all" and c.axes == ("expert",)),
             "norm": engine.grad_norm}
 
@@ -70,6 +96,10 @@ def test_moe_gpt_on_the_expert_axis_trains_like_one_process(world, shape, clip):
         # per MoE layer and step: forward sends the counts, the rows, their experts' ids and weights, and
         # brings the outputs back (5); backward moves the rows', weights' and outputs' gradients back (3)
         assert r["a2a"] == 8 * CFG.n_layers * STEPS, r["a2a"]
+        assert r["counts"] == r["want_counts"]
+        counts = list(r["want_counts"].values())
+        assert r["imbalance"] == pytest.approx(max(max(c) * len(c) / sum(c) for c in counts))
+        assert all(sum(c) == BATCH * CFG.seq_len * CFG.top_k for c in counts)
     assert len({tuple(r["losses"]) for r in res}) == 1          # the same loss on every rank
 
 
