@@ -67,10 +67,17 @@ def _plan(model: nn.Module, mesh: AbstractMesh, *, policies: Policies, rules: An
 
     def state_layouts(spec: PartitionSpec) -> tuple[Layout, ...]:
         """(rest, compute, grad, optim) over the whole mesh: the spec's own split, and ``data``
-        splitting dim 0 of what it left local where the ZeRO stage shards that state."""
+        splitting dim 0 of what it left local where the ZeRO stage shards that state (with an expert
+        axis, data x expert for what is not an expert)."""
+        def shard(axis: str | None):
+            if axis is None or expert_axis is None or expert_axis in spec.axes:
+                return axis
+            return mesh.canonical_axes((axis, expert_axis))
+
         if spec not in layouts:
-            layouts[spec] = (Layout(mesh, with_data(spec, states.params)), Layout(mesh, spec),
-                             Layout(mesh, with_data(spec, states.grads)), Layout(mesh, with_data(spec, states.optim)))
+            layouts[spec] = (Layout(mesh, with_data(spec, shard(states.params))), Layout(mesh, spec),
+                             Layout(mesh, with_data(spec, shard(states.grads))),
+                             Layout(mesh, with_data(spec, shard(states.optim))))
         return layouts[spec]
     itemsize = rdt.itemsize
     bucket_bytes = int(bucket_mb * 2**20)
@@ -288,7 +295,7 @@ def _trim(spec: PartitionSpec) -> PartitionSpec:
     return spec if any(e is not None for e in spec) else PartitionSpec()
 
 
-def with_data(spec: PartitionSpec, axis: str | None) -> PartitionSpec:
+def with_data(spec: PartitionSpec, axis: str | tuple[str, ...] | None) -> PartitionSpec:
     """``spec`` with ``axis`` (ZeRO's data axis) splitting dim 0 inside whatever already splits it:
     ``P("tensor", None)`` -> ``P(("tensor", "data"), None)``, ``P(None, "tensor")`` ->
     ``P("data", "tensor")``. ``axis=None``: ``spec`` unchanged."""

@@ -3,9 +3,10 @@
 Experts' weights are laid out on their expert dim (dim 0, the logical dim ``experts``) over the mesh's
 ``expert`` axis (``rules={"experts": "expert"}``); the batch splits over data x expert, and everything that
 is not an expert is replicated over ``expert`` like a data axis: its gradients are summed over data x
-expert, an expert's over data alone (``Plan.grad_axes``). What this first version runs: the expert axis
-beside data (and HSDP's replica) with ZeRO-0; ZeRO-1/2/3, the tensor and pipe axes and offload with an
-expert axis are refused by name, not run wrong.
+expert, an expert's over data alone (``Plan.grad_axes``); under ZeRO-1/2 the states of what is not an
+expert are split over data x expert, an expert's over data (``Plan.shard_axes``). What this version runs:
+the expert axis beside data (and HSDP's replica) with ZeRO-0, 1 and 2; ZeRO-3, the tensor and pipe axes and
+offload with an expert axis are refused by name, not run wrong.
 """
 
 from __future__ import annotations
@@ -61,9 +62,9 @@ def expert_problems(specs: dict[str, PartitionSpec], mesh: Any, roles: Any, stat
     if others:
         out.append(f"plan: the expert axis {axis!r} beside the {' and the '.join(others)} is not supported yet — "
                    "expected expert x data (with replica) alone. Give those axes size 1.")
-    if any(s is not None for s in (states.params, states.grads, states.optim)):
-        out.append(f"plan: the expert axis {axis!r} with ZeRO (sharded training states) is not supported yet — "
-                   "expected zero=0. Use zero=0 with the expert axis.")
+    if states.params is not None:
+        out.append(f"plan: the expert axis {axis!r} with ZeRO-3 (parameters sharded at rest) is not supported yet "
+                   "— expected zero=0, 1 or 2. Use ZeRO-2 with the expert axis.")
     if offload:
         out.append(f"plan: the expert axis {axis!r} with offload is not supported yet — expected no offload.")
     return out

@@ -245,6 +245,13 @@ class Plan:
         """Whether parameter ``name`` is split over the expert axis (an expert's weights)."""
         return self.expert_axis is not None and self.expert_axis in self.param(name).spec.axes
 
+    def shard_axes(self, name: str) -> tuple[str, ...]:
+        """The axes ZeRO splits parameter ``name``'s sharded states over: ``data``, and with an expert axis
+        data x expert for everything that is not an expert (an expert's: data alone)."""
+        if self.expert_axis is None or self.is_expert(name):
+            return (self.data_axis,)
+        return self.mesh.canonical_axes((self.data_axis, self.expert_axis))
+
     def grad_axes(self, name: str) -> tuple[str, ...]:
         """The axes parameter ``name``'s gradient is summed over: the batch's, but for an expert's weights,
         which the expert axis splits (their gradients came to them over it)."""

@@ -180,15 +180,18 @@ def comm_per_step(plan: Plan, rank: int | None = None) -> list[CommEntry]:
                                              comm.all_reduce_bytes(numel + extra, bn, g)
                                              - comm.all_reduce_bytes(numel, bn, g)))
                 else:
-                    if n > 1:
-                        out.append(CommEntry("backward", "grads", "reduce_scatter", axis,
-                                             comm.reduce_scatter_bytes(shard, n, g), 1, f"bucket {i}"))
+                    sx = plan.mesh.canonical_axes(plan.shard_axes(bucket[0].name))   # data (x expert)
+                    sn = plan.mesh.axis_size(sx)
+                    if sn > 1:
+                        out.append(CommEntry("backward", "grads", "reduce_scatter", sx,
+                                             comm.reduce_scatter_bytes(shard, sn, g), 1, f"bucket {i}"))
                     if r > 1:
                         out.append(CommEntry("backward", "grads", "all_reduce", rep,
                                              comm.all_reduce_bytes(shard, r, g), 1, f"bucket {i}"))
-                if plan.states.optim is not None and n > 1:
-                    out.append(CommEntry("step", "params", "all_gather", axis,
-                                         comm.all_gather_bytes(shard, n, c), 1, f"bucket {i}"))
+                sx = plan.mesh.canonical_axes(plan.shard_axes(bucket[0].name))
+                if plan.states.optim is not None and plan.mesh.axis_size(sx) > 1:
+                    out.append(CommEntry("step", "params", "all_gather", sx,
+                                         comm.all_gather_bytes(shard, plan.mesh.axis_size(sx), c), 1, f"bucket {i}"))
         if not plan.scalars_ride_gradients and plan.tensor_size == 1 and plan.pipe_size == 1:
             out.append(CommEntry("step", "scalars", "all_reduce", dp,
                                  comm.all_reduce_bytes(plan.scalars_per_step(), dpn, 4), 1))

@@ -55,6 +55,8 @@ class GradBuckets(GradSync):
         self.buckets = buckets
         # each bucket's gradients summed over its axes: the batch's, an expert's over data alone (Plan.grad_axes)
         self.axes_of = [plan.grad_axes(states[0].name) if states else self.dp for states in buckets]
+        # ZeRO-1/2: each bucket's states split over its shard axes (data, or data x expert: Plan.shard_axes)
+        self.shard_of = [plan.shard_axes(states[0].name) if states else (self.axis,) for states in buckets]
         self.sharded = plan.states.grads is not None
         self.rdt = plan.reduce_dtype
         # one data rank, gradients replicated in their own dtype: nothing to reduce, so the reduced
@@ -185,13 +187,14 @@ class GradBuckets(GradSync):
             # ZeRO-2 copies the reduced chunk into the gradient shards when it waits: reduce in place,
             # into this rank's chunk of the packed input (on gloo the all-reduce its reduce-scatter
             # would run on a clone of the input, without the clone and the chunk's copy)
-            self.pending[b] = comm.reduce_scatter(flat, self.mesh, self.axis, async_op=True,
-                                                  out=self._own_chunk(flat) if self.into_shards else None)
+            self.pending[b] = comm.reduce_scatter(flat, self.mesh, self.shard_of[b], async_op=True,
+                                                  out=self._own_chunk(flat, b) if self.into_shards else None)
             del flat
 
-    def _own_chunk(self, flat: torch.Tensor) -> torch.Tensor:
-        """This rank's chunk of a packed reduce-scatter input (its segment is split evenly over ``data``)."""
-        axes = self.mesh.canonical_axes(self.axis)
+    def _own_chunk(self, flat: torch.Tensor, b: int) -> torch.Tensor:
+        """This rank's chunk of bucket ``b``'s packed reduce-scatter input (its segment is split evenly over
+        its shard axes)."""
+        axes = self.mesh.canonical_axes(self.shard_of[b])
         c = flat.numel() // comm.group_size(self.mesh, axes)
         i = self.mesh.group_index(self.mesh.rank, axes)
         return flat[i * c:(i + 1) * c]
@@ -269,8 +272,8 @@ class GradBuckets(GradSync):
         that on gloo it runs as pairwise exchanges (``comm/pairwise.py``): ZeRO-2 steps 0.95-1.00 of
         gloo's gather's at 2 and 4 ranks."""
         source = source or (lambda s: s.master)
-        for fl in self.flats:
-            out = comm.all_gather(fl.pack(source, dtype, self.engine.mesh.device), self.mesh, self.axis,
+        for fl, axes in zip(self.flats, self.shard_of):
+            out = comm.all_gather(fl.pack(source, dtype, self.engine.mesh.device), self.mesh, axes,
                                   async_op=True).wait()
             fl.unpack(out, lambda s: s.param.data)
 

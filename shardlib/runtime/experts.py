@@ -95,10 +95,10 @@ def global_statistics(model: nn.Module, mesh: Mesh, axes: tuple[str, ...]) -> in
 
 
 class ExpertReduction(DataReduction):
-    """The step's scalars with an expert axis (ZeRO-0): every gradient is replicated over data, and a
+    """The step's scalars with an expert axis. Under ZeRO-0 every gradient is replicated over data, and a
     non-expert's over expert too, so a rank's share of the squared norm is its experts' gradients (on the
-    first data coordinate) and the rest on the first data and expert coordinates; summed over the batch's
-    axes it counts each element once."""
+    first data coordinate) and the rest on the first data and expert coordinates; under ZeRO-1/2 it is its own
+    pieces. Summed over the batch's axes it counts each element once."""
 
     def __init__(self, mesh: Mesh, plan: Plan, states: list[ParamState], vector, counts: ExpertCounts):
         super().__init__(mesh, plan.dp_axes, vector)
@@ -107,9 +107,14 @@ class ExpertReduction(DataReduction):
         others = [a for a in plan.dp_axes if a != plan.expert_axis]
         self.first = all(mesh.coord(mesh.rank, a) == 0 for a in others)
         self.first_expert = mesh.coord(mesh.rank, plan.expert_axis) == 0
+        # ZeRO-1/2: a rank holds its own pieces of the reduced gradients, disjoint over their shard axes
+        # (HSDP's replicas zeroed by the engine): every piece counts once where it is
+        self.pieces = plan.states.optim is not None
 
     def sum_of_squares(self, grads: list[torch.Tensor]) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
+        if self.pieces:
+            return sum(((g.double() ** 2).sum() for g in grads), total).float()
         if not self.first:
             return total.float()
         for g, e in zip(grads, self.expert):

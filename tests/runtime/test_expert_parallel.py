@@ -51,11 +51,11 @@ def _reference_before_last(cfg: GPTConfig, clip: float | None) -> dict[str, torc
     return model.state_dict()
 
 
-def _train(shape: dict, cfg: GPTConfig, clip: float | None):
+def _train(shape: dict, cfg: GPTConfig, clip: float | None, zero: int = 0):
     mesh = sl.Mesh(shape)
     want_losses, want = _reference(cfg, clip)
     model = GPT(cfg, seed=0)
-    plan = sl.plan(model, mesh, rules={"experts": "expert"}, clip_grad_norm=clip)
+    plan = sl.plan(model, mesh, rules={"experts": "expert"}, clip_grad_norm=clip, zero=zero)
     engine = sl.parallelize(model, plan, optimizer=_opt)
     held = {n: tuple(p.shape) for n, p in model.named_parameters() if "experts." in n}
     with sl.count_collectives() as counted:
@@ -73,19 +73,24 @@ def _train(shape: dict, cfg: GPTConfig, clip: float | None):
             _, index, _ = block.mlp.route(h.reshape(-1, h.shape[-1]))
             want_counts[f"blocks.{i}.mlp.experts"] = torch.bincount(index.reshape(-1), minlength=cfg.n_experts).tolist()
             x = block(x)
+    mem = engine.memory_held()
     return {"losses": losses, "want_losses": want_losses, "held": held, "counts": engine.tokens_per_expert,
+            "optimizer": mem["optimizer"], "planned_optimizer": plan.memory_per_rank(mesh.rank)["optimizer"],
             "want_counts": want_counts, "imbalance": engine.expert_imbalance,
             "params": {k: (got[k], want[k]) for k in want}, "a2a": sum(1 for c in counted.records if c.op == "all_to_all" and c.axes == ("expert",)),
             "norm": engine.grad_norm}
 
 
-@pytest.mark.parametrize("shape, clip", [({"expert": 2}, None), ({"expert": 4}, 1.0),
-                                         ({"data": 2, "expert": 2}, 0.5)], ids=["expert2", "expert4", "data2_expert2"])
-def test_moe_gpt_on_the_expert_axis_trains_like_one_process(world, shape, clip):
+@pytest.mark.parametrize("shape, clip, zero", [({"expert": 2}, None, 0), ({"expert": 4}, 1.0, 0),
+                                               ({"data": 2, "expert": 2}, 0.5, 0), ({"data": 2, "expert": 2}, 0.5, 1),
+                                               ({"data": 2, "expert": 2}, 1.0, 2), ({"expert": 4}, None, 2)],
+                         ids=["expert2", "expert4", "data2_expert2", "data2_expert2_zero1", "data2_expert2_zero2",
+                              "expert4_zero2"])
+def test_moe_gpt_on_the_expert_axis_trains_like_one_process(world, shape, clip, zero):
     n = 1
     for s in shape.values():
         n *= s
-    res = world(n, _train, shape, CFG, clip)
+    res = world(n, _train, shape, CFG, clip, zero)
     for r in res:
         assert r["losses"] == pytest.approx(r["want_losses"], rel=1e-5), (r["losses"], r["want_losses"])
         for k, (got, want) in r["params"].items():
@@ -100,6 +105,12 @@ def test_moe_gpt_on_the_expert_axis_trains_like_one_process(world, shape, clip):
         counts = list(r["want_counts"].values())
         assert r["imbalance"] == pytest.approx(max(max(c) * len(c) / sum(c) for c in counts))
         assert all(sum(c) == BATCH * CFG.seq_len * CFG.top_k for c in counts)
+        # what the rank holds of the optimizer is what the plan says: under ZeRO-1/2 the non-experts' states
+        # split over data x expert, each expert's over data
+        assert r["optimizer"] == r["planned_optimizer"]
+    if zero:
+        total = sum(p.numel() for p in GPT(CFG, seed=0).parameters()) * 8          # AdamW: two fp32 moments
+        assert sum(r["optimizer"] for r in res) == pytest.approx(total, rel=0.01)   # each state once, on one rank
     assert len({tuple(r["losses"]) for r in res}) == 1          # the same loss on every rank
 
 
@@ -114,8 +125,8 @@ def _refused(shape: dict, kwargs: dict) -> str:
 
 @pytest.mark.parametrize("shape, kwargs, said", [
     ({"data": 2, "expert": 2}, {}, "expert axis (expert=2) splits no parameter"),
-    ({"expert": 2}, {"rules": {"experts": "expert"}, "zero": 1}, "with ZeRO (sharded training states) is not "
-                                                                   "supported yet"),
+    ({"expert": 2}, {"rules": {"experts": "expert"}, "zero": 3}, "with ZeRO-3 (parameters sharded at rest) is "
+                                                                   "not supported yet"),
     ({"expert": 2, "tensor": 2}, {"rules": {"experts": "expert", "heads": "tensor"}}, "beside the tensor axis"),
     ({"expert": 2}, {"rules": {"experts": "expert"}, "offload": {"optimizer": "host"}}, "with offload"),
     ({"expert": 2}, {"rules": {"moe_mlp": "expert"}}, "expected the expert axis 'expert' alone on dim 0"),
