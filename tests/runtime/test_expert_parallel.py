@@ -51,11 +51,11 @@ def _reference_before_last(cfg: GPTConfig, clip: float | None) -> dict[str, torc
     return model.state_dict()
 
 
-def _train(shape: dict, cfg: GPTConfig, clip: float | None, zero: int = 0):
+def _train(shape: dict, cfg: GPTConfig, clip: float | None, zero: int = 0, recompute: str = "none"):
     mesh = sl.Mesh(shape)
     want_losses, want = _reference(cfg, clip)
     model = GPT(cfg, seed=0)
-    plan = sl.plan(model, mesh, rules={"experts": "expert"}, clip_grad_norm=clip, zero=zero)
+    plan = sl.plan(model, mesh, rules={"experts": "expert"}, clip_grad_norm=clip, zero=zero, recompute=recompute)
     engine = sl.parallelize(model, plan, optimizer=_opt)
     held = {n: tuple(p.shape) for n, p in model.named_parameters() if "experts." in n}
     with sl.count_collectives() as counted:
@@ -81,16 +81,17 @@ def _train(shape: dict, cfg: GPTConfig, clip: float | None, zero: int = 0):
             "norm": engine.grad_norm}
 
 
-@pytest.mark.parametrize("shape, clip, zero", [({"expert": 2}, None, 0), ({"expert": 4}, 1.0, 0),
-                                               ({"data": 2, "expert": 2}, 0.5, 0), ({"data": 2, "expert": 2}, 0.5, 1),
-                                               ({"data": 2, "expert": 2}, 1.0, 2), ({"expert": 4}, None, 2)],
-                         ids=["expert2", "expert4", "data2_expert2", "data2_expert2_zero1", "data2_expert2_zero2",
-                              "expert4_zero2"])
-def test_moe_gpt_on_the_expert_axis_trains_like_one_process(world, shape, clip, zero):
+@pytest.mark.parametrize("shape, clip, zero, recompute", [
+    ({"expert": 2}, None, 0, "none"), ({"expert": 4}, 1.0, 0, "none"), ({"data": 2, "expert": 2}, 0.5, 0, "none"),
+    ({"data": 2, "expert": 2}, 0.5, 1, "none"), ({"data": 2, "expert": 2}, 1.0, 2, "full"),
+    ({"expert": 4}, None, 2, "selective")],
+    ids=["expert2", "expert4", "data2_expert2", "data2_expert2_zero1", "data2_expert2_zero2_recompute",
+         "expert4_zero2_selective"])
+def test_moe_gpt_on_the_expert_axis_trains_like_one_process(world, shape, clip, zero, recompute):
     n = 1
     for s in shape.values():
         n *= s
-    res = world(n, _train, shape, CFG, clip, zero)
+    res = world(n, _train, shape, CFG, clip, zero, recompute)
     for r in res:
         assert r["losses"] == pytest.approx(r["want_losses"], rel=1e-5), (r["losses"], r["want_losses"])
         for k, (got, want) in r["params"].items():
@@ -99,8 +100,9 @@ def test_moe_gpt_on_the_expert_axis_trains_like_one_process(world, shape, clip, 
         per = CFG.n_experts // shape["expert"]
         assert all(s[0] == per for s in r["held"].values()), r["held"]
         # per MoE layer and step: forward sends the counts, the rows, their experts' ids and weights, and
-        # brings the outputs back (5); backward moves the rows', weights' and outputs' gradients back (3)
-        assert r["a2a"] == 8 * CFG.n_layers * STEPS, r["a2a"]
+        # brings the outputs back (5); backward moves the rows', weights' and outputs' gradients back (3);
+        # a whole block recomputed runs its forward's 5 again
+        assert r["a2a"] == (13 if recompute == "full" else 8) * CFG.n_layers * STEPS, r["a2a"]
         assert r["counts"] == r["want_counts"]
         counts = list(r["want_counts"].values())
         assert r["imbalance"] == pytest.approx(max(max(c) * len(c) / sum(c) for c in counts))
@@ -252,3 +254,40 @@ def test_transformers_router_aux_loss_with_a_split_batch_is_refused_until_its_st
     with pytest.raises(sl.ShardingError, match="output_router_logits"):
         sl.plan(model, sl.AbstractMesh({"expert": 2}), rules={"experts": "expert"})
     sl.plan(model, sl.AbstractMesh({"data": 1}))          # one process: its own loss, as it is
+
+
+def _lora(cfg: GPTConfig):
+    from peft import LoraConfig, get_peft_model
+    model = GPT(cfg, seed=0)
+    torch.manual_seed(1)
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["qkv", "proj", "gate_up", "down"],
+                                            lora_dropout=0.0, init_lora_weights=False))
+
+
+def _train_lora(shape: dict, cfg: GPTConfig):
+    ref = _lora(cfg)
+    opt = _opt([p for p in ref.parameters() if p.requires_grad])
+    want_losses = []
+    for step in range(STEPS):
+        loss = ref(*token_batch(cfg, BATCH, step))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want_losses.append(float(loss))
+    want = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+    model = _lora(cfg)
+    plan = sl.plan(model, sl.Mesh(shape), rules={"experts": "expert"})
+    engine = sl.parallelize(model, plan, optimizer=_opt, loss_fn=lambda m, b: m(*b))
+    losses = [engine.step(token_batch(cfg, BATCH, step)) for step in range(STEPS)]
+    got = engine.full_state_dict()
+    frozen = [n for n, p in model.named_parameters() if "experts." in n and not p.requires_grad]
+    return {"losses": losses, "want_losses": want_losses, "params": {k: (got[k], want[k]) for k in want},
+            "frozen_experts": frozen}
+
+
+def test_lora_on_attention_and_shared_experts_with_frozen_routed_experts_on_the_expert_axis(world):
+    for r in world(4, _train_lora, {"data": 2, "expert": 2}, CFG):
+        assert r["frozen_experts"]                          # the routed experts stay frozen, split over expert
+        assert r["losses"] == pytest.approx(r["want_losses"], rel=1e-5), (r["losses"], r["want_losses"])
+        for k, (got, want) in r["params"].items():
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=k)
