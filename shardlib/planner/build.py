@@ -51,6 +51,12 @@ def _plan(model: nn.Module, mesh: AbstractMesh, *, policies: Policies, rules: An
         r.states, r.unit_names, r.stack_units, r.recompute, r.selective, r.specs, r.tensor, r.pipeline)
     replica_axis = pol.roles.replica_of(mesh)
     expert_axis = r.expert_axis
+    experts = expert_params(r.specs, expert_axis)
+    if experts and states.params is not None:
+        # ZeRO-3: each experts module a unit of its own inside its block, so a unit's states are split over one
+        # set of axes (an expert's over data, the rest over data x expert: Plan.shard_axes)
+        order = [n for n, _ in model.named_modules()]
+        unit_names = sorted(set(unit_names) | {n.rpartition(".")[0] for n in experts}, key=order.index)
     grad_accum = pplan.microbatches if pplan is not None else (pol.training.microbatches or 1)
     precision, clip_grad_norm = pol.training.precision, pol.training.clip_grad_norm
     rdt, state_bytes = pol.training.reduction_dtype(), pol.training.state_bytes()
@@ -83,7 +89,6 @@ def _plan(model: nn.Module, mesh: AbstractMesh, *, policies: Policies, rules: An
     bucket_bytes = int(bucket_mb * 2**20)
 
     tied = set(pplan.tied) if pplan is not None else set()
-    experts = expert_params(specs, expert_axis)
     buckets = _buckets(named, param_unit, states, tied, itemsize, bucket_bytes, experts)
     specs = {k: _trim(v) for k, v in specs.items()}
     params = [ParamPlan(name, tuple(p.shape), param_unit[name], buckets.get(name), p.requires_grad,

@@ -62,9 +62,6 @@ def expert_problems(specs: dict[str, PartitionSpec], mesh: Any, roles: Any, stat
     if others:
         out.append(f"plan: the expert axis {axis!r} beside the {' and the '.join(others)} is not supported yet — "
                    "expected expert x data (with replica) alone. Give those axes size 1.")
-    if states.params is not None:
-        out.append(f"plan: the expert axis {axis!r} with ZeRO-3 (parameters sharded at rest) is not supported yet "
-                   "— expected zero=0, 1 or 2. Use ZeRO-2 with the expert axis.")
     if offload:
         out.append(f"plan: the expert axis {axis!r} with offload is not supported yet — expected no offload.")
     return out

@@ -93,6 +93,13 @@ class FlatGroup:
     def chunk(self, segment: str) -> int:
         return self.segments[segment].chunk
 
+    @functools.cached_property
+    def ranks(self) -> int:
+        """The ranks the group's segments are split over (``data``, or data x expert for what is not an
+        expert: ``Plan.shard_axes``)."""
+        lay = self.segments[TRAIN].layout
+        return lay.mesh.axis_size(lay.spec.axes) if lay.spec.axes else 1
+
 
 @dataclass(frozen=True)
 class FlatLayout:
@@ -117,7 +124,6 @@ class FlatLayout:
 def flat_layout(plan: Plan) -> FlatLayout:
     """The flat groups of ``plan``: its units when parameters are sharded at rest (ZeRO-3),
     else its gradient buckets. One pass over the parameters."""
-    layout = Layout(plan.mesh, PartitionSpec(plan.data_axis))
     c = plan.compute_dtype.itemsize
     if plan.states.params is not None:
         members = [(u.name, [plan.param(n) for n in u.params]) for u in plan.units]
@@ -127,7 +133,7 @@ def flat_layout(plan: Plan) -> FlatLayout:
     for g, (name, params) in enumerate(members):
         # a bucket's states are split over its parameters' axes (with an expert axis: data x expert, or an
         # expert's data alone; Plan.shard_axes); a unit's over data
-        axes = plan.shard_axes(params[0].name) if params and plan.states.params is None else (plan.data_axis,)
+        axes = plan.shard_axes(params[0].name) if params else (plan.data_axis,)
         layout = Layout(plan.mesh, PartitionSpec(axes if len(axes) > 1 else axes[0]))
         names: dict[str, list[str]] = {TRAIN: [], FROZEN: []}
         sizes = {TRAIN: 0, FROZEN: 0}

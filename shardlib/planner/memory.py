@@ -223,9 +223,9 @@ def transient_per_rank(plan: Plan, rank: int | None = None) -> dict[str, int]:
     replicated."""
     if plan.states.params is None:
         return {"gathered": 0, "buffer": 0}
-    c, n = plan.compute_dtype.itemsize, plan.data_size
+    c = plan.compute_dtype.itemsize
     full = {u.name: sum(p.stored(c) for p in plan.unit_params(u.name)) * c for u in plan.units}   # quantized: packed
-    buf = {grp.name: (grp.chunk(TRAIN) + grp.chunk(FROZEN)) * n * c for grp in plan.flat.groups}
+    buf = {grp.name: (grp.chunk(TRAIN) + grp.chunk(FROZEN)) * grp.ranks * c for grp in plan.flat.groups}
     size = max((b for u, b in buf.items() if u != ""), default=buf.get("", 0))
     by_label = {(u.name or "<root>"): u.name for u in plan.units}
     events = [(ev[0], by_label[ev[2:-1]]) for ev in plan.gather_schedule()]

@@ -132,8 +132,9 @@ def peak_per_rank(plan: Plan, rank: int | None = None, *, activation_bytes: int 
     if foreach is None:
         foreach = getattr(getattr(plan.mesh, "device", None), "type", "cpu") == "cuda"
     groups = _chunks(plan)
-    # a group's reduce-scatter input (N chunks of its trainable segment) and output (one chunk)
-    rs_in = [n * ct * g for _, _, ct, _ in groups]
+    # a group's reduce-scatter input (N chunks of its trainable segment, N its ranks) and output (one chunk)
+    ranks = [grp.ranks for grp in plan.flat.groups] if len(plan.flat.groups) == len(groups) else [n] * len(groups)
+    rs_in = [k * ct * g for k, (_, _, ct, _) in zip(ranks, groups)]
     rs_out = [ct * g for _, _, ct, _ in groups]
     local = [t * c for t, _, _, _ in groups]          # a group's local gradients
     buffers = 0                                        # ZeRO-3's persistent collective buffers
@@ -171,7 +172,7 @@ def peak_per_rank(plan: Plan, rank: int | None = None, *, activation_bytes: int 
     at_step += buffers
     publish = 0
     if st.params is None and st.optim is not None:
-        publish = at_update + max(((1 + n) * ct * c for _, _, ct, _ in groups), default=0)
+        publish = at_update + max(((1 + k) * ct * c for k, (_, _, ct, _) in zip(ranks, groups)), default=0)
     opt_state = plan.optimizer_state_bytes * sum(masters)
     model_bytes = 4 * plan.num_params
     if meta_build:

@@ -131,7 +131,6 @@ def comm_per_step(plan: Plan, rank: int | None = None) -> list[CommEntry]:
     HSDP the training states are sharded over ``data`` and each rank's gradient shard is then
     summed over the replica axis (one all-reduce per bucket or unit); replicated gradients (DP)
     are all-reduced over both at once."""
-    n, axis = plan.data_size, (plan.data_axis,)
     r, rep = plan.replica_size, (plan.replica_axis,)
     dpn, dp = plan.dp_size, plan.mesh.canonical_axes(plan.dp_axes)
     c, g = plan.compute_dtype.itemsize, plan.reduce_dtype.itemsize
@@ -151,15 +150,16 @@ def comm_per_step(plan: Plan, rank: int | None = None) -> list[CommEntry]:
                 k = 1 if once else m
                 name = u.name or "<root>"
                 tr = grp.chunk(TRAIN)
-                if n > 1:
+                ux, un = grp.segments[TRAIN].layout.spec.axes, grp.ranks     # data (x expert: Plan.shard_axes)
+                if un > 1:
                     # one chunk of each segment per rank: ceil(T/N) trainable + frozen elements
-                    gathered = comm.all_gather_bytes(tr + grp.chunk(FROZEN), n, c)
-                    out.append(CommEntry("forward", "params", "all_gather", axis, gathered, k, name))
+                    gathered = comm.all_gather_bytes(tr + grp.chunk(FROZEN), un, c)
+                    out.append(CommEntry("forward", "params", "all_gather", ux, gathered, k, name))
                     if u.regathered and not once:
-                        out.append(CommEntry("backward", "params", "all_gather", axis, gathered, k, name))
+                        out.append(CommEntry("backward", "params", "all_gather", ux, gathered, k, name))
                     if tr:
-                        out.append(CommEntry("backward", "grads", "reduce_scatter", axis,
-                                             comm.reduce_scatter_bytes(tr, n, g), k, name))
+                        out.append(CommEntry("backward", "grads", "reduce_scatter", ux,
+                                             comm.reduce_scatter_bytes(tr, un, g), k, name))
                 if r > 1 and tr:
                     out.append(CommEntry("backward", "grads", "all_reduce", rep, comm.all_reduce_bytes(tr, r, g),
                                          k, name))

@@ -218,13 +218,18 @@ class ParamAccess:
                 parts.append(s)
         if not parts:
             return out
-        axis = self.plan.data_axis
-        coords = list(self.mesh.coords(self.mesh.rank))
-        where = self.mesh.axis_index(axis)
-        members = []
-        for c in range(self.mesh.axis_size(axis)):
-            coords[where] = c
-            members.append(self.mesh.rank_at(coords))
+        # each kind of part over its own axes (data; with an expert axis data x expert: Plan.shard_axes)
+        by_axes: dict[tuple[str, ...], list] = {}
+        for s in parts:
+            by_axes.setdefault(self.mesh.canonical_axes(self.plan.shard_axes(s.name)), []).append(s)
+        for axes, group in by_axes.items():
+            self._gather_parts(axes, group, out)
+        return out
+
+    def _gather_parts(self, axes: tuple[str, ...], parts: list, out: dict[str, torch.Tensor]) -> None:
+        """Every rank's pieces of ``parts`` laid end to end, one all-gather over ``axes``, each placed at its
+        range of its parameter (the plan gives every rank's ranges alike)."""
+        members = self.mesh.group_ranks(self.mesh.rank, axes)
         flat = self.plan.flat
         ranges = [[flat.piece(s.name, r) for s in parts] for r in members]
         width = max(sum(hi - lo for lo, hi in rs) for rs in ranges)
@@ -234,7 +239,7 @@ class ParamAccess:
             piece = s.master if s.master is not None else s.shard
             mine[offset:offset + piece.numel()].copy_(piece.reshape(-1))
             offset += piece.numel()
-        everyone = comm.all_gather(mine, self.mesh, axis).view(len(members), width)
+        everyone = comm.all_gather(mine, self.mesh, axes).view(len(members), width)
         for s in parts:
             out[s.name] = torch.empty(s.plan.shape, dtype=torch.float32, device=self.mesh.device)
         for j, rs in enumerate(ranges):
@@ -242,7 +247,6 @@ class ParamAccess:
             for s, (lo, hi) in zip(parts, rs):
                 out[s.name].view(-1)[lo:hi].copy_(everyone[j, offset:offset + hi - lo])
                 offset += hi - lo
-        return out
 
     def _dequantized(self, s) -> torch.Tensor:
         """A quantized weight's tensor shard in fp32: under ZeRO-3 its packed bytes are summed over

@@ -106,13 +106,19 @@ class UnitRunner(GradSync):
         self.grad_live = self.grad_peak = 0     # bytes of gradient buffers (reduce-scatter in/out)
         self.total_peak = 0                     # most of both at once
         self.in_flight: list[Unit] = []         # units whose reduce-scatter is in flight, oldest first
+        # each unit's states split over its axes (data, or with an expert axis data x expert for what is not an
+        # expert: Plan.shard_axes), this rank's block at its index among them
+        device, plan = engine.mesh.device, engine.plan
+        for u in self.all:
+            u.axes = self.mesh.canonical_axes(plan.shard_axes(u.states[0].name) if u.states else (self.axis,))
+            u.ranks = self.mesh.axis_size(u.axes)
+            u.index = self.mesh.group_index(self.mesh.rank, u.axes) if u.ranks > 1 else 0
         # the persistent buffers (comm_buffers.py), at the largest non-root unit's sizes
-        n, device = engine.plan.data_size, engine.mesh.device
-        canon = self.mesh.canonical_axes(self.axis)
-        self.index = self.mesh.group_index(self.mesh.rank, canon) if n > 1 else 0   # this rank's block
         sized = units or self.all
-        self.gather_buffer = Buffer(max((n * (u.flat.ct + u.flat.cf) for u in sized), default=0), self.cdt, device)
-        self.reduce_buffer = Buffer(max((n * u.flat.ct for u in sized if u.flat.train), default=0), self.rdt, device)
+        self.gather_buffer = Buffer(max((u.ranks * (u.flat.ct + u.flat.cf) for u in sized), default=0), self.cdt,
+                                    device)
+        self.reduce_buffer = Buffer(max((u.ranks * u.flat.ct for u in sized if u.flat.train), default=0), self.rdt,
+                                    device)
         self.events: list[str] = []             # this micro-step's G/W/F actions
         self.handles = []
         model = engine.model
@@ -141,16 +147,16 @@ class UnitRunner(GradSync):
             return
         off = self.engine.params_offload
         c = u.flat.ct + u.flat.cf
-        buf, held = self.gather_buffer.acquire(self.engine.plan.data_size * c)
+        buf, held = self.gather_buffer.acquire(u.ranks * c)
         self._track(held)
-        block = buf[self.index * c:(self.index + 1) * c]      # this rank's chunk, gathered in place
+        block = buf[u.index * c:(u.index + 1) * c]      # this rank's chunk, gathered in place
         with torch.no_grad():     # offloaded shards: brought to the device (runtime/offload/params.py)
             if off is None:
                 u.flat.pack(lambda s: s.shard, self.cdt, out=block)
             else:
                 off.packed(u, self.engine.mesh.device, out=block)
         u.gather_buf = buf
-        u.pending = comm.all_gather(block, self.mesh, self.axis, async_op=True, out=buf)
+        u.pending = comm.all_gather(block, self.mesh, u.axes, async_op=True, out=buf)
         u.status = "gathering"
         self.events.append(f"G({u.name or '<root>'})")
 
@@ -274,8 +280,8 @@ class UnitRunner(GradSync):
             flat, u.grad_buf = u.grad_buf, None
             u.filled = set()
             ct = u.flat.ct                           # in place: the output is this rank's chunk of the input
-            u.reducing = comm.reduce_scatter(flat, self.mesh, self.axis, async_op=True,
-                                             out=flat[self.index * ct:(self.index + 1) * ct])
+            u.reducing = comm.reduce_scatter(flat, self.mesh, u.axes, async_op=True,
+                                             out=flat[u.index * ct:(u.index + 1) * ct])
             del flat                                 # the lent buffer stays held until the chunk is added
             self.in_flight.append(u)
         u.reduced = True
@@ -290,7 +296,7 @@ class UnitRunner(GradSync):
         overlapped the backward up to ``u``'s first gradient): never two units' at once."""
         while self.in_flight:
             self._finish_reduce(self.in_flight.pop(0))
-        u.reduce_buf, held = self.reduce_buffer.acquire(self.engine.plan.data_size * u.flat.ct)
+        u.reduce_buf, held = self.reduce_buffer.acquire(u.ranks * u.flat.ct)
         u.grad_buf = u.reduce_buf
         self._track_grads(held)
 

@@ -84,9 +84,10 @@ def _train(shape: dict, cfg: GPTConfig, clip: float | None, zero: int = 0, recom
 @pytest.mark.parametrize("shape, clip, zero, recompute", [
     ({"expert": 2}, None, 0, "none"), ({"expert": 4}, 1.0, 0, "none"), ({"data": 2, "expert": 2}, 0.5, 0, "none"),
     ({"data": 2, "expert": 2}, 0.5, 1, "none"), ({"data": 2, "expert": 2}, 1.0, 2, "full"),
-    ({"expert": 4}, None, 2, "selective")],
+    ({"expert": 4}, None, 2, "selective"), ({"data": 2, "expert": 2}, 0.5, 3, "none"),
+    ({"expert": 2}, None, 3, "full")],
     ids=["expert2", "expert4", "data2_expert2", "data2_expert2_zero1", "data2_expert2_zero2_recompute",
-         "expert4_zero2_selective"])
+         "expert4_zero2_selective", "data2_expert2_zero3", "expert2_zero3_recompute"])
 def test_moe_gpt_on_the_expert_axis_trains_like_one_process(world, shape, clip, zero, recompute):
     n = 1
     for s in shape.values():
@@ -127,8 +128,6 @@ def _refused(shape: dict, kwargs: dict) -> str:
 
 @pytest.mark.parametrize("shape, kwargs, said", [
     ({"data": 2, "expert": 2}, {}, "expert axis (expert=2) splits no parameter"),
-    ({"expert": 2}, {"rules": {"experts": "expert"}, "zero": 3}, "with ZeRO-3 (parameters sharded at rest) is "
-                                                                   "not supported yet"),
     ({"expert": 2, "tensor": 2}, {"rules": {"experts": "expert", "heads": "tensor"}}, "beside the tensor axis"),
     ({"expert": 2}, {"rules": {"experts": "expert"}, "offload": {"optimizer": "host"}}, "with offload"),
     ({"expert": 2}, {"rules": {"moe_mlp": "expert"}}, "expected the expert axis 'expert' alone on dim 0"),
