@@ -5,8 +5,8 @@ Experts' weights are laid out on their expert dim (dim 0, the logical dim ``expe
 is not an expert is replicated over ``expert`` like a data axis: its gradients are summed over data x
 expert, an expert's over data alone (``Plan.grad_axes``); under ZeRO-1/2 the states of what is not an
 expert are split over data x expert, an expert's over data (``Plan.shard_axes``). What this version runs:
-the expert axis beside data (and HSDP's replica) with ZeRO-0, 1 and 2; ZeRO-3, the tensor and pipe axes and
-offload with an expert axis are refused by name, not run wrong.
+the expert axis beside data (and HSDP's replica) with ZeRO-0 to 3 and the optimizer on the host; the tensor and
+pipe axes and other offload with an expert axis are refused by name, not run wrong.
 """
 
 from __future__ import annotations
@@ -62,8 +62,11 @@ def expert_problems(specs: dict[str, PartitionSpec], mesh: Any, roles: Any, stat
     if others:
         out.append(f"plan: the expert axis {axis!r} beside the {' and the '.join(others)} is not supported yet — "
                    "expected expert x data (with replica) alone. Give those axes size 1.")
-    if offload:
-        out.append(f"plan: the expert axis {axis!r} with offload is not supported yet — expected no offload.")
+    kinds = dict(offload)
+    if kinds.get("params") or kinds.get("activations") or kinds.get("optimizer") not in (None, "host"):
+        out.append(f"plan: the expert axis {axis!r} with parameters or activations offloaded, or the optimizer on "
+                   "disk, is not supported yet — expected at most the optimizer on the host "
+                   "(offload={'optimizer': 'host'}).")
     return out
 
 

@@ -51,11 +51,13 @@ def _reference_before_last(cfg: GPTConfig, clip: float | None) -> dict[str, torc
     return model.state_dict()
 
 
-def _train(shape: dict, cfg: GPTConfig, clip: float | None, zero: int = 0, recompute: str = "none"):
+def _train(shape: dict, cfg: GPTConfig, clip: float | None, zero: int = 0, recompute: str = "none",
+           offload: str | None = None):
     mesh = sl.Mesh(shape)
     want_losses, want = _reference(cfg, clip)
     model = GPT(cfg, seed=0)
-    plan = sl.plan(model, mesh, rules={"experts": "expert"}, clip_grad_norm=clip, zero=zero, recompute=recompute)
+    plan = sl.plan(model, mesh, rules={"experts": "expert"}, clip_grad_norm=clip, zero=zero, recompute=recompute,
+                   offload={"optimizer": offload} if offload else None)
     engine = sl.parallelize(model, plan, optimizer=_opt)
     held = {n: tuple(p.shape) for n, p in model.named_parameters() if "experts." in n}
     with sl.count_collectives() as counted:
@@ -73,9 +75,10 @@ def _train(shape: dict, cfg: GPTConfig, clip: float | None, zero: int = 0, recom
             _, index, _ = block.mlp.route(h.reshape(-1, h.shape[-1]))
             want_counts[f"blocks.{i}.mlp.experts"] = torch.bincount(index.reshape(-1), minlength=cfg.n_experts).tolist()
             x = block(x)
-    mem = engine.memory_held()
+    mem = engine.memory_held("host" if offload else "device")
     return {"losses": losses, "want_losses": want_losses, "held": held, "counts": engine.tokens_per_expert,
-            "optimizer": mem["optimizer"], "planned_optimizer": plan.memory_per_rank(mesh.rank)["optimizer"],
+            "optimizer": mem["optimizer"],
+            "planned_optimizer": plan.memory_per_rank(mesh.rank, kind="host" if offload else "device")["optimizer"],
             "want_counts": want_counts, "imbalance": engine.expert_imbalance,
             "params": {k: (got[k], want[k]) for k in want}, "a2a": sum(1 for c in counted.records if c.op == "all_to_all" and c.axes == ("expert",)),
             "norm": engine.grad_norm}
@@ -85,14 +88,16 @@ def _train(shape: dict, cfg: GPTConfig, clip: float | None, zero: int = 0, recom
     ({"expert": 2}, None, 0, "none"), ({"expert": 4}, 1.0, 0, "none"), ({"data": 2, "expert": 2}, 0.5, 0, "none"),
     ({"data": 2, "expert": 2}, 0.5, 1, "none"), ({"data": 2, "expert": 2}, 1.0, 2, "full"),
     ({"expert": 4}, None, 2, "selective"), ({"data": 2, "expert": 2}, 0.5, 3, "none"),
-    ({"expert": 2}, None, 3, "full")],
+    ({"expert": 2}, None, 3, "full"), ({"data": 2, "expert": 2}, 1.0, 2, "host")],
     ids=["expert2", "expert4", "data2_expert2", "data2_expert2_zero1", "data2_expert2_zero2_recompute",
-         "expert4_zero2_selective", "data2_expert2_zero3", "expert2_zero3_recompute"])
+         "expert4_zero2_selective", "data2_expert2_zero3", "expert2_zero3_recompute",
+         "data2_expert2_zero2_optimizer_on_host"])
 def test_moe_gpt_on_the_expert_axis_trains_like_one_process(world, shape, clip, zero, recompute):
     n = 1
     for s in shape.values():
         n *= s
-    res = world(n, _train, shape, CFG, clip, zero, recompute)
+    offload = recompute if recompute == "host" else None            # the last case: the optimizer on the host
+    res = world(n, _train, shape, CFG, clip, zero, "none" if offload else recompute, offload)
     for r in res:
         assert r["losses"] == pytest.approx(r["want_losses"], rel=1e-5), (r["losses"], r["want_losses"])
         for k, (got, want) in r["params"].items():
@@ -112,7 +117,8 @@ def test_moe_gpt_on_the_expert_axis_trains_like_one_process(world, shape, clip, 
         # split over data x expert, each expert's over data
         assert r["optimizer"] == r["planned_optimizer"]
     if zero:
-        total = sum(p.numel() for p in GPT(CFG, seed=0).parameters()) * 8          # AdamW: two fp32 moments
+        # AdamW: two fp32 moments; offloaded, the fp32 master beside them on the host
+        total = sum(p.numel() for p in GPT(CFG, seed=0).parameters()) * (12 if offload else 8)
         assert sum(r["optimizer"] for r in res) == pytest.approx(total, rel=0.01)   # each state once, on one rank
     assert len({tuple(r["losses"]) for r in res}) == 1          # the same loss on every rank
 
@@ -129,7 +135,8 @@ def _refused(shape: dict, kwargs: dict) -> str:
 @pytest.mark.parametrize("shape, kwargs, said", [
     ({"data": 2, "expert": 2}, {}, "expert axis (expert=2) splits no parameter"),
     ({"expert": 2, "tensor": 2}, {"rules": {"experts": "expert", "heads": "tensor"}}, "beside the tensor axis"),
-    ({"expert": 2}, {"rules": {"experts": "expert"}, "offload": {"optimizer": "host"}}, "with offload"),
+    ({"expert": 2}, {"rules": {"experts": "expert"}, "offload": {"activations": "host"}},
+     "with parameters or activations offloaded"),
     ({"expert": 2}, {"rules": {"moe_mlp": "expert"}}, "expected the expert axis 'expert' alone on dim 0"),
 ])
 def test_what_the_expert_axis_does_not_run_yet_is_refused_by_name(shape, kwargs, said):
