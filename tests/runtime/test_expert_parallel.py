@@ -23,32 +23,29 @@ def _opt(params):
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01, eps=1e-6)   # eps: round-off of a zero gradient stays small
 
 
-def _reference(cfg: GPTConfig, clip: float | None) -> tuple[list[float], dict[str, torch.Tensor]]:
-    model = GPT(cfg, seed=0)
-    opt = _opt(list(model.parameters()))
+def _one_process(model, batches: list, loss=lambda m, b: m(*b), clip: float | None = None):
+    """Train ``model`` in one process on ``batches`` (AdamW on its trainable parameters, clipping at ``clip``):
+    the losses and the final state."""
+    opt = _opt([p for p in model.parameters() if p.requires_grad])
     losses = []
-    for step in range(STEPS):
-        loss = model(*token_batch(cfg, BATCH, step))
-        loss.backward()
+    for b in batches:
+        out = loss(model, b)
+        out.backward()
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad()
-        losses.append(float(loss))
+        losses.append(float(out.detach()))
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _reference(cfg: GPTConfig, clip: float | None, steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor]]:
+    return _one_process(GPT(cfg, seed=0), [token_batch(cfg, BATCH, step) for step in range(steps)], clip=clip)
 
 
 def _reference_before_last(cfg: GPTConfig, clip: float | None) -> dict[str, torch.Tensor]:
     """The reference's parameters after ``STEPS - 1`` steps (what the last step routes with)."""
-    model = GPT(cfg, seed=0)
-    opt = _opt(list(model.parameters()))
-    for step in range(STEPS - 1):
-        model(*token_batch(cfg, BATCH, step)).backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        opt.zero_grad()
-    return model.state_dict()
+    return _reference(cfg, clip, STEPS - 1)[1]
 
 
 def _train(shape: dict, cfg: GPTConfig, clip: float | None, zero: int = 0, recompute: str = "none",
@@ -227,16 +224,8 @@ def _hf_batch(step: int) -> dict:
 
 def _train_mixtral(shape: dict, router_logits: bool):
     mesh = sl.Mesh(shape)
-    ref = _mixtral(router_logits)
-    opt = _opt(list(ref.parameters()))
-    want_losses = []
-    for step in range(STEPS):
-        loss = ref(**_hf_batch(step)).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        want_losses.append(float(loss))
-    want = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+    want_losses, want = _one_process(_mixtral(router_logits), [_hf_batch(step) for step in range(STEPS)],
+                                     loss=lambda m, b: m(**b).loss)
     model = _mixtral(router_logits)
     engine = sl.parallelize(model, sl.plan(model, mesh, rules={"experts": "expert"}), optimizer=_opt)
     losses = [engine.step(_hf_batch(step)) for step in range(STEPS)]
@@ -271,16 +260,7 @@ def _lora(cfg: GPTConfig):
 
 
 def _train_lora(shape: dict, cfg: GPTConfig):
-    ref = _lora(cfg)
-    opt = _opt([p for p in ref.parameters() if p.requires_grad])
-    want_losses = []
-    for step in range(STEPS):
-        loss = ref(*token_batch(cfg, BATCH, step))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        want_losses.append(float(loss))
-    want = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+    want_losses, want = _one_process(_lora(cfg), [token_batch(cfg, BATCH, step) for step in range(STEPS)])
     model = _lora(cfg)
     plan = sl.plan(model, sl.Mesh(shape), rules={"experts": "expert"})
     engine = sl.parallelize(model, plan, optimizer=_opt, loss_fn=lambda m, b: m(*b))
