@@ -36,6 +36,14 @@ class GPTConfig:
     shared_experts: int = 0            # always-on experts beside the routed ones (Qwen2-MoE, DeepSeek)
     norm_topk: bool = True             # the chosen experts' weights renormalized to sum to 1 (Mixtral)
     aux_loss: float = 0.01             # the load-balancing loss's coefficient in the training loss
+    # DeepSeek-V3's routing: sigmoid scores, experts chosen within the best topk_group of n_group groups, the
+    # chosen weights scaled by routed_scale, and aux-loss-free balancing (a per-expert bias for choosing,
+    # nudged by bias_rate after each step: GPT.update_routing_bias)
+    scoring: str = "softmax"           # softmax | sigmoid
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scale: float = 1.0
+    bias_rate: float = 0.0
 
     def __post_init__(self) -> None:
         if self.expert_width is None:
@@ -43,6 +51,13 @@ class GPTConfig:
         if self.n_experts < 0 or self.n_experts and not 1 <= self.top_k <= self.n_experts:
             raise ValueError(f"GPTConfig: top_k={self.top_k} of n_experts={self.n_experts} — expected n_experts >= 0 "
                              "and 1 <= top_k <= n_experts.")
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"GPTConfig: scoring={self.scoring!r} — expected 'softmax' or 'sigmoid'.")
+        if self.n_experts and (self.n_group < 1 or self.n_experts % self.n_group or not 1 <= self.topk_group <= self.n_group
+                               or self.top_k > self.topk_group * (self.n_experts // self.n_group)):
+            raise ValueError(f"GPTConfig: {self.n_experts} experts in n_group={self.n_group} groups, topk_group="
+                             f"{self.topk_group}, top_k={self.top_k} — expected groups dividing the experts, "
+                             "1 <= topk_group <= n_group, and top_k within the chosen groups' experts.")
 
     @property
     def hidden(self) -> int:
@@ -148,6 +163,14 @@ class GPT(nn.Module):
         if self.cfg.n_experts and self.cfg.aux_loss:     # every MoE layer's load-balancing loss, as transformers adds it
             loss = loss + self.cfg.aux_loss * sum(b.mlp.aux_loss for b in self.blocks)
         return loss
+
+    @torch.no_grad()
+    def update_routing_bias(self) -> None:
+        """DeepSeek-V3's aux-loss-free balancing, after a step: each MoE layer's routing bias nudged toward the
+        experts the step's batch under-used (``MoE.update_bias``)."""
+        for block in self.blocks:
+            if isinstance(block.mlp, MoE):
+                block.mlp.update_bias()
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         x = self.pipeline_pre(idx, targets)

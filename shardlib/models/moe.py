@@ -77,16 +77,33 @@ class MoE(nn.Module):
         self.shared = SharedExperts(cfg) if cfg.shared_experts else None
         self.aux_loss: torch.Tensor | None = None
         self.reduce_stats: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.scoring, self.n_group, self.topk_group = cfg.scoring, cfg.n_group, cfg.topk_group
+        self.routed_scale, self.bias_rate = cfg.routed_scale, cfg.bias_rate
+        if cfg.bias_rate:          # aux-loss-free balancing: chooses, never weighs; the step's load behind it
+            self.register_buffer("routing_bias", torch.zeros(cfg.n_experts))
+            self.register_buffer("load", torch.zeros(cfg.n_experts), persistent=False)
 
     def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(router probabilities [T, E] in fp32, top_k_index [T, k], top_k_weights [T, k])``."""
-        probs = F.softmax(self.gate(flat).float(), dim=-1)
-        weights, index = torch.topk(probs, self.top_k, dim=-1)
+        """``(router probabilities [T, E] in fp32, top_k_index [T, k], top_k_weights [T, k])``: softmax scores, or
+        DeepSeek-V3's sigmoid scores chosen (with the balancing bias) within the best ``topk_group`` of
+        ``n_group`` groups (each group scored by its two best), weighed without the bias, scaled by
+        ``routed_scale``."""
+        logits = self.gate(flat).float()
+        scores = F.softmax(logits, dim=-1) if self.scoring == "softmax" else torch.sigmoid(logits)
+        choice = scores.detach() + self.routing_bias if self.bias_rate else scores.detach()
+        if self.n_group > 1:
+            grouped = choice.view(choice.shape[0], self.n_group, -1)
+            best = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
+            keep = torch.zeros_like(best).scatter_(1, best.topk(self.topk_group, dim=-1).indices, 1.0)
+            choice = (grouped * keep[..., None]).view_as(choice)      # experts of other groups: never chosen
+        index = torch.topk(choice, self.top_k, dim=-1).indices
+        weights = scores.gather(1, index)
         if self.norm_topk:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return probs, index, weights
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if self.scoring == "sigmoid" else 0.0))
+        probs = scores if self.scoring == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
+        return probs, index, weights * self.routed_scale
 
-    def balance_loss(self, probs: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    def balance_loss(self, probs: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Switch's load-balancing loss: ``E · Σ_e f_e · P_e``. Its statistics are the whole batch's where the
         batch is split over ranks: ``reduce_stats`` (set by the runtime: a sum over the batch's axes, whose
         backward sums the cotangents back — Megatron's global aux loss) adds every rank's counts, probability
@@ -97,7 +114,7 @@ class MoE(nn.Module):
         if self.reduce_stats is not None:
             stats, sums = self.reduce_stats(stats.detach()), self.reduce_stats(sums)
         chosen, tokens = stats[:-1], stats[-1]
-        return self.n_experts * (chosen / (tokens * self.top_k) * sums / tokens).sum()
+        return self.n_experts * (chosen / (tokens * self.top_k) * sums / tokens).sum(), chosen
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
@@ -105,5 +122,16 @@ class MoE(nn.Module):
         y = self.experts(flat, index, weights.to(flat.dtype))
         if self.shared is not None:
             y = y + self.shared(flat)
-        self.aux_loss = self.balance_loss(probs, index)
+        self.aux_loss, chosen = self.balance_loss(probs, index)
+        if self.bias_rate and self.training and torch._C._current_graph_task_id() == -1:   # not in a recompute
+            self.load += chosen.detach()
         return y.view_as(x)
+
+    @torch.no_grad()
+    def update_bias(self) -> None:
+        """After a step: each expert's routing bias up by ``bias_rate`` if the step's batch gave it fewer rows
+        than the mean, down if more (DeepSeek-V3's aux-loss-free balancing); the load starts again at zero.
+        The load is the whole batch's (``reduce_stats``), so every rank nudges alike."""
+        if self.bias_rate:
+            self.routing_bias += self.bias_rate * torch.sign(self.load.mean() - self.load)
+            self.load.zero_()

@@ -23,9 +23,9 @@ def _opt(params):
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01, eps=1e-6)   # eps: round-off of a zero gradient stays small
 
 
-def _one_process(model, batches: list, loss=lambda m, b: m(*b), clip: float | None = None):
-    """Train ``model`` in one process on ``batches`` (AdamW on its trainable parameters, clipping at ``clip``):
-    the losses and the final state."""
+def _one_process(model, batches: list, loss=lambda m, b: m(*b), clip: float | None = None, after=None):
+    """Train ``model`` in one process on ``batches`` (AdamW on its trainable parameters, clipping at ``clip``,
+    ``after(model)`` after each step): the losses and the final state."""
     opt = _opt([p for p in model.parameters() if p.requires_grad])
     losses = []
     for b in batches:
@@ -35,6 +35,8 @@ def _one_process(model, batches: list, loss=lambda m, b: m(*b), clip: float | No
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad()
+        if after is not None:
+            after(model)
         losses.append(float(out.detach()))
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -302,3 +304,33 @@ def test_save_pretrained_from_the_expert_axis_writes_every_expert_whole(world, t
         torch.testing.assert_close(state[k], v, rtol=0, atol=0, msg=k)       # every expert, whole, bit for bit
     one = GPT(CFG, seed=0)
     one.load_state_dict(state, strict=True)                                   # what one process loads
+
+
+DEEPSEEK = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2, n_experts=8, top_k=2,
+                     expert_width=16, shared_experts=1, aux_loss=0.0, scoring="sigmoid", n_group=4, topk_group=2,
+                     routed_scale=2.5, bias_rate=0.01)
+
+
+def _train_deepseek(shape: dict):
+    """DeepSeek-V3's routing (sigmoid, group-limited, scaled, aux-loss-free balancing with the bias updated
+    after each step) on ``shape`` beside one process doing the same."""
+    want_losses, want = _one_process(GPT(DEEPSEEK, seed=0), [token_batch(DEEPSEEK, BATCH, s) for s in range(STEPS)],
+                                     after=GPT.update_routing_bias)
+    model = GPT(DEEPSEEK, seed=0)
+    engine = sl.parallelize(model, sl.plan(model, sl.Mesh(shape), rules={"experts": "expert"}, zero=2),
+                            optimizer=_opt)
+    losses = []
+    for step in range(STEPS):
+        losses.append(engine.step(token_batch(DEEPSEEK, BATCH, step)))
+        model.update_routing_bias()
+    got = engine.full_state_dict()
+    return {"losses": losses, "want_losses": want_losses, "params": {k: (got[k], want[k]) for k in want}}
+
+
+def test_deepseek_routing_with_group_limits_and_bias_balancing_trains_like_one_process(world):
+    for r in world(4, _train_deepseek, {"data": 2, "expert": 2}):
+        assert r["losses"] == pytest.approx(r["want_losses"], rel=1e-5), (r["losses"], r["want_losses"])
+        for k, (got, want) in r["params"].items():           # the routing biases too: every rank nudged alike
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=k)
+        biases = [v for k, (v, _) in r["params"].items() if k.endswith("routing_bias")]
+        assert biases and all(b.abs().sum() > 0 for b in biases)

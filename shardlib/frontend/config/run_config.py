@@ -359,10 +359,13 @@ def _model(raw: Any, problems: list[str]) -> ModelConfig:
 
 
 def _gpt_field(c: Checker, key: str, default: Any) -> Any:
-    """One ``GPTConfig`` field checked by its default's kind: a flag, a number (the aux loss's coefficient,
-    >= 0), or an int (>= 1; 0 allowed where the default is 0: no experts, no shared experts)."""
+    """One ``GPTConfig`` field checked by its default's kind: a flag, a choice (the router's scoring), a number
+    (>= 0: the aux loss's coefficient, the routed scale, the bias rate), or an int (>= 1; 0 allowed where the
+    default is 0: no experts, no shared experts)."""
     if isinstance(default, bool):
         return c.bool(key, default)
+    if isinstance(default, str):            # the router's scoring
+        return c.choice(key, default, ("softmax", "sigmoid"))
     if isinstance(default, float):
         return c.number(key, default)
     return c.int(key, default, low=0 if default == 0 else 1, optional=default is None)
