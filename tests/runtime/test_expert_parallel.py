@@ -55,8 +55,8 @@ def _train(shape: dict, cfg: GPTConfig, clip: float | None, zero: int = 0, recom
     mesh = sl.Mesh(shape)
     want_losses, want = _reference(cfg, clip)
     model = GPT(cfg, seed=0)
-    plan = sl.plan(model, mesh, rules={"experts": "expert"}, clip_grad_norm=clip, zero=zero, recompute=recompute,
-                   offload={"optimizer": offload} if offload else None)
+    plan = sl.plan(model, mesh, rules={"experts": "expert"} if "expert" in shape else None, clip_grad_norm=clip,
+                   zero=zero, recompute=recompute, offload={"optimizer": offload} if offload else None)
     engine = sl.parallelize(model, plan, optimizer=_opt)
     held = {n: tuple(p.shape) for n, p in model.named_parameters() if "experts." in n}
     with sl.count_collectives() as counted:
@@ -87,10 +87,10 @@ def _train(shape: dict, cfg: GPTConfig, clip: float | None, zero: int = 0, recom
     ({"expert": 2}, None, 0, "none"), ({"expert": 4}, 1.0, 0, "none"), ({"data": 2, "expert": 2}, 0.5, 0, "none"),
     ({"data": 2, "expert": 2}, 0.5, 1, "none"), ({"data": 2, "expert": 2}, 1.0, 2, "full"),
     ({"expert": 4}, None, 2, "selective"), ({"data": 2, "expert": 2}, 0.5, 3, "none"),
-    ({"expert": 2}, None, 3, "full"), ({"data": 2, "expert": 2}, 1.0, 2, "host")],
+    ({"expert": 2}, None, 3, "full"), ({"data": 2, "expert": 2}, 1.0, 2, "host"), ({"data": 4}, 1.0, 0, "none")],
     ids=["expert2", "expert4", "data2_expert2", "data2_expert2_zero1", "data2_expert2_zero2_recompute",
          "expert4_zero2_selective", "data2_expert2_zero3", "expert2_zero3_recompute",
-         "data2_expert2_zero2_optimizer_on_host"])
+         "data2_expert2_zero2_optimizer_on_host", "data4_no_expert_axis"])
 def test_moe_gpt_on_the_expert_axis_trains_like_one_process(world, shape, clip, zero, recompute):
     n = 1
     for s in shape.values():
@@ -102,11 +102,14 @@ def test_moe_gpt_on_the_expert_axis_trains_like_one_process(world, shape, clip, 
         for k, (got, want) in r["params"].items():
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=k)
         # each rank holds its experts only
-        per = CFG.n_experts // shape["expert"]
+        per = CFG.n_experts // shape.get("expert", 1)
         assert all(s[0] == per for s in r["held"].values()), r["held"]
         # per MoE layer and step: forward sends the counts, the rows, their experts' ids and weights, and
         # brings the outputs back (5); backward moves the rows', weights' and outputs' gradients back (3);
         # a whole block recomputed runs its forward's 5 again
+        if "expert" not in shape:       # data parallel alone: no routing moves, the aux loss's statistics global
+            assert r["a2a"] == 0 and r["counts"] == {}
+            continue
         assert r["a2a"] == (13 if recompute == "full" else 8) * CFG.n_layers * STEPS, r["a2a"]
         assert r["counts"] == r["want_counts"]
         counts = list(r["want_counts"].values())
