@@ -79,7 +79,12 @@ def _activations(plan, model, run: RunConfig, rank: int) -> tuple[int | None, st
         rows = run.train.batch // (plan.dp_size * run.microbatches)
         ids = torch.zeros(rows, run.seq, dtype=torch.long, device="meta")
         batch = {"input_ids": ids, "labels": ids} if run.model.kind == "hf" else (ids, ids)
-        return activation_bytes(model, batch, plan=plan), None
+        from torch._subclasses.fake_tensor import DynamicOutputShapeException
+        try:
+            return activation_bytes(model, batch, plan=plan), None
+        except DynamicOutputShapeException:      # a mixture of experts: how many rows each expert gets is data
+            return None, ("activations: not estimated for a model whose shapes depend on its data (a mixture of "
+                          "experts routes a data-dependent number of rows to each expert)")
     return None, "activations: not estimated for a tensor axis without a pipeline (plan with a pipe axis to " \
                  "measure each block's saved bytes on its shards)"
 

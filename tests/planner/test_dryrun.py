@@ -167,3 +167,15 @@ def test_activations_are_measured_in_the_compute_dtype():
         model = GPT(run.model.gpt(), seed=None).to(torch.bfloat16)
     ids = torch.zeros(run.train.batch // 2, run.seq, dtype=torch.long, device="meta")
     assert got["bf16"] == activation_bytes(model, (ids, ids)) and 0.4 < got["bf16"] / got["fp32"] < 0.75
+
+
+def test_the_dry_run_of_a_mixture_of_experts_prices_its_routing_and_says_what_it_cannot_estimate():
+    """model=moe_tiny on data 2 x expert 2: each rank holds half the experts, the routing's all-to-alls are
+    priced over expert (uniform routing), and the activations, whose shapes depend on the routing, are said
+    not estimated rather than crashing the trace."""
+    d = dry_run(run_of("model=moe_tiny", "mesh=dp2_ep2", "parallel=ep"))
+    plan = d.plan
+    experts = [p for p in plan.local(0).params if plan.is_expert(p.name)]
+    assert experts and all(p.shape[0] == p.full_shape[0] // 2 for p in experts)
+    assert d.bytes_per_axis["expert"] == sum(e.total for e in plan.comm_per_step() if e.op == "all_to_all") > 0
+    assert any("data-dependent" in n for n in d.notes)
