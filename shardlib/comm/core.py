@@ -250,6 +250,14 @@ def reduce_scatter_single_fn():
     return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def _group_call(api: str, x: object, mesh, axes: str | Sequence[str]) -> tuple[Mesh, torch.Tensor, tuple[str, ...], int]:
+    """A collective's checked arguments: the mesh, the tensor, the group's axes in mesh order and its size."""
+    mesh = _require_mesh(mesh, api)
+    x = _check_tensor(x, api, mesh)
+    canon = mesh.canonical_axes(axes)
+    return mesh, x, canon, group_size(mesh, canon)
+
+
 def _alone(x: torch.Tensor, out: torch.Tensor | None, async_op: bool):
     """A group of one: ``x`` itself is the result (copied into ``out`` when one is given)."""
     if out is not None and out.data_ptr() != x.data_ptr():
@@ -264,10 +272,7 @@ def all_gather(x: torch.Tensor, mesh: Mesh, axes: str | Sequence[str], *, async_
 
     ``out``: the result's buffer (contiguous, ``k`` times ``x``'s shape along dim 0, its dtype)
     instead of a new tensor; ``x`` may be this member's block of it (in place, as FSDP2 gathers)."""
-    mesh = _require_mesh(mesh, "all_gather")
-    x = _check_tensor(x, "all_gather", mesh)
-    canon = mesh.canonical_axes(axes)
-    k = group_size(mesh, canon)
+    mesh, x, canon, k = _group_call("all_gather", x, mesh, axes)
     if k == 1:
         return _alone(x, out, async_op)
     shape = (k * x.shape[0],) + tuple(x.shape[1:]) if x.dim() else (k,)
@@ -298,10 +303,7 @@ def reduce_scatter(x: torch.Tensor, mesh: Mesh, axes: str | Sequence[str], *, op
     reduce-scatter is that all-reduce run on ``x`` itself: the same messages, without the clone (a
     block of ``x``'s size allocated each call) and the copy. It is counted as the reduce-scatter
     it is."""
-    mesh = _require_mesh(mesh, "reduce_scatter")
-    x = _check_tensor(x, "reduce_scatter", mesh)
-    canon = mesh.canonical_axes(axes)
-    k = group_size(mesh, canon)
+    mesh, x, canon, k = _group_call("reduce_scatter", x, mesh, axes)
     if k == 1:
         return _alone(x, out, async_op)
     if x.dim() == 0 or x.shape[0] % k:
@@ -387,10 +389,7 @@ def all_to_all(x: torch.Tensor, mesh: Mesh, axes: str | Sequence[str], *,
     Without splits, dim 0 must divide by the group size; with them, sizes may be uneven
     (and ``out_splits`` gives what arrives from each member).
     """
-    mesh = _require_mesh(mesh, "all_to_all")
-    x = _check_tensor(x, "all_to_all", mesh)
-    canon = mesh.canonical_axes(axes)
-    k = group_size(mesh, canon)
+    mesh, x, canon, k = _group_call("all_to_all", x, mesh, axes)
     if k == 1:
         return _done(x, async_op)
     if x.dim() == 0:
