@@ -100,12 +100,21 @@ class ModelDims:
         cfg = getattr(model, "config", None)
         if cfg is None or not hasattr(cfg, "num_hidden_layers"):
             c = model.cfg
+            if c.n_experts:        # a token multiplies the router, its top_k experts and the shared ones (SwiGLU)
+                matrix = (4 * c.d_model ** 2 + c.n_experts * c.d_model
+                          + (c.top_k + c.shared_experts) * 3 * c.expert_width * c.d_model)
+                return ModelDims(c.n_layers, c.d_model, c.n_heads, c.vocab_size, c.mlp_ratio, matrix)
             return ModelDims(c.n_layers, c.d_model, c.n_heads, c.vocab_size, c.mlp_ratio,
                              None if c.mlp_width is None else 4 * c.d_model ** 2 + 2 * c.d_model * c.mlp_width)
         from .stack import auto_stack
         stack, _ = auto_stack(model)
         first = next(iter(dict(model.named_modules())[stack].children()), None) if stack else None
-        matrix = sum(p.numel() for p in first.parameters() if p.dim() == 2) if first is not None else None
+        matrix = None
+        if first is not None:
+            # fused experts [E, ., .]: a token multiplies its top_k of the E (the config's num_experts_per_tok)
+            k = getattr(cfg, "num_experts_per_tok", None)
+            matrix = sum(p.numel() if p.dim() == 2 else p.numel() * k // p.shape[0] if p.dim() == 3 and k else 0
+                         for p in first.parameters())
         return ModelDims(cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.vocab_size, 4, matrix)
 
     def flops(self, *, seq: int, tokens: int, recompute: bool | str = False) -> float:

@@ -179,3 +179,21 @@ def test_the_dry_run_of_a_mixture_of_experts_prices_its_routing_and_says_what_it
     assert experts and all(p.shape[0] == p.full_shape[0] // 2 for p in experts)
     assert d.bytes_per_axis["expert"] == sum(e.total for e in plan.comm_per_step() if e.op == "all_to_all") > 0
     assert any("data-dependent" in n for n in d.notes)
+
+
+def test_a_mixture_of_experts_counts_the_flops_of_the_experts_a_token_takes_by_hand():
+    """A token multiplies attention's 4d², the router's E·d, and its top_k routed plus the shared experts'
+    SwiGLU weights (3·I·d each) — not every expert's, and not a dense MLP's."""
+    from shardlib.models.gpt import GPTConfig
+    from shardlib.planner.estimate import ModelDims
+    c = GPTConfig(d_model=16, n_heads=4, n_layers=2, vocab_size=32, n_experts=8, top_k=2, expert_width=24,
+                  shared_experts=1)
+    dims = ModelDims.of(GPT(c))
+    assert dims.block_matrix == 4 * 16 ** 2 + 8 * 16 + 3 * 3 * 24 * 16
+    # a transformers Mixtral: its fused experts [E, 2I, H] and [E, H, I] counted for num_experts_per_tok of E
+    from transformers import MixtralConfig, MixtralForCausalLM
+    m = MixtralForCausalLM(MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                         num_experts_per_tok=2))
+    attn = 32 * 32 * 2 + 32 * 16 * 2                      # q, o: 32x32; k, v: 2 heads of 8 -> 16x32
+    assert ModelDims.of(m).block_matrix == attn + 4 * 32 + 2 * 3 * 48 * 32
