@@ -19,6 +19,7 @@ from ..algebra.qualnames import unit_of
 from ..algebra.spec import Fused, PartitionSpec
 from ..errors import ShardingError, ShardingTypeError
 from ..quant.layout import QuantSpec, is_quantized, quantized_problems
+from .experts import aux_loss_problems, expert_layers, expert_params, expert_problems
 from .offload import disk_problems, offload_problems
 from .peft import adapter_specs
 from .pipeline import PipelinePlan
@@ -29,7 +30,6 @@ from .policies import (DataPolicy, MemoryPolicy, MeshRoles, PipelinePolicy, Poli
 from .specs import resolve_specs
 from .states import StateLayouts
 from .tensor import TensorPlan, derive
-from .experts import aux_loss_problems, expert_layers, expert_params, expert_problems
 from .tensor_use import axis_use_problems, dims_source
 from .traffic import fused_sizes
 from .units import few, find_units, param_owners, unit_problems, with_leaf_units

@@ -131,8 +131,8 @@ def flat_layout(plan: Plan) -> FlatLayout:
         members = [(f"bucket {i}", bucket) for i, bucket in enumerate(plan.buckets())]
     groups, slots = [], {}
     for g, (name, params) in enumerate(members):
-        # a bucket's states are split over its parameters' axes (with an expert axis: data x expert, or an
-        # expert's data alone; Plan.shard_axes); a unit's over data
+        # a group's states are split over its parameters' axes (data; with an expert axis data x expert, or an
+        # expert's data alone: Plan.shard_axes). Buckets and units never mix the two kinds
         axes = plan.shard_axes(params[0].name) if params else (plan.data_axis,)
         layout = Layout(plan.mesh, PartitionSpec(axes if len(axes) > 1 else axes[0]))
         names: dict[str, list[str]] = {TRAIN: [], FROZEN: []}

@@ -142,7 +142,7 @@ class Engine:
         self.experts = route_experts(model, plan, self.global_plan, mesh) if plan.expert_size > 1 else None
         global_statistics(model, mesh, plan.dp_axes)       # a router's balance statistics: the whole batch's
         base = self.pipe or self.tensor or (
-            ExpertReduction(mesh, plan, self.states, self.scalar_vector, self.experts) if self.experts
+            ExpertReduction(mesh, plan, self.states, self.scalar_vector, self.experts) if self.experts is not None
             else DataReduction(mesh, plan.dp_axes, self.scalar_vector))
         self.reduction: StepReduction = Riding(base, self.buckets) if self.buckets and self.buckets.riders else base
         # the gradients differ across ranks (each holds a part): their overflow count and norm are summed

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ..comm import core as comm
 from ..comm.experts import batch_sum, combine, dispatch
 from .grad_sync import DataReduction
 
@@ -55,25 +56,23 @@ class ExpertCounts:
     scalar all-reduce (``ExpertReduction``), they are the whole batch's (each token once per chosen expert)."""
 
     def __init__(self, names: list[str], experts: dict[str, int], mesh: Mesh, axis: str):
-        self.names = names
-        self.width = max(experts.values()) if experts else 0
-        self.n = mesh.axis_size(axis)
+        self.names, self.experts = names, [experts[n] for n in names]      # each module's experts in all
+        n = mesh.axis_size(axis)
+        self.per = [e // n for e in self.experts]                          # a rank's of each
         self.coord = mesh.coord(mesh.rank, axis)
-        self.local = torch.zeros(len(names), self.width, dtype=torch.float32, device=mesh.device)
+        self.local = torch.zeros(len(names), max(self.experts, default=0), dtype=torch.float32, device=mesh.device)
         self.last: dict[str, list[int]] = {}
 
     def add(self, layer: int, local_ids: torch.Tensor) -> None:
         if torch._C._current_graph_task_id() != -1:        # a recompute inside backward: counted already
             return
-        per = self.width // self.n
+        per = self.per[layer]
         self.local[layer, self.coord * per:(self.coord + 1) * per] += torch.bincount(local_ids, minlength=per).float()
-
-    def __bool__(self) -> bool:
-        return bool(self.names)
 
     def settle(self, summed: torch.Tensor) -> None:
         """The summed counts of this step: kept as ``last``; the accumulator starts the next step at zero."""
-        self.last = {name: [int(round(v)) for v in row] for name, row in zip(self.names, summed.view_as(self.local).tolist())}
+        rows = summed.view_as(self.local).tolist()
+        self.last = {name: [int(round(v)) for v in row[:e]] for name, row, e in zip(self.names, rows, self.experts)}
         self.local.zero_()
 
     def imbalance(self) -> float | None:
@@ -124,7 +123,6 @@ class ExpertReduction(DataReduction):
 
     def reduce(self, scalars: list[torch.Tensor]) -> torch.Tensor:
         """The scalars, with the step's tokens per expert riding the same all-reduce (no collective more)."""
-        from ..comm import core as comm
         vec = self.vector(scalars)
         out = comm.all_reduce(torch.cat([vec, self.counts.local.reshape(-1)]), self.mesh, self.axes)
         self.counts.settle(out[len(vec):])
