@@ -23,9 +23,10 @@ Rank 0 prints the plan (compact), shows a progress bar (loss, tokens/s, step tim
 and a log line every ``train.log_every`` steps — where the output is not a terminal (a log file, CI)
 no bar, but the same plain line every ``train.log_every`` steps or 30 s — and writes into the Hydra run directory
 (``outputs/<date>/<time>/``): ``metrics.jsonl`` (one object per step: step, loss, lr, grad_norm,
-tokens_per_s, step_ms, peak_rss per rank, bytes_per_axis rank 0 sent), ``plan.txt``, ``loss.png``,
-``memory.png`` (per rank, planned vs measured parameters, gradients, optimizer state, activations),
-``timeline.png`` (the last step of a pipeline) and ``summary.json``.
+tokens_per_s, step_ms, peak_rss per rank, bytes_per_axis rank 0 sent; with an expert axis tokens_per_expert
+and expert_imbalance), ``plan.txt``, ``loss.png``, ``memory.png`` (per rank, planned vs measured parameters,
+gradients, optimizer state, activations), ``timeline.png`` (the last step of a pipeline), ``experts.png`` (with
+an expert axis: each MoE layer's tokens per expert per step, and the imbalance) and ``summary.json``.
 
 A transformers model (``model=hf model.path=<folder>``: ``config.json``, safetensors, tokenizer
 files; ``examples/make_tiny_hf.py`` makes a small one offline) trains the same way: each rank builds
@@ -62,7 +63,7 @@ import shardlib as sl
 from shardlib.cli.compose import check_overrides, whole_axes
 from shardlib.frontend.config.run_config import ConfigError, RunConfig, run_config
 from shardlib.frontend.launch.outcomes import WorkerError
-from shardlib.frontend.plots.report import Progress, plot_loss, plot_memory, summary_lines
+from shardlib.frontend.plots.report import Progress, plot_expert_load, plot_loss, plot_memory, summary_lines
 from shardlib.frontend.run import SavedActivations, Trainer, check
 from shardlib.planner.pipeline_report import rank_activation_bytes
 from shardlib.runtime.checkpoint.core import clean_partial, latest, save_step
@@ -189,6 +190,8 @@ def _report(run: RunConfig, plan, metrics: list[dict], everyone: list[dict], agr
     plot_memory(planned, [e["held"] for e in everyone], out_dir / "memory.png",
                 title=f"{title}\nmodel states: plan.memory_per_rank vs held; activations: the blocks' saved bytes "
                       "x live micro-batches (planned) vs the peak saved (measured)" + kinds)
+    if any(m.get("tokens_per_expert") for m in metrics):       # the expert axis: each expert's load per step
+        plot_expert_load(metrics, out_dir / "experts.png", title=f"{title}: tokens per expert")
     if everyone[0]["timeline"]:
         from shardlib.frontend.plots.timeline import plot_timeline
         from shardlib.planner.simulate import bubble_formula

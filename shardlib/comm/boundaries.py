@@ -178,7 +178,7 @@ class Boundaries(SeqEdges):
         self.shared_regions: set[str] = set()      # found by a trace: TensorPlan.shared_input
         self._fusion = ColumnFusion(getattr(ops, "mesh", None), getattr(ops, "axes", None))   # None: a trace
         self._handles: list[Any] = []
-        self._forwards: list[nn.Module] = []
+        self._forwards: list[tuple[nn.Module, Any]] = []     # (module, the instance forward it had)
         modules = dict(model.named_modules())
         sp = tplan.sequence_parallel and tplan.size > 1
         sp_modules = set(tplan.f_modules)
@@ -232,6 +232,8 @@ class Boundaries(SeqEdges):
                 self._override(mod, _vocab_forward(self, site, in_sp))
             elif site.kind == "norm":
                 self._override(mod, _norm_forward(self, site))
+            elif site.kind == "experts":       # around the forward it has (the expert axis's routing, if any)
+                self._override(mod, _experts_forward(self, mod.forward))
         # SP: a unit's tensor-replicated parameters (norms, row biases) enter its forward through
         # one f over all of them, laid end to end: one all-reduce of their partial gradients per
         # unit in backward (Megatron sums these "sequence-parallel gradients" in one all-reduce too)
@@ -247,7 +249,9 @@ class Boundaries(SeqEdges):
                     self._sp_params.setdefault(unit, []).append((mod, a))
             if tplan.site(name) is None:
                 self._override(mod, _sp_param_forward(self, mod))
-        body = [u for u in units if u]
+        # the layer stack's units, not those nested in one (ZeRO-3's experts unit inside its block): the block
+        # is what runs, is recomputed, and begins and ends the sequence-split stream
+        body = [u for u in units if u and not any(u.startswith(o + ".") for o in units if o)]
         for u in body:
             self._handles.append(modules[u].register_forward_pre_hook(self._unit_pre(u, sp and u == body[0])))
         for u in body:
@@ -390,14 +394,17 @@ class Boundaries(SeqEdges):
                 setattr(mod, la.attr, hi - lo)
 
     def _override(self, mod: nn.Module, fn) -> None:
+        self._forwards.append((mod, mod.__dict__.get("forward")))     # an instance forward before: restored
         mod.forward = types.MethodType(fn, mod)
-        self._forwards.append(mod)
 
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
-        for mod in self._forwards:
-            mod.__dict__.pop("forward", None)
+        for mod, before in reversed(self._forwards):
+            if before is None:
+                mod.__dict__.pop("forward", None)
+            else:
+                mod.forward = before
         for mod, attr, value in reversed(self._saved_attrs):
             setattr(mod, attr, value)
         self._handles, self._forwards, self._saved_attrs = [], [], []
@@ -456,6 +463,17 @@ def _norm_forward(b: Boundaries, site):
         eps = getattr(self, "variance_epsilon", getattr(self, "eps", None))
         h = h * torch.rsqrt(ss / site.width + eps)
         return (self.weight * h).to(dt)
+    return forward
+
+
+def _experts_forward(b: Boundaries, inner):
+    """Experts whose own widths are split over tensor (Megatron's tensor-parallel experts: gate|up a column,
+    down a row, ``planner/tensor.py``'s experts site): the rows and their routing weights enter through ``f``
+    (their gradients, partial sums over tensor, all-reduced in backward), the output, a partial sum, leaves
+    through ``g``. ``inner``: the forward the module had (on an expert axis: routed to this rank's experts and
+    back, so ``g`` sums the tokens' rows, not the routed ones)."""
+    def forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
+        return b.ops.g(inner(b.ops.f(hidden_states), top_k_index, b.ops.f(top_k_weights), *args, **kwargs))
     return forward
 
 

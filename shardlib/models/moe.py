@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..algebra.spec import Fused
 from ..planner.specs import shard
 
 if TYPE_CHECKING:
@@ -26,8 +27,9 @@ if TYPE_CHECKING:
 
 
 # each expert's weights are one slice of dim 0, the logical dim ``experts``: rules={"experts": "expert"}
-# splits them over an expert axis; their own dims may split over tensor ("moe_mlp": the expert's width)
-@shard({"gate_up_proj": ("experts", "moe_mlp", "embed"), "down_proj": ("experts", "embed", "moe_mlp")})
+# splits them over an expert axis; each expert's width (``expert_mlp``, transformers' name: gate|up, two
+# blocks) may split over tensor, rules={"expert_mlp": "tensor"}, Megatron's tensor-parallel experts
+@shard({"gate_up_proj": ("experts", Fused(2, "expert_mlp"), "embed"), "down_proj": ("experts", "embed", "expert_mlp")})
 class Experts(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -46,7 +48,8 @@ class Experts(nn.Module):
         return out
 
 
-@shard({"gate_up.weight": ("moe_mlp", "embed"), "down.weight": ("embed", "moe_mlp")})
+# split over tensor as the dense MLP is (rules={"mlp": "tensor"}): gate|up a column of two blocks, down a row
+@shard({"gate_up.weight": (Fused(2, "mlp"), "embed"), "down.weight": ("embed", "mlp")})
 class SharedExperts(nn.Module):
     """``n`` always-on experts as one SwiGLU MLP of ``n`` experts' width (Qwen2-MoE's and DeepSeek's shared
     experts), added to every token's routed output."""
@@ -76,6 +79,7 @@ class MoE(nn.Module):
         self.experts = Experts(cfg)
         self.shared = SharedExperts(cfg) if cfg.shared_experts else None
         self.aux_loss: torch.Tensor | None = None
+        self.aux_weight = cfg.aux_loss      # what the model weighs aux_loss by in its loss (0: not added)
         self.reduce_stats: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.scoring, self.n_group, self.topk_group = cfg.scoring, cfg.n_group, cfg.topk_group
         self.routed_scale, self.bias_rate = cfg.routed_scale, cfg.bias_rate

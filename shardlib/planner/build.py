@@ -19,7 +19,7 @@ from ..algebra.qualnames import unit_of
 from ..algebra.spec import Fused, PartitionSpec
 from ..errors import ShardingError, ShardingTypeError
 from ..quant.layout import QuantSpec, is_quantized, quantized_problems
-from .experts import aux_loss_problems, expert_layers, expert_params, expert_problems
+from .experts import aux_loss_problems, expert_layers, expert_params, expert_problems, router_stats
 from .offload import disk_problems, offload_problems
 from .peft import adapter_specs
 from .pipeline import PipelinePlan
@@ -114,6 +114,7 @@ def _plan(model: nn.Module, mesh: AbstractMesh, *, policies: Policies, rules: An
                    model, {n: tuple(p.shape) for n, p in named}, experts,
                    _tokens(batch, mesh.axis_size(dp) * grad_accum))
                if experts else (),
+               router_stats=router_stats(model, {u.name for u in unit_list}) if mesh.axis_size(dp) > 1 else (),
                offload=kinds, offload_dir=None if offload_dir is None else os.fspath(offload_dir))
     if offload_dir is not None and any(k == "disk" for _, k in kinds) and getattr(mesh, "rank", None) is not None:
         found = disk_problems(offload_dir, out.disk_bytes())      # a running mesh: this machine's disk
@@ -308,10 +309,11 @@ def with_data(spec: PartitionSpec, axis: str | tuple[str, ...] | None) -> Partit
         return spec
     entries = list(spec) or [None]
     first = entries[0]
+    extra = axis if isinstance(axis, tuple) else (axis,)
     if isinstance(first, Fused):         # data splits each block's tensor-local slice, as the flat pieces do
-        entries[0] = Fused(first.parts, (*first, axis))
+        entries[0] = Fused(first.parts, (*first, *extra))
     else:
-        entries[0] = axis if first is None else ((*first, axis) if isinstance(first, tuple) else (first, axis))
+        entries[0] = axis if first is None else (*(first if isinstance(first, tuple) else (first,)), *extra)
     return PartitionSpec(*entries)
 
 

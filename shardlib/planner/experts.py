@@ -5,8 +5,9 @@ Experts' weights are laid out on their expert dim (dim 0, the logical dim ``expe
 is not an expert is replicated over ``expert`` like a data axis: its gradients are summed over data x
 expert, an expert's over data alone (``Plan.grad_axes``); under ZeRO-1/2 the states of what is not an
 expert are split over data x expert, an expert's over data (``Plan.shard_axes``). What this version runs:
-the expert axis beside data (and HSDP's replica) with ZeRO-0 to 3 and the optimizer on the host; the tensor and
-pipe axes and other offload with an expert axis are refused by name, not run wrong.
+the expert axis beside data (and HSDP's replica) and tensor (each expert's width split over it: the tensor
+plan's experts site) with ZeRO-0 to 3 and the optimizer on the host; the pipe axis and other offload with an
+expert axis are refused by name, not run wrong.
 """
 
 from __future__ import annotations
@@ -57,11 +58,10 @@ def expert_problems(specs: dict[str, PartitionSpec], mesh: Any, roles: Any, stat
             out.append(f"plan: {name} is laid out {spec} — expected the expert axis {axis!r} alone on dim 0 (the "
                        "experts dim), each rank holding whole experts.")
     sizes = mesh.axis_sizes
-    others = [f"{role} axis {a!r}" for role, a in (("tensor", roles.tensor or "tensor"), ("pipe", roles.pipe or "pipe"))
-              if sizes.get(a, 1) > 1]
-    if others:
-        out.append(f"plan: the expert axis {axis!r} beside the {' and the '.join(others)} is not supported yet — "
-                   "expected expert x data (with replica) alone. Give those axes size 1.")
+    pipe = roles.pipe or "pipe"
+    if sizes.get(pipe, 1) > 1:
+        out.append(f"plan: the expert axis {axis!r} beside the pipe axis {pipe!r} is not supported yet — expected "
+                   "expert x data (with replica) x tensor. Give the pipe axis size 1.")
     kinds = dict(offload)
     if kinds.get("params") or kinds.get("activations") or kinds.get("optimizer") not in (None, "host"):
         out.append(f"plan: the expert axis {axis!r} with parameters or activations offloaded, or the optimizer on "
@@ -98,4 +98,28 @@ def expert_layers(model: nn.Module, params: dict[str, tuple[int, ...]], experts:
         parent = modules.get(owner.rpartition(".")[0]) if "." in owner else model
         k = getattr(parent, "top_k", None) or getattr(config, "num_experts_per_tok", None) or 1
         out.append(ExpertLayer(owner, params[mine[0]][0], int(k), hidden, tokens))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class RouterStats:
+    """A router whose load-balancing statistics are summed over the batch's ranks (a module with a
+    ``reduce_stats`` slot, ``models/moe.py``): per micro-batch its forward all-reduces ``experts + 1`` counts
+    and ``experts`` probability sums, its backward (``backward``: the model adds the loss, ``aux_weight`` not
+    0) the sums' cotangent; a recomputed ``unit`` runs its forward's again."""
+
+    name: str
+    experts: int
+    unit: str
+    backward: bool
+
+
+def router_stats(model: nn.Module, units: set[str]) -> tuple[RouterStats, ...]:
+    """The routers of ``model`` whose statistics the runtime makes global (``runtime/experts.global_statistics``)."""
+    from ..algebra.qualnames import unit_of
+    out = []
+    for name, m in model.named_modules():
+        if hasattr(m, "reduce_stats"):
+            experts = int(getattr(m, "n_experts", 0) or getattr(getattr(m, "gate", None), "out_features", 0))
+            out.append(RouterStats(name, experts, unit_of(name, units), bool(getattr(m, "aux_weight", 1.0))))
     return tuple(out)

@@ -16,9 +16,9 @@ Where the entries come from, in order (``hf_dims(model, sources=True)`` says whi
    ``("vocab",)``); a tied pair stays replicated.
 
 MoE experts (transformers 5's fused 3-D weights, ``packed_colwise`` / ``rowwise`` / ``moe_tp_experts`` in the
-plan) get ``("experts", Fused(2, "expert_mlp"), "embed")`` and ``("experts", "embed", "expert_mlp")``: no tensor
-rule names ``expert_mlp``, so the experts run replicated over ``tensor`` (a rule splitting them is refused by the
-planner: their split site is not lowered yet). A config plan entry of another kind shardlib does not lower
+plan) get ``("experts", Fused(2, "expert_mlp"), "embed")`` and ``("experts", "embed", "expert_mlp")``: the rule
+``"expert_mlp": "tensor"`` splits each expert's width (the tensor plan's experts site, Megatron's tensor-parallel
+experts); without it the experts run replicated over ``tensor``. A config plan entry of another kind shardlib does not lower
 (``colwise_gather_output`` outside the project's table, ``sequence_parallel``, ...) is not in the table;
 ``unsupported(model)`` lists it with what supporting it would take, and ``sl.plan`` refuses it when the mesh's
 tensor axis would split the model.
@@ -43,7 +43,7 @@ NORM = "norm_split"           # an RMSNorm over a column's whole output (OLMo-2'
 EXPERTS_COL2, EXPERTS_MODULE = "experts_packed_colwise", "experts_module"
 _KINDS = {"colwise": COL, "rowwise": ROW, "replicated_with_grad_allreduce": REPLICATED,
           # MoE experts (transformers 5's fused 3-D weights): their dims are named (``experts``, ``expert_mlp``),
-          # which no rule of the tensor axis splits by default: the experts run replicated over ``tensor``
+          # split over tensor by the rule ``"expert_mlp": "tensor"``, else replicated over it
           "packed_colwise": EXPERTS_COL2, "moe_tp_experts": EXPERTS_MODULE}
 _WHY = {
     "packed_colwise": "MoE experts' fused gate|up weights (E, 2I, H) split on I per expert",

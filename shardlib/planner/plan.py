@@ -187,6 +187,8 @@ class Plan:
     expert_axis: str | None = None
     # its experts modules, for planning their routing (planner/experts.py)
     expert_layers: tuple = ()
+    # routers whose balance statistics are summed over the batch's ranks (planner/experts.py: RouterStats)
+    router_stats: tuple = ()
     # memory kinds (planner/offload.py): ((state, "host" | "disk"), ...) — states not named live on the device
     offload: tuple[tuple[str, str], ...] = ()
     offload_dir: str | None = None

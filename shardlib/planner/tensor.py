@@ -25,6 +25,11 @@ Linear ``P(Fused(3,           a column whose features     as a column; the bias 
 "tensor"), None)``, Conv1D    are ``parts`` blocks        "tensor"))`` follows
 ``P(None, Fused(3, ...))``    (``q|k|v``): this rank's
                               chunk of each, in order
+stacked experts ``[E, out,    each expert's gate|up on    the rows and routing weights in through
+in]``: gate|up ``P(.., Fused  its width slice, down a     *f*, the output out through *g* (outside
+(2, "tensor"), None)``, down  partial sum (Megatron's     the expert axis's routing: the tokens'
+``P(.., None, "tensor")``     tensor-parallel experts)    rows, not the routed ones)
+(``experts``)
 ============================  ==========================  ==========================================
 
 Between a column and the row that consumes its output, model code runs unchanged on the local
@@ -88,7 +93,7 @@ from ..validate import is_int
 from .packed import packed_problem, per_head_problems
 from .peft import adapted_layer, is_adapter, projection_dims, uses_axis
 
-COLUMN, ROW, VOCAB, LOGITS, NORM = "column", "row", "vocab", "logits", "norm"
+COLUMN, ROW, VOCAB, LOGITS, NORM, EXPERTS = "column", "row", "vocab", "logits", "norm", "experts"
 _HEADS = ("n_heads", "num_heads", "num_attention_heads")
 _KV_HEADS = ("n_kv_heads", "num_kv_heads", "num_key_value_heads")
 _WIDTH_ATTRS = ("split_size",)
@@ -222,6 +227,11 @@ def derive(model: nn.Module, specs: dict[str, PartitionSpec], *, axis: str, size
                 sites.append(site)
                 if site.kind == ROW and sequence_parallel and size > 1 and unit and mod.bias is not None:
                     sp_modules.append(mname)
+        elif _stacked(mod):
+            site, found = _experts_site(mname, mod, qual, split, axis, unit, size)
+            problems += found
+            if site is not None:
+                sites.append(site)
         elif isinstance(mod, nn.Embedding):
             w = split.get("weight")
             if w is not None and tuple(w) in ((axis,), (axis, None)):
@@ -273,6 +283,12 @@ def derive(model: nn.Module, specs: dict[str, PartitionSpec], *, axis: str, size
     sites = [replace(s, kind=LOGITS)
              if s.kind == COLUMN and _parent(s.module) not in row_parents and not s.unit and not is_adapter(s.module)
              else s for s in sites]
+    if sequence_parallel and size > 1 and any(s.kind == EXPERTS for s in sites):
+        problems.append(f"plan: sequence_parallel=True with experts split over {axis!r} "
+                        f"({', '.join(s.module for s in sites if s.kind == EXPERTS)}) is not supported yet: the "
+                        "experts would see each rank's sequence chunk, not the rows every tensor rank shares — "
+                        "expected sequence_parallel=False, or the experts' width replicated over tensor (no "
+                        "'expert_mlp' rule).")
     if sequence_parallel and size > 1 and not units:
         problems.append("plan: sequence_parallel=True splits the residual stream on the sequence dim inside the "
                         "layer stack — got a model with no layer-stack units (no nn.ModuleList of blocks, and "
@@ -338,6 +354,72 @@ def _projection_site(mname: str, mod: nn.Module, dims: tuple[int, int, int, int]
                             "width. Declare the blocks it holds, or split it plainly.")
             return None, problems, described
         return Site(mname, ROW, wq, qual.get("bias"), in_features, unit, parts, conv, _parent(mname)), problems, described
+
+
+def _stacked(mod: nn.Module) -> bool:
+    """A module holding experts as stacked 3-D weights ``[E, out, in]`` (transformers 5's fused ``*Experts``,
+    ``models/moe.py``'s ``Experts``): every parameter of its own 3-D (biases ``[E, out]`` aside)."""
+    own = [p for p in mod._parameters.values() if p is not None]
+    return bool(own) and any(p.dim() == 3 for p in own) and all(p.dim() in (2, 3) for p in own)
+
+
+def _experts_site(mname: str, mod: nn.Module, qual: dict[str, str], split: dict[str, PartitionSpec], axis: str,
+                  unit: str, size: int) -> tuple[Site | None, list[str]]:
+    """The experts site of ``mod`` (stacked 3-D weights ``[E, out, in]``, as ``F.linear`` takes each expert's
+    slice) whose weights ``split`` use ``axis``: each expert's own width split as Megatron's tensor-parallel
+    experts split it — the first projection a column (``out`` over ``axis``: gate|up as
+    ``Fused(2, axis)``), the last a row (``in`` over ``axis``), so the module's output is a partial sum over
+    ``axis`` (``g``) and its inputs, the rows and their routing weights, enter through ``f``. Any other
+    split, a bias, or a forward not taking ``(hidden_states, top_k_index, top_k_weights)`` is refused."""
+    where = f"{type(mod).__name__} {mname or '<root>'!r}"
+    problems: list[str] = []
+    own = {a: p for a, p in mod._parameters.items() if p is not None}
+    cols, rows = [], []
+    for a, p in own.items():
+        spec = split.get(a)
+        entries = tuple(spec) + (None,) * (p.dim() - len(tuple(spec))) if spec is not None else ()
+        if p.dim() != 3 or spec is None:
+            problems.append(f"plan: {qual[a]} {tuple(p.shape)} of {where} is "
+                            f"{_fmt(spec if spec is not None else PartitionSpec())} while the experts' other weights "
+                            f"split on {axis!r} — expected every 3-D expert weight split over {axis!r} (the first "
+                            f"projection's out-features, the last's in-features) and no bias. Split it too, or keep "
+                            f"all of {where}'s weights replicated over {axis!r}.")
+        elif _is(entries[1], axis) and not uses_axis(PartitionSpec(entries[0], entries[2]), axis):
+            cols.append(a)
+        elif _is(entries[2], axis) and not uses_axis(PartitionSpec(entries[0], entries[1]), axis):
+            rows.append(a)
+        else:
+            problems.append(f"plan: {qual[a]} {tuple(p.shape)} of {where} is {_fmt(spec)} — expected the expert "
+                            f"weights [experts, out, in] split over {axis!r} on out (a column, P(.., {axis!r} or "
+                            f"Fused(2, {axis!r}), None)) or on in (a row, P(.., None, {axis!r})).")
+    if problems:
+        return None, problems
+    if not cols or not rows:
+        problems.append(f"plan: {where}'s weights {', '.join(qual[a] for a in own)} split over {axis!r} only as "
+                        f"{'columns' if cols else 'rows'} — expected a column (gate|up's out-features) and a row "
+                        "(down's in-features), whose output the module sums over the axis.")
+        return None, problems
+    try:
+        params = [p for p in inspect.signature(type(mod).forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        params = []
+    if len(params) < 4:       # self, hidden_states, top_k_index, top_k_weights
+        problems.append(f"plan: {where} holds experts split over {axis!r}, but its forward takes "
+                        f"{[p.name for p in params[1:]]} — expected transformers' experts signature (hidden_states, "
+                        "top_k_index, top_k_weights), whose rows and routing weights enter the split experts.")
+        return None, problems
+    width = own[cols[0]].shape[1]
+    for a in cols + rows:
+        dim = 1 if a in cols else 2
+        n = own[a].shape[dim]
+        entry = tuple(split[a])[dim]
+        parts = entry.parts if isinstance(entry, Fused) else 1
+        if n % (parts * size):
+            problems.append(f"plan: {qual[a]} {tuple(own[a].shape)} of {where} is {_fmt(split[a])}: dim {dim} ({n}) "
+                            f"does not split into {parts} block(s) over {axis}={size} — expected a width divisible "
+                            f"by {parts * size}. Use a {axis} degree dividing the expert width.")
+    return (None if problems else Site(mname, EXPERTS, qual[cols[0]], None, width, unit)), problems
 
 
 def _layout_problems(sites: list[Site], modules: dict[str, nn.Module], specs: dict[str, PartitionSpec],

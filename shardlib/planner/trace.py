@@ -117,7 +117,9 @@ def _micro_batch(plan: Plan, batch: Any, device: str) -> Any:
         if t.dim() == 0 or t.shape[0] % n:
             raise ShardingError(f"plan: batch= has a tensor of shape {tuple(t.shape)} whose dim 0 does not split "
                                 f"over data={plan.dp_size} x grad_accum={plan.grad_accum} — expected a multiple of {n}.")
-        t = t.to(device)[: t.shape[0] // n]
+        t = t[: t.shape[0] // n]
+        # a batch given on the meta device (a dry run) traced again on CPU: zeros of its shape, as the weights are
+        t = torch.zeros(t.shape, dtype=t.dtype, device=device) if t.is_meta and device != "meta" else t.to(device)
         return t.to(plan.compute_dtype) if t.is_floating_point() and plan.mixed else t
     return tree_map_only(torch.Tensor, cut, batch)
 

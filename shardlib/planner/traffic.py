@@ -90,8 +90,10 @@ def scalars_per_step(plan: Plan) -> int:
                     + int(plan.clip_grad_norm is not None))
         return 1 + sum(1 for p in plan.params if p.trainable)
     k = 1 + sum(1 for p in plan.params if p.trainable)
-    if plan.states.grads is not None or plan.tensor_size > 1:
+    if plan.states.grads is not None or plan.tensor_size > 1 or plan.expert_size > 1:   # gradients differ by rank
         k += int(plan.precision == "fp16") + int(plan.clip_grad_norm is not None)
+    if plan.expert_size > 1 and plan.expert_layers:   # the step's tokens per expert ride along (runtime/experts.py)
+        k += len(plan.expert_layers) * max(layer.experts for layer in plan.expert_layers)
     return k
 
 def pipe_scalar_axes(plan: Plan) -> tuple[str, ...]:
@@ -196,7 +198,9 @@ def comm_per_step(plan: Plan, rank: int | None = None) -> list[CommEntry]:
             out.append(CommEntry("step", "scalars", "all_reduce", dp,
                                  comm.all_reduce_bytes(plan.scalars_per_step(), dpn, 4), 1))
     if plan.expert_size > 1:       # the routing's all-to-alls (planner/experts.py: uniform routing)
-        out += routing_entries(plan.expert_layers, plan.expert_size, plan.expert_axis, c, plan.grad_accum)
+        out += routing_entries(plan.expert_layers, plan.expert_size, plan.expert_axis, c, plan.grad_accum,
+                               recomputed(plan))
+    out += stats_entries(plan)
     if plan.pipe_size > 1:
         out += _pipe_entries(plan) + _tied_entries(plan)
     elif plan.tensor_size > 1:
@@ -370,12 +374,41 @@ def copy_entries(plan: Plan, rank: int | None = None) -> list:
     return out
 
 
-def routing_entries(layers: tuple, n: int, axis: str, itemsize: int, microbatches: int) -> list:
+def stats_entries(plan: Plan) -> list[CommEntry]:
+    """The routers' load-balancing statistics summed over the batch's ranks (``Plan.router_stats``): per
+    micro-batch the counts (``E + 1`` floats) and probability sums (``E``) forward, the sums' cotangent
+    backward where the loss holds the term, and a recomputed unit's forward again."""
+    axes = plan.mesh.canonical_axes(plan.dp_axes)
+    n = plan.mesh.axis_size(axes)
+    again = recomputed(plan)
+    out = []
+    for r in plan.router_stats:
+        for what, k in (("counts", r.experts + 1), ("sums", r.experts)):
+            out.append(CommEntry("forward", "router-stats", "all_reduce", axes, comm.all_reduce_bytes(k, n, 4),
+                                 plan.grad_accum, f"{r.name} {what}"))
+            if again(r.name):
+                out.append(CommEntry("backward", "recompute", "all_reduce", axes, comm.all_reduce_bytes(k, n, 4),
+                                     plan.grad_accum, f"{r.name} {what}"))
+        if r.backward:
+            out.append(CommEntry("backward", "router-stats", "all_reduce", axes,
+                                 comm.all_reduce_bytes(r.experts, n, 4), plan.grad_accum, f"{r.name} sums"))
+    return out
+
+
+def recomputed(plan: Plan):
+    """``name -> whether module `name` runs its forward again in backward``: it is inside a unit recomputed whole."""
+    units = [u.name for u in plan.units if u.recompute and u.name]
+    return lambda name: any(name == u or name.startswith(u + ".") for u in units)
+
+
+def routing_entries(layers: tuple, n: int, axis: str, itemsize: int, microbatches: int, again=lambda name: False
+                    ) -> list:
     """Each experts module's all-to-alls of one step over the expert axis (``n`` ranks), for uniform routing
     (each rank's ``T·k`` rows spread evenly over the ``n`` ranks, ``(n-1)/n`` of them leaving it), per
     micro-batch: forward the counts (``n`` int64), the rows (``H`` elements), their local expert ids
     (int64) and routing weights, and the outputs back; backward the rows', weights' and outputs' gradients
-    (``comm/experts.py``). The bytes are what a rank sends."""
+    (``comm/experts.py``), and a layer recomputed (``again(name)``) its forward's 5 again. The bytes are what a
+    rank sends."""
     out = []
     for layer in layers:
         if layer.tokens is None or n == 1:
@@ -390,4 +423,6 @@ def routing_entries(layers: tuple, n: int, axis: str, itemsize: int, microbatche
                 CommEntry("backward", "routing", "all_to_all", (axis,), rows, microbatches, f"{layer.name} combine"),
                 CommEntry("backward", "routing", "all_to_all", (axis,), away * c, microbatches, f"{layer.name} weights"),
                 CommEntry("backward", "routing", "all_to_all", (axis,), rows, microbatches, f"{layer.name} rows")]
+        if again(layer.name):
+            out += [replace(e, phase="backward", what="recompute") for e in out[-8:-3]]
     return out

@@ -129,6 +129,9 @@ class Engine:
             self.buckets, self.units = None, build_units(self)
         if piped and self.units is not None and plan.pipe_unshard:
             self.units.remove()       # the pipeline gathers and reduces a stage's units once per step
+        # the expert axis (runtime/experts.py): experts run on their rows, routed to them and back (inside the
+        # tensor axis's f and g where their widths split over tensor too)
+        self.experts = route_experts(model, plan, self.global_plan, mesh) if plan.expert_size > 1 else None
         # after the units: its unit hooks run after ZeRO-3's gathers
         self.tensor = TensorRuntime(self) if plan.tensor_size > 1 else None
         self.pipe = PipelineRuntime(self) if piped else None
@@ -138,12 +141,9 @@ class Engine:
         self.micro_batches: MicroBatches = self.pipe if self.pipe is not None else Accumulate(
             self.syncs, self.tensor.loss if self.tensor is not None else self.loss_of,
             self.units.freed_use if self.units is not None else None)
-        # the expert axis (runtime/experts.py): experts run on their rows, routed to them and back
-        self.experts = route_experts(model, plan, self.global_plan, mesh) if plan.expert_size > 1 else None
         global_statistics(model, mesh, plan.dp_axes)       # a router's balance statistics: the whole batch's
-        base = self.pipe or self.tensor or (
-            ExpertReduction(mesh, plan, self.states, self.scalar_vector, self.experts) if self.experts is not None
-            else DataReduction(mesh, plan.dp_axes, self.scalar_vector))
+        base = (ExpertReduction(mesh, plan, self.states, self.scalar_vector, self.experts) if self.experts is not None
+                else self.pipe or self.tensor or DataReduction(mesh, plan.dp_axes, self.scalar_vector))
         self.reduction: StepReduction = Riding(base, self.buckets) if self.buckets and self.buckets.riders else base
         # the gradients differ across ranks (each holds a part): their overflow count and norm are summed
         self.grads_sharded = (plan.states.grads is not None or self.tensor is not None or self.pipe is not None

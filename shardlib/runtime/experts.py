@@ -94,36 +94,43 @@ def global_statistics(model: nn.Module, mesh: Mesh, axes: tuple[str, ...]) -> in
 
 
 class ExpertReduction(DataReduction):
-    """The step's scalars with an expert axis. Under ZeRO-0 every gradient is replicated over data, and a
-    non-expert's over expert too, so a rank's share of the squared norm is its experts' gradients (on the
-    first data coordinate) and the rest on the first data and expert coordinates; under ZeRO-1/2 it is its own
-    pieces. Summed over the batch's axes it counts each element once."""
+    """The step's scalars with an expert axis (and a tensor axis, if any). A rank counts a gradient's square
+    where it is the one copy of those elements: a gradient replicated over an axis counts on that axis's
+    first coordinate. Under ZeRO-0 every gradient is replicated over data and a non-expert's over expert too;
+    under ZeRO-1/2/3 a rank holds its own pieces of the reduced gradients, disjoint over their shard axes (HSDP's
+    replicas zeroed by the engine); a parameter not split over tensor is replicated over it. The loss, the
+    used flags and the tokens per expert are the same on every tensor coordinate: coordinate 0 gives them.
+    Summed over the batch's axes (and tensor) it counts each element once."""
 
     def __init__(self, mesh: Mesh, plan: Plan, states: list[ParamState], vector, counts: ExpertCounts):
-        super().__init__(mesh, plan.dp_axes, vector)
+        tensor = plan.tensor.axis if plan.tensor is not None and plan.tensor_size > 1 else None
+        super().__init__(mesh, mesh.canonical_axes((*plan.dp_axes, *((tensor,) if tensor else ()))), vector)
         self.counts = counts
-        self.expert = [plan.is_expert(s.name) for s in states if s.trainable]
+        trainable = [s for s in states if s.trainable]
+        self.expert = [plan.is_expert(s.name) for s in trainable]
         others = [a for a in plan.dp_axes if a != plan.expert_axis]
         self.first = all(mesh.coord(mesh.rank, a) == 0 for a in others)
         self.first_expert = mesh.coord(mesh.rank, plan.expert_axis) == 0
-        # ZeRO-1/2: a rank holds its own pieces of the reduced gradients, disjoint over their shard axes
-        # (HSDP's replicas zeroed by the engine): every piece counts once where it is
+        self.first_tensor = tensor is None or mesh.coord(mesh.rank, tensor) == 0
+        self.split = [tensor is not None and tensor in s.plan.spec.axes for s in trainable]
         self.pieces = plan.states.optim is not None
 
     def sum_of_squares(self, grads: list[torch.Tensor]) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
-        if self.pieces:
-            return sum(((g.double() ** 2).sum() for g in grads), total).float()
-        if not self.first:
+        if not self.pieces and not self.first:
             return total.float()
-        for g, e in zip(grads, self.expert):
-            if e or self.first_expert:
+        for g, e, t in zip(grads, self.expert, self.split):
+            if (self.pieces or e or self.first_expert) and (t or self.first_tensor):
                 total = total + (g.double() ** 2).sum()
         return total.float()
 
     def reduce(self, scalars: list[torch.Tensor]) -> torch.Tensor:
         """The scalars, with the step's tokens per expert riding the same all-reduce (no collective more)."""
-        vec = self.vector(scalars)
-        out = comm.all_reduce(torch.cat([vec, self.counts.local.reshape(-1)]), self.mesh, self.axes)
-        self.counts.settle(out[len(vec):])
-        return out[:len(vec)]
+        vec = torch.cat([self.vector(scalars), self.counts.local.reshape(-1)])
+        n = len(vec) - self.counts.local.numel()
+        if not self.first_tensor:          # the loss, the flags and the counts: tensor coordinate 0's
+            vec[0] = 0.0
+            vec[n - len(self.expert):] = 0.0
+        out = comm.all_reduce(vec, self.mesh, self.axes)
+        self.counts.settle(out[n:])
+        return out[:n]

@@ -203,7 +203,9 @@ class UnitRunner(GradSync):
             if _on_meta(args):                # a shape probe (the pipeline's stream): nothing to gather
                 return None
             self.wait(u)                      # then prefetch: never two gather buffers and a unit at once
-            nxt = self._neighbor(u, +1)
+            # (not in a recompute inside backward: a unit nested in a recomputed one runs this again there,
+            # and the next unit in forward order is done with, freed)
+            nxt = self._neighbor(u, +1) if torch._C._current_graph_task_id() == -1 else None
             if nxt is not None:
                 self.gather(nxt)
             idx = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]

@@ -77,6 +77,36 @@ def _one_machine(world, overrides: list[str]) -> list[dict]:
     return per_rank[0]
 
 
+def _pool_expert_steps(run) -> list[dict]:
+    from shardlib.frontend.run import Trainer
+    from shardlib.testing import get_mesh
+
+    trainer = Trainer(run, get_mesh(run.mesh.shape))
+    return [trainer.step(i, record=False) for i in range(run.train.steps)]
+
+
+def test_main_job_on_expert_x_tensor_records_and_draws_each_experts_load(world, tmp_path):
+    """The MoE job on expert 2 x tensor 2 (``mesh=ep2_tp2 parallel=ep_tp``): every rank the same losses and the
+    same tokens per expert — the whole batch's, each token once per chosen expert — and ``experts.png`` drawn
+    from them with the imbalance (the most loaded expert over the mean)."""
+    from shardlib.frontend.plots.report import plot_expert_load
+    run = _compose(["model=moe_tiny", "mesh=ep2_tp2", "parallel=ep_tp", *MAIN])
+    per_rank = world(run.mesh.size, _pool_expert_steps, run)
+    rows = per_rank[0]
+    for other in per_rank[1:]:
+        assert [(r["loss"], r["tokens_per_expert"]) for r in other] == [(r["loss"], r["tokens_per_expert"]) for r in rows]
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    m = run.model
+    for r in rows:
+        assert len(r["tokens_per_expert"]) == m.n_layers
+        for counts in r["tokens_per_expert"].values():
+            assert len(counts) == m.n_experts and sum(counts) == run.train.batch * run.seq * m.top_k
+        worst = max(max(c) * len(c) / sum(c) for c in r["tokens_per_expert"].values())
+        assert r["expert_imbalance"] == pytest.approx(worst)
+    plot_expert_load(rows, tmp_path / "experts.png", title="ep2_tp2")
+    assert (tmp_path / "experts.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 @pytest.fixture(scope="module")
 def main_run(tmp_path_factory):
     """The README's first command, shortened (a 2x2x2 mesh, 8 processes, 6 steps), run once for every

@@ -8,8 +8,8 @@ Each family trains 3 AdamW steps and is checked against the same model in one pr
 - every replicated copy **bit-equal** across its axis (``shardlib.verify.replica_mismatches``): a per-head
   norm whose partial gradient went unreduced (Qwen3, Gemma-3, EXAONE-4) drifts here while the losses agree.
 
-MoE families split their attention and dense MLPs; their experts run replicated over tensor (named
-``experts``/``expert_mlp``, their split site not lowered yet). Bad input is refused before any collective: an
+MoE families split their attention and dense MLPs, and each expert's width (``expert_mlp``: gate|up a column,
+down a row, as Megatron's tensor-parallel experts; the rule is in ``RULES``). Bad input is refused before any collective: an
 axis that splits nothing, a plan kind shardlib does not lower, an activation meeting split values unreduced.
 """
 
@@ -29,7 +29,7 @@ from shardlib.testing import get_mesh
 from shardlib.verify import replica_mismatches
 from test_tensor_parallel import train_counting
 
-RULES = {"heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
+RULES = {"heads": "tensor", "mlp": "tensor", "vocab": "tensor", "expert_mlp": "tensor"}   # MoE: experts split too
 STEPS, LR = 3, 1e-2
 
 
@@ -113,8 +113,7 @@ def _train_and_check(world, families: list[str], shape: dict, zero: int | dict, 
 
 CHUNKS = [hf.FAMILIES[i::4] for i in range(4)]
 # multi-query GPT-BigCode (one K and one V head), grouped-query Phi-3's fused q|k|v of unequal blocks, and
-# DeepSeek-V3's MLA, which its own plan keeps replicated: attention replicated, the MLPs split. MoE experts stay
-# replicated over tensor (their split site is not lowered yet)
+# DeepSeek-V3's MLA, which its own plan keeps replicated: attention replicated, the MLPs and experts split
 ATTENTION_REPLICATED = {"gpt_bigcode", "phi3", "deepseek_v3"}
 
 
@@ -284,16 +283,22 @@ def test_replica_check_names_the_drifting_norm(world):
 
 # ---- plan-time refusals (no processes) -----------------------------------------------------------
 
-def test_moe_experts_are_named_and_refused_where_not_lowered():
+def test_moe_experts_are_named_from_the_models_plan_and_split_over_tensor_or_refused_where_mislaid():
     """MoE experts' fused 3-D weights get the logical dims ``experts`` and ``expert_mlp`` from the model's plan;
-    a rule that would split them over tensor is refused by name (their split site is not lowered yet)."""
+    ``expert_mlp`` over tensor splits each expert's width (an ``experts`` site); a table splitting the experts
+    against that (down's out-features) is refused by name."""
     model = hf.build("qwen3_moe", meta=True)
     dims = sl.hf_dims(model)
     assert dims["model.layers.*.mlp.experts.gate_up_proj"] == ("experts", sl.Fused(2, "expert_mlp"), "embed")
     assert dims["model.layers.*.mlp.experts.down_proj"] == ("experts", "embed", "expert_mlp")
-    with pytest.raises(sl.ShardingError, match="experts.gate_up_proj") as e:
-        sl.plan(model, sl.AbstractMesh({"tensor": 2}), rules={**RULES, "expert_mlp": "tensor"})
-    assert "cannot consume a parameter split on 'tensor'" in str(e.value)
+    plan = sl.plan(model, sl.AbstractMesh({"tensor": 2}), rules=RULES)
+    assert plan.tensor.site("model.layers.0.mlp.experts").kind == "experts"
+    assert plan.param("model.layers.0.mlp.experts.gate_up_proj").spec == sl.P(None, sl.Fused(2, "tensor"), None)
+    mislaid = sl.shard({"*.experts.gate_up_proj": sl.P(None, sl.Fused(2, "tensor"), None),
+                        "*.experts.down_proj": sl.P(None, "tensor", None)})(hf.build("qwen3_moe", meta=True))
+    with pytest.raises(sl.ShardingError, match="experts.down_proj") as e:
+        sl.plan(mislaid, sl.AbstractMesh({"tensor": 2}), rules=RULES)
+    assert "only as columns" in str(e.value) and "a row (down's in-features)" in str(e.value)
 
 
 _P, _F = sl.P, sl.Fused

@@ -8,6 +8,8 @@ The reference is one process on the whole batch, with the same init, data and Ad
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 
@@ -17,6 +19,8 @@ from shardlib.models.gpt import GPT, GPTConfig, token_batch
 CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2, n_experts=4, top_k=2,
                 expert_width=32, shared_experts=1, aux_loss=0.05)
 STEPS, BATCH = 3, 8
+# Megatron's tensor parallel, each expert's own width split too (gate|up a column, down a row)
+TENSOR = {"heads": "tensor", "mlp": "tensor", "vocab": "tensor", "expert_mlp": "tensor"}
 
 
 def _opt(params):
@@ -55,12 +59,25 @@ def _train(shape: dict, cfg: GPTConfig, clip: float | None, zero: int = 0, recom
     mesh = sl.Mesh(shape)
     want_losses, want = _reference(cfg, clip)
     model = GPT(cfg, seed=0)
-    plan = sl.plan(model, mesh, rules={"experts": "expert"} if "expert" in shape else None, clip_grad_norm=clip,
-                   zero=zero, recompute=recompute, offload={"optimizer": offload} if offload else None)
+    rules = {**({"experts": "expert"} if "expert" in shape else {}), **(TENSOR if "tensor" in shape else {})}
+    plan = sl.plan(model, mesh, rules=rules or None, clip_grad_norm=clip, zero=zero, batch=token_batch(cfg, BATCH, 0), recompute=recompute, offload={"optimizer": offload} if offload else None)
     engine = sl.parallelize(model, plan, optimizer=_opt)
     held = {n: tuple(p.shape) for n, p in model.named_parameters() if "experts." in n}
+    losses, second = [], collections.Counter()
     with sl.count_collectives() as counted:
-        losses = [engine.step(token_batch(cfg, BATCH, step)) for step in range(STEPS)]
+        for step in range(STEPS):
+            before = len(counted.records)
+            losses.append(engine.step(token_batch(cfg, BATCH, step)))
+            if step == 1:        # the second step's collectives beside the plan's (the ragged moves by count)
+                for c in counted.records[before:]:
+                    second[(c.op, c.axes)] += 0 if c.op == "all_to_all" else c.bytes
+                    second[(c.op, c.axes, "n")] += 1
+    planned = collections.Counter()
+    for e in plan.comm_per_step(mesh.rank):
+        if not e.axes:           # a copy between memory kinds (the optimizer on the host), not a collective
+            continue
+        planned[(e.op, e.axes)] += 0 if e.op == "all_to_all" else e.total
+        planned[(e.op, e.axes, "n")] += e.count
     got = engine.full_state_dict()
     # the last step's tokens per expert, counted one process's way: each token once per chosen expert
     ref = GPT(cfg, seed=0)
@@ -80,17 +97,20 @@ def _train(shape: dict, cfg: GPTConfig, clip: float | None, zero: int = 0, recom
             "planned_optimizer": plan.memory_per_rank(mesh.rank, kind="host" if offload else "device")["optimizer"],
             "want_counts": want_counts, "imbalance": engine.expert_imbalance,
             "params": {k: (got[k], want[k]) for k in want}, "a2a": sum(1 for c in counted.records if c.op == "all_to_all" and c.axes == ("expert",)),
-            "norm": engine.grad_norm}
+            "norm": engine.grad_norm, "counted": dict(second), "planned": dict(planned)}
 
 
 @pytest.mark.parametrize("shape, clip, zero, recompute", [
     ({"expert": 2}, None, 0, "none"), ({"expert": 4}, 1.0, 0, "none"), ({"data": 2, "expert": 2}, 0.5, 0, "none"),
     ({"data": 2, "expert": 2}, 0.5, 1, "none"), ({"data": 2, "expert": 2}, 1.0, 2, "full"),
     ({"expert": 4}, None, 2, "selective"), ({"data": 2, "expert": 2}, 0.5, 3, "none"),
-    ({"expert": 2}, None, 3, "full"), ({"data": 2, "expert": 2}, 1.0, 2, "host"), ({"data": 4}, 1.0, 0, "none")],
+    ({"expert": 2}, None, 3, "full"), ({"data": 2, "expert": 2}, 1.0, 2, "host"), ({"data": 4}, 1.0, 0, "none"),
+    ({"expert": 2, "tensor": 2}, 1.0, 0, "none"), ({"expert": 2, "tensor": 2}, 0.5, 1, "selective"),
+    ({"expert": 2, "tensor": 2}, None, 3, "full"), ({"data": 2, "tensor": 2}, 1.0, 2, "none")],
     ids=["expert2", "expert4", "data2_expert2", "data2_expert2_zero1", "data2_expert2_zero2_recompute",
          "expert4_zero2_selective", "data2_expert2_zero3", "expert2_zero3_recompute",
-         "data2_expert2_zero2_optimizer_on_host", "data4_no_expert_axis"])
+         "data2_expert2_zero2_optimizer_on_host", "data4_no_expert_axis", "expert2_tensor2",
+         "expert2_tensor2_zero1_selective", "expert2_tensor2_zero3_recompute", "data2_tensor2_experts_split_no_expert_axis"])
 def test_moe_gpt_on_the_expert_axis_trains_like_one_process(world, shape, clip, zero, recompute):
     n = 1
     for s in shape.values():
@@ -101,9 +121,16 @@ def test_moe_gpt_on_the_expert_axis_trains_like_one_process(world, shape, clip, 
         assert r["losses"] == pytest.approx(r["want_losses"], rel=1e-5), (r["losses"], r["want_losses"])
         for k, (got, want) in r["params"].items():
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=k)
+        # every collective a step ran is the plan's: its bytes, and its count (the ragged all-to-alls by count)
+        assert r["counted"] == r["planned"], (r["counted"], r["planned"])
         # each rank holds its experts only
         per = CFG.n_experts // shape.get("expert", 1)
         assert all(s[0] == per for s in r["held"].values()), r["held"]
+        t = shape.get("tensor", 1)        # and, over tensor, its share of each expert's width
+        assert {s for n, s in r["held"].items() if n.endswith("gate_up_proj")} == {(per, 2 * CFG.expert_width // t,
+                                                                                   CFG.d_model)}, r["held"]
+        assert {s for n, s in r["held"].items() if n.endswith("down_proj")} == {(per, CFG.d_model,
+                                                                                CFG.expert_width // t)}, r["held"]
         # per MoE layer and step: forward sends the counts, the rows, their experts' ids and weights, and
         # brings the outputs back (5); backward moves the rows', weights' and outputs' gradients back (3);
         # a whole block recomputed runs its forward's 5 again
@@ -119,8 +146,12 @@ def test_moe_gpt_on_the_expert_axis_trains_like_one_process(world, shape, clip, 
         # split over data x expert, each expert's over data
         assert r["optimizer"] == r["planned_optimizer"]
     if zero:
-        # AdamW: two fp32 moments; offloaded, the fp32 master beside them on the host
-        total = sum(p.numel() for p in GPT(CFG, seed=0).parameters()) * (12 if offload else 8)
+        # AdamW: two fp32 moments; offloaded, the fp32 master beside them on the host; a parameter replicated
+        # over tensor (a norm, the router) has its states on every tensor coordinate, as Megatron keeps them
+        t = shape.get("tensor", 1)
+        plan = sl.plan(GPT(CFG, seed=0), sl.AbstractMesh(shape), rules={**({"experts": "expert"} if "expert" in shape
+                                                                          else {}), **(TENSOR if t > 1 else {})})
+        total = sum(p.numel * (1 if "tensor" in p.spec.axes else t) for p in plan.params) * (12 if offload else 8)
         assert sum(r["optimizer"] for r in res) == pytest.approx(total, rel=0.01)   # each state once, on one rank
     assert len({tuple(r["losses"]) for r in res}) == 1          # the same loss on every rank
 
@@ -136,10 +167,12 @@ def _refused(shape: dict, kwargs: dict) -> str:
 
 @pytest.mark.parametrize("shape, kwargs, said", [
     ({"data": 2, "expert": 2}, {}, "expert axis (expert=2) splits no parameter"),
-    ({"expert": 2, "tensor": 2}, {"rules": {"experts": "expert", "heads": "tensor"}}, "beside the tensor axis"),
+    ({"expert": 2, "pipe": 2}, {"rules": {"experts": "expert", "layers": "pipe"}}, "beside the pipe axis"),
+    ({"expert": 2, "tensor": 2}, {"rules": {"experts": "expert", **TENSOR}, "sequence_parallel": True},
+     "sequence_parallel=True with experts split over 'tensor'"),
     ({"expert": 2}, {"rules": {"experts": "expert"}, "offload": {"activations": "host"}},
      "with parameters or activations offloaded"),
-    ({"expert": 2}, {"rules": {"moe_mlp": "expert"}}, "expected the expert axis 'expert' alone on dim 0"),
+    ({"expert": 2}, {"rules": {"expert_mlp": "expert"}}, "expected the expert axis 'expert' alone on dim 0"),
 ])
 def test_what_the_expert_axis_does_not_run_yet_is_refused_by_name(shape, kwargs, said):
     assert said in _refused(shape, kwargs)
@@ -232,13 +265,15 @@ def _train_mixtral(shape: dict, router_logits: bool):
     want_losses, want = _one_process(_mixtral(router_logits), [_hf_batch(step) for step in range(STEPS)],
                                      loss=lambda m, b: m(**b).loss)
     model = _mixtral(router_logits)
-    engine = sl.parallelize(model, sl.plan(model, mesh, rules={"experts": "expert"}), optimizer=_opt)
+    rules = {"experts": "expert", **(TENSOR if "tensor" in shape else {})}
+    engine = sl.parallelize(model, sl.plan(model, mesh, rules=rules), optimizer=_opt)
     losses = [engine.step(_hf_batch(step)) for step in range(STEPS)]
     got = engine.full_state_dict()
     return {"losses": losses, "want_losses": want_losses, "params": {k: (got[k], want[k]) for k in want}}
 
 
-@pytest.mark.parametrize("shape", [{"expert": 2}, {"data": 2, "expert": 2}], ids=["expert2", "data2_expert2"])
+@pytest.mark.parametrize("shape", [{"expert": 2}, {"data": 2, "expert": 2}, {"expert": 2, "tensor": 2}],
+                         ids=["expert2", "data2_expert2", "expert2_tensor2"])
 def test_transformers_mixtral_on_the_expert_axis_trains_like_one_process(world, shape):
     n = 1
     for s in shape.values():

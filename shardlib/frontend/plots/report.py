@@ -45,6 +45,42 @@ def plot_loss(metrics: Sequence[Mapping[str, Any]], path: str | os.PathLike, *, 
     fig.savefig(os.fspath(path), format="png")
 
 
+def plot_expert_load(metrics: Sequence[Mapping[str, Any]], path: str | os.PathLike, *, title: str = "") -> None:
+    """Per step, each MoE layer's tokens per expert (``tokens_per_expert`` in the metrics: the whole batch's,
+    each token once per chosen expert) as a share of the layer's tokens — one heat map per layer (up to 8), the
+    even share marked on the colour bar — and the step's imbalance (the most loaded expert over the mean, the
+    worst layer's) below."""
+    import numpy as np
+    rows = [m for m in metrics if m.get("tokens_per_expert")]
+    if not rows:
+        return
+    layers = list(rows[0]["tokens_per_expert"])[:8]
+    fig = _figure(7, 1.5 * len(layers) + 2.4)
+    grid = fig.add_gridspec(len(layers) + 1, 1, height_ratios=[1.0] * len(layers) + [1.3])
+    steps = [m["step"] for m in rows]
+    image = None
+    for i, name in enumerate(layers):
+        ax = fig.add_subplot(grid[i, 0])
+        load = np.array([m["tokens_per_expert"][name] for m in rows], dtype=float)
+        share = load / np.maximum(load.sum(axis=1, keepdims=True), 1)
+        image = ax.imshow(share.T, aspect="auto", cmap="viridis", vmin=0,
+                          extent=(steps[0] - 0.5, steps[-1] + 0.5, share.shape[1] - 0.5, -0.5))
+        ax.set_ylabel("expert", fontsize=8)
+        ax.set_title(f"{name}: share of the tokens (even: {1 / share.shape[1]:.2f})", fontsize=8)
+        ax.tick_params(labelsize=7, labelbottom=False)
+    ax = fig.add_subplot(grid[len(layers), 0])
+    ax.plot(steps, [m.get("expert_imbalance") or 1.0 for m in rows], color="#e45756", linewidth=1.2, marker=".")
+    ax.axhline(1.0, color="#888888", linewidth=0.8, linestyle="--")
+    ax.set_xlim(steps[0] - 0.5, steps[-1] + 0.5)
+    ax.set_xlabel("step")
+    ax.set_ylabel("max / mean", fontsize=8)
+    ax.grid(alpha=0.3)
+    if image is not None:
+        fig.colorbar(image, ax=fig.axes[:len(layers)], fraction=0.03, pad=0.02)
+    fig.suptitle(title, fontsize=9)
+    fig.savefig(os.fspath(path), format="png")
+
+
 def plot_memory(planned: Sequence[Mapping[str, int | None]], measured: Sequence[Mapping[str, int | None]],
                 path: str | os.PathLike, *, title: str = "") -> None:
     """Per rank, two stacked bars — planned (``plan.memory_per_rank`` + the plan's activations) and
