@@ -12,6 +12,9 @@ stepped alternately — see each script's docstring):
 * ``bench_3d.py``             data x pipe x tensor vs FSDP2 + TP + pipelining (torchtitan's composition)
 * ``bench_hf.py``             a transformers Llama, pipe 2 and 2x2x2, vs hand-written stages + FSDP2 + TP +
                               pipelining (its step part; torch's ``pipeline()`` cannot run the model)
+* ``bench_moe.py``            a transformers Mixtral and Qwen3-MoE on expert 2 and 4 vs a hand-written
+                              ``all_to_all_single`` dispatch + DDP (torchtitan's way), and vs FSDP2 with every
+                              expert on every rank
 
 and writes ``<out>/summary.md`` (one table: form, baseline, ranks, median step ms of each side, ratio,
 max relative loss difference of each side against one process) and ``<out>/summary.json``, plus each
@@ -42,6 +45,7 @@ SCRIPTS = {
     "bench_3d": {"full": [], "quick": ["--steps", "8"]},
     "bench_hf": {"full": ["--parts", "steps", "--no-rss", "--steps", "10"],
                  "quick": ["--parts", "steps", "--no-rss", "--steps", "5", "--warmup", "2"]},
+    "bench_moe": {"full": [], "quick": ["--configs", "mixtral-e2", "qwen3_moe-e4", "--steps", "6"]},
 }
 
 
@@ -76,6 +80,16 @@ def _rows(script: str, data) -> list[dict]:
             out.append({"form": r.get("form", r.get("config", "3D")), "baseline": r.get("baseline", r.get("torch", "")),
                         "ranks": r.get("ranks", 8), "shardlib_ms": r["shardlib_ms"], "torch_ms": r["torch_ms"],
                         "ratio": r["ratio"], "dloss": r.get("dloss"), "dloss_kind": "rel vs 1 process"})
+    elif script == "bench_moe":
+        for r in data:
+            res = r.get("results", {})
+            for other, name in (("a2a", "all_to_all_single dispatch + DDP"), ("fsdp2", "FSDP2, experts replicated")):
+                if f"ratio_{other}" not in r:
+                    continue
+                out.append({"form": f"{r['config']} (expert {r['experts']})", "baseline": name, "ranks": r["experts"],
+                            "shardlib_ms": res["shardlib"]["ms"], "torch_ms": res[other]["ms"],
+                            "ratio": r[f"ratio_{other}"], "dloss": max(res["shardlib"]["dloss"], res[other]["dloss"]),
+                            "dloss_kind": "rel vs 1 process"})
     return out
 
 

@@ -4,9 +4,10 @@ experts (dispatch), and the experts' outputs moved back (combine), over an ``exp
 A rank holds the experts ``[c·E/n, (c+1)·E/n)`` of the ``E`` experts split over the ``n`` ranks of the axis
 (``c``: its coordinate; dim 0 of the experts' weights laid out ``P("expert", ...)``). Each of its tokens
 chose ``k`` experts; the ``T·k`` (token, expert) pairs sorted by expert are, in that order, grouped by the
-rank that holds their expert. Dispatch exchanges the counts first (an all-to-all of ``n`` ints), then
-moves the rows with a ragged all-to-all: rank ``c`` receives, from every rank in turn, the rows for its
-experts, each with its local expert id and routing weight. Combine is the transposed all-to-all, and each
+rank that holds their expert. Dispatch exchanges the rows per expert first (an all-to-all of ``E`` ints, as
+torchtitan's does), then moves the rows and their routing weights with ragged all-to-alls: rank ``c``
+receives, from every rank in turn, the rows for its experts in expert order, so each row's local expert id
+follows from the counts (no move of its own). Combine is the transposed all-to-all, and each
 returned row is added into its token's output in the same expert order one process adds them, so
 outputs match one process to the bit where the experts' own arithmetic does. Both moves are autograd
 functions whose backward is the transposed move: the gradient of the rows, the routing weights (hence the
@@ -69,11 +70,12 @@ def dispatch(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, n_expe
     order = torch.argsort(expert, stable=True)               # by expert: grouped by the rank that holds it
     token = torch.arange(x.shape[0], device=x.device).repeat_interleave(k)[order]
     expert = expert[order]
-    in_splits = torch.bincount(expert // per, minlength=n)
-    out_splits = comm.all_to_all(in_splits, mesh, axis)       # each member's count for this rank's experts
-    ins, outs = in_splits.tolist(), out_splits.tolist()
+    counts = torch.bincount(expert, minlength=n_experts)     # rows per expert, grouped by the rank holding it
+    got = comm.all_to_all(counts, mesh, axis).view(n, per)     # each member's rows for each of this rank's experts
+    ins, outs = counts.view(n, per).sum(dim=1).tolist(), got.sum(dim=1).tolist()
     rows = RaggedAllToAll.apply(x[token], mesh, axis, ins, outs)
-    local = comm.all_to_all(expert % per, mesh, axis, in_splits=ins, out_splits=outs)
+    # each member sent its rows sorted by expert: their local expert ids follow from its counts
+    local = torch.repeat_interleave(torch.arange(per, device=x.device).repeat(n), got.reshape(-1))
     w = RaggedAllToAll.apply(weights.reshape(-1)[order], mesh, axis, ins, outs)
     return rows, local, w, Routed(token, ins, outs, x.shape[0], mesh, axis)
 

@@ -401,28 +401,42 @@ def recomputed(plan: Plan):
     return lambda name: any(name == u or name.startswith(u + ".") for u in units)
 
 
+def _routing_moves(experts: int, hidden: int, n: int, itemsize: int, sent: int, received: int
+                   ) -> list[tuple[str, str, int]]:
+    """``(phase, what, bytes a rank sends)`` of each all-to-all one module of ``experts`` runs per micro-batch
+    over an expert axis of ``n`` ranks, for ``sent`` rows this rank's tokens route to other ranks' experts and
+    ``received`` rows its experts get from other ranks (rows of ``hidden`` elements of ``itemsize`` bytes):
+    forward the rows per expert (int64), the rows, their routing weights and the outputs back; backward the
+    outputs', weights' and rows' gradients (``comm/experts.py``: each move's transpose)."""
+    rows_out, rows_back = sent * hidden * itemsize, received * hidden * itemsize
+    return [("forward", "counts", experts * (n - 1) // n * 8), ("forward", "rows", rows_out),
+            ("forward", "weights", sent * itemsize), ("forward", "combine", rows_back),
+            ("backward", "combine", rows_out), ("backward", "weights", received * itemsize),
+            ("backward", "rows", rows_back)]
+
+
+def routing_bytes(experts: int, hidden: int, n: int, itemsize: int, sent: int, received: int) -> int:
+    """The bytes the all-to-alls of a module of ``experts`` send from a rank that routed ``sent`` rows away and
+    received ``received`` (``_routing_moves``; summed over micro-batches when those are): the formula a measured
+    routing (``Engine.routed_rows``) is checked against."""
+    return sum(b for _, _, b in _routing_moves(experts, hidden, n, itemsize, sent, received)) if n > 1 else 0
+
+
 def routing_entries(layers: tuple, n: int, axis: str, itemsize: int, microbatches: int, again=lambda name: False
                     ) -> list:
-    """Each experts module's all-to-alls of one step over the expert axis (``n`` ranks), for uniform routing
-    (each rank's ``T·k`` rows spread evenly over the ``n`` ranks, ``(n-1)/n`` of them leaving it), per
-    micro-batch: forward the counts (``n`` int64), the rows (``H`` elements), their local expert ids
-    (int64) and routing weights, and the outputs back; backward the rows', weights' and outputs' gradients
-    (``comm/experts.py``), and a layer recomputed (``again(name)``) its forward's 5 again. The bytes are what a
-    rank sends."""
+    """Each experts module's all-to-alls of one step over the expert axis (``n`` ranks), for uniform routing:
+    each rank's ``T·k`` rows spread evenly over the ``n`` ranks, ``(n-1)/n`` of them leaving it and as many
+    arriving (``_routing_moves``), per micro-batch; a layer recomputed (``again(name)``) runs its forward's 4
+    again in backward. The bytes are what a rank sends."""
     out = []
     for layer in layers:
         if layer.tokens is None or n == 1:
             continue
-        away = layer.tokens * layer.top_k * (n - 1) // n          # rows sent to other ranks
-        rows, c = away * layer.hidden * itemsize, itemsize
-        out += [CommEntry("forward", "routing", "all_to_all", (axis,), (n - 1) * 8, microbatches, f"{layer.name} counts"),
-                CommEntry("forward", "routing", "all_to_all", (axis,), rows, microbatches, f"{layer.name} rows"),
-                CommEntry("forward", "routing", "all_to_all", (axis,), away * 8, microbatches, f"{layer.name} expert ids"),
-                CommEntry("forward", "routing", "all_to_all", (axis,), away * c, microbatches, f"{layer.name} weights"),
-                CommEntry("forward", "routing", "all_to_all", (axis,), rows, microbatches, f"{layer.name} combine"),
-                CommEntry("backward", "routing", "all_to_all", (axis,), rows, microbatches, f"{layer.name} combine"),
-                CommEntry("backward", "routing", "all_to_all", (axis,), away * c, microbatches, f"{layer.name} weights"),
-                CommEntry("backward", "routing", "all_to_all", (axis,), rows, microbatches, f"{layer.name} rows")]
+        away = layer.tokens * layer.top_k * (n - 1) // n
+        moves = _routing_moves(layer.experts, layer.hidden, n, itemsize, away, away)
+        out += [CommEntry(phase, "routing", "all_to_all", (axis,), b, microbatches, f"{layer.name} {what}")
+                for phase, what, b in moves]
         if again(layer.name):
-            out += [replace(e, phase="backward", what="recompute") for e in out[-8:-3]]
+            out += [CommEntry("backward", "recompute", "all_to_all", (axis,), b, microbatches, f"{layer.name} {what}")
+                    for phase, what, b in moves if phase == "forward"]
     return out

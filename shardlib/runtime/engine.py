@@ -408,6 +408,13 @@ class Engine:
         return dict(self.experts.last) if self.experts is not None else {}
 
     @property
+    def routed_rows(self) -> dict[str, tuple[int, int]]:
+        """The last step's rows this rank's tokens routed to other ranks' experts, and the rows its experts
+        received from other ranks, per experts module (micro-batches summed; ``planner/traffic.routing_bytes``
+        gives their all-to-all bytes); empty without an expert axis."""
+        return dict(self.experts.last_moved) if self.experts is not None else {}
+
+    @property
     def expert_imbalance(self) -> float | None:
         """The last step's most loaded expert over the mean (the worst module's); None without an expert axis."""
         return self.experts.imbalance() if self.experts is not None else None

@@ -45,7 +45,7 @@ def route_experts(model: nn.Module, plan: Plan, global_plan: Plan, mesh: Mesh) -
 def _routed(forward, n_experts: int, mesh: Mesh, axis: str, counts: ExpertCounts, layer: int):
     def routed(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, **kwargs: Any):
         rows, local, weights, back = dispatch(hidden_states, top_k_index, top_k_weights, n_experts, mesh, axis)
-        counts.add(layer, local)
+        counts.add(layer, local, back)
         return combine(forward(rows, local[:, None], weights[:, None], **kwargs), back)
     return routed
 
@@ -62,18 +62,27 @@ class ExpertCounts:
         self.coord = mesh.coord(mesh.rank, axis)
         self.local = torch.zeros(len(names), max(self.experts, default=0), dtype=torch.float32, device=mesh.device)
         self.last: dict[str, list[int]] = {}
+        # this rank's rows routed to other ranks' experts and received from other ranks, per module: this step's
+        # so far, and the last step's
+        self.moved = [[0, 0] for _ in names]
+        self.last_moved: dict[str, tuple[int, int]] = {}
 
-    def add(self, layer: int, local_ids: torch.Tensor) -> None:
+    def add(self, layer: int, local_ids: torch.Tensor, routed=None) -> None:
         if torch._C._current_graph_task_id() != -1:        # a recompute inside backward: counted already
             return
         per = self.per[layer]
         self.local[layer, self.coord * per:(self.coord + 1) * per] += torch.bincount(local_ids, minlength=per).float()
+        if routed is not None:
+            self.moved[layer][0] += sum(routed.in_splits) - routed.in_splits[self.coord]
+            self.moved[layer][1] += sum(routed.out_splits) - routed.out_splits[self.coord]
 
     def settle(self, summed: torch.Tensor) -> None:
         """The summed counts of this step: kept as ``last``; the accumulator starts the next step at zero."""
         rows = summed.view_as(self.local).tolist()
         self.last = {name: [int(round(v)) for v in row[:e]] for name, row, e in zip(self.names, rows, self.experts)}
         self.local.zero_()
+        self.last_moved = {name: (m[0], m[1]) for name, m in zip(self.names, self.moved)}
+        self.moved = [[0, 0] for _ in self.names]
 
     def imbalance(self) -> float | None:
         """The most loaded expert's tokens over the mean, the worst module's (1.0: perfectly even)."""
