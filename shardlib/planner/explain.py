@@ -49,10 +49,7 @@ def explain(plan: Plan, max_params: int | None = None, *, full: bool = False) ->
              f"{'kept' if plan.states.keep_local_grads else 'freed after reduction'}",
              f"  batch: {plan.batch.spec} (dim 0 over {' x '.join(repr(a) for a in plan.dp_axes)})"]
     if plan.expert_size > 1:
-        names = ", ".join(layer.name for layer in plan.expert_layers[:3]) + (" ..." if len(plan.expert_layers) > 3 else "")
-        lines.append(f"  experts: split over {plan.expert_axis!r} (E={plan.expert_size}) in {len(plan.expert_layers)} "
-                     f"module(s) ({names}); tokens routed by a ragged all-to-all; an expert's gradients summed over "
-                     f"{' x '.join(repr(a) for a in plan.dp_axes if a != plan.expert_axis)}, the rest's over the batch's axes")
+        lines += _expert_lines(plan)
     if plan.tensor is not None:
         lines += _tensor_lines(plan, full)
     if plan.pipeline is not None:
@@ -390,3 +387,28 @@ def _dims(spec) -> str:
 
 def _spec(axis: str | None) -> str:
     return f"S({axis})" if axis else "R"
+
+
+def _expert_lines(plan) -> list[str]:
+    """The expert axis: experts per rank, the gradients' axes, and the routing's all-to-all bytes on the busiest
+    rank for the stated routing (uniform unless ``plan.with_routing``), with that rank's share of the rows."""
+    from .traffic import expert_coordinate, expert_shares
+    n, layers = plan.expert_size, plan.expert_layers
+    names = ", ".join(layer.name for layer in layers[:3]) + (" ..." if len(layers) > 3 else "")
+    per = sorted({layer.experts // n for layer in layers})
+    out = [f"  experts: split over {plan.expert_axis!r} (E={n}): {'/'.join(map(str, per))} of "
+           f"{'/'.join(map(str, sorted({layer.experts for layer in layers})))} experts per rank in {len(layers)} "
+           f"module(s) ({names}); tokens routed by a ragged all-to-all; an expert's gradients summed over "
+           f"{' x '.join(repr(a) for a in plan.dp_axes if a != plan.expert_axis) or 'nothing'}, the rest's over the "
+           "batch's axes"]
+    if not layers or layers[0].tokens is None:
+        return out + ["    routing: not priced (plan with batch= to count the rows each all-to-all moves)"]
+    coord = expert_coordinate(plan, None)
+    shares = [sum(expert_shares(layer, n, dict(plan.routing))[j] for layer in layers) / len(layers) for j in range(n)]
+    mine = [e for e in plan.comm_per_step(plan.mesh.rank_at([coord if a == plan.expert_axis else 0
+                                                              for a in plan.mesh.axis_names]))
+            if e.what in ("routing", "recompute") and e.op == "all_to_all"]
+    kind = "the stated routing (with_routing)" if plan.routing else "uniform routing"
+    return out + [f"    routing ({kind}): the busiest rank (expert coordinate {coord}) gets {shares[coord]:.0%} of the "
+                  f"rows ({shares[coord] * n:.2f}x the mean) and sends {format_bytes(sum(e.total for e in mine))} "
+                  "in all-to-alls per step"]

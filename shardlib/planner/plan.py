@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import math
 import weakref
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 
@@ -189,6 +190,8 @@ class Plan:
     expert_layers: tuple = ()
     # routers whose balance statistics are summed over the batch's ranks (planner/experts.py: RouterStats)
     router_stats: tuple = ()
+    # a stated routing: per experts module, the tokens each expert gets (``with_routing``); () = uniform
+    routing: tuple[tuple[str, tuple[int, ...]], ...] = ()
     # memory kinds (planner/offload.py): ((state, "host" | "disk"), ...) — states not named live on the device
     offload: tuple[tuple[str, str], ...] = ()
     offload_dir: str | None = None
@@ -242,6 +245,25 @@ class Plan:
     def dp_size(self) -> int:
         """Data-parallel ranks: the batch's chunks (``replica x data x expert``)."""
         return self.data_size * self.replica_size * self.expert_size
+
+    def with_routing(self, tokens_per_expert: Mapping[str, Sequence[int]]) -> Plan:
+        """This plan priced for a stated routing instead of a uniform one: ``{experts module: tokens per expert}``
+        (``engine.tokens_per_expert``: a measured step's histogram). Each rank's tokens are taken to choose the
+        experts in those shares, so the rows a rank sends and receives follow from its experts' share
+        (``comm_per_step``'s routing entries; ``explain`` names the busiest rank)."""
+        from ..errors import ShardingError
+        layers = {layer.name: layer.experts for layer in self.expert_layers}
+        problems = []
+        for name, counts in tokens_per_expert.items():
+            if name not in layers:
+                problems.append(f"with_routing: {name!r} is not an experts module on the expert axis — expected one "
+                                f"of {sorted(layers)}.")
+            elif len(counts) != layers[name] or any(c < 0 for c in counts) or not sum(counts):
+                problems.append(f"with_routing: {name!r} got {len(counts)} counts {list(counts)[:8]} — expected "
+                                f"{layers[name]} non-negative token counts, not all zero.")
+        if problems:
+            raise ShardingError(problems, api="with_routing")
+        return replace(self, routing=tuple((n, tuple(int(c) for c in v)) for n, v in sorted(tokens_per_expert.items())))
 
     def is_expert(self, name: str) -> bool:
         """Whether parameter ``name`` is split over the expert axis (an expert's weights)."""

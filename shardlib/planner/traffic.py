@@ -199,7 +199,7 @@ def comm_per_step(plan: Plan, rank: int | None = None) -> list[CommEntry]:
                                  comm.all_reduce_bytes(plan.scalars_per_step(), dpn, 4), 1))
     if plan.expert_size > 1:       # the routing's all-to-alls (planner/experts.py: uniform routing)
         out += routing_entries(plan.expert_layers, plan.expert_size, plan.expert_axis, c, plan.grad_accum,
-                               recomputed(plan))
+                               recomputed(plan), dict(plan.routing), expert_coordinate(plan, rank))
     out += stats_entries(plan)
     if plan.pipe_size > 1:
         out += _pipe_entries(plan) + _tied_entries(plan)
@@ -422,18 +422,46 @@ def routing_bytes(experts: int, hidden: int, n: int, itemsize: int, sent: int, r
     return sum(b for _, _, b in _routing_moves(experts, hidden, n, itemsize, sent, received)) if n > 1 else 0
 
 
-def routing_entries(layers: tuple, n: int, axis: str, itemsize: int, microbatches: int, again=lambda name: False
-                    ) -> list:
-    """Each experts module's all-to-alls of one step over the expert axis (``n`` ranks), for uniform routing:
-    each rank's ``T·k`` rows spread evenly over the ``n`` ranks, ``(n-1)/n`` of them leaving it and as many
-    arriving (``_routing_moves``), per micro-batch; a layer recomputed (``again(name)``) runs its forward's 4
-    again in backward. The bytes are what a rank sends."""
+def expert_shares(layer, n: int, routing: dict) -> list[float]:
+    """Per coordinate of the expert axis (``n`` ranks), the share of the rows routed to the experts it holds:
+    ``1/n`` each for uniform routing, else from the stated tokens per expert (``Plan.with_routing``)."""
+    counts = routing.get(layer.name)
+    if counts is None:
+        return [1.0 / n] * n
+    per = layer.experts // n
+    return [sum(counts[j * per:(j + 1) * per]) / sum(counts) for j in range(n)]
+
+
+def expert_coordinate(plan: Plan, rank: int | None) -> int:
+    """The expert coordinate a routing is priced for: ``rank``'s (or a local plan's), else the busiest one
+    (the coordinate whose experts get the most rows in the stated routing; 0 when uniform)."""
+    if plan.expert_coord is not None:
+        return plan.expert_coord
+    if rank is not None:
+        return plan.mesh.coord(rank, plan.expert_axis)
+    loads = [0.0] * plan.expert_size
+    for layer in plan.expert_layers:
+        for j, share in enumerate(expert_shares(layer, plan.expert_size, dict(plan.routing))):
+            loads[j] += share
+    return max(range(plan.expert_size), key=lambda j: (loads[j], -j))
+
+
+def routing_entries(layers: tuple, n: int, axis: str, itemsize: int, microbatches: int, again=lambda name: False,
+                    routing: dict | None = None, coord: int = 0) -> list:
+    """Each experts module's all-to-alls of one step over the expert axis (``n`` ranks) from the rank at expert
+    coordinate ``coord``, per micro-batch (``_routing_moves``). Each rank's ``T·k`` rows go to the experts in the
+    stated shares (``expert_shares``: uniform unless ``routing`` gives a module's tokens per expert): the rank
+    sends the rows not for its own experts, ``T·k·(1 − P)``, and receives from the ``n − 1`` others their rows
+    for its experts, ``(n − 1)·T·k·P`` (``P``: its experts' share; uniform: both ``T·k·(n−1)/n``). A layer
+    recomputed (``again(name)``) runs its forward's 4 again in backward. The bytes are what the rank sends."""
     out = []
     for layer in layers:
         if layer.tokens is None or n == 1:
             continue
-        away = layer.tokens * layer.top_k * (n - 1) // n
-        moves = _routing_moves(layer.experts, layer.hidden, n, itemsize, away, away)
+        share = expert_shares(layer, n, routing or {})[coord]
+        rows = layer.tokens * layer.top_k
+        sent, received = round(rows * (1 - share)), round((n - 1) * rows * share)
+        moves = _routing_moves(layer.experts, layer.hidden, n, itemsize, sent, received)
         out += [CommEntry(phase, "routing", "all_to_all", (axis,), b, microbatches, f"{layer.name} {what}")
                 for phase, what, b in moves]
         if again(layer.name):

@@ -235,7 +235,7 @@ def test_a_checkpoint_saved_on_expert_2_resumes_on_another_layout(world, tmp_pat
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=k)
 
 
-def test_comm_per_step_lists_each_layers_all_to_alls_at_uniform_routing_by_hand():
+def test_comm_per_step_lists_each_layers_all_to_alls_at_uniform_or_stated_routing_by_hand():
     shape = {"data": 2, "expert": 2}
     plan = sl.plan(GPT(CFG, seed=0), sl.AbstractMesh(shape), rules={"experts": "expert"}, grad_accum=2,
                    batch=token_batch(CFG, BATCH, 0))
@@ -249,6 +249,23 @@ def test_comm_per_step_lists_each_layers_all_to_alls_at_uniform_routing_by_hand(
     assert len(got) == 7 * CFG.n_layers and all(e.axes == ("expert",) and e.count == 2 for e in got)
     for e in got:
         assert e.bytes == want[e.where.split(".experts ")[1]], e
+    # a stated routing (a measured histogram, engine.tokens_per_expert's form): a rank sends the rows not for its
+    # experts and receives the others' rows for them, in those shares; explain names the busiest rank
+    skew = plan.with_routing({"blocks.0.mlp.experts": [5, 5, 30, 60], "blocks.1.mlp.experts": [25, 25, 25, 25]})
+    for rank in range(4):
+        coord = skew.mesh.coord(rank, "expert")
+        share = [0.1, 0.9][coord]
+        rows = {e.where.split(".experts ")[1]: e.bytes for e in skew.comm_per_step(rank)
+                if e.op == "all_to_all" and e.where.startswith("blocks.0") and e.phase == "forward"}
+        assert rows["rows"] == round(tokens * k * (1 - share)) * hidden * 4
+        assert rows["combine"] == round((n - 1) * tokens * k * share) * hidden * 4
+    said = skew.explain()
+    assert "the busiest rank (expert coordinate 1) gets 70% of the rows (1.40x the mean)" in said, said
+    assert "the busiest rank (expert coordinate 0) gets 50% of the rows (1.00x the mean)" in plan.explain()
+    with pytest.raises(sl.ShardingError, match="expected 4 non-negative token counts"):
+        plan.with_routing({"blocks.0.mlp.experts": [1, 2, 3]})
+    with pytest.raises(sl.ShardingError, match="is not an experts module"):
+        plan.with_routing({"blocks.0.mlp": [1, 2, 3, 4]})
     # without an example batch the routing is not estimated (no tokens to price)
     assert not [e for e in sl.plan(GPT(CFG, seed=0), sl.AbstractMesh(shape), rules={"experts": "expert"})
                 .comm_per_step() if e.op == "all_to_all"]
