@@ -58,8 +58,8 @@ class Routed:
 
 def dispatch(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, n_experts: int, mesh: Mesh,
              axis: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Routed]:
-    """``x [T, H]`` routed by ``index [T, k]`` (global expert ids) with ``weights [T, k]``: returns the rows
-    this rank's experts get ``[R, H]``, each row's local expert id ``[R]`` and weight ``[R]``, and what
+    """``x [T, H]`` routed by ``index [T, k]`` (global expert ids; ``n_experts``: a row dropped by a capacity,
+    sent nowhere) with ``weights [T, k]``: returns the rows this rank's experts get ``[R, H]``, each row's local expert id ``[R]`` and weight ``[R]``, and what
     combine needs."""
     n = mesh.axis_size(axis)
     if n_experts % n:
@@ -67,16 +67,20 @@ def dispatch(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, n_expe
     per = n_experts // n
     k = index.shape[1]
     expert = index.reshape(-1)
+    token = torch.arange(x.shape[0], device=x.device).repeat_interleave(k)
+    w = weights.reshape(-1)
+    kept = expert < n_experts                                 # a row dropped by a capacity names no expert
+    if not bool(kept.all()):
+        expert, token, w = expert[kept], token[kept], w[kept]
     order = torch.argsort(expert, stable=True)               # by expert: grouped by the rank that holds it
-    token = torch.arange(x.shape[0], device=x.device).repeat_interleave(k)[order]
-    expert = expert[order]
+    token, expert = token[order], expert[order]
     counts = torch.bincount(expert, minlength=n_experts)     # rows per expert, grouped by the rank holding it
     got = comm.all_to_all(counts, mesh, axis).view(n, per)     # each member's rows for each of this rank's experts
     ins, outs = counts.view(n, per).sum(dim=1).tolist(), got.sum(dim=1).tolist()
     rows = RaggedAllToAll.apply(x[token], mesh, axis, ins, outs)
     # each member sent its rows sorted by expert: their local expert ids follow from its counts
     local = torch.repeat_interleave(torch.arange(per, device=x.device).repeat(n), got.reshape(-1))
-    w = RaggedAllToAll.apply(weights.reshape(-1)[order], mesh, axis, ins, outs)
+    w = RaggedAllToAll.apply(w[order], mesh, axis, ins, outs)
     return rows, local, w, Routed(token, ins, outs, x.shape[0], mesh, axis)
 
 

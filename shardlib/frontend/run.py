@@ -210,6 +210,8 @@ class Trainer:
         if self.engine.tokens_per_expert:      # the expert axis: the batch's tokens per expert, and the imbalance
             out["tokens_per_expert"] = self.engine.tokens_per_expert
             out["expert_imbalance"] = self.engine.expert_imbalance
+        if self.engine.dropped_tokens:         # a capacity's overflow, counted
+            out["dropped_tokens"] = self.engine.dropped_tokens
         if record:
             out["peak_rss"] = self.peak_rss()
         return out

@@ -36,6 +36,10 @@ class GPTConfig:
     shared_experts: int = 0            # always-on experts beside the routed ones (Qwen2-MoE, DeepSeek)
     norm_topk: bool = True             # the chosen experts' weights renormalized to sum to 1 (Mixtral)
     aux_loss: float = 0.01             # the load-balancing loss's coefficient in the training loss
+    # each expert takes at most ceil(capacity_factor x tokens x top_k / n_experts) of a forward's (token, expert)
+    # rows, the earliest tokens first; the rest are dropped (their weight 0; the token keeps its residual and
+    # shared experts). 0: dropless
+    capacity_factor: float = 0.0
     # DeepSeek-V3's routing: sigmoid scores, experts chosen within the best topk_group of n_group groups, the
     # chosen weights scaled by routed_scale, and aux-loss-free balancing (a per-expert bias for choosing,
     # nudged by bias_rate after each step: GPT.update_routing_bias)
@@ -51,6 +55,8 @@ class GPTConfig:
         if self.n_experts < 0 or self.n_experts and not 1 <= self.top_k <= self.n_experts:
             raise ValueError(f"GPTConfig: top_k={self.top_k} of n_experts={self.n_experts} — expected n_experts >= 0 "
                              "and 1 <= top_k <= n_experts.")
+        if self.capacity_factor < 0:
+            raise ValueError(f"GPTConfig: capacity_factor={self.capacity_factor} — expected 0 (dropless) or more.")
         if self.scoring not in ("softmax", "sigmoid"):
             raise ValueError(f"GPTConfig: scoring={self.scoring!r} — expected 'softmax' or 'sigmoid'.")
         if self.n_experts and (self.n_group < 1 or self.n_experts % self.n_group or not 1 <= self.topk_group <= self.n_group

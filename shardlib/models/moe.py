@@ -12,6 +12,7 @@ weight gets a gradient, zero or not, at every step.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -80,6 +81,12 @@ class MoE(nn.Module):
         self.shared = SharedExperts(cfg) if cfg.shared_experts else None
         self.aux_loss: torch.Tensor | None = None
         self.aux_weight = cfg.aux_loss      # what the model weighs aux_loss by in its loss (0: not added)
+        # a capacity per expert (0: dropless); its order is the whole batch's: ``gather_counts`` (set by the runtime
+        # where the batch is split) gives every batch rank's rows per expert, in the batch's order, and this rank's
+        # place in it
+        self.capacity_factor = cfg.capacity_factor
+        self.gather_counts: Callable[[torch.Tensor], tuple[torch.Tensor, int]] | None = None
+        self.dropped = 0                    # (token, expert) rows dropped since the engine last read it
         self.reduce_stats: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.scoring, self.n_group, self.topk_group = cfg.scoring, cfg.n_group, cfg.topk_group
         self.routed_scale, self.bias_rate = cfg.routed_scale, cfg.bias_rate
@@ -120,13 +127,36 @@ class MoE(nn.Module):
         chosen, tokens = stats[:-1], stats[-1]
         return self.n_experts * (chosen / (tokens * self.top_k) * sums / tokens).sum(), chosen
 
+    def drop_overflow(self, index: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Each expert keeps the first ``ceil(capacity_factor · T · k / E)`` of the batch's (token, expert) rows in
+        token order (``T``: the whole batch's tokens; on a split batch, the ranks before this one in the batch's
+        order come first: ``gather_counts``); a dropped row's expert becomes ``E`` (no expert: skipped by the
+        experts and the routing) and its weight 0. Returns the index, the weights and the rows dropped in the
+        whole batch."""
+        e = self.n_experts
+        onehot = F.one_hot(index.reshape(-1), e)                     # token-major (token, slot) rows
+        mine = torch.cat([onehot.sum(dim=0), onehot.new_tensor([index.shape[0]])])
+        every, me = self.gather_counts(mine) if self.gather_counts is not None else (mine[None], 0)
+        before = every[:me, :e].sum(dim=0)
+        tokens = int(every[:, e].sum())
+        capacity = math.ceil(self.capacity_factor * tokens * self.top_k / e)
+        position = before[None, :] + onehot.cumsum(dim=0) - 1        # each row's place among its expert's rows
+        keep = (position.gather(1, index.reshape(-1, 1)).squeeze(1) < capacity).view_as(index)
+        dropped = int((every[:, :e].sum(dim=0) - capacity).clamp(min=0).sum())
+        return index.masked_fill(~keep, e), weights.masked_fill(~keep, 0.0), dropped
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         probs, index, weights = self.route(flat)
+        chosen_index = index
+        if self.capacity_factor:
+            index, weights, dropped = self.drop_overflow(index, weights)
+            if torch._C._current_graph_task_id() == -1:              # not in a recompute
+                self.dropped += dropped
         y = self.experts(flat, index, weights.to(flat.dtype))
         if self.shared is not None:
             y = y + self.shared(flat)
-        self.aux_loss, chosen = self.balance_loss(probs, index)
+        self.aux_loss, chosen = self.balance_loss(probs, chosen_index)      # the router's choices, before drops
         if self.bias_rate and self.training and torch._C._current_graph_task_id() == -1:   # not in a recompute
             self.load += chosen.detach()
         return y.view_as(x)

@@ -112,6 +112,7 @@ class RouterStats:
     experts: int
     unit: str
     backward: bool
+    capacity: bool = False    # a capacity factor: every batch rank's rows per expert gathered (int64, E + 2)
 
 
 def router_stats(model: nn.Module, units: set[str]) -> tuple[RouterStats, ...]:
@@ -121,5 +122,6 @@ def router_stats(model: nn.Module, units: set[str]) -> tuple[RouterStats, ...]:
     for name, m in model.named_modules():
         if hasattr(m, "reduce_stats"):
             experts = int(getattr(m, "n_experts", 0) or getattr(getattr(m, "gate", None), "out_features", 0))
-            out.append(RouterStats(name, experts, unit_of(name, units), bool(getattr(m, "aux_weight", 1.0))))
+            out.append(RouterStats(name, experts, unit_of(name, units), bool(getattr(m, "aux_weight", 1.0)),
+                                   bool(getattr(m, "capacity_factor", 0))))
     return tuple(out)

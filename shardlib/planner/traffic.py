@@ -389,6 +389,10 @@ def stats_entries(plan: Plan) -> list[CommEntry]:
             if again(r.name):
                 out.append(CommEntry("backward", "recompute", "all_reduce", axes, comm.all_reduce_bytes(k, n, 4),
                                      plan.grad_accum, f"{r.name} {what}"))
+        if r.capacity:          # the capacity's order: every batch rank's rows per expert, its tokens and place
+            for phase, what in (("forward", "router-stats"),) + ((("backward", "recompute"),) if again(r.name) else ()):
+                out.append(CommEntry(phase, what, "all_gather", axes, comm.all_gather_bytes(r.experts + 2, n, 8),
+                                     plan.grad_accum, f"{r.name} capacity"))
         if r.backward:
             out.append(CommEntry("backward", "router-stats", "all_reduce", axes,
                                  comm.all_reduce_bytes(r.experts, n, 4), plan.grad_accum, f"{r.name} sums"))

@@ -34,7 +34,7 @@ from ..validate import flag
 from .access import ParamAccess
 from .batches import split_batch
 from .buckets import GradBuckets
-from .experts import ExpertReduction, global_statistics, route_experts
+from .experts import ExpertReduction, dropped_rows, global_statistics, route_experts
 from .grad_sync import Accumulate, DataReduction, GradSync, MicroBatches, Riding, StepReduction
 from . import inspection
 from .machine import warn_slow_precision
@@ -142,6 +142,7 @@ class Engine:
             self.syncs, self.tensor.loss if self.tensor is not None else self.loss_of,
             self.units.freed_use if self.units is not None else None)
         global_statistics(model, mesh, plan.dp_axes)       # a router's balance statistics: the whole batch's
+        self.dropped: dict[str, int] = {}
         base = (ExpertReduction(mesh, plan, self.states, self.scalar_vector, self.experts) if self.experts is not None
                 else self.pipe or self.tensor or DataReduction(mesh, plan.dp_axes, self.scalar_vector))
         self.reduction: StepReduction = Riding(base, self.buckets) if self.buckets and self.buckets.riders else base
@@ -174,6 +175,7 @@ class Engine:
         micro, rows = split_batch(self, batch, local)    # validates before any collective
         with self.access.stepping():
             loss = self._step(micro)
+        self.dropped = dropped_rows(self.model)          # a capacity's overflow: the rows each MoE layer dropped
         self.samples_seen += rows
         if self.check_replicas:
             from .replicas import check_replicas
@@ -406,6 +408,12 @@ class Engine:
         """The last step's tokens per expert of every experts module on the expert axis (the whole batch's,
         each token once per chosen expert); empty without an expert axis."""
         return dict(self.experts.last) if self.experts is not None else {}
+
+    @property
+    def dropped_tokens(self) -> dict[str, int]:
+        """The last step's (token, expert) rows each MoE layer with a capacity dropped (the whole batch's; a token
+        dropped by all its experts keeps its residual and shared experts); empty where no layer has a capacity."""
+        return dict(self.dropped)
 
     @property
     def routed_rows(self) -> dict[str, tuple[int, int]]:

@@ -93,13 +93,35 @@ class ExpertCounts:
 def global_statistics(model: nn.Module, mesh: Mesh, axes: tuple[str, ...]) -> int:
     """Give every module with a ``reduce_stats`` slot (a router's load-balancing loss: ``models/moe.py``) the
     sum over the batch's ranks, so its statistics are the whole batch's as one process computes them
-    (Megatron's global aux loss); returns how many. Nothing to do where the batch is not split."""
-    if mesh.axis_size(mesh.canonical_axes(axes)) == 1:
+    (Megatron's global aux loss), and every module with a ``gather_counts`` slot (a capacity's order) every
+    batch rank's counts in the batch's order with this rank's place; returns how many modules. Nothing to do
+    where the batch is not split."""
+    canon = mesh.canonical_axes(axes)
+    if mesh.axis_size(canon) == 1:
         return 0
-    found = [m for m in model.modules() if hasattr(m, "reduce_stats")]
+    place = mesh.group_index(mesh.rank, axes)           # this rank's rows' place in the batch (Engine.data_index)
+
+    def gathered(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+        every = comm.all_gather(torch.cat([t.reshape(-1), t.new_tensor([place])])[None], mesh, canon)
+        return every[torch.argsort(every[:, -1]), :-1], place     # in the batch's order
+
+    found = [m for m in model.modules() if hasattr(m, "reduce_stats") or hasattr(m, "gather_counts")]
     for m in found:
-        m.reduce_stats = lambda t: batch_sum(t, mesh, axes)
+        if hasattr(m, "reduce_stats"):
+            m.reduce_stats = lambda t: batch_sum(t, mesh, axes)
+        if getattr(m, "capacity_factor", 0):
+            m.gather_counts = gathered
     return len(found)
+
+
+def dropped_rows(model: nn.Module) -> dict[str, int]:
+    """The (token, expert) rows each MoE layer with a capacity dropped since the last call (the whole batch's,
+    the same on every rank), read and reset."""
+    out = {}
+    for name, m in model.named_modules():
+        if getattr(m, "capacity_factor", 0):
+            out[name], m.dropped = int(m.dropped), 0
+    return out
 
 
 class ExpertReduction(DataReduction):

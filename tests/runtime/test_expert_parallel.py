@@ -9,6 +9,8 @@ The reference is one process on the whole batch, with the same init, data and Ad
 from __future__ import annotations
 
 import collections
+import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -89,13 +91,16 @@ def _train(shape: dict, cfg: GPTConfig, clip: float | None, zero: int = 0, recom
     ref = GPT(cfg, seed=0)
     ref.load_state_dict(_reference_before_last(cfg, clip))
     idx, _ = token_batch(cfg, BATCH, STEPS - 1)
-    want_counts = {}
+    want_counts, want_dropped = {}, {}
     with torch.no_grad():
         x = ref.pipeline_pre(idx)
         for i, block in enumerate(ref.blocks):
             h = block.ln2(x + block.attn(block.ln1(x)))
-            _, index, _ = block.mlp.route(h.reshape(-1, h.shape[-1]))
-            want_counts[f"blocks.{i}.mlp.experts"] = torch.bincount(index.reshape(-1), minlength=cfg.n_experts).tolist()
+            _, index, w = block.mlp.route(h.reshape(-1, h.shape[-1]))
+            if cfg.capacity_factor:         # the rows past an expert's capacity go nowhere
+                index, _, want_dropped[f"blocks.{i}.mlp"] = block.mlp.drop_overflow(index, w)
+            want_counts[f"blocks.{i}.mlp.experts"] = torch.bincount(index.reshape(-1),
+                                                                    minlength=cfg.n_experts + 1)[:-1].tolist()
             x = block(x)
     mem = engine.memory_held("host" if offload else "device")
     return {"losses": losses, "want_losses": want_losses, "held": held, "counts": engine.tokens_per_expert,
@@ -103,7 +108,8 @@ def _train(shape: dict, cfg: GPTConfig, clip: float | None, zero: int = 0, recom
             "planned_optimizer": plan.memory_per_rank(mesh.rank, kind="host" if offload else "device")["optimizer"],
             "want_counts": want_counts, "imbalance": engine.expert_imbalance,
             "params": {k: (got[k], want[k]) for k in want}, "a2a": sum(1 for c in counted.records if c.op == "all_to_all" and c.axes == ("expert",)),
-            "norm": engine.grad_norm, "counted": dict(second), "planned": dict(planned), "moved": moved,
+            "norm": engine.grad_norm, "dropped": engine.dropped_tokens, "want_dropped": want_dropped,
+            "counted": dict(second), "planned": dict(planned), "moved": moved,
             "formula": formula}
 
 
@@ -163,6 +169,30 @@ def test_moe_gpt_on_the_expert_axis_trains_like_one_process(world, shape, clip, 
         total = sum(p.numel * (1 if "tensor" in p.spec.axes else t) for p in plan.params) * (12 if offload else 8)
         assert sum(r["optimizer"] for r in res) == pytest.approx(total, rel=0.01)   # each state once, on one rank
     assert len({tuple(r["losses"]) for r in res}) == 1          # the same loss on every rank
+
+
+@pytest.mark.parametrize("shape, zero", [({"expert": 2}, 0), ({"data": 2, "expert": 2}, 1), ({"data": 2}, 0)],
+                         ids=["expert2", "data2_expert2_zero1", "data2_no_expert_axis"])
+def test_a_capacity_drops_the_rows_one_process_drops_and_counts_them(world, shape, zero):
+    """``capacity_factor``: each expert takes the batch's first ``ceil(f·T·k/E)`` rows in token order — the
+    ranks' shares of the batch in its order (every batch rank's counts gathered) — so the same rows are
+    dropped as in one process, the losses and every parameter equal its, and the rows dropped are counted."""
+    cfg = replace(CFG, capacity_factor=0.75)
+    n = 1
+    for s in shape.values():
+        n *= s
+    for r in world(n, _train, shape, cfg, 1.0, zero):
+        assert r["losses"] == pytest.approx(r["want_losses"], rel=1e-5), (r["losses"], r["want_losses"])
+        for k, (got, want) in r["params"].items():
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=k)
+        assert r["counted"] == r["planned"], (r["counted"], r["planned"])
+        assert r["dropped"] == r["want_dropped"] and sum(r["dropped"].values()) > 0, (r["dropped"], r["want_dropped"])
+        capacity = math.ceil(0.75 * BATCH * cfg.seq_len * cfg.top_k / cfg.n_experts)
+        if "expert" in shape:
+            assert r["counts"] == r["want_counts"]
+            for name, counts in r["counts"].items():
+                assert max(counts) <= capacity
+                assert sum(counts) == BATCH * cfg.seq_len * cfg.top_k - r["dropped"][name.rpartition(".")[0]]
 
 
 def _refused(shape: dict, kwargs: dict) -> str:

@@ -125,7 +125,22 @@ def summary_lines(metrics: Sequence[Mapping[str, Any]], *, warmup: int = 2) -> l
             f"step {statistics.median(m['step_ms'] for m in timed):.0f} ms median, "
             f"{statistics.median(m['tokens_per_s'] for m in timed):,.0f} tokens/s",
             "peak resident memory per rank: " + " ".join(format_bytes(b) for b in peaks),
-            "bytes rank 0 sent per step: " + (", ".join(f"{a} {format_bytes(b)}" for a, b in axes.items()) or "none")]
+            "bytes rank 0 sent per step: " + (", ".join(f"{a} {format_bytes(b)}" for a, b in axes.items()) or "none"),
+            *_expert_lines(metrics)]
+
+
+def _expert_lines(metrics: Sequence[Mapping[str, Any]]) -> list[str]:
+    """With an expert axis: the worst step's imbalance; with a capacity: the (token, expert) rows dropped."""
+    out = []
+    worst = [m["expert_imbalance"] for m in metrics if m.get("expert_imbalance")]
+    if worst:
+        out.append(f"experts: the most loaded expert at {min(worst):.2f}-{max(worst):.2f}x the mean over the steps")
+    dropped = sum(sum(m.get("dropped_tokens", {}).values()) for m in metrics)
+    routed = sum(sum(sum(c) for c in m.get("tokens_per_expert", {}).values()) for m in metrics)
+    if any("dropped_tokens" in m for m in metrics):
+        share = f" ({dropped / (dropped + routed):.1%} of the rows routed)" if routed else ""
+        out.append(f"capacity: {dropped:,} (token, expert) rows dropped over the run{share}")
+    return out
 
 
 def _duration(seconds: float) -> str:
