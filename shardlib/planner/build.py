@@ -408,7 +408,8 @@ def _check(model: nn.Module, mesh: AbstractMesh, pol: Policies, *, rules: Any, b
         for m in expert_problems(specs, mesh, roles, mem.states(roles.data), kinds):
             add(m)
         ranks = [a for a in (roles.data or "data", roles.replica_of(mesh), roles.expert_of(mesh)) if a in sizes]
-        for m in aux_loss_problems(model, mesh.axis_size(tuple(ranks)) if ranks else 1):
+        piped = sizes.get(roles.pipe or "pipe", 1) > 1
+        for m in aux_loss_problems(model, mesh.axis_size(tuple(ranks)) if ranks else 1, piped):
             add(m)
     if problems:
         messages = [m for _, m in problems]

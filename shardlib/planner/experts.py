@@ -25,18 +25,24 @@ def expert_params(specs: dict[str, PartitionSpec], axis: str | None) -> set[str]
     return {n for n, s in specs.items() if axis is not None and axis in s.axes} if axis else set()
 
 
-def aux_loss_problems(model: nn.Module, batch_ranks: int) -> list[str]:
+def aux_loss_problems(model: nn.Module, batch_ranks: int, piped: bool = False) -> list[str]:
     """A transformers MoE model adding its router's load-balancing loss (``output_router_logits``) computes its
-    statistics over the tokens it is given: with the batch split over ranks that is each rank's share, not
-    the batch's, so the loss (and the router's gradients) would differ from one process. Refused until those
-    statistics are made global for transformers models as they are for ``models/moe.py``."""
-    config = getattr(model, "config", None)
-    if batch_ranks > 1 and getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0):
-        return [f"plan: {type(model).__name__} adds its router's load-balancing loss (config.output_router_logits="
-                f"True), whose statistics it takes over the tokens it is given — with the batch split over "
-                f"{batch_ranks} ranks each rank's, not the batch's, and training would differ from one process. "
-                "Set config.output_router_logits=False (the loss without the aux term), or train on one process; "
-                "global statistics for transformers routers are not supported yet."]
+    statistics over the tokens it is given; with the batch split over ranks the runtime sums them over the
+    batch's ranks (``runtime/router_loss.py``) where its function is the known formula. Refused: another
+    formula with a split batch, and the loss under a pipe axis (its layers' router logits meet on no stage)."""
+    from .hf_router import adds_router_loss, known
+    if not adds_router_loss(model):
+        return []
+    where = (f"{type(model).__name__} adds its router's load-balancing loss (config.output_router_logits=True)")
+    if piped:
+        return [f"plan: {where}, which needs every layer's router logits in one place — under a pipe axis they "
+                "sit on different stages. Set config.output_router_logits=False, or train without a pipe axis."]
+    ok, name = known(model)
+    if batch_ranks > 1 and not ok:
+        return [f"plan: {where} through {name}, which is not the Switch formula shardlib makes global (its body "
+                f"differs from transformers 5's Mixtral's) — with the batch split over {batch_ranks} ranks each "
+                "rank would take its own tokens' statistics, not the batch's, and training would differ from one "
+                "process. Set config.output_router_logits=False, or train on one process."]
     return []
 
 
@@ -116,8 +122,14 @@ class RouterStats:
 
 
 def router_stats(model: nn.Module, units: set[str]) -> tuple[RouterStats, ...]:
-    """The routers of ``model`` whose statistics the runtime makes global (``runtime/experts.global_statistics``)."""
+    """The routers of ``model`` whose statistics the runtime makes global (``runtime/experts.global_statistics``;
+    a transformers model's one load-balancing loss over all its layers: ``runtime/router_loss.py``)."""
     from ..algebra.qualnames import unit_of
+    from .hf_router import adds_router_loss, known
+    config = getattr(model, "config", None)
+    if adds_router_loss(model) and known(model)[0]:
+        experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
+        return (RouterStats("<router load-balancing loss>", int(experts), "", True),)
     out = []
     for name, m in model.named_modules():
         if hasattr(m, "reduce_stats"):

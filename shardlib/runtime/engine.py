@@ -36,7 +36,7 @@ from .batches import split_batch
 from .buckets import GradBuckets
 from .experts import ExpertReduction, dropped_rows, global_statistics, route_experts
 from .grad_sync import Accumulate, DataReduction, GradSync, MicroBatches, Riding, StepReduction
-from . import inspection
+from . import inspection, router_loss
 from .machine import warn_slow_precision
 from .masters import LostStep, Masters
 from .materialize import is_meta, materialize_stage_
@@ -142,6 +142,8 @@ class Engine:
             self.syncs, self.tensor.loss if self.tensor is not None else self.loss_of,
             self.units.freed_use if self.units is not None else None)
         global_statistics(model, mesh, plan.dp_axes)       # a router's balance statistics: the whole batch's
+        # a transformers model's router loss: its statistics summed over the batch's ranks inside loss_of
+        self.router_loss = (router_loss.install(model) and mesh.axis_size(mesh.canonical_axes(plan.dp_axes)) > 1)
         self.dropped: dict[str, int] = {}
         base = (ExpertReduction(mesh, plan, self.states, self.scalar_vector, self.experts) if self.experts is not None
                 else self.pipe or self.tensor or DataReduction(mesh, plan.dp_axes, self.scalar_vector))
@@ -435,14 +437,15 @@ class Engine:
     def loss_of(self, batch: Any) -> torch.Tensor:
         """The loss of one micro-batch: ``loss_fn(model, batch)``, or the model's own (a scalar, or a
         transformers output's ``.loss``)."""
-        if self.loss_fn is not None:
-            out = self.loss_fn(self.model, batch)
-        elif isinstance(batch, dict):
-            out = self.model(**batch)
-        elif isinstance(batch, (tuple, list)):
-            out = self.model(*batch)
-        else:
-            out = self.model(batch)
+        with (router_loss.active(self.mesh, self.plan.dp_axes) if self.router_loss else contextlib.nullcontext()):
+            if self.loss_fn is not None:
+                out = self.loss_fn(self.model, batch)
+            elif isinstance(batch, dict):
+                out = self.model(**batch)
+            elif isinstance(batch, (tuple, list)):
+                out = self.model(*batch)
+            else:
+                out = self.model(batch)
         if self.loss_fn is None and not isinstance(out, torch.Tensor) and hasattr(out, "loss"):
             if out.loss is None:
                 raise ShardingTypeError(f"step: the model returned a {type(out).__name__} with no loss — expected "

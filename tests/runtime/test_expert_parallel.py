@@ -321,8 +321,8 @@ def _train_mixtral(shape: dict, router_logits: bool):
     want_losses, want = _one_process(_mixtral(router_logits), [_hf_batch(step) for step in range(STEPS)],
                                      loss=lambda m, b: m(**b).loss)
     model = _mixtral(router_logits)
-    rules = {"experts": "expert", **(TENSOR if "tensor" in shape else {})}
-    engine = sl.parallelize(model, sl.plan(model, mesh, rules=rules), optimizer=_opt)
+    rules = {**({"experts": "expert"} if "expert" in shape else {}), **(TENSOR if "tensor" in shape else {})}
+    engine = sl.parallelize(model, sl.plan(model, mesh, rules=rules or None), optimizer=_opt)
     losses = [engine.step(_hf_batch(step)) for step in range(STEPS)]
     got = engine.full_state_dict()
     return {"losses": losses, "want_losses": want_losses, "params": {k: (got[k], want[k]) for k in want}}
@@ -340,10 +340,33 @@ def test_transformers_mixtral_on_the_expert_axis_trains_like_one_process(world, 
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=k)
 
 
-def test_transformers_router_aux_loss_with_a_split_batch_is_refused_until_its_statistics_are_global():
+@pytest.mark.parametrize("shape", [{"data": 2, "expert": 2}, {"data": 2}], ids=["data2_expert2", "data2"])
+def test_transformers_router_aux_loss_takes_the_whole_batchs_statistics(world, shape):
+    """Mixtral's router load-balancing loss (``output_router_logits=True``, coefficient 0.05) over every layer's
+    rows: with the batch split its counts, probability sums and rows are summed over the batch's ranks
+    (``runtime/router_loss.py``), so the losses and every parameter equal one process's."""
+    n = 1
+    for s in shape.values():
+        n *= s
+    for r in world(n, _train_mixtral, shape, True):
+        assert r["losses"] == pytest.approx(r["want_losses"], rel=1e-5), (r["losses"], r["want_losses"])
+        for k, (got, want) in r["params"].items():
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=k)
+
+
+def test_a_router_loss_of_another_formula_or_across_a_pipe_is_refused_by_name(monkeypatch):
+    import transformers.models.mixtral.modeling_mixtral as modeling
     model = _mixtral(router_logits=True)
-    with pytest.raises(sl.ShardingError, match="output_router_logits"):
-        sl.plan(model, sl.AbstractMesh({"expert": 2}), rules={"experts": "expert"})
+    sl.plan(model, sl.AbstractMesh({"data": 2, "expert": 2}), rules={"experts": "expert"})      # the known formula
+    with pytest.raises(sl.ShardingError, match="output_router_logits") as e:
+        sl.plan(model, sl.AbstractMesh({"pipe": 2}), rules={"layers": "pipe"})
+    assert "under a pipe axis" in str(e.value)
+
+    def load_balancing_loss_func(gate_logits, num_experts=None, top_k=2, attention_mask=None):
+        return sum(g.float().pow(2).mean() for g in gate_logits)          # some other balancing loss
+    monkeypatch.setattr(modeling, "load_balancing_loss_func", load_balancing_loss_func)
+    with pytest.raises(sl.ShardingError, match="not the Switch formula shardlib makes global"):
+        sl.plan(model, sl.AbstractMesh({"data": 2}))
     sl.plan(model, sl.AbstractMesh({"data": 1}))          # one process: its own loss, as it is
 
 

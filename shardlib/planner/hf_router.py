@@ -1,0 +1,58 @@
+"""Which transformers router load-balancing loss shardlib can make global (``runtime/router_loss.py``): the
+modeling module's ``load_balancing_loss_func``, known by its body (an AST fingerprint), and whether the model's
+config adds it to the loss. Planning reads this to refuse what it cannot run; the runtime installs the global
+form."""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import inspect
+import sys
+import textwrap
+
+from torch import nn
+
+NAME = "load_balancing_loss_func"
+# transformers 5's Switch formula (Mixtral's, copied verbatim by Qwen2-MoE, Qwen3-MoE, OLMoE, Jamba, GraniteMoE,
+# PhiMoE, GPT-OSS, ...), checked equal to one
+# process in tests/runtime/test_expert_parallel.py
+FINGERPRINTS = frozenset({"ad7e74a6fd42"})
+
+
+def fingerprint(fn) -> str:
+    """A short hash of ``fn``'s arguments and body (its docstring left out)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
+    body = tree.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant):
+        body = body[1:]
+    return hashlib.sha1("".join(ast.dump(b) for b in body).encode() + ast.dump(tree.args).encode()).hexdigest()[:12]
+
+
+def modeling_module(model: nn.Module):
+    """The modeling module of the transformers model inside ``model`` (through PEFT's wrappers) that defines the
+    load-balancing function, else None."""
+    for m in model.modules():
+        mod = sys.modules.get(type(m).__module__)
+        fn = getattr(mod, NAME, None)
+        if fn is not None:
+            return mod
+    return None
+
+
+def adds_router_loss(model: nn.Module) -> bool:
+    """Whether ``model``'s config asks for the router's loss in the training loss."""
+    config = getattr(model, "config", None)
+    return bool(getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0))
+
+
+def known(model: nn.Module) -> tuple[bool, str]:
+    """Whether ``model``'s load-balancing function is the formula made global here, and its name."""
+    mod = modeling_module(model)
+    if mod is None:
+        return False, "<none>"
+    fn = getattr(mod, NAME)
+    original = getattr(fn, "__wrapped__", fn)
+    return fingerprint(original) in FINGERPRINTS, f"{mod.__name__}.{NAME}"
+
+

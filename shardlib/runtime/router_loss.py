@@ -1,0 +1,88 @@
+"""A transformers MoE model's router load-balancing loss with the whole batch's statistics.
+
+transformers' MoE causal LMs (Mixtral and the families that copy its ``load_balancing_loss_func``: Qwen2-MoE,
+Qwen3-MoE, OLMoE, Jamba, GraniteMoE, PhiMoE, GPT-OSS, ...) add ``router_aux_loss_coef`` times Switch's loss
+``E · Σ_e f_e · P_e`` when ``config.output_router_logits`` is set: ``f_e`` the share of the top-k choices that
+went to expert ``e`` and ``P_e`` its mean router probability, over every layer's rows (padding excluded by the
+attention mask). The function takes those over the rows it is given: on a split batch each rank's, not the
+batch's. Here its counts, probability sums and rows are summed over the batch's ranks (the probability sums
+with ``comm/experts.batch_sum``: all-reduce forward and backward, Megatron's global aux loss), so the loss and
+its gradients are one process's.
+
+The function is replaced only where its body is the formula reimplemented here (``FINGERPRINTS``: its AST,
+docstring aside, as transformers 5 writes it); another body is refused at plan time by name
+(``planner/experts.aux_loss_problems``, ``planner/hf_router.py``). The replacement is installed once per modeling module and runs the
+global form only inside an engine's forward (``active``); anywhere else it is the original.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ..comm import core as comm
+from ..comm.experts import batch_sum
+from ..planner.hf_router import NAME, adds_router_loss, known, modeling_module
+
+if TYPE_CHECKING:
+    from ..algebra.mesh import Mesh
+
+_ACTIVE: contextvars.ContextVar[tuple[Any, tuple[str, ...]] | None] = contextvars.ContextVar("router_loss", default=None)
+
+
+def install(model: nn.Module) -> bool:
+    """Replace the modeling module's function (once) by one that takes the whole batch's statistics inside
+    ``active``; True where ``model`` adds a router loss of the known formula."""
+    if not adds_router_loss(model) or not known(model)[0]:
+        return False
+    mod = modeling_module(model)
+    fn = getattr(mod, NAME)
+    if getattr(fn, "__wrapped__", None) is None:
+        def dispatch(*args, **kwargs):
+            return (fn if _ACTIVE.get() is None else global_load_balancing)(*args, **kwargs)
+        dispatch.__wrapped__ = fn
+        setattr(mod, NAME, dispatch)
+    return True
+
+
+@contextlib.contextmanager
+def active(mesh: Mesh, axes: tuple[str, ...]) -> Iterator[None]:
+    """Inside, the installed functions sum their statistics over ``axes`` (the batch's) of ``mesh``."""
+    token = _ACTIVE.set((mesh, axes))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def global_load_balancing(gate_logits, num_experts: int | None = None, top_k: int = 2,
+                          attention_mask: torch.Tensor | None = None):
+    """transformers' ``load_balancing_loss_func`` with every sum over the batch's ranks (``active``)."""
+    if gate_logits is None or not isinstance(gate_logits, tuple):
+        return 0
+    mesh, axes = _ACTIVE.get()
+    device = gate_logits[0].device
+    counts = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    probs = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    rows = torch.zeros((), dtype=torch.float32, device=device)
+    mask = attention_mask.reshape(-1).to(device=device, dtype=torch.float32) if attention_mask is not None else None
+    for layer in gate_logits:
+        weights = torch.nn.functional.softmax(layer.to(device), dim=-1)
+        _, chosen = torch.topk(weights, top_k, dim=-1)
+        if mask is None:
+            counts = counts + torch.bincount(chosen.reshape(-1), minlength=num_experts).float()
+            probs = probs + weights.float().sum(dim=0)
+            rows = rows + weights.shape[0]
+        else:
+            counts = counts + torch.zeros_like(counts).scatter_add_(0, chosen.reshape(-1), mask.repeat_interleave(top_k))
+            probs = probs + (weights.float() * mask.unsqueeze(-1)).sum(dim=0)
+            rows = rows + mask.sum()
+    stats = comm.all_reduce(torch.cat([counts, rows.reshape(1)]).detach(), mesh, mesh.canonical_axes(axes))
+    probs = batch_sum(probs, mesh, axes)
+    counts, rows = stats[:-1], stats[-1]
+    return torch.sum((counts / rows) * (probs / rows).unsqueeze(0)) * num_experts
