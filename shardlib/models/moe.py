@@ -151,13 +151,14 @@ class MoE(nn.Module):
         chosen_index = index
         if self.capacity_factor:
             index, weights, dropped = self.drop_overflow(index, weights)
-            if torch._C._current_graph_task_id() == -1:              # not in a recompute
+            if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:   # a training forward, once
                 self.dropped += dropped
         y = self.experts(flat, index, weights.to(flat.dtype))
         if self.shared is not None:
             y = y + self.shared(flat)
         self.aux_loss, chosen = self.balance_loss(probs, chosen_index)      # the router's choices, before drops
-        if self.bias_rate and self.training and torch._C._current_graph_task_id() == -1:   # not in a recompute
+        if self.bias_rate and self.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+            # a training forward (not a shape probe, not a recompute inside backward)
             self.load += chosen.detach()
         return y.view_as(x)
 

@@ -31,6 +31,11 @@ def aux_loss_problems(model: nn.Module, batch_ranks: int, piped: bool = False) -
     batch's ranks (``runtime/router_loss.py``) where its function is the known formula. Refused: another
     formula with a split batch, and the loss under a pipe axis (its layers' router logits meet on no stage)."""
     from .hf_router import adds_router_loss, known
+    if piped and any(getattr(m, "aux_weight", 0) for m in model.modules()):
+        return ["plan: the model's routers add their load-balancing loss to the training loss (aux_loss > 0), which "
+                "under a pipe axis is not supported yet: each stage's routers' terms would have to reach the last "
+                "stage's loss. Use aux_loss=0 (with bias balancing, bias_rate > 0, as DeepSeek-V3 does), or no pipe "
+                "axis."]
     if not adds_router_loss(model):
         return []
     where = (f"{type(model).__name__} adds its router's load-balancing loss (config.output_router_logits=True)")
@@ -63,11 +68,6 @@ def expert_problems(specs: dict[str, PartitionSpec], mesh: Any, roles: Any, stat
         if spec.dim_axes(0) != (axis,) or axis in PartitionSpec(*list(spec)[1:]).axes:
             out.append(f"plan: {name} is laid out {spec} — expected the expert axis {axis!r} alone on dim 0 (the "
                        "experts dim), each rank holding whole experts.")
-    sizes = mesh.axis_sizes
-    pipe = roles.pipe or "pipe"
-    if sizes.get(pipe, 1) > 1:
-        out.append(f"plan: the expert axis {axis!r} beside the pipe axis {pipe!r} is not supported yet — expected "
-                   "expert x data (with replica) x tensor. Give the pipe axis size 1.")
     kinds = dict(offload)
     if kinds.get("params") or kinds.get("activations") or kinds.get("optimizer") not in (None, "host"):
         out.append(f"plan: the expert axis {axis!r} with parameters or activations offloaded, or the optimizer on "

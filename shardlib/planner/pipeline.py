@@ -456,6 +456,11 @@ def stream_shape(model: nn.Module, stack: str, batch, rows: int, dtype) -> tuple
                  else t for t in b)
     params = {f"model.{n}": torch.empty(p.shape, dtype=dtype if p.is_floating_point() else p.dtype, device="meta")
               for n, p in model.named_parameters(remove_duplicate=False)}
-    with torch.no_grad():
-        out = torch.func.functional_call(Probe(), params, meta, strict=False, tie_weights=True)
-    return tuple(out.shape)
+    # the buffers too: a forward that updates its own (a router's load) updates these, not the model's
+    params.update({f"model.{n}": torch.empty(b.shape, dtype=b.dtype, device="meta")
+                   for n, b in model.named_buffers(remove_duplicate=False)})
+
+    def run(params, meta):      # a MoE block has no meta kernel for its routing (nonzero): then on zeros
+        with torch.no_grad():
+            return torch.func.functional_call(Probe(), params, meta, strict=False, tie_weights=True)
+    return tuple(meta_or_zeros(run, params, meta).shape)

@@ -135,6 +135,8 @@ def block_saved_bytes(model: nn.Module, plan: Plan, *, rank: int = 0, batch: Any
                 for n, _ in block.named_parameters():
                     p = params[f"{name}.{n}"]
                     local = tuple(p.compute.local_shape(p.shape, rank)) if p.shape else ()
+                    if local and plan.is_expert(p.name):     # run as the whole experts on this rank's tokens: the
+                        local = (p.shape[0], *local[1:])     # rows routed to a rank's experts, T·k, at uniform routing
                     values[n] = torch.empty(local, dtype=dtype, device="meta", requires_grad=p.trainable)
                 for n, b in block.named_buffers():       # floating buffers in the compute dtype, as a step casts them
                     values[n] = torch.empty(b.shape, dtype=dtype if b.is_floating_point() and plan.mixed else b.dtype,

@@ -496,8 +496,12 @@ def _localized(plan: Plan, rank: int, key: tuple[int, int | None, int | None]) -
             held = tuple(n for n in u.params if n in names)
             if held:
                 units.append(replace(u, params=held))
+        owners = {n.rpartition(".")[0] for n in names}        # the experts and routers of its blocks only
         out = replace(out, params=keep, units=tuple(units), pipe_coord=pcoord,
-                      activations=_stage_activations(plan, mine))
+                      activations=_stage_activations(plan, mine),
+                      expert_layers=tuple(x for x in plan.expert_layers if x.name in owners),
+                      router_stats=tuple(r for r in plan.router_stats
+                                         if any(o == r.name or o.startswith(r.name + ".") for o in owners)))
     if (tcoord is None or plan.tensor_size <= 1) and ecoord is None:
         return out
 

@@ -92,7 +92,7 @@ def scalars_per_step(plan: Plan) -> int:
     k = 1 + sum(1 for p in plan.params if p.trainable)
     if plan.states.grads is not None or plan.tensor_size > 1 or plan.expert_size > 1:   # gradients differ by rank
         k += int(plan.precision == "fp16") + int(plan.clip_grad_norm is not None)
-    if plan.expert_size > 1 and plan.expert_layers:   # the step's tokens per expert ride along (runtime/experts.py)
+    if plan.expert_size > 1 and plan.expert_layers and plan.pipe_size == 1:   # the tokens per expert ride along
         k += len(plan.expert_layers) * max(layer.experts for layer in plan.expert_layers)
     return k
 
@@ -203,6 +203,11 @@ def comm_per_step(plan: Plan, rank: int | None = None) -> list[CommEntry]:
     out += stats_entries(plan)
     if plan.pipe_size > 1:
         out += _pipe_entries(plan) + _tied_entries(plan)
+        if plan.expert_size > 1 and plan.expert_layers:      # the stage's tokens per expert, on their own
+            axes = plan.mesh.canonical_axes((*plan.dp_axes, *((plan.tensor.axis,) if plan.tensor_size > 1 else ())))
+            k = len(plan.expert_layers) * max(layer.experts for layer in plan.expert_layers)
+            out.append(CommEntry("step", "scalars", "all_reduce", axes,
+                                 comm.all_reduce_bytes(k, plan.mesh.axis_size(axes), 4), 1, "tokens per expert"))
     elif plan.tensor_size > 1:
         # the step's scalars over the whole (data, tensor) group: split gradients' norms add up
         # over tensor (runtime/engine.py counts each element once)

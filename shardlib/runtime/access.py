@@ -330,12 +330,14 @@ class ParamAccess:
                 out[k] = v
         broadcast_coalesced(buffers, self.mesh, self.plan.dp_axes)
         if self.global_plan.pipe_size > 1:
-            self._gather_stages(out)
+            self._gather_stages(out, [k for k, v in raw.items() if isinstance(v, torch.Tensor) and id(v) not in installed
+                                      and not v.is_meta])
         return out
 
-    def _gather_stages(self, out: dict) -> None:
-        """Fill in the other pipeline stages' parameters: each pipe coordinate broadcasts its
-        stages' full fp32 parameters, laid end to end, over the pipe axis."""
+    def _gather_stages(self, out: dict, buffers: list[str]) -> None:
+        """Fill in the other pipeline stages' parameters and the buffers of their blocks (a router's balancing
+        bias: each stage updates its own): each pipe coordinate broadcasts its stages' full fp32 parameters and
+        its blocks' buffers, laid end to end, over the pipe axis."""
         gplan = self.global_plan
         pp = gplan.pipeline
         me = self.mesh.coord(self.mesh.rank, pp.axis)
@@ -343,22 +345,27 @@ class ParamAccess:
         aliases: dict[str, list[str]] = {}
         for k, p in self.model.named_parameters(remove_duplicate=False):
             aliases.setdefault(first[id(p)], []).append(k)
+        stacked = [k for k in buffers if k.startswith(pp.stack + ".")]
         for c in range(pp.size):
             mine = {s.index for s in pp.stages_of(c)}
-            params = [p for p in gplan.params if pp.stage_of(p.name) in mine]
-            total = sum(p.numel for p in params)
+            items = [(p.name, p.shape, p.numel) for p in gplan.params if pp.stage_of(p.name) in mine]
+            items += [(k, tuple(out[k].shape), out[k].numel()) for k in stacked if pp.stage_of(k) in mine]
+            total = sum(n for _, _, n in items)
             if c == me:
-                buf = torch.cat([out[p.name].reshape(-1).float() for p in params]) if params else torch.zeros(0)
+                buf = torch.cat([out[k].reshape(-1).float() for k, _, _ in items]) if items else torch.zeros(0)
             else:
                 buf = torch.empty(total, dtype=torch.float32, device=self.mesh.device)
             buf = comm.broadcast(buf, self.mesh, (pp.axis,), src=c)
             if c == me:
                 continue
             off = 0
-            for p in params:
-                value = buf[off:off + p.numel].view(p.shape).clone()
-                off += p.numel
-                for k in aliases.get(p.name, [p.name]):
+            for name, shape, numel in items:
+                value = buf[off:off + numel].view(shape).clone()
+                off += numel
+                if name in out and name in stacked:
+                    out[name] = value.to(out[name].dtype)
+                    continue
+                for k in aliases.get(name, [name]):
                     out[k] = value
 
     def _untensor(self, raw: dict) -> dict[int, torch.Tensor]:

@@ -145,8 +145,9 @@ class Engine:
         # a transformers model's router loss: its statistics summed over the batch's ranks inside loss_of
         self.router_loss = (router_loss.install(model) and mesh.axis_size(mesh.canonical_axes(plan.dp_axes)) > 1)
         self.dropped: dict[str, int] = {}
-        base = (ExpertReduction(mesh, plan, self.states, self.scalar_vector, self.experts) if self.experts is not None
-                else self.pipe or self.tensor or DataReduction(mesh, plan.dp_axes, self.scalar_vector))
+        base = self.pipe or (ExpertReduction(mesh, plan, self.states, self.scalar_vector, self.experts)
+                             if self.experts is not None else self.tensor or DataReduction(mesh, plan.dp_axes,
+                                                                                           self.scalar_vector))
         self.reduction: StepReduction = Riding(base, self.buckets) if self.buckets and self.buckets.riders else base
         # the gradients differ across ranks (each holds a part): their overflow count and norm are summed
         self.grads_sharded = (plan.states.grads is not None or self.tensor is not None or self.pipe is not None

@@ -9,6 +9,9 @@ forward keeps transformers' signature ``(hidden_states [T, H], top_k_index [T, k
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,9 +27,24 @@ if TYPE_CHECKING:
     from .state import ParamState
 
 
+_PROBING: contextvars.ContextVar[bool] = contextvars.ContextVar("expert_probe", default=False)
+
+
+@contextlib.contextmanager
+def probing() -> Iterator[None]:
+    """Inside, every experts module on the expert axis returns zeros of its input's shape, routing nothing: a
+    shape probe (the pipeline's stream) that must communicate nothing."""
+    token = _PROBING.set(True)
+    try:
+        yield
+    finally:
+        _PROBING.reset(token)
+
+
 def route_experts(model: nn.Module, plan: Plan, global_plan: Plan, mesh: Mesh) -> ExpertCounts:
     """Wrap the forward of every module holding expert weights with dispatch and combine over the expert
-    axis; returns the step's per-expert token counts they fill (``ExpertCounts``)."""
+    axis; returns the step's per-expert token counts they fill (``ExpertCounts``). Under a pipe axis the other
+    stages' experts modules are wrapped too, for ``probing`` only (they never run a step here)."""
     modules = dict(model.named_modules())
     owners: dict[str, int] = {}
     for pp in plan.params:
@@ -39,11 +57,23 @@ def route_experts(model: nn.Module, plan: Plan, global_plan: Plan, mesh: Mesh) -
         if isinstance(getattr(module, "num_experts", None), int):
             module.num_experts = local[name]      # transformers' experts count the experts they hold (grouped_mm)
         module.forward = _routed(module.forward, n_experts, mesh, plan.expert_axis, counts, i)
+    for pp in global_plan.params:
+        owner = pp.name.rpartition(".")[0]
+        if global_plan.is_expert(pp.name) and owner not in owners and "forward" not in modules[owner].__dict__:
+            modules[owner].forward = _probe_only(modules[owner].forward)
     return counts
+
+
+def _probe_only(forward):
+    def probed(hidden_states: torch.Tensor, *args: Any, **kwargs: Any):
+        return torch.zeros_like(hidden_states) if _PROBING.get() else forward(hidden_states, *args, **kwargs)
+    return probed
 
 
 def _routed(forward, n_experts: int, mesh: Mesh, axis: str, counts: ExpertCounts, layer: int):
     def routed(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, **kwargs: Any):
+        if _PROBING.get():
+            return torch.zeros_like(hidden_states)
         rows, local, weights, back = dispatch(hidden_states, top_k_index, top_k_weights, n_experts, mesh, axis)
         counts.add(layer, local, back)
         return combine(forward(rows, local[:, None], weights[:, None], **kwargs), back)
@@ -154,6 +184,14 @@ class ExpertReduction(DataReduction):
             if (self.pieces or e or self.first_expert) and (t or self.first_tensor):
                 total = total + (g.double() ** 2).sum()
         return total.float()
+
+    def settle_counts(self) -> None:
+        """The step's tokens per expert summed over the batch's axes (and tensor) on their own: under a pipe
+        axis, whose scalars are summed over other axes, and each stage holds its own experts modules."""
+        local = self.counts.local.reshape(-1).clone()
+        if not self.first_tensor:
+            local.zero_()
+        self.counts.settle(comm.all_reduce(local, self.mesh, self.axes))
 
     def reduce(self, scalars: list[torch.Tensor]) -> torch.Tensor:
         """The scalars, with the step's tokens per expert riding the same all-reduce (no collective more)."""

@@ -49,6 +49,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from .experts import ExpertReduction, probing
 from .grad_sync import GradSync
 from ..comm import core as comm
 from ..errors import CollectiveError
@@ -120,6 +121,10 @@ class PipelineRuntime(GradSync):
         self.n_trainable = len(trainable)
         self.global_index = torch.tensor([where[s.name] for s in engine.states if s.trainable], dtype=torch.long)
         self.scalar_axes = engine.plan.pipe_scalar_axes()
+        # an expert axis: the norm counts each expert's gradient on every expert coordinate, the rest once
+        # (runtime/experts.py); the step's tokens per expert summed over the batch's axes on their own
+        self.expert_norm = (ExpertReduction(mesh, engine.plan, engine.states, engine.scalar_vector, engine.experts)
+                            if engine.experts is not None else None)
         # the whole-mesh sum counts each replica's loss once: on its pipe and tensor coordinate 0
         self.counts_loss = self.coord == 0 and (engine.tensor is None or engine.tensor.coord == 0)
         self.timeline: list[Record] = []
@@ -440,7 +445,8 @@ class PipelineRuntime(GradSync):
         hit = self._shapes.get(key)
         if hit is None:         # with the tensor axis's boundaries installed: SP's slice is in the shape
             rows = next(t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim())
-            shape = stream_shape(self.engine.model, self.pp.stack, batch, rows, self.engine.cdt)
+            with probing():          # experts on the expert axis: zeros of their input's shape, nothing routed
+                shape = stream_shape(self.engine.model, self.pp.stack, batch, rows, self.engine.cdt)
             if self.engine.tensor is not None:
                 self.engine.tensor.clear()
             hit = self._shapes[key] = (torch.Size(shape), self.engine.cdt)
@@ -470,6 +476,8 @@ class PipelineRuntime(GradSync):
         they are replicated over ``data``."""
         eng = self.engine
         grads = self.norm_grads(grads)
+        if self.expert_norm is not None:
+            return self.expert_norm.sum_of_squares(grads)
         if eng.tensor is not None:
             return eng.tensor.sum_of_squares(grads)
         if eng.plan.states.grads is None and eng.data_index != 0:
@@ -484,6 +492,8 @@ class PipelineRuntime(GradSync):
         its own), on tensor coordinate 0 only, and the loss on one rank per data replica. Returns
         the vector with this rank's flags, in its states' order."""
         eng = self.engine
+        if self.expert_norm is not None:
+            self.expert_norm.settle_counts()
         local = eng.scalar_vector(scalars)
         if self.scalar_axes != self.mesh.canonical_axes(self.mesh.axis_names):
             return comm.all_reduce(local, self.mesh, self.scalar_axes) if self.scalar_axes else local
