@@ -51,7 +51,19 @@ def aux_loss_problems(model: nn.Module, batch_ranks: int, piped: bool = False) -
     return []
 
 
-def expert_problems(specs: dict[str, PartitionSpec], mesh: Any, roles: Any, states: Any, offload: tuple) -> list[str]:
+def module_list_experts(model: nn.Module) -> list[tuple[str, int]]:
+    """``(name, count)`` of each ``nn.ModuleList`` of experts (a MoE block of older families and hand-written
+    models: one module per expert, beside a router), which the expert axis does not split."""
+    out = []
+    for name, m in model.named_modules():
+        if isinstance(m, nn.ModuleList) and len(m) > 1 and name.rpartition(".")[2] in ("experts", "expert", "mlps") \
+                and len({type(c) for c in m}) == 1:
+            out.append((name, len(m)))
+    return out
+
+
+def expert_problems(specs: dict[str, PartitionSpec], mesh: Any, roles: Any, states: Any, offload: tuple,
+                    model: nn.Module | None = None) -> list[str]:
     """What is wrong with the expert axis of this plan, if it has one of size > 1."""
     axis = roles.expert_of(mesh)
     if axis is None or mesh.axis_sizes[axis] == 1:
@@ -59,6 +71,17 @@ def expert_problems(specs: dict[str, PartitionSpec], mesh: Any, roles: Any, stat
     n = mesh.axis_sizes[axis]
     users = sorted(expert_params(specs, axis))
     if not users:
+        lists = module_list_experts(model) if model is not None else []
+        if lists:
+            names = ", ".join(f"{name!r} ({k} modules)" for name, k in lists[:3]) + (" ..." if len(lists) > 3 else "")
+            return [f"plan: the mesh's expert axis ({axis}={n}) splits no parameter — the model keeps its experts as "
+                    f"nn.ModuleLists, one module per expert: {names}, whose MoE block routes by looping over them; "
+                    "shardlib splits experts stored as stacked 3-D weights [E, out, in] behind a forward taking "
+                    "(hidden_states, top_k_index, top_k_weights), as transformers 5's fused *Experts and "
+                    "shardlib.models.moe.Experts are. Declare such a module, its weights' dim 0 named 'experts' "
+                    "(sl.shard({'gate_up_proj': ('experts', sl.Fused(2, 'expert_mlp'), 'embed'), 'down_proj': "
+                    "('experts', 'embed', 'expert_mlp')})), or load the model with a transformers version that fuses "
+                    "its experts; or give the expert axis size 1."]
         return [f"plan: the mesh's expert axis ({axis}={n}) splits no parameter — expected the experts' weights laid "
                 f"out on it (rules={{'experts': '{axis}'}} on a mixture-of-experts model). An axis that splits "
                 "nothing is refused: give it size 1, or use it as the data axis."]

@@ -209,12 +209,7 @@ def test_a_capacity_drops_the_rows_one_process_drops_and_counts_them(world, shap
 
 
 def _refused(shape: dict, kwargs: dict) -> str:
-    mesh = sl.AbstractMesh(shape)
-    try:
-        sl.plan(GPT(CFG, seed=0), mesh, **kwargs)
-    except sl.ShardingError as e:
-        return str(e)
-    return "planned"
+    return _refused_model(GPT(CFG, seed=0), shape, kwargs)
 
 
 @pytest.mark.parametrize("shape, kwargs, said", [
@@ -229,6 +224,34 @@ def _refused(shape: dict, kwargs: dict) -> str:
 ])
 def test_what_the_expert_axis_does_not_run_yet_is_refused_by_name(shape, kwargs, said):
     assert said in _refused(shape, kwargs)
+
+
+class _ListMoE(torch.nn.Module):
+    """An older family's MoE block: a router and one module per expert, looped over in its forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = torch.nn.Linear(8, 4, bias=False)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x):
+        w, idx = torch.softmax(self.gate(x), -1).topk(1, dim=-1)
+        return sum(torch.where(idx == e, w, 0.0) * expert(x) for e, expert in enumerate(self.experts))
+
+
+def test_a_module_list_of_experts_is_named_with_how_to_declare_experts_the_axis_splits():
+    said = _refused_model(torch.nn.Sequential(_ListMoE(), _ListMoE()), {"data": 2, "expert": 2},
+                          {"rules": {"experts": "expert"}})
+    assert "nn.ModuleLists, one module per expert: '0.experts' (4 modules), '1.experts' (4 modules)" in said, said
+    assert "stacked 3-D weights [E, out, in]" in said and "('experts', sl.Fused(2, 'expert_mlp'), 'embed')" in said
+
+
+def _refused_model(model, shape: dict, kwargs: dict) -> str:
+    try:
+        sl.plan(model, sl.AbstractMesh(shape), **kwargs)
+    except sl.ShardingError as e:
+        return str(e)
+    return "planned"
 
 
 def test_plan_sums_an_experts_gradient_over_data_alone_and_the_rest_over_data_x_expert():
