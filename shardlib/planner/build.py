@@ -19,7 +19,8 @@ from ..algebra.qualnames import unit_of
 from ..algebra.spec import Fused, PartitionSpec
 from ..errors import ShardingError, ShardingTypeError
 from ..quant.layout import QuantSpec, is_quantized, quantized_problems
-from .experts import aux_loss_problems, expert_layers, expert_params, expert_problems, router_stats
+from .experts import (aux_loss_problems, expert_adapter_specs, expert_layers, expert_params, expert_problems,
+                      router_stats)
 from .offload import disk_problems, offload_problems
 from .peft import adapter_specs
 from .pipeline import PipelinePlan
@@ -396,6 +397,9 @@ def _check(model: nn.Module, mesh: AbstractMesh, pol: Policies, *, rules: Any, b
         spec_problems: list[str] = []
         specs = resolve_specs(model, mesh, rules, collect=spec_problems)
         specs, adapter_problems = adapter_specs(model, specs, roles.tensor, mesh.axis_sizes.get(roles.tensor, 1))
+        ex = roles.expert_of(mesh)
+        specs, found = expert_adapter_specs(model, specs, ex, mesh.axis_sizes.get(ex, 1) if ex else 1)
+        adapter_problems += found
         for m in spec_problems + adapter_problems + quantized_problems(model, specs, mesh):
             add(m)
         t = mesh.axis_sizes.get(roles.tensor, 1)

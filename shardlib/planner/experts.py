@@ -25,6 +25,50 @@ def expert_params(specs: dict[str, PartitionSpec], axis: str | None) -> set[str]
     return {n for n, s in specs.items() if axis is not None and axis in s.axes} if axis else set()
 
 
+def expert_owners(names) -> set[str]:
+    """The experts modules holding the expert parameters ``names`` (a LoRA adapter of theirs is no experts
+    module: PEFT's ``lora_A``/``lora_B`` of a wrapped 3-D weight)."""
+    from .peft import is_adapter
+    return {n.rpartition(".")[0] for n in names if not is_adapter(n)}
+
+
+def expert_adapter_specs(model: nn.Module, specs: dict[str, PartitionSpec], axis: str | None, size: int
+                         ) -> tuple[dict[str, PartitionSpec], list[str]]:
+    """``specs`` with PEFT's LoRA of the routed experts' 3-D weights (``LoraConfig(target_parameters=...)``:
+    a ``ParamWrapper`` per weight) laid out with their experts over ``axis``: ``lora_A [r·E, in]`` holds expert
+    ``e``'s ``r`` rows at ``[e·r, (e+1)·r)`` — ``P(axis, None)``; ``lora_B [out, r·E]`` holds them at columns
+    ``e, E + e, ...`` — ``r`` blocks of ``E``, ``P(None, Fused(r, axis))``: each rank its experts' slice of each
+    block. A wrapper whose weight is split on another dim, or LoRA variants, are refused by name."""
+    from ..algebra.spec import Fused
+    out, problems = dict(specs), []
+    if axis is None or size == 1:
+        return out, problems
+    for name, m in model.named_modules():
+        pname = getattr(m, "parameter_name", None)
+        if pname is None or not hasattr(m, "lora_A") or not hasattr(m, "get_base_layer"):
+            continue
+        base = m.get_base_layer()
+        target = next((f"{n}.{pname}" if n else pname for n, mod in model.named_modules() if mod is base), None)
+        spec = specs.get(target, PartitionSpec()) if target else PartitionSpec()
+        if axis not in spec.axes:
+            continue
+        if spec.dim_axes(0) != (axis,) or len(spec.axes) != 1:
+            problems.append(f"plan: LoRA of {target} (laid out {spec}) — expected its experts alone split, over "
+                            f"{axis!r} on dim 0: the adapters of a 3-D weight split on another dim are not laid out "
+                            "yet. Keep that weight's other dims whole, or leave it out of target_parameters.")
+            continue
+        for adapter, r in m.r.items():
+            for part, attr in (("lora_A", "weight"), ("lora_B", "weight"), ("lora_B", "bias")):
+                key = f"{name}.{part}.{adapter}.{attr}"
+                if key not in specs:
+                    continue
+                if attr == "bias":
+                    out[key] = PartitionSpec()
+                else:
+                    out[key] = PartitionSpec(axis, None) if part == "lora_A" else PartitionSpec(None, Fused(r, axis))
+    return out, problems
+
+
 def aux_loss_problems(model: nn.Module, batch_ranks: int, piped: bool = False) -> list[str]:
     """A transformers MoE model adding its router's load-balancing loss (``output_router_logits``) computes its
     statistics over the tokens it is given; with the batch split over ranks the runtime sums them over the
@@ -86,7 +130,10 @@ def expert_problems(specs: dict[str, PartitionSpec], mesh: Any, roles: Any, stat
                 f"out on it (rules={{'experts': '{axis}'}} on a mixture-of-experts model). An axis that splits "
                 "nothing is refused: give it size 1, or use it as the data axis."]
     out = []
+    from .peft import is_adapter
     for name in users:
+        if is_adapter(name):          # the experts' LoRA: laid out by expert_adapter_specs
+            continue
         spec = specs[name]
         if spec.dim_axes(0) != (axis,) or axis in PartitionSpec(*list(spec)[1:]).axes:
             out.append(f"plan: {name} is laid out {spec} — expected the expert axis {axis!r} alone on dim 0 (the "
@@ -120,7 +167,7 @@ def expert_layers(model: nn.Module, params: dict[str, tuple[int, ...]], experts:
     modules = dict(model.named_modules())
     config = getattr(model, "config", None)
     out = []
-    for owner in sorted({n.rpartition(".")[0] for n in experts}):
+    for owner in sorted(expert_owners(experts)):
         mine = sorted(n for n in experts if n.rpartition(".")[0] == owner)
         down = next((n for n in mine if n.endswith("down_proj")), None)
         hidden = params[down][1] if down is not None else params[mine[0]][-1]

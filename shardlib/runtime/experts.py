@@ -19,6 +19,7 @@ from torch import nn
 
 from ..comm import core as comm
 from ..comm.experts import batch_sum, combine, dispatch
+from ..planner.peft import is_adapter
 from .grad_sync import DataReduction
 
 if TYPE_CHECKING:
@@ -46,11 +47,14 @@ def route_experts(model: nn.Module, plan: Plan, global_plan: Plan, mesh: Mesh) -
     axis; returns the step's per-expert token counts they fill (``ExpertCounts``). Under a pipe axis the other
     stages' experts modules are wrapped too, for ``probing`` only (they never run a step here)."""
     modules = dict(model.named_modules())
-    owners: dict[str, int] = {}
-    for pp in plan.params:
-        if plan.is_expert(pp.name):
-            owners[pp.name.rpartition(".")[0]] = global_plan.param(pp.name).shape[0]
-    local = {pp.name.rpartition(".")[0]: pp.shape[0] for pp in plan.params if plan.is_expert(pp.name)}
+    mine = [pp for pp in plan.params if plan.is_expert(pp.name) and not is_adapter(pp.name)]
+    owners = {pp.name.rpartition(".")[0]: global_plan.param(pp.name).shape[0] for pp in mine}
+    local = {pp.name.rpartition(".")[0]: pp.shape[0] for pp in mine}
+    for m in modules.values():       # PEFT's LoRA of a routed 3-D weight: its experts, this rank's
+        base = m.get_base_layer() if hasattr(m, "parameter_name") and hasattr(m, "get_base_layer") else None
+        name = next((n for n, x in modules.items() if x is base), None) if base is not None else None
+        if name in local and isinstance(getattr(m, "num_experts", None), int):
+            m.num_experts = local[name]
     counts = ExpertCounts(sorted(owners), owners, mesh, plan.expert_axis)
     for i, (name, n_experts) in enumerate(sorted(owners.items())):
         module = modules[name]
@@ -59,7 +63,8 @@ def route_experts(model: nn.Module, plan: Plan, global_plan: Plan, mesh: Mesh) -
         module.forward = _routed(module.forward, n_experts, mesh, plan.expert_axis, counts, i)
     for pp in global_plan.params:
         owner = pp.name.rpartition(".")[0]
-        if global_plan.is_expert(pp.name) and owner not in owners and "forward" not in modules[owner].__dict__:
+        if global_plan.is_expert(pp.name) and not is_adapter(pp.name) and owner not in owners \
+                and "forward" not in modules[owner].__dict__:
             modules[owner].forward = _probe_only(modules[owner].forward)
     return counts
 

@@ -411,24 +411,29 @@ def test_a_router_loss_of_another_formula_or_across_a_pipe_is_refused_by_name(mo
     sl.plan(model, sl.AbstractMesh({"data": 1}))          # one process: its own loss, as it is
 
 
-def _lora(cfg: GPTConfig):
+def _lora(cfg: GPTConfig, experts: bool = False):
+    """PEFT LoRA on attention and the shared experts — and with ``experts`` on the routed experts' 3-D weights
+    too (``target_parameters``: a ``ParamWrapper`` each, ``lora_A [r·E, in]``, ``lora_B [out, r·E]``)."""
     from peft import LoraConfig, get_peft_model
     model = GPT(cfg, seed=0)
     torch.manual_seed(1)
+    routed = {"target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]} if experts else {}
     return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["qkv", "proj", "gate_up", "down"],
-                                            lora_dropout=0.0, init_lora_weights=False))
+                                            lora_dropout=0.0, init_lora_weights=False, **routed))
 
 
-def _train_lora(shape: dict, cfg: GPTConfig):
-    want_losses, want = _one_process(_lora(cfg), [token_batch(cfg, BATCH, step) for step in range(STEPS)])
-    model = _lora(cfg)
-    plan = sl.plan(model, sl.Mesh(shape), rules={"experts": "expert"})
+def _train_lora(shape: dict, cfg: GPTConfig, experts: bool = False, zero: int = 0):
+    want_losses, want = _one_process(_lora(cfg, experts), [token_batch(cfg, BATCH, step) for step in range(STEPS)])
+    model = _lora(cfg, experts)
+    plan = sl.plan(model, sl.Mesh(shape), rules={"experts": "expert"}, zero=zero)
     engine = sl.parallelize(model, plan, optimizer=_opt, loss_fn=lambda m, b: m(*b))
     losses = [engine.step(token_batch(cfg, BATCH, step)) for step in range(STEPS)]
     got = engine.full_state_dict()
     frozen = [n for n, p in model.named_parameters() if "experts." in n and not p.requires_grad]
+    adapters = {n: (tuple(p.shape), str(plan.param(n).spec)) for n, p in model.named_parameters()
+                if "experts.lora_" in n or "experts.base_layer.lora_" in n}
     return {"losses": losses, "want_losses": want_losses, "params": {k: (got[k], want[k]) for k in want},
-            "frozen_experts": frozen}
+            "frozen_experts": frozen, "adapters": adapters}
 
 
 def test_lora_on_attention_and_shared_experts_with_frozen_routed_experts_on_the_expert_axis(world):
@@ -437,6 +442,27 @@ def test_lora_on_attention_and_shared_experts_with_frozen_routed_experts_on_the_
         assert r["losses"] == pytest.approx(r["want_losses"], rel=1e-5), (r["losses"], r["want_losses"])
         for k, (got, want) in r["params"].items():
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=k)
+
+
+@pytest.mark.parametrize("shape, zero", [({"expert": 2}, 0), ({"data": 2, "expert": 2}, 1)],
+                         ids=["expert2", "data2_expert2_zero1"])
+def test_lora_on_the_routed_experts_3d_weights_splits_with_their_experts(world, shape, zero):
+    """PEFT's LoRA of the routed experts' 3-D weights: each rank holds its experts' adapter rows (``lora_A``'s
+    expert-major blocks) and columns (``lora_B``'s ``r`` blocks of ``E``: ``Fused(r, "expert")``), and training
+    equals one process's."""
+    n = 1
+    for s in shape.values():
+        n *= s
+    for r in world(n, _train_lora, shape, CFG, True, zero):
+        assert r["losses"] == pytest.approx(r["want_losses"], rel=1e-5), (r["losses"], r["want_losses"])
+        for k, (got, want) in r["params"].items():
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=k)
+        per, rank = CFG.n_experts // 2, 4
+        a = {n: s for n, s in r["adapters"].items() if ".lora_A." in n}
+        b = {n: s for n, s in r["adapters"].items() if ".lora_B." in n}
+        assert len(a) == len(b) == 2 * CFG.n_layers
+        assert all(shape_[0] == per * rank and spec == "P('expert', None)" for shape_, spec in a.values()), a
+        assert all(shape_[1] == per * rank and spec == "P(None, Fused(4, 'expert'))" for shape_, spec in b.values()), b
 
 
 def _save_pretrained(shape: dict, folder: str):
