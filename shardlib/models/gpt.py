@@ -166,7 +166,9 @@ class GPT(nn.Module):
         if targets is None:
             return logits
         loss = F.cross_entropy(rearrange(logits, "b s v -> (b s) v"), rearrange(targets, "b s -> (b s)"))
-        if self.cfg.n_experts and self.cfg.aux_loss:     # every MoE layer's load-balancing loss, as transformers adds it
+        if self.cfg.n_experts and self.cfg.aux_loss and not self.blocks[0].mlp.inject_aux:
+            # every MoE layer's load-balancing loss, as transformers adds it (under a pipe axis the runtime attaches
+            # each layer's gradient where it runs and adds the value: models/moe.py's AttachAux)
             loss = loss + self.cfg.aux_loss * sum(b.mlp.aux_loss for b in self.blocks)
         return loss
 

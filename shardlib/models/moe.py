@@ -66,6 +66,20 @@ class SharedExperts(nn.Module):
         return self.down(F.silu(gate) * up)
 
 
+class AttachAux(torch.autograd.Function):
+    """``y`` unchanged; in backward the aux loss gets ``scale`` as its gradient (what the training loss's
+    backward gives a term it adds with that weight), wherever the loss is computed."""
+
+    @staticmethod
+    def forward(ctx, y, aux, scale):
+        ctx.scale, ctx.dtype, ctx.device = scale, aux.dtype, aux.device
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, torch.full((), ctx.scale, dtype=ctx.dtype, device=ctx.device), None
+
+
 @shard({"gate.weight": (None, "embed")})
 class MoE(nn.Module):
     """Route each token to ``top_k`` of ``n_experts`` by a softmax router (renormalized over the chosen ones
@@ -87,6 +101,11 @@ class MoE(nn.Module):
         self.capacity_factor = cfg.capacity_factor
         self.gather_counts: Callable[[torch.Tensor], tuple[torch.Tensor, int]] | None = None
         self.dropped = 0                    # (token, expert) rows dropped since the engine last read it
+        # under a pipe axis (set by the runtime): the aux loss's gradient attached to this layer's output (Megatron's
+        # aux-loss scaler), ``aux_weight`` x the factor the step scales each micro-batch's loss by; the model's loss
+        # then leaves the term out of its graph (its value is added by the runtime)
+        self.inject_aux = False
+        self.aux_grad_scale = 1.0
         self.reduce_stats: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.scoring, self.n_group, self.topk_group = cfg.scoring, cfg.n_group, cfg.topk_group
         self.routed_scale, self.bias_rate = cfg.routed_scale, cfg.bias_rate
@@ -157,6 +176,8 @@ class MoE(nn.Module):
         if self.shared is not None:
             y = y + self.shared(flat)
         self.aux_loss, chosen = self.balance_loss(probs, chosen_index)      # the router's choices, before drops
+        if self.inject_aux and self.aux_weight and torch.is_grad_enabled():
+            y = AttachAux.apply(y, self.aux_loss, self.aux_weight * self.aux_grad_scale)
         if self.bias_rate and self.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
             # a training forward (not a shape probe, not a recompute inside backward)
             self.load += chosen.detach()

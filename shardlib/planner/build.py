@@ -127,7 +127,8 @@ def _plan(model: nn.Module, mesh: AbstractMesh, *, policies: Policies, rules: An
         out = derive_f(model, out, batch)
         out = replace(out, activations=trace_activations(model, out, batch))
     if pplan is not None:
-        pplan = replace(pplan, trainable=sum(1 for p in params if p.trainable))
+        pplan = replace(pplan, trainable=sum(1 for p in params if p.trainable),
+                        aux_riding=any(getattr(m, "aux_weight", 0) for m in model.modules()))
         if batch is not None:
             pplan = _with_stream(model, pplan, out, batch)
             from .pipeline_report import block_saved_bytes

@@ -75,11 +75,6 @@ def aux_loss_problems(model: nn.Module, batch_ranks: int, piped: bool = False) -
     batch's ranks (``runtime/router_loss.py``) where its function is the known formula. Refused: another
     formula with a split batch, and the loss under a pipe axis (its layers' router logits meet on no stage)."""
     from .hf_router import adds_router_loss, known
-    if piped and any(getattr(m, "aux_weight", 0) for m in model.modules()):
-        return ["plan: the model's routers add their load-balancing loss to the training loss (aux_loss > 0), which "
-                "under a pipe axis is not supported yet: each stage's routers' terms would have to reach the last "
-                "stage's loss. Use aux_loss=0 (with bias balancing, bias_rate > 0, as DeepSeek-V3 does), or no pipe "
-                "axis."]
     if not adds_router_loss(model):
         return []
     where = (f"{type(model).__name__} adds its router's load-balancing loss (config.output_router_logits=True)")

@@ -113,6 +113,10 @@ class PipelinePlan:
     # parameters held by both the first and the last stage (tied embeddings): their gradients are summed
     # over the pipe axis once a step
     tied: tuple[str, ...] = ()
+    # routers whose load-balancing loss is in the training loss (``models/moe.py``'s ``aux_weight``): their gradient
+    # is attached in each stage's backward, and each micro-batch's forward message carries the stages' aux terms
+    # so far (``loss_words``) for the last stage's loss value
+    aux_riding: bool = False
 
     def stages_of_param(self, param: str) -> tuple[int, ...]:
         """Every virtual stage holding ``param``: one, or the first and the last for a tied one."""
@@ -123,6 +127,14 @@ class PipelinePlan:
         if self.stream is None:
             return None
         return math.prod(self.stream) * getattr(torch, self.stream_dtype).itemsize
+
+    @property
+    def stream_message_bytes(self) -> int | None:
+        """A forward message: the stream, and with ``aux_riding`` the micro-batch's aux terms so far (fp32)."""
+        if self.stream is None:
+            return None
+        dtype = getattr(torch, self.stream_dtype)
+        return self.stream_bytes + (loss_words(dtype) * dtype.itemsize if self.aux_riding else 0)
 
     @property
     def grad_message_bytes(self) -> int | None:

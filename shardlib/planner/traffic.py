@@ -248,7 +248,7 @@ def _pipe_entries(plan: Plan) -> list[CommEntry]:
             counts[a.kind] = counts.get(a.kind, 0) + 1
     for kind, k in counts.items():
         phase, op = kinds[kind]
-        nbytes = pp.stream_bytes if kind == "SEND_F" else pp.grad_message_bytes
+        nbytes = pp.stream_message_bytes if kind == "SEND_F" else pp.grad_message_bytes
         out.append(CommEntry(phase, "activations", op, (pp.axis,),
                              0 if op == "recv" or nbytes is None else nbytes, k, kind))
     return out

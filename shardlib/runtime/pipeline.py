@@ -121,6 +121,17 @@ class PipelineRuntime(GradSync):
         self.n_trainable = len(trainable)
         self.global_index = torch.tensor([where[s.name] for s in engine.states if s.trainable], dtype=torch.long)
         self.scalar_axes = engine.plan.pipe_scalar_axes()
+        # routers' load-balancing loss in the training loss (PipelinePlan.aux_riding): each router attaches its
+        # gradient in its own stage's backward (models/moe.py's AttachAux), and the terms' values ride the forward
+        # messages to the last stage's loss
+        self.aux_riding = pp.aux_riding
+        routers = [m for m in engine.model.modules() if getattr(m, "aux_weight", 0)] if pp.aux_riding else []
+        for m in routers:
+            m.inject_aux = True
+        self.routers = routers
+        self.stage_routers = {i: [m for blk in bs for m in blk.modules() if m in routers]
+                              for i, bs in self.blocks.items()}
+        self.aux_so_far: dict[tuple[int, int], torch.Tensor] = {}
         # an expert axis: the norm counts each expert's gradient on every expert coordinate, the rest once
         # (runtime/experts.py); the step's tokens per expert summed over the batch's axes on their own
         self.expert_norm = (ExpertReduction(mesh, engine.plan, engine.states, engine.scalar_vector, engine.experts)
@@ -176,6 +187,8 @@ class PipelineRuntime(GradSync):
             eng.buckets.begin_micro(first=True, last=False)     # reduced after the schedule (finish)
         self.losses: dict[int, torch.Tensor] = {}
         self.micro, self.factor = micro, factor
+        for m in self.routers:             # what the step's backward gives each micro-batch's loss
+            m.aux_grad_scale = factor
         self.stream = self._stream_shape(micro[0])
         self.inputs: dict[tuple[int, int], torch.Tensor | None] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
@@ -269,11 +282,14 @@ class PipelineRuntime(GradSync):
             self._backward_weight(s, i)
         elif kind == "RECV_F":
             shape, dtype = self.stream
-            buf = torch.empty(shape, dtype=dtype, device=self.mesh.device)
+            buf = torch.empty((shape.numel() + loss_words(dtype),) if self.aux_riding else shape, dtype=dtype,
+                              device=self.mesh.device)
             self.pending[("F", s, i)] = comm.recv(buf, self.mesh, self.axis, (s - 1) % self.p, tag=self._tag(0, s, i))
         elif kind == "SEND_F":
-            self.sends.append(comm.send(self.outputs[(s, i)].detach(), self.mesh, self.axis, (s + 1) % self.p,
-                                        tag=self._tag(0, s + 1, i)))
+            out = self.outputs[(s, i)].detach()
+            if self.aux_riding:               # the micro-batch's aux terms so far behind the stream
+                out = torch.cat([out.reshape(-1), _loss_to_words(self.aux_so_far.pop((s, i)), out.dtype)])
+            self.sends.append(comm.send(out, self.mesh, self.axis, (s + 1) % self.p, tag=self._tag(0, s + 1, i)))
         elif kind == "RECV_B":       # the output's gradient, the micro-batch's loss behind it
             shape, dtype = self.stream      # a stage that sends its output sends the stream
             buf = torch.empty(shape.numel() + loss_words(dtype), dtype=dtype, device=self.mesh.device)
@@ -320,9 +336,12 @@ class PipelineRuntime(GradSync):
         src = (s - 1) % self.p if direction == "F" else (s + 1) % self.p
         what = f"stage {s}'s {'input' if direction == 'F' else 'output gradient'} of micro-batch {i}"
         got = self._wait(self.pending.pop(key), f"{what} from pipe rank {src}")
-        if direction == "F":
-            return got
         shape = self.stream[0]
+        if direction == "F":
+            if not self.aux_riding:
+                return got
+            self.aux_so_far[(s, i)] = _loss_from_words(got[shape.numel():])
+            return got[:shape.numel()].view(shape)
         self.losses[i] = _loss_from_words(got[shape.numel():])
         return got[:shape.numel()].view(shape)
 
@@ -356,6 +375,11 @@ class PipelineRuntime(GradSync):
             x = blk(x, **fns.block_kwargs(ctx, k))
             if isinstance(x, tuple):        # a transformers block returning (hidden, ...): GPT-J, BLOOM, MPT
                 x = x[0]
+        if self.aux_riding:                 # this stage's routers' terms added to the micro-batch's so far
+            before = self.aux_so_far.pop((s, i), None) if not st.pre else None
+            mine = sum((m.aux_weight * m.aux_loss.detach().float() for m in self.stage_routers[s]),
+                       torch.zeros((), dtype=torch.float32, device=self.mesh.device))
+            self.aux_so_far[(s, i)] = mine if before is None else before + mine
         if st.post:
             logits = eng.tensor.logits if eng.tensor is not None else None
             try:
@@ -369,7 +393,7 @@ class PipelineRuntime(GradSync):
                 raise PipelineError(f"pipeline: {what} must be the scalar mean loss of the micro-batch — got "
                                     f"{type(loss).__name__}"
                                     f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}.")
-            self.losses[i] = loss.detach().float()
+            self.losses[i] = loss.detach().float() + (self.aux_so_far.pop((s, i)) if self.aux_riding else 0.0)
             x = loss
         if self.last_forward[i] == s:
             del self.ctx[i]
