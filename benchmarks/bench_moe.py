@@ -146,19 +146,24 @@ def run_a2a(family: str, n: int) -> Side:
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
     ddp = DistributedDataParallel(model)
     experts = [p for name, m in _experts_modules(model) for p in m.parameters()]
-    opt = _opt(model.parameters())
+    # the experts' gradients: the sum over the ranks' losses, divided as DDP's mean divides the rest
+    return Side(_torch_step(ddp, _opt(model.parameters()), n, divide=experts))
 
+
+def _torch_step(model, opt, n: int, divide=()):
+    """A torch side's step on this rank's rows: its loss, backward, ``divide``'s gradients by ``n``, AdamW; the
+    global batch's mean loss."""
     def step(batch):
-        loss = ddp(**_rows(batch, n)).loss
+        loss = model(**_rows(batch, n)).loss
         loss.backward()
-        for p in experts:                 # the sum over the ranks' losses, as DDP's mean for the rest
+        for p in divide:
             p.grad.div_(n)
         opt.step()
         opt.zero_grad(set_to_none=True)
         out = loss.detach().clone()
         dist.all_reduce(out)
         return float(out) / n
-    return Side(step)
+    return step
 
 
 def run_fsdp2(family: str, n: int) -> Side:
@@ -169,17 +174,7 @@ def run_fsdp2(family: str, n: int) -> Side:
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = _opt(model.parameters())
-
-    def step(batch):
-        loss = model(**_rows(batch, n)).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        out = loss.detach().clone()
-        dist.all_reduce(out)
-        return float(out) / n
-    return Side(step)
+    return Side(_torch_step(model, _opt(model.parameters()), n))
 
 
 SIDES = {"shardlib": run_shardlib, "a2a": run_a2a, "fsdp2": run_fsdp2}

@@ -57,6 +57,30 @@ def _reference_before_last(cfg: GPTConfig, clip: float | None) -> dict[str, torc
     return _reference(cfg, clip, STEPS - 1)[1]
 
 
+def _like_one_process(r: dict) -> None:
+    """A rank's result against one process's: every step's loss, and every final parameter."""
+    assert r["losses"] == pytest.approx(r["want_losses"], rel=1e-5), (r["losses"], r["want_losses"])
+    for k, (got, want) in r["params"].items():
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=k)
+
+
+def _ranks(shape: dict) -> int:
+    return math.prod(shape.values())
+
+
+def _steps(engine, cfg: GPTConfig, after=None) -> tuple[list[float], collections.Counter]:
+    """``STEPS`` steps (``after()`` after each): the losses, and the second step's collectives (``_counted``)."""
+    losses, second = [], collections.Counter()
+    for step in range(STEPS):
+        with sl.count_collectives() as counted:
+            losses.append(engine.step(token_batch(cfg, BATCH, step)))
+        if step == 1:
+            second = _counted(counted.records)
+        if after is not None:
+            after()
+    return losses, second
+
+
 def _planned(plan, rank: int) -> collections.Counter:
     """The plan's collectives of one step on ``rank``: bytes and count per (op, axes); the ragged moves by count."""
     planned = collections.Counter()
@@ -138,15 +162,11 @@ def _train(shape: dict, cfg: GPTConfig, clip: float | None, zero: int = 0, recom
          "data2_expert2_zero2_optimizer_on_host", "data4_no_expert_axis", "expert2_tensor2",
          "expert2_tensor2_zero1_selective", "expert2_tensor2_zero3_recompute", "data2_tensor2_experts_split_no_expert_axis"])
 def test_moe_gpt_on_the_expert_axis_trains_like_one_process(world, shape, clip, zero, recompute):
-    n = 1
-    for s in shape.values():
-        n *= s
+    n = _ranks(shape)
     offload = recompute if recompute == "host" else None            # the last case: the optimizer on the host
     res = world(n, _train, shape, CFG, clip, zero, "none" if offload else recompute, offload)
     for r in res:
-        assert r["losses"] == pytest.approx(r["want_losses"], rel=1e-5), (r["losses"], r["want_losses"])
-        for k, (got, want) in r["params"].items():
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=k)
+        _like_one_process(r)
         # every collective a step ran is the plan's: its bytes, and its count (the ragged all-to-alls by count)
         assert r["counted"] == r["planned"], (r["counted"], r["planned"])
         # each rank holds its experts only
@@ -191,13 +211,9 @@ def test_a_capacity_drops_the_rows_one_process_drops_and_counts_them(world, shap
     ranks' shares of the batch in its order (every batch rank's counts gathered) — so the same rows are
     dropped as in one process, the losses and every parameter equal its, and the rows dropped are counted."""
     cfg = replace(CFG, capacity_factor=0.75)
-    n = 1
-    for s in shape.values():
-        n *= s
+    n = _ranks(shape)
     for r in world(n, _train, shape, cfg, 1.0, zero):
-        assert r["losses"] == pytest.approx(r["want_losses"], rel=1e-5), (r["losses"], r["want_losses"])
-        for k, (got, want) in r["params"].items():
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=k)
+        _like_one_process(r)
         assert r["counted"] == r["planned"], (r["counted"], r["planned"])
         assert r["dropped"] == r["want_dropped"] and sum(r["dropped"].values()) > 0, (r["dropped"], r["want_dropped"])
         capacity = math.ceil(0.75 * BATCH * cfg.seq_len * cfg.top_k / cfg.n_experts)
@@ -370,13 +386,9 @@ def _train_mixtral(shape: dict, router_logits: bool):
                                    {"pipe": 2, "expert": 2}],
                          ids=["expert2", "data2_expert2", "expert2_tensor2", "pipe2_expert2"])
 def test_transformers_mixtral_on_the_expert_axis_trains_like_one_process(world, shape):
-    n = 1
-    for s in shape.values():
-        n *= s
+    n = _ranks(shape)
     for r in world(n, _train_mixtral, shape, False):
-        assert r["losses"] == pytest.approx(r["want_losses"], rel=1e-5), (r["losses"], r["want_losses"])
-        for k, (got, want) in r["params"].items():
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=k)
+        _like_one_process(r)
 
 
 @pytest.mark.parametrize("shape", [{"data": 2, "expert": 2}, {"data": 2}], ids=["data2_expert2", "data2"])
@@ -384,13 +396,9 @@ def test_transformers_router_aux_loss_takes_the_whole_batchs_statistics(world, s
     """Mixtral's router load-balancing loss (``output_router_logits=True``, coefficient 0.05) over every layer's
     rows: with the batch split its counts, probability sums and rows are summed over the batch's ranks
     (``runtime/router_loss.py``), so the losses and every parameter equal one process's."""
-    n = 1
-    for s in shape.values():
-        n *= s
+    n = _ranks(shape)
     for r in world(n, _train_mixtral, shape, True):
-        assert r["losses"] == pytest.approx(r["want_losses"], rel=1e-5), (r["losses"], r["want_losses"])
-        for k, (got, want) in r["params"].items():
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=k)
+        _like_one_process(r)
 
 
 def test_a_router_loss_of_another_formula_or_across_a_pipe_is_refused_by_name(monkeypatch):
@@ -437,9 +445,7 @@ def _train_lora(shape: dict, cfg: GPTConfig, experts: bool = False, zero: int = 
 def test_lora_on_attention_and_shared_experts_with_frozen_routed_experts_on_the_expert_axis(world):
     for r in world(4, _train_lora, {"data": 2, "expert": 2}, CFG):
         assert r["frozen_experts"]                          # the routed experts stay frozen, split over expert
-        assert r["losses"] == pytest.approx(r["want_losses"], rel=1e-5), (r["losses"], r["want_losses"])
-        for k, (got, want) in r["params"].items():
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=k)
+        _like_one_process(r)
 
 
 @pytest.mark.parametrize("shape, zero", [({"expert": 2}, 0), ({"data": 2, "expert": 2}, 1)],
@@ -448,13 +454,9 @@ def test_lora_on_the_routed_experts_3d_weights_splits_with_their_experts(world, 
     """PEFT's LoRA of the routed experts' 3-D weights: each rank holds its experts' adapter rows (``lora_A``'s
     expert-major blocks) and columns (``lora_B``'s ``r`` blocks of ``E``: ``Fused(r, "expert")``), and training
     equals one process's."""
-    n = 1
-    for s in shape.values():
-        n *= s
+    n = _ranks(shape)
     for r in world(n, _train_lora, shape, CFG, True, zero):
-        assert r["losses"] == pytest.approx(r["want_losses"], rel=1e-5), (r["losses"], r["want_losses"])
-        for k, (got, want) in r["params"].items():
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=k)
+        _like_one_process(r)
         per, rank = CFG.n_experts // 2, 4
         a = {n: s for n, s in r["adapters"].items() if ".lora_A." in n}
         b = {n: s for n, s in r["adapters"].items() if ".lora_B." in n}
@@ -488,12 +490,7 @@ def _train_pipe_aux(shape: dict, zero: int):
     plan = sl.plan(model, sl.Mesh(shape), rules=rules, zero=zero, microbatches=2, clip_grad_norm=1.0,
                    batch=token_batch(cfg, BATCH, 0))
     engine = sl.parallelize(model, plan, optimizer=_opt)
-    losses = []
-    for step in range(STEPS):
-        with sl.count_collectives() as counted:
-            losses.append(engine.step(token_batch(cfg, BATCH, step)))
-        if step == 1:
-            second = _counted(counted.records)
+    losses, second = _steps(engine, cfg)
     got = engine.full_state_dict()
     return {"losses": losses, "want_losses": want_losses, "params": {k: (got[k], want[k]) for k in want},
             "counted": dict(second), "planned": dict(_planned(plan, engine.mesh.rank))}
@@ -506,9 +503,7 @@ def test_the_routers_aux_loss_under_a_pipe_trains_like_one_process(world, shape,
     its term's gradient in its own stage's backward (Megatron's aux-loss scaler), and the terms' values ride the
     forward messages to the last stage's loss — so the losses and every parameter are one process's (over the
     same micro-batches: the loss is a statistic of each), with clipping."""
-    n = 1
-    for s in shape.values():
-        n *= s
+    n = _ranks(shape)
     for r in world(n, _train_pipe_aux, shape, zero):
         assert r["losses"] == pytest.approx(r["want_losses"], rel=1e-5), (r["losses"], r["want_losses"])
         for k, (got, want) in r["params"].items():
@@ -560,13 +555,7 @@ def _train_deepseek(shape: dict, zero: int, clip: float | None = None):
     plan = sl.plan(model, sl.Mesh(shape), rules=rules, zero=zero, clip_grad_norm=clip,
                    batch=token_batch(DEEPSEEK, BATCH, 0), **({"microbatches": 2} if piped else {}))
     engine = sl.parallelize(model, plan, optimizer=_opt)
-    losses = []
-    for step in range(STEPS):
-        with sl.count_collectives() as counted:
-            losses.append(engine.step(token_batch(DEEPSEEK, BATCH, step)))
-        if step == 1:
-            second = _counted(counted.records)
-        model.update_routing_bias()
+    losses, second = _steps(engine, DEEPSEEK, after=model.update_routing_bias)
     got = engine.full_state_dict()
     return {"losses": losses, "want_losses": want_losses, "params": {k: (got[k], want[k]) for k in want},
             "counted": dict(second), "planned": dict(_planned(plan, engine.mesh.rank)),
