@@ -524,8 +524,7 @@ def _save_pretrained(shape: dict, folder: str):
 
 def test_save_pretrained_from_the_expert_axis_writes_every_expert_whole(world, tmp_path):
     """The reference GPT (no transformers config): the safetensors one process writes, each expert's weights
-    assembled from the ranks that hold them. (A transformers MoE family's save converts its fused experts
-    to per-expert tensors, which save_pretrained refuses by name on every layout.)"""
+    assembled from the ranks that hold them."""
     from safetensors.torch import load_file
     folder = tmp_path / "moe"
     full = world(4, _save_pretrained, {"data": 2, "expert": 2}, str(folder))[0]
@@ -537,6 +536,42 @@ def test_save_pretrained_from_the_expert_axis_writes_every_expert_whole(world, t
         torch.testing.assert_close(state[k], v, rtol=0, atol=0, msg=k)       # every expert, whole, bit for bit
     one = GPT(CFG, seed=0)
     one.load_state_dict(state, strict=True)                                   # what one process loads
+
+
+def _save_mixtral(shape: dict, folder: str):
+    """Mixtral trained a step on ``shape``, saved by ``engine.save_pretrained``; its full state beside."""
+    model = _mixtral()
+    rules = {"experts": "expert", **({"layers": "pipe"} if "pipe" in shape else {})}
+    piped = {"microbatches": 2, "batch": _hf_batch(0)} if "pipe" in shape else {}
+    engine = sl.parallelize(model, sl.plan(model, sl.Mesh(shape), rules=rules, **piped), optimizer=_opt)
+    engine.step(_hf_batch(0))
+    engine.save_pretrained(folder)
+    return engine.full_state_dict()
+
+
+@pytest.mark.parametrize("shape", [{"data": 2, "expert": 2}, {"pipe": 2, "expert": 2}],
+                         ids=["data2_expert2", "pipe2_expert2"])
+def test_save_pretrained_of_a_transformers_moe_writes_what_one_process_writes(world, tmp_path, shape):
+    """Mixtral's fused experts ``[E, 2I, H]`` are written as transformers writes them in one process: each
+    expert's ``w1``/``w3``/``w2`` under the checkpoint's own names (``block_sparse_moe``), each gathered from the
+    ranks that hold it and converted by transformers' own reverse conversion — the same files, bit for bit, and
+    ``from_pretrained`` loads them into the trained state."""
+    from safetensors.torch import load_file
+    from transformers import MixtralForCausalLM
+    full = world(4, _save_mixtral, shape, str(tmp_path / "sl"))[0]
+    one = _mixtral()
+    one.load_state_dict(full)
+    one.save_pretrained(str(tmp_path / "one"))
+    got, want = {}, {}
+    for folder, into in ((tmp_path / "sl", got), (tmp_path / "one", want)):
+        for f in sorted(folder.glob("*.safetensors")):
+            into.update(load_file(str(f)))
+    assert set(got) == set(want) and any(".experts.3.w3." in k for k in got)
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=0, atol=0, msg=k)
+    loaded = MixtralForCausalLM.from_pretrained(str(tmp_path / "sl"))
+    for k, v in loaded.state_dict().items():
+        torch.testing.assert_close(v, full[k], rtol=0, atol=0, msg=k)
 
 
 DEEPSEEK = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2, n_experts=8, top_k=2,

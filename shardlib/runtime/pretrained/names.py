@@ -40,21 +40,46 @@ def renamed(model: nn.Module, entries: dict[str, Entry]) -> dict[str, Entry]:
 
 def reverted(model: nn.Module, names: list[tuple[str, str]], meta: dict[str, torch.Tensor]
               ) -> tuple[list[tuple[str, str]], dict[str, torch.Tensor]]:
-    """The names transformers' ``save_pretrained`` writes (its renamings reverted, in its order)."""
+    """The names transformers' ``save_pretrained`` writes (its renamings reverted, in its order); a conversion
+    that does more than rename is refused (``converted`` handles it)."""
+    out, meta_out, derived = converted(model, names, meta)
+    if derived:
+        raise CheckpointError(f"save_pretrained: transformers converts {type(model).__name__}'s weights on save "
+                              "(not only renames them) — expected a model whose checkpoint names map one to one. "
+                              "Save engine.full_state_dict() with model.save_pretrained in one process instead.")
+    return out, meta_out
+
+
+def converted(model: nn.Module, names: list[tuple[str, str]], meta: dict[str, torch.Tensor]
+              ) -> tuple[list[tuple[str, str]], dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors transformers' ``save_pretrained`` writes: ``(name in the file, its source's plan name)`` in
+    its order, their meta tensors, and ``{name in the file: the model's name of its source}`` for those a
+    conversion derives from one source each (a MoE family's fused experts ``[E, 2I, H]`` written as each expert's
+    ``w1``/``w3``: ``revert_weight_conversion`` of that source alone gives them). A tensor derived from several
+    sources is refused by name."""
     try:
         from transformers import PreTrainedModel
         from transformers.core_model_loading import revert_weight_conversion
     except ImportError:
-        return names, meta
+        return names, meta, {}
     if not isinstance(model, PreTrainedModel):
-        return names, meta
+        return names, meta, {}
     src_of, by_id = dict(names), {id(t): n for n, t in meta.items()}
     out = revert_weight_conversion(model, dict(meta))
+    derived: dict[str, str] = {}
     if any(id(t) not in by_id for t in out.values()):
-        raise CheckpointError(f"save_pretrained: transformers converts {type(model).__name__}'s weights on save "
-                              "(not only renames them) — expected a model whose checkpoint names map one to one. "
-                              "Save engine.full_state_dict() with model.save_pretrained in one process instead.")
-    return [(n, src_of[by_id[id(t)]]) for n, t in out.items()], out
+        for n, t in meta.items():
+            alone = revert_weight_conversion(model, {n: t})
+            if not (len(alone) == 1 and id(next(iter(alone.values()))) == id(t)):
+                derived.update((k, n) for k in alone)
+        unknown = [k for k, t in out.items() if id(t) not in by_id and k not in derived]
+        if unknown:
+            raise CheckpointError(f"save_pretrained: transformers writes {type(model).__name__}'s {unknown[:3]} from "
+                                  "several of its tensors at once — expected each written tensor converted from one "
+                                  "(a renaming, or a fused tensor split). Save engine.full_state_dict() with "
+                                  "model.save_pretrained in one process instead.")
+    listed = [(k, src_of[derived[k]] if k in derived else src_of[by_id[id(t)]]) for k, t in out.items()]
+    return listed, out, derived
 
 
 def param_aliases(model: nn.Module) -> dict[str, list[str]]:

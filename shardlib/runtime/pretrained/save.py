@@ -29,7 +29,7 @@ from ..checkpoint.core import from_rank_zero, gather_objects
 from ..checkpoint.files import CheckpointError
 from ..checkpoint.pieces import rank_pieces
 from .files import OutFile, header_bytes, tidy, write_refused
-from .names import persistent_buffers, reverted, saved_names
+from .names import converted, persistent_buffers, saved_names
 
 if TYPE_CHECKING:
     from ..training import TrainingState
@@ -59,7 +59,8 @@ def save_pretrained(training: TrainingState, path: str | os.PathLike, *, max_sha
              (tuple(buffers[src].shape), dtype if buffers[src].is_floating_point() else buffers[src].dtype)
              for _, src in names}
     meta = {n: torch.empty(kinds[src][0], dtype=kinds[src][1], device="meta") for n, src in names}
-    names, meta = reverted(model, names, meta)
+    names, meta, derived = converted(model, names, meta)
+    shape_of = {n: tuple(t.shape) for n, t in meta.items()}
     split = split_torch_state_dict_into_shards(meta, filename_pattern="model{suffix}.safetensors",
                                                max_shard_size=parse_size_to_int(max_shard_size)
                                                if isinstance(max_shard_size, str) else int(max_shard_size))
@@ -84,14 +85,15 @@ def save_pretrained(training: TrainingState, path: str | os.PathLike, *, max_sha
     if problem:
         raise CheckpointError(problem)
     sender, src_of = Sender(training), dict(names)
+    split_of = Converted(model, sender, derived)
     failed: str | None = None        # rank 0's write failure: it goes on receiving so every send matches
     for fname, tensors in split.filename_to_tensors.items():
-        head, offsets = header_bytes([(n, kinds[src_of[n]][1], kinds[src_of[n]][0]) for n in tensors])
+        head, offsets = header_bytes([(n, kinds[src_of[n]][1], shape_of[n]) for n in tensors])
         tmp = path / f".{fname}.tmp-{uuid.uuid4().hex[:8]}"
         out = OutFile(tmp, head) if rank0 and failed is None else None
         for n in sorted(tensors, key=lambda n: offsets[n]):
             src = src_of[n]
-            t = sender.full(src) if src in shapes else buffers[src]
+            t = split_of.tensor(n, src) if n in derived else sender.full(src) if src in shapes else buffers[src]
             if out is not None and out.ok:
                 out.write(len(head) + offsets[n], t.detach().to(kinds[src][1]).contiguous().view(-1)
                           .view(torch.uint8).numpy().data)
@@ -113,6 +115,28 @@ def on_rank_zero(training: TrainingState, path: Path, write: Callable[[], object
     if failed:
         raise CheckpointError(failed)
     return path
+
+
+class Converted:
+    """The tensors a conversion derives from one full parameter (``names.converted``), on rank 0: the source is
+    gathered once (``Sender.full``, a collective every rank calls alike) and converted as transformers converts
+    it on save; the last source's outputs are kept for its next tensors."""
+
+    def __init__(self, model, sender: Sender, derived: dict[str, str]):
+        self.model, self.sender, self.derived = model, sender, derived
+        self.src: str | None = None
+        self.outputs: dict[str, torch.Tensor] = {}
+
+    def tensor(self, name: str, src: str) -> torch.Tensor | None:
+        if self.src != src:
+            full = self.sender.full(src)
+            self.src = src
+            if full is None:
+                self.outputs = {}
+            else:
+                from transformers.core_model_loading import revert_weight_conversion
+                self.outputs = revert_weight_conversion(self.model, {self.derived[name]: full})
+        return self.outputs.get(name)
 
 
 class Sender:
