@@ -356,8 +356,7 @@ def _mixtral(router_logits: bool = False):
     from transformers import MixtralConfig, MixtralForCausalLM
     cfg = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-                        max_position_embeddings=32, output_router_logits=router_logits, router_aux_loss_coef=0.05,
-                        experts_implementation="eager")     # (the pipe's probe: grouped_mm wants bf16 on this CPU)
+                        max_position_embeddings=32, output_router_logits=router_logits, router_aux_loss_coef=0.05)
     torch.manual_seed(0)
     return MixtralForCausalLM(cfg)
 
