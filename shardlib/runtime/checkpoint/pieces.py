@@ -90,9 +90,15 @@ def rank_pieces(training: TrainingState, *, frozen: bool = True, quantized: bool
         else:
             src = s.shard if s.shard is not None else s.local_piece(s.param.detach())
             add(f"param/{s.name}", src.detach().float())
+    pp, mesh = training.global_plan.pipeline, training.mesh
+    mine = ({s.index for s in pp.stages_of(mesh.coord(mesh.rank, pp.axis))}
+            if pp is not None and training.global_plan.pipe_size > 1 else None)
     for name, b in training.model.named_buffers():
-        if not b.is_meta:
-            whole[f"buffer/{name}"] = b
+        if b.is_meta:
+            continue
+        if mine is not None and name.startswith(pp.stack + ".") and pp.stage_of(name) not in mine:
+            continue          # another stage's block: its copy here is stale (a router's balancing bias)
+        whole[f"buffer/{name}"] = b
     return pieces, whole
 
 
