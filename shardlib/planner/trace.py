@@ -249,8 +249,8 @@ def trace_values(model: nn.Module, plan: Plan, batch: Any, coord: int, device: s
         dt = plan.compute_dtype if b.is_floating_point() and plan.mixed else b.dtype
         if device == "meta" or b.is_meta:      # a meta build's buffers (rotary tables) trace as zeros on the CPU
             values[name] = torch.zeros(b.shape, dtype=dt, device=device)
-        else:
-            values[name] = b.to(device=device, dtype=dt)
+        else:       # a copy: a forward that updates its own buffers (a router's load) leaves the model's alone
+            values[name] = b.to(device=device, dtype=dt, copy=True)
     return mb, values
 
 

@@ -156,11 +156,13 @@ def _train(shape: dict, cfg: GPTConfig, clip: float | None, zero: int = 0, recom
     ({"expert": 4}, None, 2, "selective"), ({"data": 2, "expert": 2}, 0.5, 3, "none"),
     ({"expert": 2}, None, 3, "full"), ({"data": 2, "expert": 2}, 1.0, 2, "host"), ({"data": 4}, 1.0, 0, "none"),
     ({"expert": 2, "tensor": 2}, 1.0, 0, "none"), ({"expert": 2, "tensor": 2}, 0.5, 1, "selective"),
-    ({"expert": 2, "tensor": 2}, None, 3, "full"), ({"data": 2, "tensor": 2}, 1.0, 2, "none")],
+    ({"expert": 2, "tensor": 2}, None, 3, "full"), ({"data": 2, "tensor": 2}, 1.0, 2, "none"),
+    ({"data": 2, "expert": 2, "tensor": 2}, 1.0, 3, "none")],
     ids=["expert2", "expert4", "data2_expert2", "data2_expert2_zero1", "data2_expert2_zero2_recompute",
          "expert4_zero2_selective", "data2_expert2_zero3", "expert2_zero3_recompute",
          "data2_expert2_zero2_optimizer_on_host", "data4_no_expert_axis", "expert2_tensor2",
-         "expert2_tensor2_zero1_selective", "expert2_tensor2_zero3_recompute", "data2_tensor2_experts_split_no_expert_axis"])
+         "expert2_tensor2_zero1_selective", "expert2_tensor2_zero3_recompute", "data2_tensor2_experts_split_no_expert_axis",
+         "data2_expert2_tensor2_zero3"])
 def test_moe_gpt_on_the_expert_axis_trains_like_one_process(world, shape, clip, zero, recompute):
     n = _ranks(shape)
     offload = recompute if recompute == "host" else None            # the last case: the optimizer on the host
@@ -610,7 +612,7 @@ def _train_deepseek(shape: dict, zero: int, clip: float | None = None):
                                      after=GPT.update_routing_bias, clip=clip)
     model = GPT(DEEPSEEK, seed=0)
     piped = "pipe" in shape
-    rules = {"experts": "expert", **({"layers": "pipe"} if piped else {})}
+    rules = {"experts": "expert", **({"layers": "pipe"} if piped else {}), **(TENSOR if "tensor" in shape else {})}
     plan = sl.plan(model, sl.Mesh(shape), rules=rules, zero=zero, clip_grad_norm=clip,
                    batch=token_batch(DEEPSEEK, BATCH, 0), **({"microbatches": 2} if piped else {}))
     engine = sl.parallelize(model, plan, optimizer=_opt)
@@ -623,16 +625,22 @@ def _train_deepseek(shape: dict, zero: int, clip: float | None = None):
 
 
 @pytest.mark.parametrize("shape, zero, clip", [({"data": 2, "expert": 2}, 2, None), ({"pipe": 2, "expert": 2}, 1, 1.0),
-                                               ({"pipe": 2, "expert": 2}, 0, None)],
-                         ids=["data2_expert2_zero2", "pipe2_expert2_zero1_clip", "pipe2_expert2"])
+                                               ({"pipe": 2, "expert": 2}, 0, None),
+                                               ({"pipe": 2, "expert": 2, "tensor": 2}, 1, None)],
+                         ids=["data2_expert2_zero2", "pipe2_expert2_zero1_clip", "pipe2_expert2",
+                              "pipe2_expert2_tensor2_zero1"])
 def test_deepseek_routing_with_group_limits_and_bias_balancing_trains_like_one_process(world, shape, zero, clip):
     """On data x expert, and on pipe x expert (each stage's MoE blocks routing over the expert axis; the step's
     tokens per expert summed over the batch's axes on every stage; clipping's norm counting each expert's
-    gradient once across stages)."""
-    for r in world(4, _train_deepseek, shape, zero, clip):
+    gradient once across stages), and with each expert's width over tensor too (8 ranks). The biases are
+    sign-nudged, so a planning trace that touched the model's routing load would show here (it did: fixed)."""
+    # (pipe x expert x tensor: the experts' partial sums over tensor add in another order; AdamW lifts that
+    # round-off of a rarely chosen expert's near-zero gradients to ~3e-5 after 3 steps, the losses still equal)
+    atol = 5e-5 if "tensor" in shape else 1e-5
+    for r in world(_ranks(shape), _train_deepseek, shape, zero, clip):
         assert r["losses"] == pytest.approx(r["want_losses"], rel=1e-5), (r["losses"], r["want_losses"])
         assert r["counted"] == r["planned"], (r["counted"], r["planned"])
         for k, (got, want) in r["params"].items():           # the routing biases too: every rank nudged alike
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=k)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=atol, msg=k)
         biases = [v for k, (v, _) in r["params"].items() if k.endswith("routing_bias")]
         assert biases and all(b.abs().sum() > 0 for b in biases)
