@@ -43,12 +43,13 @@ def expert_adapter_specs(model: nn.Module, specs: dict[str, PartitionSpec], axis
     out, problems = dict(specs), []
     if axis is None or size == 1:
         return out, problems
+    name_of = {id(mod): n for n, mod in model.named_modules()}
     for name, m in model.named_modules():
         pname = getattr(m, "parameter_name", None)
         if pname is None or not hasattr(m, "lora_A") or not hasattr(m, "get_base_layer"):
             continue
-        base = m.get_base_layer()
-        target = next((f"{n}.{pname}" if n else pname for n, mod in model.named_modules() if mod is base), None)
+        base = name_of.get(id(m.get_base_layer()))
+        target = (f"{base}.{pname}" if base else pname) if base is not None else None
         spec = specs.get(target, PartitionSpec()) if target else PartitionSpec()
         if axis not in spec.axes:
             continue

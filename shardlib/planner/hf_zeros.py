@@ -72,22 +72,16 @@ def concrete(batch: Mapping[str, Any], rows: int) -> dict[str, Any]:
     return out
 
 
-def _no_meta_kernel(e: Exception) -> bool:
-    """``e`` may say the meta device cannot run an op: no meta kernel (an MoE block's ``nonzero``), or a meta
-    kernel stricter than the CPU's (``grouped_mm``'s asks for bf16 where the CPU kernel takes fp32). Any error
-    on meta is worth a run on zeros: one the model really raises, it raises there too."""
-    return isinstance(e, (NotImplementedError, RuntimeError))
-
-
 def meta_or_zeros(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` on meta tensors; where that fails for want of a meta kernel (MoE blocks:
     ``nonzero``, ``grouped_mm``), again on zeros on the CPU of the same shapes, dtypes and
     ``requires_grad`` (one micro-batch's worth, allocated while it runs)."""
     try:
         return fn(*args, **kwargs)
-    except (NotImplementedError, RuntimeError) as e:
-        if not _no_meta_kernel(e):
-            raise
+    except (NotImplementedError, RuntimeError):
+        # no meta kernel (``nonzero``), or one stricter than the CPU's (``grouped_mm``'s asks for bf16): any
+        # error on meta is worth a run on zeros — one the model really raises, it raises there too
+        pass
 
     def zeros(t: torch.Tensor) -> torch.Tensor:
         if not t.is_meta:

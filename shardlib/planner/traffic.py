@@ -92,9 +92,17 @@ def scalars_per_step(plan: Plan) -> int:
     k = 1 + sum(1 for p in plan.params if p.trainable)
     if plan.states.grads is not None or plan.tensor_size > 1 or plan.expert_size > 1:   # gradients differ by rank
         k += int(plan.precision == "fp16") + int(plan.clip_grad_norm is not None)
-    if plan.expert_size > 1 and plan.expert_layers and plan.pipe_size == 1:   # the tokens per expert ride along
-        k += len(plan.expert_layers) * max(layer.experts for layer in plan.expert_layers)
+    if plan.pipe_size == 1:          # the tokens per expert ride along (runtime/experts.py)
+        k += expert_count_floats(plan)
     return k
+
+
+def expert_count_floats(plan: Plan) -> int:
+    """The step's tokens per expert a rank sums over the batch's axes: a row of the most experts per experts
+    module on the expert axis (``runtime/experts.ExpertCounts``); 0 without an expert axis."""
+    if plan.expert_size == 1 or not plan.expert_layers:
+        return 0
+    return len(plan.expert_layers) * max(layer.experts for layer in plan.expert_layers)
 
 def pipe_scalar_axes(plan: Plan) -> tuple[str, ...]:
     """Under a pipe axis, the mesh axes the step's scalars are summed over. The loss needs no
@@ -171,6 +179,8 @@ def comm_per_step(plan: Plan, rank: int | None = None) -> list[CommEntry]:
             for i, bucket in enumerate(buckets):
                 extra = k if i == len(buckets) - 1 else 0
                 shard = groups[i].chunk(TRAIN)
+                sx = plan.mesh.canonical_axes(plan.shard_axes(bucket[0].name))   # data (x expert)
+                sn = plan.mesh.axis_size(sx)
                 if plan.states.grads is None:
                     numel = sum(p.numel for p in bucket)
                     # an expert's gradients are summed over data alone (Plan.grad_axes)
@@ -182,18 +192,15 @@ def comm_per_step(plan: Plan, rank: int | None = None) -> list[CommEntry]:
                                              comm.all_reduce_bytes(numel + extra, bn, g)
                                              - comm.all_reduce_bytes(numel, bn, g)))
                 else:
-                    sx = plan.mesh.canonical_axes(plan.shard_axes(bucket[0].name))   # data (x expert)
-                    sn = plan.mesh.axis_size(sx)
                     if sn > 1:
                         out.append(CommEntry("backward", "grads", "reduce_scatter", sx,
                                              comm.reduce_scatter_bytes(shard, sn, g), 1, f"bucket {i}"))
                     if r > 1:
                         out.append(CommEntry("backward", "grads", "all_reduce", rep,
                                              comm.all_reduce_bytes(shard, r, g), 1, f"bucket {i}"))
-                sx = plan.mesh.canonical_axes(plan.shard_axes(bucket[0].name))
-                if plan.states.optim is not None and plan.mesh.axis_size(sx) > 1:
+                if plan.states.optim is not None and sn > 1:
                     out.append(CommEntry("step", "params", "all_gather", sx,
-                                         comm.all_gather_bytes(shard, plan.mesh.axis_size(sx), c), 1, f"bucket {i}"))
+                                         comm.all_gather_bytes(shard, sn, c), 1, f"bucket {i}"))
         if not plan.scalars_ride_gradients and plan.tensor_size == 1 and plan.pipe_size == 1:
             out.append(CommEntry("step", "scalars", "all_reduce", dp,
                                  comm.all_reduce_bytes(plan.scalars_per_step(), dpn, 4), 1))
@@ -203,9 +210,9 @@ def comm_per_step(plan: Plan, rank: int | None = None) -> list[CommEntry]:
     out += stats_entries(plan)
     if plan.pipe_size > 1:
         out += _pipe_entries(plan) + _tied_entries(plan)
-        if plan.expert_size > 1 and plan.expert_layers:      # the stage's tokens per expert, on their own
+        k = expert_count_floats(plan)
+        if k:                       # the stage's tokens per expert, on their own
             axes = plan.mesh.canonical_axes((*plan.dp_axes, *((plan.tensor.axis,) if plan.tensor_size > 1 else ())))
-            k = len(plan.expert_layers) * max(layer.experts for layer in plan.expert_layers)
             out.append(CommEntry("step", "scalars", "all_reduce", axes,
                                  comm.all_reduce_bytes(k, plan.mesh.axis_size(axes), 4), 1, "tokens per expert"))
     elif plan.tensor_size > 1:
@@ -386,18 +393,15 @@ def stats_entries(plan: Plan) -> list[CommEntry]:
     axes = plan.mesh.canonical_axes(plan.dp_axes)
     n = plan.mesh.axis_size(axes)
     again = recomputed(plan)
-    out = []
+    out, m = [], plan.grad_accum
     for r in plan.router_stats:
-        for what, k in (("counts", r.experts + 1), ("sums", r.experts)):
-            out.append(CommEntry("forward", "router-stats", "all_reduce", axes, comm.all_reduce_bytes(k, n, 4),
-                                 plan.grad_accum, f"{r.name} {what}"))
-            if again(r.name):
-                out.append(CommEntry("backward", "recompute", "all_reduce", axes, comm.all_reduce_bytes(k, n, 4),
-                                     plan.grad_accum, f"{r.name} {what}"))
-        if r.capacity:          # the capacity's order: every batch rank's rows per expert, its tokens and place
-            for phase, what in (("forward", "router-stats"),) + ((("backward", "recompute"),) if again(r.name) else ()):
-                out.append(CommEntry(phase, what, "all_gather", axes, comm.all_gather_bytes(r.experts + 2, n, 8),
-                                     plan.grad_accum, f"{r.name} capacity"))
+        runs = [("forward", "router-stats")] + ([("backward", "recompute")] if again(r.name) else [])
+        for phase, what in runs:    # the forward's moves, and again where a recomputed unit reruns it
+            out += [CommEntry(phase, what, "all_reduce", axes, comm.all_reduce_bytes(k, n, 4), m, f"{r.name} {part}")
+                    for part, k in (("counts", r.experts + 1), ("sums", r.experts))]
+            if r.capacity:          # the capacity's order: every batch rank's rows per expert, its tokens and place
+                out.append(CommEntry(phase, what, "all_gather", axes, comm.all_gather_bytes(r.experts + 2, n, 8), m,
+                                     f"{r.name} capacity"))
         if r.backward:
             out.append(CommEntry("backward", "router-stats", "all_reduce", axes,
                                  comm.all_reduce_bytes(r.experts, n, 4), plan.grad_accum, f"{r.name} sums"))

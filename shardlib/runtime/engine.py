@@ -34,7 +34,7 @@ from ..validate import flag
 from .access import ParamAccess
 from .batches import split_batch
 from .buckets import GradBuckets
-from .experts import ExpertReduction, dropped_rows, global_statistics, route_experts
+from .experts import ExpertReduction, capacity_layers, dropped_rows, global_statistics, route_experts
 from .grad_sync import Accumulate, DataReduction, GradSync, MicroBatches, Riding, StepReduction
 from . import inspection, router_loss
 from .machine import warn_slow_precision
@@ -144,6 +144,7 @@ class Engine:
         global_statistics(model, mesh, plan.dp_axes)       # a router's balance statistics: the whole batch's
         # a transformers model's router loss: its statistics summed over the batch's ranks inside loss_of
         self.router_loss = (router_loss.install(model) and mesh.axis_size(mesh.canonical_axes(plan.dp_axes)) > 1)
+        self.capacity_layers = capacity_layers(model)
         self.dropped: dict[str, int] = {}
         base = self.pipe or (ExpertReduction(mesh, plan, self.states, self.scalar_vector, self.experts)
                              if self.experts is not None else self.tensor or DataReduction(mesh, plan.dp_axes,
@@ -178,7 +179,8 @@ class Engine:
         micro, rows = split_batch(self, batch, local)    # validates before any collective
         with self.access.stepping():
             loss = self._step(micro)
-        self.dropped = dropped_rows(self.model)          # a capacity's overflow: the rows each MoE layer dropped
+        if self.capacity_layers:                        # a capacity's overflow: the rows each MoE layer dropped
+            self.dropped = dropped_rows(self.capacity_layers)
         self.samples_seen += rows
         if self.check_replicas:
             from .replicas import check_replicas

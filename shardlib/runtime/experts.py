@@ -50,11 +50,12 @@ def route_experts(model: nn.Module, plan: Plan, global_plan: Plan, mesh: Mesh) -
     mine = [pp for pp in plan.params if plan.is_expert(pp.name) and not is_adapter(pp.name)]
     owners = {pp.name.rpartition(".")[0]: global_plan.param(pp.name).shape[0] for pp in mine}
     local = {pp.name.rpartition(".")[0]: pp.shape[0] for pp in mine}
+    name_of = {id(m): n for n, m in modules.items()}
     for m in modules.values():       # PEFT's LoRA of a routed 3-D weight: its experts, this rank's
-        base = m.get_base_layer() if hasattr(m, "parameter_name") and hasattr(m, "get_base_layer") else None
-        name = next((n for n, x in modules.items() if x is base), None) if base is not None else None
-        if name in local and isinstance(getattr(m, "num_experts", None), int):
-            m.num_experts = local[name]
+        if hasattr(m, "parameter_name") and hasattr(m, "get_base_layer") and isinstance(getattr(m, "num_experts", None), int):
+            name = name_of.get(id(m.get_base_layer()))
+            if name in local:
+                m.num_experts = local[name]
     counts = ExpertCounts(sorted(owners), owners, mesh, plan.expert_axis)
     for i, (name, n_experts) in enumerate(sorted(owners.items())):
         module = modules[name]
@@ -149,13 +150,17 @@ def global_statistics(model: nn.Module, mesh: Mesh, axes: tuple[str, ...]) -> in
     return len(found)
 
 
-def dropped_rows(model: nn.Module) -> dict[str, int]:
-    """The (token, expert) rows each MoE layer with a capacity dropped since the last call (the whole batch's,
-    the same on every rank), read and reset."""
+def capacity_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """The MoE layers with a capacity (``models/moe.py``'s ``capacity_factor``), by name."""
+    return {name: m for name, m in model.named_modules() if getattr(m, "capacity_factor", 0)}
+
+
+def dropped_rows(layers: dict[str, nn.Module]) -> dict[str, int]:
+    """The (token, expert) rows each of ``layers`` (``capacity_layers``) dropped since the last call (the whole
+    batch's, the same on every rank), read and reset."""
     out = {}
-    for name, m in model.named_modules():
-        if getattr(m, "capacity_factor", 0):
-            out[name], m.dropped = int(m.dropped), 0
+    for name, m in layers.items():
+        out[name], m.dropped = int(m.dropped), 0
     return out
 
 
