@@ -28,7 +28,7 @@ dequantizing them.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -76,20 +76,20 @@ class Int4Tensor(torch.Tensor):
     @staticmethod
     def __new__(cls, qdata: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, group_size: int,
                 shape: tuple[int, int] | None = None, dtype: torch.dtype | None = None) -> Int4Tensor:
-        shape = tuple(shape) if shape is not None else (qdata.shape[0], 2 * qdata.shape[1])
+        shape = tuple(shape) if shape is not None else (*qdata.shape[:-1], 2 * qdata.shape[-1])
         return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype or scale.dtype, device=qdata.device,
                                                    requires_grad=False)
 
     def __init__(self, qdata: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, group_size: int,
                  shape: tuple[int, int] | None = None, dtype: torch.dtype | None = None) -> None:
-        rows, cols = self.shape
-        want = {"qdata": (torch.uint8, (rows, cols // 2)), "scale": (self.dtype, (rows, cols // group_size)),
-                "zero_point": (torch.uint8, (rows, cols // group_size))}
+        *lead, cols = self.shape
+        want = {"qdata": (torch.uint8, (*lead, cols // 2)), "scale": (self.dtype, (*lead, cols // group_size)),
+                "zero_point": (torch.uint8, (*lead, cols // group_size))}
         got = {"qdata": qdata, "scale": scale, "zero_point": zero_point}
         bad = [f"{n} {got[n].dtype} {list(got[n].shape)} (expected {d} {list(s)})" for n, (d, s) in want.items()
                if got[n].dtype != d or tuple(got[n].shape) != s]
-        if cols % group_size or bad:
-            raise ShardingError(f"Int4Tensor: inner tensors do not fit a [{rows}, {cols}] weight in groups of "
+        if not lead or cols % group_size or bad:
+            raise ShardingError(f"Int4Tensor: inner tensors do not fit a {list(self.shape)} weight in groups of "
                                 f"{group_size} — got {'; '.join(bad) or f'{cols} in-features'}; expected in-features "
                                 f"a multiple of group_size and the shapes above. Build it with Int4Tensor.from_float.")
         self.qdata, self.scale, self.zero_point, self.group_size = qdata, scale, zero_point, group_size
@@ -98,29 +98,30 @@ class Int4Tensor(torch.Tensor):
 
     @classmethod
     def from_float(cls, w: torch.Tensor, group_size: int = 32) -> Int4Tensor:
-        """Quantize a float ``[out, in]`` weight: min/max per group (0 included), round to nearest."""
+        """Quantize a float ``[out, in]`` weight — or a stack of them, ``[E, out, in]`` (fused experts: every
+        leading dim is a stack) — min/max per group (0 included), round to nearest."""
         _check_group_size(group_size, "Int4Tensor.from_float")
         if not isinstance(w, torch.Tensor) or type(w) not in (torch.Tensor, nn.Parameter) or \
-                not w.dtype.is_floating_point or w.dim() != 2:
-            raise ShardingTypeError(f"Int4Tensor.from_float: expected a plain 2-D float weight — got "
+                not w.dtype.is_floating_point or w.dim() < 2:
+            raise ShardingTypeError(f"Int4Tensor.from_float: expected a plain float weight of 2 or more dims — got "
                                     f"{type(w).__name__} {getattr(w, 'dtype', None)} of shape "
-                                    f"{list(getattr(w, 'shape', []))}; expected a [out, in] float tensor. Pass "
-                                    f"the float weight (dequantize a quantized one first).")
-        out, cols = w.shape
+                                    f"{list(getattr(w, 'shape', []))}; expected a [out, in] (or [E, out, in]) float "
+                                    f"tensor. Pass the float weight (dequantize a quantized one first).")
+        *lead, cols = w.shape
         if cols % group_size:
             raise ShardingError(f"Int4Tensor.from_float: group_size {group_size} does not divide in-features — "
                                 f"got {cols} in-features; expected a multiple of {group_size}. Use a group size "
                                 f"that divides {cols}.")
-        g = w.detach().reshape(out, cols // group_size, group_size).float()
+        g = w.detach().reshape(*lead, cols // group_size, group_size).float()
         lo = g.amin(-1).clamp(max=0.0)
         hi = g.amax(-1).clamp(min=0.0)
         scale = ((hi - lo) / _QMAX).to(w.dtype)            # round the scale to its stored dtype first,
         s = torch.where(scale > 0, scale, torch.ones_like(scale)).float()  # then quantize with that one
         zero = torch.clamp(torch.round(-lo / s), 0, _QMAX)
         q = torch.clamp(torch.round(g / s[..., None]) + zero[..., None], 0, _QMAX).to(torch.uint8)
-        q = q.reshape(out, cols // 2, 2)
+        q = q.reshape(*lead, cols // 2, 2)
         qdata = (q[..., 0] | (q[..., 1] << 4)).contiguous()
-        return cls(qdata, scale.contiguous(), zero.to(torch.uint8).contiguous(), group_size, (out, cols), w.dtype)
+        return cls(qdata, scale.contiguous(), zero.to(torch.uint8).contiguous(), group_size, tuple(w.shape), w.dtype)
 
     def unpack(self) -> torch.Tensor:
         """The 4-bit codes ``q`` as uint8 ``[out, in]`` (values 0..15)."""
@@ -133,25 +134,25 @@ class Int4Tensor(torch.Tensor):
         if not dtype.is_floating_point:
             raise ShardingTypeError(f"Int4Tensor.dequantize: dtype must be a float dtype — got {dtype}; expected "
                                     f"e.g. torch.float32 or torch.bfloat16. Dequantize to a float dtype.")
-        rows, cols = self.shape
-        groups = cols // self.group_size
-        q = self.unpack().reshape(rows, groups, self.group_size).to(dtype)
+        *lead, cols = self.shape
+        q = self.unpack().reshape(*lead, cols // self.group_size, self.group_size).to(dtype)
         w = (q - self.zero_point.to(dtype)[..., None]) * self.scale.to(dtype)[..., None]
-        return w.reshape(rows, cols)
+        return w.reshape(self.shape)
 
-    def component_blocks(self) -> dict[str, tuple[int, int]]:
+    def component_blocks(self) -> dict[str, tuple[int, ...]]:
         """Weight elements one entry of each inner tensor covers, per dim: slice ``[a:b]`` of the weight
         along a dim is ``[a // k : b // k]`` of a component whose block is ``k`` there."""
-        return {"qdata": (1, 2), "scale": (1, self.group_size), "zero_point": (1, self.group_size)}
+        lead = (1,) * (self.dim() - 1)
+        return {"qdata": (*lead, 2), "scale": (*lead, self.group_size), "zero_point": (*lead, self.group_size)}
 
     def packed_nbytes(self) -> int:
         """Bytes held: ``out*in/2`` codes plus ``groups * (scale bytes + 1)``."""
         return sum(getattr(self, n).nbytes for n in _INNER)
 
     def slice(self, rows: slice = slice(None), cols: slice = slice(None)) -> Int4Tensor:
-        """``w[rows, cols]`` without dequantizing; ``cols`` must start and stop on group boundaries."""
+        """``w[..., rows, cols]`` without dequantizing; ``cols`` must start and stop on group boundaries."""
         out = self
-        for dim, s in ((0, rows), (1, cols)):
+        for dim, s in ((self.dim() - 2, rows), (self.dim() - 1, cols)):
             if s.step not in (None, 1):
                 raise _unsupported(f"a slice with step {s.step}")
             out = out._slice_dim(dim, s.start, s.stop)
@@ -216,7 +217,11 @@ class Int4Tensor(torch.Tensor):
 
 # -- what the subclass does under torch functions and aten ops ----------------------------------
 
-_FLOAT_FUNCS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__}
+# run on the dequantized float weight (a transient copy without grad): products other than F.linear, and a
+# transpose (transformers' grouped experts multiply ``grouped_mm(x, w.transpose(-2, -1))``)
+_FLOAT_FUNCS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__,
+                torch.bmm, torch.Tensor.bmm, torch.transpose, torch.Tensor.transpose,
+                *(f for f in (getattr(torch, "_grouped_mm", None), getattr(F, "grouped_mm", None)) if f is not None)}
 
 
 def _check_frozen(w: Int4Tensor, func: Any) -> None:
@@ -291,17 +296,42 @@ def _copy_(func, self, src, non_blocking=False):
 def _slice(func, self, dim=0, start=None, end=None, step=1):
     if step != 1:
         raise _unsupported(f"a slice with step {step}")
-    return self._slice_dim(dim % 2, start, end)
+    return self._slice_dim(dim % self.dim(), start, end)
 
 
 def _split(func, self, split_size, dim=0):
     """``split`` / ``split_with_sizes`` (and so ``chunk``): consecutive slices, each keeping groups whole."""
-    dim %= 2
+    dim %= self.dim()
     size = self.shape[dim]
     sizes = list(split_size) if isinstance(split_size, (list, tuple)) else \
         [min(split_size, size - i) for i in range(0, size, split_size)]
     bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
     return [self._slice_dim(dim, a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def _lead_dim(self: Int4Tensor, dim: int, what: str) -> int:
+    dim %= self.dim()
+    if dim == self.dim() - 1:
+        raise _unsupported(f"{what} along the packed in-features")
+    return dim
+
+
+def _select(func, self, dim, index):
+    """``w[e]`` of a stack ``[E, out, in]``: expert ``e``'s ``[out, in]`` weight, still packed."""
+    dim = _lead_dim(self, dim, "select")
+    shape = self.shape[:dim] + self.shape[dim + 1:]
+    return Int4Tensor(*(func(getattr(self, n), dim, index) for n in _INNER), self.group_size, tuple(shape),
+                      self.dtype)
+
+
+def _index(func, self, indices):
+    """``w[idx]`` with one integer tensor on dim 0 of a stack (what ``weight[expert_idx]`` runs): the chosen
+    weights, still packed."""
+    if len(indices) != 1 or indices[0] is None or self.dim() < 3 or indices[0].dtype.is_floating_point:
+        raise _unsupported("indexing other than one integer index tensor on dim 0 of a stack [E, out, in]")
+    idx = indices[0]
+    shape = (*idx.shape, *self.shape[1:])
+    return Int4Tensor(*(func(getattr(self, n), [idx]) for n in _INNER), self.group_size, tuple(shape), self.dtype)
 
 
 def _empty_like(func, self, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
@@ -318,6 +348,8 @@ _DISPATCH: dict[Any, Callable] = {
     aten.slice.Tensor: _slice,
     aten.split.Tensor: _split,
     aten.split_with_sizes.default: _split,
+    aten.select.int: _select,
+    aten.index.Tensor: _index,
     aten.empty_like.default: _empty_like,
 }
 
@@ -325,7 +357,8 @@ _DISPATCH: dict[Any, Callable] = {
 # -- quantizing a model in place ----------------------------------------------------------------
 
 def quantize_int4_(model: nn.Module, group_size: int = 32,
-                   filter_fn: Callable[[nn.Module, str], bool] | None = None) -> nn.Module:
+                   filter_fn: Callable[[nn.Module, str], bool] | None = None,
+                   parameters: Iterable[str] = ()) -> nn.Module:
     """Replace ``nn.Linear`` weights by frozen ``Int4Tensor`` parameters in place (like torchao's
     ``quantize_``); returns ``model``. Call it before ``get_peft_model`` (QLoRA order).
 
@@ -333,10 +366,15 @@ def quantize_int4_(model: nn.Module, group_size: int = 32,
     default takes every Linear whose ``in_features`` is a multiple of ``group_size`` and leaves the
     others float, as it leaves weights tied to another module and weights already quantized. A Linear
     selected explicitly that cannot be quantized is an error (all of them are listed at once).
+
+    ``parameters`` names more weights to quantize by their parameter names (as torchao's ``FqnToConfig``
+    takes them): fused experts' stacks ``[E, out, in]`` (``mlp.experts.gate_up_proj``), grouped along
+    their last dim; each must be a float Parameter of its own whose last dim holds whole groups.
     """
     _check_group_size(group_size, "quantize_int4_")
     uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     chosen: list[nn.Linear] = []
+    stacks = _chosen_parameters(model, parameters, group_size, uses)
     with Problems("quantize_int4_") as problems:
         for fqn, mod in model.named_modules():
             if not isinstance(mod, nn.Linear):
@@ -364,4 +402,44 @@ def quantize_int4_(model: nn.Module, group_size: int = 32,
                 chosen.append(mod)
     for mod in chosen:
         mod.weight = nn.Parameter(Int4Tensor.from_float(mod.weight.detach(), group_size), requires_grad=False)
+    for owner, leaf, w in stacks:
+        setattr(owner, leaf, nn.Parameter(Int4Tensor.from_float(w.detach(), group_size), requires_grad=False))
     return model
+
+
+def _chosen_parameters(model: nn.Module, names: Iterable[str], group_size: int,
+                       uses: Counter) -> list[tuple[nn.Module, str, nn.Parameter]]:
+    """``(owner module, attribute, weight)`` of each parameter named in ``names``; every one that cannot
+    be quantized is listed at once."""
+    if isinstance(names, str):
+        raise ShardingTypeError(f"quantize_int4_: parameters must be a list of parameter names — got the string "
+                                f"{names!r}; expected e.g. ['model.layers.0.mlp.experts.gate_up_proj']. Wrap it in "
+                                f"a list.")
+    names = list(names)
+    own = dict(model.named_parameters())
+    out = []
+    with Problems("quantize_int4_") as problems:
+        for name in names:
+            w = own.get(name)
+            if w is None:
+                near = [n for n in own if n.endswith(name.rsplit(".", 1)[-1])][:3]
+                problems.add(f"quantize_int4_: parameter {name!r} is not in the model — got a name none of its "
+                             f"{len(own)} parameters has; expected a full parameter name such as {near or list(own)[:3]}. "
+                             f"Use the names model.named_parameters() gives.")
+                continue
+            got = []
+            if type(w) is not nn.Parameter or not w.dtype.is_floating_point or w.dim() < 2:
+                got.append(f"a {type(w).__name__} {w.dtype} of {w.dim()} dims (expected a float Parameter of 2 or "
+                           f"more dims)")
+            elif w.shape[-1] % group_size:
+                got.append(f"last dim {w.shape[-1]} (expected a multiple of group_size {group_size})")
+            if uses[id(w)] > 1:
+                got.append(f"{uses[id(w)]} uses of one weight (expected a weight of its own)")
+            if got:
+                problems.add(f"quantize_int4_: parameter {name} {list(w.shape)} cannot be quantized — got "
+                             f"{'; '.join(got)}. Leave it out of parameters, or pick a group size dividing its "
+                             f"last dim.")
+                continue
+            owner_name, _, leaf = name.rpartition(".")
+            out.append((model.get_submodule(owner_name), leaf, w))
+    return out

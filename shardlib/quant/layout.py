@@ -165,12 +165,36 @@ def quantized_problems(model, specs: dict, mesh) -> list[str]:
             if type(e).__name__ == "Fused":
                 out.append(f"plan: {name} {spec.shape} is a quantized {spec.kind} — got the fused spec {specs[name]}; "
                            "expected plain splits of its dims. Quantize the fused projection's parts separately, "
-                           "or keep it replicated.")
+                           "or keep that dim whole: leave its logical dim out of rules (for experts split over "
+                           "tensor, 'expert_mlp').")
                 continue
             axes = (e,) if isinstance(e, str) else e
             dims.append((d, math.prod(mesh.axis_sizes[a] for a in axes), "x".join(axes)))
         out += split_problems(name, spec, dims)
+        out += _grouped_problems(model, name, p, spec)
     return out
+
+
+def _grouped_problems(model, name: str, p: torch.Tensor, spec: QuantSpec) -> list[str]:
+    """A stack of quantized experts ``[E, out, in]`` in a transformers experts module that multiplies them
+    grouped (``grouped_mm(x, w.transpose(-2, -1))``, transformers 5's default) must take that transpose:
+    ``Int4Tensor`` dequantizes for it; torchao's ``Int8Tensor`` has none, so it would fail inside the first
+    forward, in one process as on a mesh."""
+    if p.dim() < 3:
+        return []
+    owner = model.get_submodule(name.rpartition(".")[0])
+    impl = getattr(getattr(owner, "config", None), "_experts_implementation", None)
+    if impl in (None, "eager"):
+        return []
+    try:
+        p.narrow(0, 0, 1).transpose(-2, -1)           # one expert's worth: what the grouped product runs
+    except NotImplementedError:
+        return [f"plan: {name} {spec.shape} is a quantized {spec.kind} stack of experts that "
+                f"{type(owner).__name__} multiplies with experts_implementation={impl!r}, which transposes it — got "
+                f"{spec.kind}, which has no transpose; expected a weight the grouped product can take. Run the experts "
+                f"eagerly (one F.linear per expert): model.set_experts_implementation('eager'), or quantize them "
+                f"with shardlib.quant.quantize_int4_(model, parameters=[...]), whose weights dequantize for it."]
+    return []
 
 
 def slice_weight(t: torch.Tensor, slices: tuple[slice, ...]) -> torch.Tensor:

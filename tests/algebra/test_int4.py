@@ -181,6 +181,55 @@ def test_bad_group_sizes_and_selections_are_refused_naming_each():
         quantize_int4_(tied, 32, filter_fn=lambda m, fqn: fqn == "1")
 
 
+def test_a_stack_of_experts_is_each_experts_weight_quantized_and_selected_packed():
+    """A fused experts' stack ``[E, out, in]``: expert ``e`` of it is ``from_float`` of expert ``e``'s weight;
+    ``w[e]`` (select) and ``w[tensor(e)]`` (index, transformers' eager loop) and ``w[a:b]`` stay packed; the
+    grouped product transformers runs (``grouped_mm(x, w.transpose(-2, -1))``) equals the float stack's."""
+    stack = torch.stack([_weight(12, 64, seed=e) for e in range(3)])
+    q = Int4Tensor.from_float(stack, 32)
+    assert q.shape == stack.shape and q.qdata.shape == (3, 12, 32) and q.scale.shape == (3, 12, 2)
+    for e in range(3):
+        one = Int4Tensor.from_float(stack[e], 32)
+        for picked in (q[e], q[torch.tensor(e)]):
+            assert type(picked) is Int4Tensor and picked.shape == (12, 64)
+            assert all(torch.equal(a, b) for a, b in zip(_inner(picked), _inner(one)))
+    assert type(q[1:3]) is Int4Tensor and torch.equal(q[1:3].dequantize(), q.dequantize()[1:3])
+    x = torch.randn(5, 64, requires_grad=True)
+    y = F.linear(x, q[torch.tensor(2)])
+    y.sum().backward()
+    torch.testing.assert_close(y, x @ q.dequantize()[2].T)
+    torch.testing.assert_close(x.grad, q.dequantize()[2].sum(0).expand(5, 64))
+    offs = torch.tensor([2, 2, 5], dtype=torch.int32)           # rows 0-1 to expert 0, none to 1, 2-4 to 2
+    got = torch._grouped_mm(x.detach(), q.transpose(-2, -1), offs=offs)
+    torch.testing.assert_close(got, torch._grouped_mm(x.detach(), q.dequantize().transpose(-2, -1), offs=offs))
+    with pytest.raises(NotImplementedError, match="select along the packed in-features"):
+        q.select(2, 0)
+
+
+def test_quantize_int4_takes_named_stacks_and_names_each_it_cannot_take():
+    class Experts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_up_proj = nn.Parameter(torch.randn(4, 16, 64))
+            self.down_proj = nn.Parameter(torch.randn(4, 64, 8))
+            self.bias = nn.Parameter(torch.randn(64))
+    model = nn.Sequential(Experts(), nn.Linear(64, 64))
+    floats = model[0].gate_up_proj.detach().clone()
+    with pytest.raises(ShardingError) as err:
+        quantize_int4_(model, 32, parameters=["0.gate_up_proj", "0.down_proj", "0.bias", "0.up_proj"])
+    text = str(err.value)
+    assert "0.down_proj [4, 64, 8] cannot be quantized — got last dim 8 (expected a multiple of group_size 32)" in text
+    assert "0.bias [64] cannot be quantized" in text and "'0.up_proj' is not in the model" in text, text
+    assert all(type(p) is nn.Parameter for p in model.parameters())         # nothing changed on error
+    with pytest.raises(ShardingTypeError, match="a list of parameter names"):
+        quantize_int4_(model, 32, parameters="0.gate_up_proj")
+    quantize_int4_(model, 32, filter_fn=lambda m, fqn: False, parameters=["0.gate_up_proj"])
+    w = model[0].gate_up_proj
+    assert type(w) is Int4Tensor and not w.requires_grad and any(p is w for p in model.parameters())
+    assert torch.equal(w.dequantize(), Int4Tensor.from_float(floats, 32).dequantize())
+    assert type(model[1].weight) is type(model[0].down_proj) is nn.Parameter
+
+
 def test_peft_lora_on_int4_llama_trains_saves_and_loads(tmp_path):
     from peft import LoraConfig, PeftModel, get_peft_model
 

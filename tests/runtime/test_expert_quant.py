@@ -1,0 +1,145 @@
+"""Frozen quantized experts on the expert axis (issue 40, fine-tuning): QLoRA of a mixture of experts.
+
+The routed experts' 3-D stacks ``[E, out, in]`` are quantized — int8 through torchao (``FqnToConfig`` on the
+parameters' names: per-row scales) or the project's packed int4 (``quantize_int4_(parameters=...)``: groups
+of 16 along in-features) — and frozen; PEFT LoRA adapts attention. Split over ``expert``, each rank holds
+only its experts' packed bytes (1/ep of the stack's, planned = held), ZeRO-3 gathers move packed bytes
+(counted = planned), and the losses and every parameter equal the same quantized PEFT model trained in one
+process. Both the reference GPT (one ``F.linear`` per expert) and transformers' Mixtral (``grouped_mm``, its
+default, and eager) run; what cannot run is refused at plan time by name.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import shardlib as sl
+from shardlib.models.gpt import GPT, token_batch
+from shardlib.quant.layout import QuantSpec, is_quantized
+from test_expert_parallel import BATCH, CFG, STEPS, _counted, _hf_batch, _mixtral, _one_process, _opt, _planned
+
+GROUP = 16
+
+
+def _base(kind: str, impl: str | None):
+    if kind == "gpt":
+        return GPT(CFG, seed=0)
+    model = _mixtral()
+    if impl is not None:
+        model.set_experts_implementation(impl)
+    return model
+
+
+def _quantized(kind: str, quant: str, impl: str | None = None):
+    """The base with its routed experts' stacks quantized and frozen, LoRA on attention (PEFT, seed 1)."""
+    from peft import LoraConfig, get_peft_model
+    model = _base(kind, impl)
+    stacks = [n for n, p in model.named_parameters() if p.dim() == 3]
+    if quant == "int8":
+        from torchao.quantization import FqnToConfig, Int8WeightOnlyConfig, quantize_
+        quantize_(model, FqnToConfig({n: Int8WeightOnlyConfig() for n in stacks}), filter_fn=None)
+    else:
+        from shardlib.quant import quantize_int4_
+        quantize_int4_(model, group_size=GROUP, filter_fn=lambda m, n: False, parameters=stacks)
+    for n in stacks:
+        model.get_parameter(n).requires_grad_(False)
+    torch.manual_seed(1)
+    targets = ["qkv", "proj"] if kind == "gpt" else ["q_proj", "v_proj"]
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0,
+                                            init_lora_weights=False))
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    return t.dequantize() if is_quantized(t) else t
+
+
+def _train(shape: dict, kind: str, quant: str, zero: int, impl: str | None = None):
+    batches = [token_batch(CFG, BATCH, s) for s in range(STEPS)] if kind == "gpt" else \
+        [_hf_batch(s) for s in range(STEPS)]
+    loss = (lambda m, b: m(*b)) if kind == "gpt" else (lambda m, b: m(**b).loss)
+    want_losses, want = _one_process(_quantized(kind, quant, impl), batches, loss=loss)
+    model = _quantized(kind, quant, impl)
+    whole = {n: QuantSpec.of(p).packed_bytes() for n, p in model.named_parameters() if is_quantized(p)}
+    mesh = sl.Mesh(shape)
+    plan = sl.plan(model, mesh, rules={"experts": "expert"}, zero=zero, batch=batches[0])   # batch: the routing's
+    engine = sl.parallelize(model, plan, optimizer=_opt, loss_fn=loss)
+    held = {n: (type(p).__name__, tuple(p.shape), QuantSpec.of(p).packed_bytes(tuple(p.shape)))
+            for n, p in model.named_parameters() if n in whole and zero < 3}    # (ZeRO-3: flat shards, below)
+    losses = []
+    for step, b in enumerate(batches):
+        with sl.count_collectives() as counted:
+            losses.append(engine.step(b))
+        if step == 1:
+            second = _counted(counted.records)
+    got = engine.full_state_dict()
+    return {"losses": losses, "want_losses": want_losses, "whole": whole, "held": held,
+            "params": {k: (_plain(got[k]), _plain(want[k])) for k in want},
+            "counted": dict(second), "planned": dict(_planned(plan, mesh.rank)),
+            "memory": (engine.memory_held("device")["params"], plan.memory_per_rank(mesh.rank)["params"])}
+
+
+@pytest.mark.parametrize("kind, quant, shape, zero, impl", [
+    ("gpt", "int8", {"expert": 2}, 0, None), ("gpt", "int4", {"expert": 2}, 0, None),
+    ("gpt", "int8", {"data": 2, "expert": 2}, 3, None), ("gpt", "int4", {"data": 2, "expert": 2}, 3, None),
+    ("mixtral", "int4", {"data": 2, "expert": 2}, 1, None), ("mixtral", "int8", {"expert": 4}, 3, "eager")],
+    ids=["gpt_int8_expert2", "gpt_int4_expert2", "gpt_int8_data2_expert2_zero3", "gpt_int4_data2_expert2_zero3",
+         "mixtral_int4_grouped_mm_data2_expert2_zero1", "mixtral_int8_eager_expert4_zero3"])
+def test_quantized_frozen_experts_train_lora_like_one_process_holding_their_packed_bytes(world, kind, quant,
+                                                                                           shape, zero, impl):
+    ep = shape["expert"]
+    for r in world(math.prod(shape.values()), _train, shape, kind, quant, zero, impl):
+        assert r["losses"] == pytest.approx(r["want_losses"], rel=1e-5), (r["losses"], r["want_losses"])
+        for k, (got, want) in r["params"].items():
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=k)
+        assert r["whole"] and set(r["held"]) == (set(r["whole"]) if zero < 3 else set())
+        for n, (kind_, held_shape, held_bytes) in r["held"].items():
+            # at rest a rank holds its experts' packed stack: 1/ep of the whole (both models have 4 experts)
+            assert kind_ == {"int8": "Int8Tensor", "int4": "Int4Tensor"}[quant], (n, kind_)
+            assert held_shape[0] == 4 // ep, (n, held_shape)
+            assert held_bytes == pytest.approx(r["whole"][n] / ep, abs=8), (n, held_bytes, r["whole"][n])
+        assert r["counted"] == r["planned"]            # ZeRO-3's gathers: the packed bytes
+        held, planned = r["memory"]
+        assert held == planned, (held, planned)
+
+
+def _refusal(model, shape: dict, rules: dict) -> str:
+    with pytest.raises(sl.ShardingError) as e:
+        sl.plan(model, sl.AbstractMesh(shape), rules=rules)
+    return str(e.value)
+
+
+def test_quantized_experts_the_model_cannot_multiply_or_a_split_that_cuts_them_are_refused_by_name():
+    # torchao's Int8Tensor has no transpose, which transformers' grouped experts take (in one process too)
+    said = _refusal(_quantized("mixtral", "int8"), {"expert": 2}, {"experts": "expert"})
+    assert "multiplies with experts_implementation='grouped_mm', which transposes it" in said, said
+    assert "model.set_experts_implementation('eager')" in said and said.count("experts.gate_up_proj") == 2, said
+    sl.plan(_quantized("mixtral", "int8", "eager"), sl.AbstractMesh({"expert": 2}), rules={"experts": "expert"})
+    # each expert's gate|up split over tensor is a fused split of the packed stack: not cut yet, named
+    from test_expert_parallel import TENSOR
+    said = _refusal(_quantized("gpt", "int4"), {"expert": 2, "tensor": 2}, {"experts": "expert", **TENSOR})
+    assert "experts.gate_up_proj (4, 64, 32) is a quantized Int4Tensor — got the fused spec " \
+           "P('expert', Fused(2, 'tensor'), None)" in said and "'expert_mlp'" in said, said
+    # without expert_mlp the stacks stay whole on tensor and split on expert
+    rules = {k: v for k, v in TENSOR.items() if k != "expert_mlp"}
+    plan = sl.plan(_quantized("gpt", "int4"), sl.AbstractMesh({"expert": 2, "tensor": 2}),
+                   rules={"experts": "expert", **rules})
+    assert str(plan.param("base_model.model.blocks.0.mlp.experts.down_proj").spec) == "P('expert', None, None)"
+
+
+def test_quantized_experts_are_planned_as_their_packed_bytes_split_over_expert():
+    """The plan's parameter bytes per rank differ between int8 and int4 by the stacks' packed bytes over ep:
+    each rank holds its experts' packed bytes, int8 a quarter of fp32 plus a scale per row, int4 an eighth plus
+    a scale and zero point per group."""
+    mesh = sl.AbstractMesh({"expert": 2})
+    held = {q: sl.plan(_quantized("gpt", q), mesh, rules={"experts": "expert"}).memory_per_rank(0)["params"]
+            for q in ("int8", "int4")}
+    model = _quantized("gpt", "int8")
+    floats = sum(4 * math.prod(p.shape) for n, p in model.named_parameters() if is_quantized(p))
+    packed = {q: sum(QuantSpec.of(p).packed_bytes() for p in _quantized("gpt", q).parameters() if is_quantized(p))
+              for q in ("int8", "int4")}
+    # (tiny rows: 32 in-features share an fp32 scale in int8; 16 share a scale and a zero point in int4)
+    assert floats / 4 < packed["int8"] < floats / 3 and floats / 8 < packed["int4"] < floats / 4, packed
+    assert held["int8"] - held["int4"] == pytest.approx((packed["int8"] - packed["int4"]) / 2, abs=64), (held, packed)
