@@ -29,28 +29,34 @@ from ..validate import positive_int
 
 
 def model_shape(cfg, seq: int, dtype=None) -> ModelShape:
-    """A reference GPT's ``ModelShape``: its parameters per block and outside them counted, and what the
-    embeddings, head and loss save for backward per sequence, measured on the meta device in ``dtype``
-    (a one-block model against a two-block one)."""
+    """A reference GPT's ``ModelShape``: its parameters per block (of them its routed experts') and outside
+    them counted, and what the embeddings, head and loss save for backward per sequence, measured on the
+    meta device in ``dtype`` (a one-block model against a two-block one)."""
     import torch
 
-    from ..models.gpt import GPT, GPTConfig
+    from ..models.gpt import GPT
     from ..planner.peak import activation_bytes
 
     h, v, r = cfg.d_model, cfg.vocab_size, cfg.mlp_ratio
-    hidden = cfg.hidden
-    block = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * hidden + hidden) + (hidden * h + h)
-    pre, post = v * h + cfg.seq_len * h, 2 * h + h * v
+    with torch.device("meta"):
+        m = GPT(replace(cfg, n_layers=1), seed=None)
+    block = sum(p.numel() for p in m.blocks[0].parameters())
+    experts = sum(p.numel() for n, p in m.blocks[0].named_parameters() if ".experts." in f".{n}")
+    pre = m.wte.weight.numel() + m.wpe.weight.numel()
+    post = sum(p.numel() for p in m.parameters()) - block - pre
     acts = []
-    for n in (1, 2):
+    for n in (1, 2):        # (the embeddings', head's and loss's bytes: a dense block of the same widths will do)
         with torch.device("meta"):
-            m = GPT(GPTConfig(vocab_size=v, seq_len=cfg.seq_len, d_model=h, n_heads=cfg.n_heads, n_layers=n,
-                              mlp_ratio=r, mlp_width=cfg.mlp_width), seed=None)
+            m = GPT(replace(cfg, n_layers=n, n_experts=0), seed=None)
         if dtype is not None:
             m = m.to(dtype)
         ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
         acts.append(activation_bytes(m, (ids, ids)))
-    return ModelShape(cfg.n_layers, h, cfg.n_heads, v, seq, r, block, pre, post, 2 * acts[0] - acts[1])
+    matrix = None
+    if cfg.n_experts:        # a token multiplies attention, the router, its top_k experts and the shared ones
+        matrix = 4 * h * h + cfg.n_experts * h + (cfg.top_k + cfg.shared_experts) * 3 * cfg.expert_width * h
+    return ModelShape(cfg.n_layers, h, cfg.n_heads, v, seq, r, block, pre, post, 2 * acts[0] - acts[1], matrix,
+                      cfg.n_experts, cfg.top_k if cfg.n_experts else 0, experts)
 
 
 def hf_model_shape(run, dtype=None) -> ModelShape:
@@ -127,7 +133,8 @@ def block_probe(cfg, seq: int, precision: str):
         with torch.device("meta"):
             model = GPT(replace(cfg, n_layers=2), seed=None)
         axes = {"pipe": 2, **({"tensor": t} if t > 1 else {})}
-        rules = {"layers": "pipe", **({"heads": "tensor", "mlp": "tensor", "vocab": "tensor"} if t > 1 else {})}
+        rules = {"layers": "pipe", **({"heads": "tensor", "mlp": "tensor", "vocab": "tensor"} if t > 1 else {}),
+                 **({"expert_mlp": "tensor"} if t > 1 and cfg.n_experts else {})}
         ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
         got = plan(model, AbstractMesh(axes), rules=rules, batch=(ids, ids), microbatches=1, precision=precision,
                    sequence_parallel=sp and t > 1, recompute=recompute)
@@ -187,7 +194,8 @@ def autoplan(*, model: str = "1b", devices: int, mesh: str = "h100_64", batch: i
     for got in best:
         if verify and len(results) >= top:
             break
-        ov = overrides(got.cand, model=model, mesh=mesh, batch=run.train.batch, precision=precision)
+        ov = overrides(got.cand, model=model, mesh=mesh, batch=run.train.batch, precision=precision,
+                       moe=bool(shape.experts))
         ov += [o for o in overrides_extra if o not in ov]
         if seq is not None:
             ov.append(f"train.seq={seq}")

@@ -57,6 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..algebra.mesh import Mesh
 from ..algebra.qualnames import unit_of
 from ..errors import ShardingError
 from . import core as comm
@@ -103,38 +104,46 @@ class Ops:
         self.mesh, self.axes, self.seq_dim = mesh, (axis,), seq_dim
         self.size = mesh.axis_size(axis)
         self.unit = ""                       # the unit running (set by the unit hooks)
+        self.abstract = not isinstance(mesh, Mesh)     # planning on an AbstractMesh: shapes only
 
     # On meta tensors (a stage working out the shape of the stream it will receive, before any
-    # data arrives) each op only reshapes: nothing is communicated.
+    # data arrives), or on an AbstractMesh (the planner measuring a block on zeros where meta
+    # kernels are missing: MoE's ``nonzero``), each op only reshapes: nothing is communicated.
+    def _shapes(self, x: torch.Tensor) -> bool:
+        return x.is_meta or self.abstract
+
     def f(self, x: torch.Tensor) -> torch.Tensor:
-        return x if x.is_meta else PBroadcast.apply(x, self.mesh, self.axes)
+        return x if self._shapes(x) else PBroadcast.apply(x, self.mesh, self.axes)
 
     def g(self, y: torch.Tensor) -> torch.Tensor:
-        return y if y.is_meta else Psum.apply(y, self.mesh, self.axes)
+        return y if self._shapes(y) else Psum.apply(y, self.mesh, self.axes)
 
     def gather_seq(self, x: torch.Tensor) -> torch.Tensor:
-        return self._meta_seq(x, self.size, 1) if x.is_meta else AllGather.apply(x, self.mesh, self.axes, self.seq_dim)
+        return self._meta_seq(x, self.size, 1) if self._shapes(x) else \
+            AllGather.apply(x, self.mesh, self.axes, self.seq_dim)
 
     def scatter_seq(self, y: torch.Tensor) -> torch.Tensor:
         self._check_seq(y)
-        return self._meta_seq(y, 1, self.size) if y.is_meta else PsumScatter.apply(y, self.mesh, self.axes, self.seq_dim)
+        return self._meta_seq(y, 1, self.size) if self._shapes(y) else \
+            PsumScatter.apply(y, self.mesh, self.axes, self.seq_dim)
 
     def slice_seq(self, x: torch.Tensor) -> torch.Tensor:
         self._check_seq(x)
-        return self._meta_seq(x, 1, self.size) if x.is_meta else _SliceSeq.apply(x, self.mesh, self.axes, self.seq_dim)
+        return self._meta_seq(x, 1, self.size) if self._shapes(x) else \
+            _SliceSeq.apply(x, self.mesh, self.axes, self.seq_dim)
 
     def unslice_seq(self, x: torch.Tensor) -> torch.Tensor:
-        return (self._meta_seq(x, self.size, 1) if x.is_meta
+        return (self._meta_seq(x, self.size, 1) if self._shapes(x)
                 else _GatherInvariant.apply(x, self.mesh, self.axes, self.seq_dim))
 
     def regather(self, x: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
         """``full`` (this rank's all-gather of ``x``, already run) again, reduce-scattering into
         ``x`` in backward: no forward collective."""
-        return self._meta_seq(x, self.size, 1) if x.is_meta else Regathered.apply(
+        return self._meta_seq(x, self.size, 1) if self._shapes(x) else Regathered.apply(
             x, full.detach(), self.mesh, self.axes, self.seq_dim)
 
     def param_f(self, p: torch.Tensor) -> torch.Tensor:
-        return p if p.is_meta else PBroadcast.apply(p, self.mesh, self.axes)
+        return p if self._shapes(p) else PBroadcast.apply(p, self.mesh, self.axes)
 
     def _meta_seq(self, x: torch.Tensor, mul: int, div: int) -> torch.Tensor:
         shape = list(x.shape)

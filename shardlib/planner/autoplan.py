@@ -28,51 +28,15 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from ..errors import ShardingError
+from .candidates import Candidate, Machine, ModelShape, Priced
 from .simulate import bubble_formula
 
 SCHEDULES = ("1f1b", "interleaved_1f1b", "zb_h1", "gpipe")
 RECOMPUTE = ("none", "selective", "full")
-
-
-@dataclass(frozen=True)
-class Candidate:
-    data: int
-    pipe: int
-    tensor: int
-    replica: int = 1              # HSDP: data = replica x shard, the states sharded over the shard part
-    zero: int = 0
-    sp: bool = False
-    schedule: str | None = None
-    virtual: int = 1
-    microbatches: int = 1         # per data rank: pipeline micro-batches, or gradient accumulation steps
-    recompute: str = "none"       # none | selective (attention's core) | full (every block)
-    offload: bool = False         # the optimizer's states on the host
-
-    @property
-    def axes(self) -> dict[str, int]:
-        out = {"replica": self.replica} if self.replica > 1 else {}
-        out["data"] = self.data // self.replica
-        if self.pipe > 1:
-            out["pipe"] = self.pipe
-        if self.tensor > 1:
-            out["tensor"] = self.tensor
-        return out
-
-
-@dataclass
-class Priced:
-    cand: Candidate
-    memory: dict[str, float]      # bytes per rank (the worst stage): params, grads, optimizer, gathered, activations, total
-    step_s: float                 # the predicted step (see Costs.step)
-    no_overlap_s: float
-    full_overlap_s: float
-    fits: bool
-    exact: bool = False           # planned by sl.plan (numbers are the plan's own)
-    notes: list[str] = field(default_factory=list)
 
 
 @functools.cache
@@ -86,79 +50,6 @@ def _peaks(schedule: str, p: int, m: int, v: int) -> tuple[float, float]:
 
 def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the analytic costs need of a GPT: its sizes, parameters per block and outside them, and what
-    the embeddings, head and loss save for backward per sequence (measured on the meta device in the
-    compute dtype). A block's saved bytes come from the planner's own measurement (``Costs.block_fn``)."""
-
-    layers: int
-    d_model: int
-    heads: int
-    vocab: int
-    seq: int
-    mlp_ratio: int
-    block_params: int
-    pre_params: int               # embeddings (the first stage)
-    post_params: int              # final norm and head (the last stage)
-    post_act: int                 # embeddings, head and loss: bytes per sequence, in the compute dtype
-    block_matrix: int | None = None   # one block's matrix elements where not GPT's (4 + 2r)·d² (a transformers model)
-
-    @property
-    def params(self) -> int:
-        return self.layers * self.block_params + self.pre_params + self.post_params
-
-
-@dataclass(frozen=True)
-class Machine:
-    """A machine's figures (a ``mesh=`` preset's, its axes ignored): per device sustained FLOP/s and
-    memory, per axis link ``(bytes/s, seconds per hop)`` (``default`` for the others), host copies,
-    disk and host update rates (bytes/s, or None), and the fraction of communication that overlaps
-    compute (0: none, 1: all)."""
-
-    name: str
-    flops: float
-    memory: float
-    links: dict[str, tuple[float, float]]
-    host: float | None = None
-    host_update: float | None = None
-    host_memory: float | None = None
-    overlap: float = 0.0
-    shared_cores: int | None = None   # CPU machines: every rank on one host of this many cores
-    layer_s: float = 0.0              # a fixed cost per layer and micro-batch, forward and backward (calibrated)
-    hop_s: dict[str, float] = field(default_factory=dict)   # per-op seconds per ring hop, where calibrated
-
-    def rank_flops(self, n: int) -> float:
-        """A rank's sustained rate when ``n`` ranks run: ranks beyond the cores share them."""
-        return self.flops * (1.0 if self.shared_cores is None else min(1.0, self.shared_cores / n))
-
-    @staticmethod
-    def of_mesh(mesh, devices: int | None = None) -> Machine:
-        """``mesh``'s figures, as ``devices`` ranks see them where the mesh is calibrated for that many."""
-        if devices is not None:
-            mesh = mesh.at(devices)
-        missing = [k for k in ("device_tflops", "memory_gib") if getattr(mesh, k) is None]
-        if missing or not mesh.links:
-            raise ShardingError(
-                f"autoplan: mesh={mesh.name} gives no {', '.join(missing + ([] if mesh.links else ['links']))} — "
-                "expected the machine's figures (device_tflops, memory_gib, links: the per-axis bandwidth and "
-                "latency). Add them to meshes/<name>.yaml, or measure them with python -m shardlib.calibrate.",
-                api="autoplan")
-        links = {a: (lk.bandwidth, lk.latency) for a, lk in mesh.links}
-        gb = lambda x: None if x is None else x * 1e9        # noqa: E731
-        return Machine(mesh.name, mesh.device_tflops * 1e12, mesh.memory_gib * 2**30, links, gb(mesh.host_gbps),
-                       gb(mesh.host_update_gbps), None if mesh.host_memory_gib is None else mesh.host_memory_gib * 2**30,
-                       mesh.overlap or 0.0, mesh.shared_cores, (mesh.layer_us or 0.0) * 1e-6,
-                       dict(mesh.hop_s))
-
-    def link(self, axis: str) -> tuple[float, float]:
-        got = self.links.get(axis, self.links.get("default"))
-        if got is None:
-            raise ShardingError(f"autoplan: no link figures for axis {axis!r} on mesh={self.name} — expected the "
-                                "axis or 'default' under links.", api="autoplan")
-        return got
 
 
 class Costs:
@@ -179,20 +70,31 @@ class Costs:
         self._passes = {rc: recompute_passes(rc) for rc in RECOMPUTE}
 
     # ---- memory ------------------------------------------------------------------------------------
-    def states(self, k: Candidate, stage_params: float) -> dict[str, float]:
-        shard = k.data // k.replica
+    def states(self, k: Candidate, stage_params: float, stage_experts: float = 0.0) -> dict[str, float]:
+        """Model states per rank of a stage of ``stage_params`` parameters, ``stage_experts`` of them routed
+        experts: those split over expert (and tensor) and, under ZeRO, sharded over data; the rest
+        sharded over data x expert (``planner/experts.py``)."""
         c, g = self.c, self.c
-        p = stage_params / k.tensor
-        params = c * p / (shard if k.zero >= 3 else 1)
-        grads = g * p / (shard if k.zero >= 2 else 1)
+        per = self.sharded(k, stage_params, stage_experts)
+        params = c * per(3)
+        grads = g * per(2)
         master = 4 if self.mixed or k.offload else 0
-        optim = (master + 8) * p / (shard if k.zero >= 1 else 1)
+        optim = (master + 8) * per(1)
         if k.offload:                   # on the host: the masters, moments and sharded gradients
             host = optim + (grads if k.zero >= 2 else 0)
             optim, grads = 0.0, grads if k.zero < 2 else 0.0
         else:
             host = 0.0
         return {"params": params, "grads": grads, "optimizer": optim, "host": host}
+
+    @staticmethod
+    def sharded(k: Candidate, stage_params: float, stage_experts: float = 0.0):
+        """``per(stage)``: a rank's elements of the stage's parameters with ZeRO at ``stage`` or above
+        sharding them — the experts' over data, the rest over data x expert."""
+        shard = k.data // k.replica
+        dense = (stage_params - stage_experts) / k.tensor
+        experts = stage_experts / (k.tensor * k.expert)
+        return lambda stage: (dense / (shard * k.expert) + experts / shard) if k.zero >= stage else dense + experts
 
     def inflight(self, k: Candidate) -> tuple[float, float]:
         """Micro-batches' activations the first and the last pipe rank hold at once (in units of the
@@ -213,7 +115,7 @@ class Costs:
         whole with sequence parallel, the ``5·a·s/h`` scores dropped with selective recompute; fully
         recomputed, its input only."""
         m = self.m
-        b = self.batch // (k.data * k.microbatches)
+        b = self.batch // (k.batch_ranks * k.microbatches)
         t = k.tensor
         sbh = m.seq * b * m.d_model
         scores = 5 * m.heads * m.seq / m.d_model
@@ -238,10 +140,12 @@ class Costs:
         return self._block[(t, sp, recompute)]
 
     def memory(self, k: Candidate) -> dict[str, float]:
-        stage = self.m.layers / k.pipe * self.m.block_params
-        worst = stage + max(self.m.pre_params, self.m.post_params) if k.pipe > 1 else self.m.params
-        st = self.states(k, worst)
-        gathered = 2 * self.c * self.m.block_params / k.tensor if k.zero >= 3 else 0.0
+        m = self.m
+        stage = m.layers / k.pipe * m.block_params
+        worst = stage + max(m.pre_params, m.post_params) if k.pipe > 1 else m.params
+        st = self.states(k, worst, m.layers / k.pipe * m.expert_params)
+        block = (m.block_params - m.expert_params) / k.tensor + m.expert_params / (k.tensor * k.expert)
+        gathered = 2 * self.c * block if k.zero >= 3 else 0.0
         acts, _ = self.activations(k)
         out = {"params": st["params"], "grads": st["grads"], "optimizer": st["optimizer"], "gathered": gathered,
                "activations": acts}
@@ -251,11 +155,11 @@ class Costs:
 
     # ---- time --------------------------------------------------------------------------------------
     def compute_s(self, k: Candidate, *, bubble: bool = True) -> float:
-        n = k.data * k.pipe * k.tensor
+        n = k.devices           # (routing spread evenly: each expert rank multiplies its share of the rows)
         flops = self._flops[k.recompute] / n
         if k.pipe > 1:          # the busiest stage sets the pace: its layers and the head on the last
             m = self.m
-            head = 3 * 2 * m.d_model * m.vocab * self.batch * m.seq / (k.data * k.tensor)
+            head = 3 * 2 * m.d_model * m.vocab * self.batch * m.seq / (k.batch_ranks * k.tensor)
             flops = (self._flops[k.recompute] - 3 * 2 * m.d_model * m.vocab * self.batch * m.seq) / n + head
         per_rank = flops / self.mc.rank_flops(n)
         per_rank += self.mc.layer_s * self.m.layers / k.pipe * k.microbatches * self._passes[k.recompute]
@@ -265,20 +169,31 @@ class Costs:
 
     def comm_s(self, k: Candidate) -> dict[str, float]:
         m, c = self.m, self.c
-        tokens = self.batch * m.seq / k.data                           # this rank's tokens per step
+        tokens = self.batch * m.seq / k.batch_ranks                    # this rank's tokens per step
         out: dict[str, float] = {}
         if k.tensor > 1:        # per layer: 2 all-reduces forward, 2 backward (or RS + AG each with SP: same bytes)
             t = k.tensor
             bw, lat = self.mc.link("tensor")
             nbytes = 4 * 2 * (t - 1) / t * tokens * m.d_model * c * m.layers / k.pipe
             out["tensor"] = nbytes / bw + 4 * 2 * (t - 1) * lat * m.layers / k.pipe * k.microbatches
-        if k.data > 1:
+        if k.expert > 1:        # per MoE layer and micro-batch: dispatch and combine, forward and backward,
+            e = k.expert        # each moving the rank's routed rows (top_k per token) but its own expert's
+            bw, lat = self.mc.link("expert")
+            layers = m.layers / k.pipe
+            nbytes = 4 * (e - 1) / e * tokens * m.top_k * m.d_model * c * layers
+            # 7 all-to-alls a layer (counts, rows, weights; each way), one message to each other rank
+            out["expert"] = nbytes / bw + 7 * (e - 1) * lat * layers * k.microbatches
+        if k.batch_ranks > 1:
             shard, rep = k.data // k.replica, k.replica
-            bw, lat = self.mc.link("data")
-            p = (m.layers / k.pipe * m.block_params + max(m.pre_params, m.post_params)) / k.tensor
+            bw, lat = self.mc.link("data" if k.data > 1 else "expert")
+            stage = m.layers / k.pipe
+            experts = stage * m.expert_params / (k.tensor * k.expert)
+            p = (stage * (m.block_params - m.expert_params) + max(m.pre_params, m.post_params)) / k.tensor
             reps = k.microbatches if k.zero >= 3 and k.pipe == 1 else 1
-            if shard > 1:
-                ring = (shard - 1) / shard * p * c
+            # the gradients of what is not an expert over data x expert, an expert's over data alone
+            ring = sum((n - 1) / n * q * c for n, q in ((shard * k.expert, p), (shard, experts)) if n > 1)
+            shard = shard * k.expert if p else shard
+            if ring:
                 nbytes = ring * (2 if k.zero < 3 else 3 * reps)
                 rs, ag = (self.mc.hop_s.get(op, lat) for op in ("reduce_scatter", "all_gather"))
                 if k.zero >= 3:          # per unit (a block, and the root): gathered twice, reduce-scattered once
@@ -292,7 +207,7 @@ class Costs:
                 out["replica"] = 2 * (rep - 1) / rep * p * c / (shard if k.zero else 1) / bwr + 2 * (rep - 1) * latr
         if k.pipe > 1:
             bw, lat = self.mc.link("pipe")
-            b = self.batch // (k.data * k.microbatches)
+            b = self.batch // (k.batch_ranks * k.microbatches)
             msg = b * m.seq * m.d_model * c / (k.tensor if k.sp else 1)
             sends = 2 * k.microbatches * k.virtual
             out["pipe"] = sends * (msg / bw + lat)
@@ -302,7 +217,7 @@ class Costs:
         """(seconds of device-host copies, of the host update) with the optimizer offloaded."""
         if not k.offload:
             return 0.0, 0.0
-        n_opt = self.m.params / k.pipe / k.tensor / ((k.data // k.replica) if k.zero >= 1 else 1)
+        n_opt = self.sharded(k, self.m.params / k.pipe, self.m.layers * self.m.expert_params / k.pipe)(1)
         copies = (self.c + self.c) * n_opt / self.mc.host if self.mc.host else 0.0
         update = 28 * n_opt / self.mc.host_update if self.mc.host_update else 0.0
         return copies, update
@@ -318,45 +233,51 @@ class Costs:
         fits = mem["total"] <= self.mc.memory and (self.mc.host_memory is None or mem["host"] <= self.mc.host_memory)
         return Priced(k, mem, step, no, full, fits)
 
-    def lower_bound(self, data: int, pipe: int, tensor: int) -> float:
+    def lower_bound(self, data: int, pipe: int, tensor: int, expert: int = 1) -> float:
         """No configuration of this shape is faster: the compute with no bubble and no recompute, against
-        the tensor axis's traffic and the data axis's gradient all-reduce (ZeRO 0-2's bytes, the least)."""
+        the tensor axis's traffic, the expert axis's all-to-alls and the data axis's gradient all-reduce
+        (ZeRO 0-2's bytes, the least)."""
         k = Candidate(data, pipe, tensor, zero=0, schedule="1f1b" if pipe > 1 else None, microbatches=1,
-                      recompute="none")
+                      recompute="none", expert=expert)
         compute = self.compute_s(k, bubble=False)
         comm = self.comm_s(k)
         # the gradients' traffic at its least: ZeRO 0-2's bytes, over the cheapest replica split (HSDP)
         grads = min(sum(v for a, v in self.comm_s(replace(k, replica=r, zero=1 if r > 1 else 0)).items()
                         if a in ("data", "replica")) for r in divisors(data) if r < data or r == 1)
-        unavoidable = comm.get("tensor", 0.0) + grads
+        unavoidable = comm.get("tensor", 0.0) + comm.get("expert", 0.0) + grads
         return max(compute, unavoidable) if self.mc.overlap >= 1 else compute + (1 - self.mc.overlap) * unavoidable
 
 
 # ---- the space -------------------------------------------------------------------------------------
 
-def shapes(n: int, model: ModelShape, *, max_tensor: int = 8) -> Iterator[tuple[int, int, int]]:
-    """``(data, pipe, tensor)`` with ``data·pipe·tensor = n``: tensor divides the heads (and d, the
-    vocabulary's rows), pipe the layers."""
-    for t in divisors(n):
-        if t > max_tensor or model.heads % t or model.d_model % t or model.vocab % t:
+def shapes(n: int, model: ModelShape, *, max_tensor: int = 8) -> Iterator[tuple[int, int, int, int]]:
+    """``(data, pipe, tensor, expert)`` with ``data·pipe·tensor·expert = n``: tensor divides the heads (and
+    d, the vocabulary's rows), pipe the layers, expert the routed experts (a dense model: 1)."""
+    for e in divisors(n):
+        if e > 1 and (not model.experts or model.experts % e):
             continue
-        for p in divisors(n // t):
-            if model.layers % p:
+        for t in divisors(n // e):
+            if t > max_tensor or model.heads % t or model.d_model % t or model.vocab % t:
                 continue
-            yield n // (t * p), p, t
+            for p in divisors(n // (e * t)):
+                if model.layers % p:
+                    continue
+                yield n // (e * t * p), p, t, e
 
 
 def configs(data: int, pipe: int, tensor: int, model: ModelShape, batch: int, *, hsdp: bool = True,
-            offload: bool = True) -> Iterator[Candidate]:
-    """Every configuration of one shape."""
-    if batch % data:
+            offload: bool = True, expert: int = 1) -> Iterator[Candidate]:
+    """Every configuration of one shape (with experts split over tensor, no sequence parallelism, which
+    the planner does not run with them yet; no HSDP beside an expert axis)."""
+    if batch % (data * expert):
         return
-    per_rank = batch // data
-    replicas = [r for r in divisors(data) if 1 < r < data] if hsdp else []
+    per_rank = batch // (data * expert)
+    replicas = [r for r in divisors(data) if 1 < r < data] if hsdp and expert == 1 else []
     schedules = [None] if pipe == 1 else list(SCHEDULES)
-    for zero in ((0, 1, 2, 3) if data > 1 else (0,)):          # one data rank: nothing to shard
+    sps = (False, True) if tensor > 1 and not model.experts else (False,)
+    for zero in ((0, 1, 2, 3) if data * expert > 1 else (0,)):          # one batch rank: nothing to shard
         for rep in [1] + (replicas if zero >= 1 else []):
-            for sp in ((False, True) if tensor > 1 else (False,)):
+            for sp in sps:
                 for sched in schedules:
                     virtuals = (2,) if sched == "interleaved_1f1b" else (1,)
                     for v in virtuals:
@@ -367,17 +288,19 @@ def configs(data: int, pipe: int, tensor: int, model: ModelShape, batch: int, *,
                                 continue
                             for rc in (RECOMPUTE[:2] if sched == "zb_h1" else RECOMPUTE):   # (W cannot split from a full recompute)
                                 for off in ((False, True) if offload else (False,)):
-                                    yield Candidate(data, pipe, tensor, rep, zero, sp, sched, v, m, rc, off)
+                                    yield Candidate(data, pipe, tensor, rep, zero, sp, sched, v, m, rc, off,
+                                                    expert)
 
 
-def frugal(data: int, pipe: int, tensor: int, batch: int) -> list[Candidate]:
-    """The shape's least memory is one of these: full recompute, sequence parallel, the optimizer on the
-    host, one sequence per micro-batch, and ZeRO-2 or ZeRO-3 (ZeRO-3 shards the parameters but holds
-    two gathered units: on a small model or few data ranks ZeRO-2 holds less)."""
+def frugal(data: int, pipe: int, tensor: int, batch: int, expert: int = 1, moe: bool = False) -> list[Candidate]:
+    """The shape's least memory is one of these: full recompute, sequence parallel (not with experts), the
+    optimizer on the host, one sequence per micro-batch, and ZeRO-2 or ZeRO-3 (ZeRO-3 shards the
+    parameters but holds two gathered units: on a small model or few data ranks ZeRO-2 holds less)."""
     sched = "1f1b" if pipe > 1 else None
-    zeros = (2, 3) if data > 1 else (0,)
-    return [Candidate(data, pipe, tensor, 1, z, tensor > 1, sched, 1, max(1, batch // data), "full", True)
-            for z in zeros]
+    zeros = (2, 3) if data * expert > 1 else (0,)
+    ranks = data * expert
+    return [Candidate(data, pipe, tensor, 1, z, tensor > 1 and not moe, sched, 1, max(1, batch // ranks), "full",
+                      True, expert) for z in zeros]
 
 
 def search(costs: Costs, n: int, *, keep: int = 8, prune: bool = True, hsdp: bool = True,
@@ -388,15 +311,16 @@ def search(costs: Costs, n: int, *, keep: int = 8, prune: bool = True, hsdp: boo
     shape_list = list(shapes(n, costs.m))
     if prune:                          # the most promising shapes first: their results prune the others
         shape_list.sort(key=lambda s: costs.lower_bound(*s))
-    for d, p, t in shape_list:
-        if costs.batch % d:
+    moe = bool(costs.m.experts)
+    for d, p, t, e in shape_list:
+        if costs.batch % (d * e):
             continue
         if prune:
-            if not any(costs.price(k).fits for k in frugal(d, p, t, costs.batch)):
+            if not any(costs.price(k).fits for k in frugal(d, p, t, costs.batch, e, moe)):
                 continue
-            if len(best) >= keep and costs.lower_bound(d, p, t) >= best[-1].step_s:
+            if len(best) >= keep and costs.lower_bound(d, p, t, e) >= best[-1].step_s:
                 continue
-        for k in configs(d, p, t, costs.m, costs.batch, hsdp=hsdp, offload=offload):
+        for k in configs(d, p, t, costs.m, costs.batch, hsdp=hsdp, offload=offload, expert=e):
             got = costs.price(k)
             priced += 1
             if not got.fits:
@@ -421,8 +345,8 @@ def plan_search(costs: Costs, n: int, *, keep: int = 8, prune: bool = True, mode
         raise ShardingError(f"autoplan: no mesh of {n} devices suits model={model}: the tensor degree must "
                             f"divide its {shape.heads} heads (at most 8, one node), the pipe degree its {shape.layers} "
                             f"layers — expected a device count such as {near_counts(n, shape)}.", api="autoplan")
-    if not [s for s in every if batch % s[0] == 0]:
-        datas = sorted({s[0] for s in every})
+    if not [s for s in every if batch % (s[0] * s[3]) == 0]:
+        datas = sorted({s[0] * s[3] for s in every})
         raise ShardingError(f"autoplan: the global batch {batch} does not split over any data degree "
                             f"these {n} devices allow ({', '.join(map(str, datas))}) — expected a batch "
                             f"divisible by one of them, e.g. train.batch={lcm_batch(batch, datas)}.",
@@ -439,18 +363,23 @@ def plan_search(costs: Costs, n: int, *, keep: int = 8, prune: bool = True, mode
 
 def tiebreak(k: Candidate) -> tuple:
     """Equal predicted steps: the simpler plan first (less sharding, no offload, no recompute)."""
-    return (k.offload, RECOMPUTE.index(k.recompute), k.zero, k.replica, k.sp, k.pipe, k.virtual, k.microbatches)
+    return (k.offload, RECOMPUTE.index(k.recompute), k.zero, k.replica, k.sp, k.pipe, k.expert, k.virtual,
+            k.microbatches)
 
 
 # ---- the overrides that run a candidate --------------------------------------------------------------
 
-def overrides(k: Candidate, *, model: str, mesh: str, batch: int, precision: str) -> list[str]:
+def overrides(k: Candidate, *, model: str, mesh: str, batch: int, precision: str, moe: bool = False) -> list[str]:
+    """The Hydra overrides that run ``k`` (``moe``: the model has routed experts, split over tensor with
+    the rest of the block where the tensor axis is: Megatron's tensor-parallel experts)."""
     axes = ",".join(f"{a}:{s}" for a, s in k.axes.items())
     rules = {}
     if k.pipe > 1:
         rules["layers"] = "pipe"
     if k.tensor > 1:
-        rules.update(heads="tensor", mlp="tensor", vocab="tensor")
+        rules.update(heads="tensor", mlp="tensor", vocab="tensor", **({"expert_mlp": "tensor"} if moe else {}))
+    if k.expert > 1:
+        rules["experts"] = "expert"
     out = [f"model={model}", f"mesh={mesh}", f"mesh.axes={{{axes}}}", "parallel=zero3",
            f"parallel.zero={k.zero}", f"parallel.rules={{{','.join(f'{a}:{b}' for a, b in rules.items())}}}",
            f"train.batch={batch}", f"train.precision={precision}"]
@@ -472,17 +401,17 @@ def overrides(k: Candidate, *, model: str, mesh: str, batch: int, precision: str
 
 
 def describe(k: Candidate) -> dict[str, Any]:
-    return {"zero": k.zero, "sequence_parallel": k.sp, "schedule": k.schedule, "virtual_stages": k.virtual,
+    return {"expert": k.expert, "zero": k.zero, "sequence_parallel": k.sp, "schedule": k.schedule, "virtual_stages": k.virtual,
             "microbatches": k.microbatches, "replica": k.replica, "recompute": k.recompute,
             "offload": {"optimizer": "host"} if k.offload else {}}
 
 
 def smallest_memory(costs: Costs, n: int) -> tuple[float, Candidate]:
     best = None
-    for d, p, t in shapes(n, costs.m):
-        if costs.batch % d:
+    for d, p, t, e in shapes(n, costs.m):
+        if costs.batch % (d * e):
             continue
-        for k in frugal(d, p, t, costs.batch):
+        for k in frugal(d, p, t, costs.batch, e, bool(costs.m.experts)):
             mem = costs.memory(k)["total"]
             if best is None or mem < best[0]:
                 best = (mem, k)
