@@ -27,7 +27,8 @@ a meta call to the fused kernel the CPU would choose for the same dtype, mask an
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -46,12 +47,31 @@ def _sdpa_args(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, t
     return q, k, v, opts
 
 
+def _modes_now() -> list[TorchFunctionMode]:
+    from torch.overrides import _get_current_function_mode_stack
+    return list(_get_current_function_mode_stack())
+
+
+@contextmanager
+def replayed(modes: list[TorchFunctionMode]) -> Iterator[None]:
+    """The torch function modes ``modes`` (those a forward ran under) entered again where not active: a
+    recompute in backward — where the autograd engine runs without them — runs as its forward did (the
+    context axis's attention, ``runtime/context.py``, is such a mode)."""
+    now = _modes_now()
+    with ExitStack() as stack:
+        for m in modes:
+            if not any(m is n for n in now):
+                stack.enter_context(m)
+        yield
+
+
 class AttentionCore(torch.autograd.Function):
     """``scaled_dot_product_attention`` that saves its inputs and recomputes itself in backward."""
 
     @staticmethod
     def forward(ctx, q, k, v, mask, opts):
         ctx.opts = opts
+        ctx.modes = _modes_now()           # (this call's own mode is off while it runs; the outer ones are on)
         ctx.rng = None
         if opts.get("dropout_p", 0.0) > 0.0 and q.device.type != "meta":
             ctx.rng = (torch.get_rng_state(),
@@ -66,7 +86,8 @@ class AttentionCore(torch.autograd.Function):
                   for t, need in zip((q, k, v, mask), ctx.needs_input_grad)]
         wanted = [t for t, need in zip(inputs, ctx.needs_input_grad) if t is not None and need]
         devices = [q.device] if q.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices, enabled=ctx.rng is not None), torch.enable_grad():
+        with torch.random.fork_rng(devices=devices, enabled=ctx.rng is not None), torch.enable_grad(), \
+                replayed(ctx.modes):
             if ctx.rng is not None:
                 torch.set_rng_state(ctx.rng[0])
                 if ctx.rng[1] is not None:
@@ -146,8 +167,10 @@ def recomputed(inner: Callable, policy: str, *, early_stop: bool = True, name: s
         from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
         def full(*args, **kwargs):
+            modes = _modes_now()
             with set_checkpoint_early_stop(early_stop):
-                return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+                return checkpoint(inner, *args, use_reentrant=False,
+                                  context_fn=lambda: (nullcontext(), replayed(modes)), **kwargs)
         return full
     seen = [name is None]
 

@@ -51,7 +51,7 @@ def _plan(model: nn.Module, mesh: AbstractMesh, *, policies: Policies, rules: An
     states, unit_names, stack_units, rec, sel, specs, tplan, pplan = (
         r.states, r.unit_names, r.stack_units, r.recompute, r.selective, r.specs, r.tensor, r.pipeline)
     replica_axis = pol.roles.replica_of(mesh)
-    expert_axis = r.expert_axis
+    expert_axis, context_axis = r.expert_axis, r.context_axis
     experts = expert_params(r.specs, expert_axis)
     if experts and states.params is not None:
         # ZeRO-3: each experts module a unit of its own inside its block, so a unit's states are split over one
@@ -67,9 +67,6 @@ def _plan(model: nn.Module, mesh: AbstractMesh, *, policies: Policies, rules: An
     named = list(model.named_parameters())
     param_unit = _param_units(model, named, unit_names)
 
-    def layout(axis) -> Layout:
-        return Layout(mesh, PartitionSpec(axis) if axis else PartitionSpec())
-
     layouts: dict[PartitionSpec, tuple[Layout, ...]] = {}
 
     def state_layouts(spec: PartitionSpec) -> tuple[Layout, ...]:
@@ -77,9 +74,13 @@ def _plan(model: nn.Module, mesh: AbstractMesh, *, policies: Policies, rules: An
         splitting dim 0 of what it left local where the ZeRO stage shards that state (with an expert
         axis, data x expert for what is not an expert)."""
         def shard(axis: str | None):
-            if axis is None or expert_axis is None or expert_axis in spec.axes:
+            # what is not an expert is sharded over data x expert, and everything over the context axis too
+            # (each context rank holds every parameter: it is a data axis for the states, as in torchtitan)
+            extra = tuple(a for a in (expert_axis if expert_axis not in spec.axes else None, context_axis)
+                          if a is not None)
+            if axis is None or not extra:
                 return axis
-            return mesh.canonical_axes((axis, expert_axis))
+            return mesh.canonical_axes((axis, *extra))
 
         if spec not in layouts:
             layouts[spec] = (Layout(mesh, with_data(spec, shard(states.params))), Layout(mesh, spec),
@@ -104,14 +105,19 @@ def _plan(model: nn.Module, mesh: AbstractMesh, *, policies: Policies, rules: An
     # so set-up sends rank 0's generator state over the whole mesh instead of the model
     meta = bool(tensors) and all(t.is_meta for t in tensors)
     setup = ((torch.uint8, torch.get_rng_state().numel()),) if meta else fused_sizes(tensors)
-    dp = tuple(a for a in (replica_axis, data_axis, expert_axis) if a is not None)     # the batch's axes
-    dp = dp[0] if len(dp) == 1 else dp
+    rows = tuple(a for a in (replica_axis, data_axis, expert_axis) if a is not None)     # the batch's rows
+    rows = rows[0] if len(rows) == 1 else rows
+    dp = tuple(a for a in (replica_axis, data_axis, expert_axis, context_axis) if a is not None)
     out = Plan(mesh=mesh, data_axis=data_axis, states=states, precision=precision, reduce_dtype=rdt,
                grad_accum=grad_accum, clip_grad_norm=clip_grad_norm, optimizer_state_bytes=state_bytes,
-               bucket_bytes=bucket_bytes, params=tuple(params), units=tuple(unit_list), batch=layout(dp),
+               bucket_bytes=bucket_bytes, params=tuple(params), units=tuple(unit_list),
+               batch=Layout(mesh, PartitionSpec(rows, context_axis) if context_axis else PartitionSpec(rows)),
                broadcast_buffers=broadcast_buffers, buffer_sizes=fused_sizes(buffers),
                setup_sizes=setup, meta_build=meta, tensor=tplan, pipeline=pplan, replica_axis=replica_axis,
-               expert_axis=expert_axis, expert_layers=expert_layers(
+               expert_axis=expert_axis, context_axis=context_axis,
+               context_calls=r.context.calls if context_axis else (),
+               position_tables=r.context.tables if context_axis else (),
+               expert_layers=expert_layers(
                    model, {n: tuple(p.shape) for n, p in named}, experts,
                    _tokens(batch, mesh.axis_size(dp) * grad_accum))
                if experts else (),
@@ -209,8 +215,8 @@ def plan(model: nn.Module, mesh: AbstractMesh, zero: int | None = None, *, state
          rules: Any = None, sequence_parallel: bool = False, batch: Any = None, tensor_axis: str = "tensor",
          microbatches: int | None = None, schedule: str | None = None, virtual_stages: int | None = None,
          stages: Any = None, pipe_axis: str = "pipe", pipe_gather: str = "step",
-         replica_axis: str | None = None, expert_axis: str | None = None, offload: Any = None,
-         offload_dir: Any = None,
+         replica_axis: str | None = None, expert_axis: str | None = None, context_axis: str | None = None,
+         offload: Any = None, offload_dir: Any = None,
          roles: MeshRoles | None = None, data: DataPolicy | None = None, tensor: TensorPolicy | None = None, pipeline: PipelinePolicy | None = None,
          memory: MemoryPolicy | None = None, training: TrainingPolicy | None = None) -> Plan:
     """Plan training of ``model`` on ``mesh``: data parallel / ZeRO on ``data``, tensor parallel on ``tensor``.
@@ -335,6 +341,8 @@ class Resolved:
     pipeline: PipelinePlan | None
     offload: tuple
     expert_axis: str | None = None
+    context_axis: str | None = None
+    context: Any = None            # planner/context.ContextTrace
 
 
 def _check(model: nn.Module, mesh: AbstractMesh, pol: Policies, *, rules: Any, batch: Any) -> Resolved:
@@ -416,6 +424,7 @@ def _check(model: nn.Module, mesh: AbstractMesh, pol: Policies, *, rules: Any, b
         piped = sizes.get(roles.pipe or "pipe", 1) > 1
         for m in aux_loss_problems(model, mesh.axis_size(tuple(ranks)) if ranks else 1, piped):
             add(m)
+        ctx_axis, ctx_trace = _context(model, mesh, roles, rules, batch, pol, unit_names, kinds, add)
     if problems:
         messages = [m for _, m in problems]
         if all(wrong_kind for wrong_kind, _ in problems):
@@ -424,4 +433,47 @@ def _check(model: nn.Module, mesh: AbstractMesh, pol: Policies, *, rules: Any, b
     expert = roles.expert_of(mesh)
     expert = expert if expert is not None and mesh.axis_sizes[expert] > 1 else None
     return Resolved(mem.states(roles.data), unit_names, set(stack_units), rec, sel, specs, tplan, pplan, kinds,
-                    expert)
+                    expert, ctx_axis, ctx_trace)
+
+
+def _context(model: nn.Module, mesh: AbstractMesh, roles: MeshRoles, rules: Any, batch: Any, pol: Policies,
+             units: list[str], kinds: tuple, add) -> tuple[str | None, Any]:
+    """The context axis and its trace (``planner/context.py``), or ``(None, None)``; what cannot run is
+    ``add``ed. The axis must be what ``rules`` map ``seq`` to, and the plan needs an example batch."""
+    from .context import composition_problems, context_trace
+    axis = roles.context_of(mesh)
+    size = mesh.axis_sizes.get(axis, 1) if axis else 1
+    seq_rule = dict(rules.items()).get("seq") if rules is not None and hasattr(rules, "items") else None
+    if axis is None or size == 1:
+        if isinstance(seq_rule, str) and seq_rule in mesh.axis_names and mesh.axis_sizes[seq_rule] > 1 \
+                and seq_rule != axis:
+            add(f"plan: rules map 'seq' to {seq_rule!r}, which is not the context axis — expected the sequence "
+                "split over an axis of its own, named 'context' (or context_axis=). Rename the axis, or pass "
+                f"context_axis={seq_rule!r}.")
+        return None, None
+    if seq_rule != axis:
+        add(f"plan: the context axis {axis!r} (size {size}) splits nothing — got rules "
+            f"{'without' if seq_rule is None else 'mapping seq to ' + repr(seq_rule) + ', not'} 'seq': {axis!r}; "
+            f"expected the sequence laid out over it. Add rules={{'seq': {axis!r}}}, or give the axis size 1.")
+        return None, None
+    found = composition_problems(mesh, axis, roles, kinds)
+    if batch is None:
+        found.append(f"plan: a context axis ({axis}={size}) needs an example batch — expected batch= (tensors, or "
+                     "meta tensors of its shape): the planner traces attention and positions on one rank's chunk.")
+    if found:
+        for m in found:
+            add(m)
+        return None, None
+    from .context import labels_problems
+    for m in labels_problems(model, batch):
+        add(m)
+    rows_over = mesh.axis_size(tuple(a for a in (roles.replica_of(mesh), roles.data or "data", roles.expert_of(mesh))
+                                     if a in mesh.axis_names))
+    m = pol.training.microbatches or 1
+    from torch.utils._pytree import tree_leaves
+    leaves = [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
+    rows = max(1, (leaves[0].shape[0] if leaves and leaves[0].dim() else 1) // (rows_over * m))
+    trace = context_trace(model, batch, size, rows, units)
+    for m_ in trace.problems:
+        add(m_)
+    return axis, trace

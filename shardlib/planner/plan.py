@@ -186,6 +186,11 @@ class Plan:
     replica_axis: str | None = None
     # the expert axis (planner/experts.py): experts' weights split over it, the batch too
     expert_axis: str | None = None
+    # the sequence split over it (planner/context.py): the attention calls of a micro-batch on a rank, and the
+    # modules holding learned position tables
+    context_axis: str | None = None
+    context_calls: tuple = ()
+    position_tables: tuple = ()
     # its experts modules, for planning their routing (planner/experts.py)
     expert_layers: tuple = ()
     # routers whose balance statistics are summed over the batch's ranks (planner/experts.py: RouterStats)
@@ -236,15 +241,27 @@ class Plan:
         return self.mesh.axis_size(self.expert_axis) if self.expert_axis is not None else 1
 
     @property
+    def context_size(self) -> int:
+        """Ranks the sequence splits over (1 without a context axis)."""
+        return self.mesh.axis_size(self.context_axis) if self.context_axis is not None else 1
+
+    @property
     def dp_axes(self) -> tuple[str, ...]:
         """The axes the batch splits over and gradients are summed over: ``data``, under HSDP the replica
-        axis before it (replica major), and the expert axis after it (experts' gradients: ``grad_axes``)."""
-        return tuple(a for a in (self.replica_axis, self.data_axis, self.expert_axis) if a is not None)
+        axis before it (replica major), the expert axis after it (experts' gradients: ``grad_axes``), and the
+        context axis last (the sequence's chunks)."""
+        return tuple(a for a in (self.replica_axis, self.data_axis, self.expert_axis, self.context_axis)
+                     if a is not None)
+
+    @property
+    def row_axes(self) -> tuple[str, ...]:
+        """The axes the batch's rows (dim 0) split over: ``dp_axes`` but the context axis (which splits dim 1)."""
+        return tuple(a for a in self.dp_axes if a != self.context_axis)
 
     @property
     def dp_size(self) -> int:
-        """Data-parallel ranks: the batch's chunks (``replica x data x expert``)."""
-        return self.data_size * self.replica_size * self.expert_size
+        """Data-parallel ranks: the batch's chunks (``replica x data x expert x context``)."""
+        return self.data_size * self.replica_size * self.expert_size * self.context_size
 
     def with_routing(self, tokens_per_expert: Mapping[str, Sequence[int]]) -> Plan:
         """This plan priced for a stated routing instead of a uniform one: ``{experts module: tokens per expert}``
@@ -272,9 +289,9 @@ class Plan:
     def shard_axes(self, name: str) -> tuple[str, ...]:
         """The axes ZeRO splits parameter ``name``'s sharded states over: ``data``, and with an expert axis
         data x expert for everything that is not an expert (an expert's: data alone)."""
-        if self.expert_axis is None or self.is_expert(name):
-            return (self.data_axis,)
-        return self.mesh.canonical_axes((self.data_axis, self.expert_axis))
+        extra = tuple(a for a in (None if self.expert_axis is None or self.is_expert(name) else self.expert_axis,
+                                  self.context_axis) if a is not None)
+        return self.mesh.canonical_axes((self.data_axis, *extra)) if extra else (self.data_axis,)
 
     def grad_axes(self, name: str) -> tuple[str, ...]:
         """The axes parameter ``name``'s gradient is summed over: the batch's, but for an expert's weights,

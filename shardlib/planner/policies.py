@@ -61,15 +61,22 @@ class _Policy:
 @dataclass(frozen=True, kw_only=True, repr=False)
 class MeshRoles(_Policy):
     """Which mesh axis plays which role: ``data`` (the batch, ZeRO's shards), ``tensor``, ``pipe``, HSDP's
-    ``replica`` (by default an axis named ``"replica"`` when the mesh has one), and ``expert`` (by default an
-    axis named ``"expert"``: experts split over it, the batch too). An axis of size > 1 that plays no role is
-    refused."""
+    ``replica`` (by default an axis named ``"replica"`` when the mesh has one), ``expert`` (by default an
+    axis named ``"expert"``: experts split over it, the batch too) and ``context`` (by default an axis named
+    ``"context"``: the sequence split over it, ``rules={"seq": "context"}``). An axis of size > 1 that plays
+    no role is refused."""
 
     data: str | None = None
     tensor: str | None = None
     pipe: str | None = None
     replica: str | None = None
     expert: str | None = None
+    context: str | None = None
+
+    def context_of(self, mesh: Any) -> str | None:
+        """The context axis: the one given, else an axis named ``"context"``; None where it is absent."""
+        name = self.context if isinstance(self.context, str) else "context"
+        return name if name in mesh.axis_names else None
 
     def expert_of(self, mesh: Any) -> str | None:
         """The expert axis: the one given, else an axis named ``"expert"``; None where it is absent."""
@@ -110,12 +117,22 @@ class MeshRoles(_Policy):
         elif exp is not None and exp in (data, tensor, pipe, rep):
             out.append((False, f"plan: expert_axis={exp!r} is also the data, tensor, pipe or replica axis — expected "
                                "an axis of its own."))
-        used = (data, tensor, pipe, self.replica_of(mesh), self.expert_of(mesh))
+        ctx = self.context
+        if ctx is not None and not isinstance(ctx, str):
+            out.append((True, f"plan: context_axis must be a mesh axis name or None — got {type(ctx).__name__} "
+                              f"{ctx!r}."))
+        elif ctx is not None and ctx not in mesh.axis_names:
+            out.append((False, f"plan: context_axis={ctx!r} is not an axis of the mesh {mesh.axis_sizes} — expected "
+                               "the axis the sequence splits over. Add it to the mesh, or drop context_axis."))
+        elif ctx is not None and ctx in (data, tensor, pipe, rep, exp):
+            out.append((False, f"plan: context_axis={ctx!r} is also the data, tensor, pipe, replica or expert axis — "
+                               "expected an axis of its own."))
+        used = (data, tensor, pipe, self.replica_of(mesh), self.expert_of(mesh), self.context_of(mesh))
         others = {a: s for a, s in mesh.axis_sizes.items() if a not in used and s > 1}
         if others and isinstance(data, str) and data in mesh.axis_names:
             out.append((False, f"plan: axes {others} are larger than 1, but this plan uses only {data!r}, {pipe!r} "
                                f"and {tensor!r} — expected the other axes of size 1. Use them as one of those "
-                               "(data_axis=, pipe_axis=, tensor_axis=, expert_axis= for experts, or replica_axis= "
+                               "(data_axis=, pipe_axis=, tensor_axis=, expert_axis= for experts, context_axis= for the sequence, or replica_axis= "
                                "for HSDP: states sharded over data, replicated over it) or give them size 1."))
         return out
 
@@ -241,7 +258,7 @@ GROUPS: dict[str, type[_Policy]] = {"roles": MeshRoles, "data": DataPolicy, "ten
 # every flat keyword of sl.plan: the one (group, field) it sets
 SHORT_FORMS: dict[str, tuple[str, str]] = {
     "data_axis": ("roles", "data"), "tensor_axis": ("roles", "tensor"), "pipe_axis": ("roles", "pipe"),
-    "replica_axis": ("roles", "replica"), "expert_axis": ("roles", "expert"),
+    "replica_axis": ("roles", "replica"), "expert_axis": ("roles", "expert"), "context_axis": ("roles", "context"),
     "bucket_mb": ("data", "bucket_mb"), "broadcast_buffers": ("data", "broadcast_buffers"),
     "sequence_parallel": ("tensor", "sequence_parallel"),
     "schedule": ("pipeline", "schedule"), "virtual_stages": ("pipeline", "virtual_stages"),

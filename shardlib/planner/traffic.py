@@ -11,6 +11,7 @@ import torch
 
 from ..comm import core as comm
 from ..comm.core import format_bytes
+from .context import context_moves
 from .flat import FROZEN, TRAIN
 from .offload import COPY_OPS
 
@@ -207,6 +208,10 @@ def comm_per_step(plan: Plan, rank: int | None = None) -> list[CommEntry]:
     if plan.expert_size > 1:       # the routing's all-to-alls (planner/experts.py: uniform routing)
         out += routing_entries(plan.expert_layers, plan.expert_size, plan.expert_axis, c, plan.grad_accum,
                                recomputed(plan), dict(plan.routing), expert_coordinate(plan, rank))
+    if plan.context_size > 1:      # the keys' and values' all-gathers of attention (planner/context.py)
+        again = {u.name for u in plan.units if u.recompute or u.selective}    # (selective: attention's core)
+        out += [CommEntry(phase, "activations", op, (plan.context_axis,), n, k, where) for phase, op, n, k, where
+                in context_moves(plan.context_calls, plan.context_size, c, plan.grad_accum, again)]
     out += stats_entries(plan)
     if plan.pipe_size > 1:
         out += _pipe_entries(plan) + _tied_entries(plan)

@@ -26,9 +26,6 @@ describes a step on the global batch).
 
 from __future__ import annotations
 
-import inspect
-import sys
-import weakref
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +35,8 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from ..comm import core as comm
 from ..errors import ShardingError, ShardingTypeError
-from ..planner.peft import peft_base
+from ..planner.hf_loss import causal_lm_loss
+from .context import local_chunk
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -47,8 +45,9 @@ IGNORE = -100          # transformers' ignore index
 
 
 def split_batch(engine: Engine, batch: Any, local: bool) -> tuple[list[Any], int]:
-    """This rank's micro-batches of ``batch`` and the global batch's rows."""
-    n, m = engine.data_size, engine.plan.grad_accum
+    """This rank's micro-batches of ``batch`` and the global batch's rows. With a context axis each row's
+    sequence (dim 1) is cut to this rank's zigzag chunks (``runtime/context.py``)."""
+    n, m = engine.rows_size, engine.plan.grad_accum
     leaves = _leaves(batch)
     if not leaves:
         raise ShardingTypeError("step: the batch holds no tensors — expected a tensor, or a tuple/list/dict of "
@@ -71,9 +70,19 @@ def split_batch(engine: Engine, batch: Any, local: bool) -> tuple[list[Any], int
     start = 0 if local else engine.data_index * rows
     per = rows // m
     device, cdt, mixed = engine.mesh.device, engine.cdt, engine.plan.mixed
+    ctx = engine.context
+    if ctx is not None:
+        seqs = {t.shape[1] if t.dim() > 1 else None for t in leaves}
+        if len(seqs) != 1 or None in seqs or next(iter(seqs)) % (2 * ctx.size):
+            raise ShardingError(f"step: a context axis of {ctx.size} splits every batch tensor's dim 1 (the sequence) "
+                                f"into {2 * ctx.size} chunks — got shapes {[tuple(t.shape) for t in leaves]}; expected "
+                                f"[batch, seq, ...] tensors of one sequence length, a multiple of {2 * ctx.size}. Pad "
+                                "or cut the sequences.")
 
     def cut(t: torch.Tensor) -> tuple[torch.Tensor, ...]:      # this rank's rows, moved once, as m views
         t = t[start:start + rows]
+        if ctx is not None:
+            t = local_chunk(t, ctx.size, ctx.coord)
         if t.device != device:
             t = t.to(device)
         if mixed and t.is_floating_point():
@@ -99,41 +108,7 @@ def counts_tokens(model: nn.Module, loss_fn: Callable | None, batch: Any) -> boo
             or "num_items_in_batch" in batch or not isinstance(batch["labels"], torch.Tensor) \
             or batch["labels"].dim() < 2:
         return False
-    return _causal_lm_loss(model)
-
-
-def _causal_lm_loss(model: nn.Module) -> bool:
-    """A transformers model that takes ``num_items_in_batch`` and gives it to ``ForCausalLMLoss`` (asked
-    every step: kept per model)."""
-    hit = _LOSS_KIND.get(model)
-    if hit is None:
-        hit = _LOSS_KIND[model] = _reads_token_count(model)
-    return hit
-
-
-_LOSS_KIND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _reads_token_count(model: nn.Module) -> bool:
-    model = peft_base(model)[0]            # a PEFT model computes its base model's loss
-    tf = sys.modules.get("transformers")
-    if tf is None or not isinstance(model, tf.PreTrainedModel):
-        return False
-    accepts = getattr(model, "accepts_loss_kwargs", None)
-    if accepts is None:
-        try:
-            params = inspect.signature(model.forward).parameters.values()
-        except (TypeError, ValueError):
-            return False
-        accepts = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params)
-    if not accepts:
-        return False
-    from transformers.loss.loss_utils import ForCausalLMLoss
-    try:
-        loss = model.loss_function
-    except (AttributeError, KeyError):
-        return False
-    return loss is ForCausalLMLoss
+    return causal_lm_loss(model)
 
 
 def _leaves(batch: Any) -> list[torch.Tensor]:

@@ -34,6 +34,7 @@ from ..validate import flag
 from .access import ParamAccess
 from .batches import split_batch
 from .buckets import GradBuckets
+from .context import ContextRuntime
 from .experts import ExpertReduction, capacity_layers, dropped_rows, global_statistics, route_experts
 from .grad_sync import Accumulate, DataReduction, GradSync, MicroBatches, Riding, StepReduction
 from . import inspection, router_loss
@@ -81,8 +82,10 @@ class Engine:
         self.model, self.plan, self.mesh = model, plan, mesh
         self.loss_fn = loss_fn
         # the batch's chunks: data ranks (times replicas under HSDP), and this rank's chunk
+        # (with a context axis the rows split over the others, each row's sequence over it: rows_size rows)
         self.data_size = plan.dp_size
-        self.data_index = mesh.group_index(mesh.rank, plan.dp_axes)
+        self.rows_size = plan.dp_size // plan.context_size
+        self.data_index = mesh.group_index(mesh.rank, plan.row_axes)
         # HSDP: gradients are replicated over the replica axis; only its first replica counts them
         # in the clipping norm (the overflow count only needs to be > 0 somewhere)
         self.replica_coord = mesh.coord(mesh.rank, plan.replica_axis) if plan.replica_axis else 0
@@ -132,6 +135,9 @@ class Engine:
         # the expert axis (runtime/experts.py): experts run on their rows, routed to them and back (inside the
         # tensor axis's f and g where their widths split over tensor too)
         self.experts = route_experts(model, plan, self.global_plan, mesh) if plan.expert_size > 1 else None
+        # the context axis (runtime/context.py): attention over every rank's keys, global positions
+        self.context = ContextRuntime(model, mesh, plan.context_axis, plan.position_tables) \
+            if plan.context_size > 1 else None
         # after the units: its unit hooks run after ZeRO-3's gathers
         self.tensor = TensorRuntime(self) if plan.tensor_size > 1 else None
         self.pipe = PipelineRuntime(self) if piped else None
@@ -319,7 +325,8 @@ class Engine:
         if plan.broadcast_buffers and plan.dp_size > 1:     # rank 0's buffers before the forward, as DDP
             broadcast_buffers(self.model, self.mesh, plan.dp_axes)
         self.loss_sum.zero_()
-        self.micro_batches.run(micro, factor, self.loss_sum)
+        with self.context.active() if self.context is not None else contextlib.nullcontext():
+            self.micro_batches.run(micro, factor, self.loss_sum)
         if self.act_offload is not None:
             self.act_offload.end_step()           # (a failed activation write stops the step here)
         return self.loss_sum
