@@ -440,7 +440,7 @@ def _context(model: nn.Module, mesh: AbstractMesh, roles: MeshRoles, rules: Any,
              units: list[str], kinds: tuple, add) -> tuple[str | None, Any]:
     """The context axis and its trace (``planner/context.py``), or ``(None, None)``; what cannot run is
     ``add``ed. The axis must be what ``rules`` map ``seq`` to, and the plan needs an example batch."""
-    from .context import composition_problems, context_trace
+    from .context import composition_problems, context_trace, whole_sequence_inputs
     axis = roles.context_of(mesh)
     size = mesh.axis_sizes.get(axis, 1) if axis else 1
     seq_rule = dict(rules.items()).get("seq") if rules is not None and hasattr(rules, "items") else None
@@ -464,16 +464,13 @@ def _context(model: nn.Module, mesh: AbstractMesh, roles: MeshRoles, rules: Any,
         for m in found:
             add(m)
         return None, None
-    from .context import labels_problems
-    for m in labels_problems(model, batch):
-        add(m)
     rows_over = mesh.axis_size(tuple(a for a in (roles.replica_of(mesh), roles.data or "data", roles.expert_of(mesh))
                                      if a in mesh.axis_names))
     m = pol.training.microbatches or 1
     from torch.utils._pytree import tree_leaves
     leaves = [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
     rows = max(1, (leaves[0].shape[0] if leaves and leaves[0].dim() else 1) // (rows_over * m))
-    trace = context_trace(model, batch, size, rows, units)
+    trace = context_trace(model, whole_sequence_inputs(model, batch), size, rows, units)
     for m_ in trace.problems:
         add(m_)
     return axis, trace

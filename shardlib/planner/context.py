@@ -7,18 +7,23 @@ A plan with a context axis traces the model once on the meta device, on one rank
   (all-gathered over ``context`` in forward, reduce-scattered in backward: per call ``2·(C-1)·n`` elements
   each way, ``n`` the local keys' — Llama 3's all-gather: ``2·b·s·h_kv·(C-1)/C`` bytes a sequence), and
   the unit it runs in (a recomputed unit gathers again in backward);
-* the learned position tables — an ``nn.Embedding`` asked for a sequence's positions (its input has no
-  batch dim), whose lookups the runtime maps to global positions.
+* the modules that turn positions into embeddings — a learned position table (an ``nn.Embedding``) or a
+  rotary embedding (a module with an ``inv_freq`` buffer: transformers' ``*RotaryEmbedding``) called with
+  a sequence's positions (an integer tensor without batch rows, ``[S]`` or ``[1, S]``) — whose positions
+  the runtime maps to the global ones.
 
 What cannot run on chunks is refused by name at plan time: a sequence the axis does not divide into ``2·C``
 chunks (zigzag), a model whose attention does not go through SDPA (eager attention with a materialized mask:
-the fix is SDPA), an SDPA with an explicit mask or dropout, a position table shorter than the sequence, and
+the fix is SDPA), attention dropout, a position table shorter than the sequence, and
 what this first version does not compose with yet (tensor, pipe and expert axes; offloaded activations).
 """
 
 from __future__ import annotations
 
 import math
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,19 +70,51 @@ class _Recorder(TorchFunctionMode):
 
 
 def _local(batch: Any, rows: int, size: int) -> Any:
-    """One rank's micro-batch of ``batch`` on the meta device: ``rows`` rows, ``1/size`` of dim 1."""
+    """One rank's micro-batch of ``batch`` (fake tensors): ``rows`` rows, ``1/size`` of dim 1."""
     def cut(t: torch.Tensor) -> torch.Tensor:
         shape = list(t.shape)
         shape[0] = rows
         if len(shape) > 1:
             shape[1] //= size
-        return torch.zeros(shape, dtype=t.dtype, device="meta")
+        return torch.zeros(shape, dtype=t.dtype)
     return tree_map_only(torch.Tensor, cut, batch)
 
 
+def positions_in(args: tuple, kwargs: dict, local: int) -> list[tuple[int, ...]]:
+    """The shapes of the arguments that are a sequence's positions: integer tensors without batch rows
+    (``[S]`` or ``[1, S]``) of the local length."""
+    return [tuple(t.shape) for t in (*args, *kwargs.values())
+            if isinstance(t, torch.Tensor) and not t.is_floating_point() and t.dim() in (1, 2)
+            and t.shape[-1] == local and (t.dim() == 1 or t.shape[0] == 1)]
+
+
+@contextmanager
+def _unpacked() -> Iterator[None]:
+    """While tracing: transformers' packed-document check as it answers on a rank's chunk. It reads the
+    positions' values (``position_ids`` jumping back start a new document), which fake tensors do not
+    have, and while tracing assumes packing — then builds an explicit mask and expands grouped keys and
+    values, as it never does on a rank: its positions are ``arange`` of the chunk (the rotary module maps
+    them), so it finds one document a row. The check answers that here too."""
+    masking = sys.modules.get("transformers.masking_utils")
+    if masking is None or not hasattr(masking, "find_packed_sequence_indices"):
+        yield
+        return
+    real = masking.find_packed_sequence_indices
+    masking.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = real
+
+
+def _reads_positions(module: nn.Module) -> bool:
+    return isinstance(module, nn.Embedding) or any(n == "inv_freq" for n, _ in module.named_buffers(recurse=False))
+
+
 def context_trace(model: nn.Module, batch: Any, size: int, rows: int, units: list[str]) -> ContextTrace:
-    """The model's forward on one rank's micro-batch (``rows`` rows, the sequence's ``1/size``), on the meta
-    device: its attention calls and learned position tables (module doc), and what cannot run on chunks."""
+    """The model's forward on one rank's micro-batch (``rows`` rows, the sequence's ``1/size``), on fake
+    tensors: its attention calls and position modules (module doc), and what cannot run on chunks."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.func import functional_call
 
     leaves = [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
@@ -94,33 +131,42 @@ def context_trace(model: nn.Module, batch: Any, size: int, rows: int, units: lis
                         f"of 2 x {size} = {2 * size} (each rank holds two chunks, zigzag, so every rank's causal "
                         f"attention does the same work). Pad or cut the sequence to {lo or hi}{f' or {hi}' if lo else ''}.")
         return ContextTrace((), (), tuple(problems))
+    mask = batch.get("attention_mask") if isinstance(batch, dict) else None
+    if isinstance(mask, torch.Tensor) and not mask.is_meta and not bool(mask.bool().all()):
+        problems.append("plan: the batch pads its sequences (attention_mask has zeros) — expected no padding with a "
+                        "context axis: transformers then builds an explicit mask, which context-parallel attention "
+                        "does not take on chunks. Pack documents into full sequences (labels -100 where no loss is "
+                        "wanted), or drop the context axis.")
+        return ContextTrace((), (), tuple(problems))
     trace_rows = 2                   # two rows: a position lookup has no batch dim, a token lookup has
     stack: list[str] = []
-    looked: dict[str, tuple[int, ...]] = {}
+    looked: set[str] = set()
     names = {m: n for n, m in model.named_modules()}
+    local_seq = seq // size
 
-    def enter(mod, args):
+    def enter(mod, args, kwargs):
         stack.append(names.get(mod, ""))
-        if isinstance(mod, nn.Embedding) and args and isinstance(args[0], torch.Tensor):
-            looked[names.get(mod, "")] = tuple(args[0].shape)
+        if _reads_positions(mod) and positions_in(args, kwargs, local_seq):
+            looked.add(names.get(mod, ""))
 
     def leave(mod, args, out):
         stack.pop()
 
-    handles = [m.register_forward_pre_hook(enter) for m in model.modules()] + \
+    handles = [m.register_forward_pre_hook(enter, with_kwargs=True) for m in model.modules()] + \
         [m.register_forward_hook(leave) for m in model.modules()]
     recorder = _Recorder(units, stack)
-    state = {n: torch.empty(p.shape, dtype=p.dtype, device="meta") for n, p in model.named_parameters()}
-    state.update({n: torch.empty(b.shape, dtype=b.dtype, device="meta") for n, b in model.named_buffers()})
-    local = _local(batch, trace_rows, size)
     try:
-        with recorder, torch.no_grad():
-            if isinstance(local, dict):
-                functional_call(model, state, (), local)
-            elif isinstance(local, (tuple, list)):
-                functional_call(model, state, tuple(local))
-            else:
-                functional_call(model, state, (local,))
+        with FakeTensorMode(allow_non_fake_inputs=False):
+            state = {n: torch.empty(p.shape, dtype=p.dtype) for n, p in model.named_parameters()}
+            state.update({n: torch.empty(b.shape, dtype=b.dtype) for n, b in model.named_buffers()})
+            local = _local(batch, trace_rows, size)
+            with recorder, torch.no_grad(), _unpacked():
+                if isinstance(local, dict):
+                    functional_call(model, state, (), local)
+                elif isinstance(local, (tuple, list)):
+                    functional_call(model, state, tuple(local))
+                else:
+                    functional_call(model, state, (local,))
     finally:
         for h in handles:
             h.remove()
@@ -130,19 +176,18 @@ def context_trace(model: nn.Module, batch: Any, size: int, rows: int, units: lis
                         "chunks of the sequence by intercepting SDPA; an attention written out (eager, with a "
                         "materialized mask) cannot run on chunks. Use SDPA (transformers: attn_implementation="
                         "'sdpa').")
+    # (an explicit mask is seen only when it runs: transformers builds one while tracing, skips it on a batch
+    # without padding — runtime/context.py refuses one there)
     for numel, causal, masked, dropout, unit in recorder.calls:
-        if masked or dropout:
-            problems.append(f"plan: an attention call{f' in {unit}' if unit else ''} passes "
-                            f"{'an explicit attn_mask' if masked else f'dropout_p={dropout}'} to SDPA — expected a "
-                            "causal (is_causal=True) or full attention without dropout: the forms context-parallel "
-                            "attention runs on chunks. Drop attention dropout, and leave the causal mask to is_causal "
-                            "(transformers: no padding; pack documents instead).")
+        if dropout:
+            problems.append(f"plan: an attention call{f' in {unit}' if unit else ''} passes dropout_p={dropout} to "
+                            "SDPA — expected attention without dropout: context-parallel attention draws no dropout "
+                            "mask one process would draw. Build the model with attention dropout 0.")
             break
-    tables = []
+    tables = sorted(looked)
     mods = dict(model.named_modules())
-    for name, shape in looked.items():
-        if len(shape) == 1 or (len(shape) >= 2 and shape[0] == 1):       # no batch dim: positions
-            tables.append(name)
+    for name in tables:
+        if isinstance(mods[name], nn.Embedding):
             n = mods[name].num_embeddings
             if n < seq:
                 problems.append(f"plan: {name} is a learned position table of {n} positions, shorter than the "
@@ -196,13 +241,17 @@ def tokens_per_rank(seq: int, size: int) -> int:
     return math.ceil(seq / size)
 
 
-def labels_problems(model: nn.Module, batch: Any) -> list[str]:
-    """A transformers causal LM given ``labels`` shifts them inside its loss, across what would be a chunk's
-    edge on a context rank: not run yet, named."""
+def whole_sequence_inputs(model: nn.Module, batch: Any) -> Any:
+    """``batch`` with what a transformers causal LM derives from the whole sequence given explicitly before
+    the sequence is cut: for its own loss, ``shift_labels`` (the labels shifted once over the whole sequence,
+    ``-100`` after the last token: each chunk's last token keeps its label from the next chunk). (Positions
+    are not passed: transformers would read chunks' jumps as packed documents; the position modules' inputs
+    are mapped instead.) Other batches are returned as they are."""
+    if not isinstance(batch, dict) or "input_ids" not in batch:
+        return batch
     from .hf_loss import causal_lm_loss
-    if isinstance(batch, dict) and "labels" in batch and causal_lm_loss(model):
-        return [f"plan: {type(model).__name__} shifts its labels inside its loss (labels[:, 1:]), which on a chunk of "
-                "the sequence would pair each chunk's last token with no label — expected labels the context axis "
-                "can split: not built yet for transformers' own loss. Pass loss_fn= computing the loss on "
-                "pre-shifted labels, or drop the context axis."]
-    return []
+    out = dict(batch)
+    labels = batch.get("labels")
+    if isinstance(labels, torch.Tensor) and "shift_labels" not in out and causal_lm_loss(model):
+        out["shift_labels"] = torch.cat((labels[:, 1:], torch.full_like(labels[:, :1], -100)), 1)
+    return out

@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from ..comm import core as comm
 from ..errors import ShardingError, ShardingTypeError
 from ..planner.hf_loss import causal_lm_loss
+from ..planner.context import whole_sequence_inputs
 from .context import local_chunk
 
 if TYPE_CHECKING:
@@ -72,6 +73,8 @@ def split_batch(engine: Engine, batch: Any, local: bool) -> tuple[list[Any], int
     device, cdt, mixed = engine.mesh.device, engine.cdt, engine.plan.mixed
     ctx = engine.context
     if ctx is not None:
+        batch = whole_sequence_inputs(engine.model, batch)       # global positions, labels shifted whole
+        leaves = _leaves(batch)
         seqs = {t.shape[1] if t.dim() > 1 else None for t in leaves}
         if len(seqs) != 1 or None in seqs or next(iter(seqs)) % (2 * ctx.size):
             raise ShardingError(f"step: a context axis of {ctx.size} splits every batch tensor's dim 1 (the sequence) "
@@ -95,9 +98,9 @@ def split_batch(engine: Engine, batch: Any, local: bool) -> tuple[list[Any], int
     if counts_tokens(engine.model, engine.loss_fn, batch):
         labels = batch["labels"]
         count = (labels[:, 1:] != IGNORE).sum().to(device=device, dtype=torch.float64).reshape(1)
-        if local and n > 1:      # the global count: this rank's rows summed over the data axes
-            count = comm.all_reduce(count, engine.mesh, engine.plan.dp_axes)
-        share = (count.reshape(()) / (n * m)).float()
+        if local and n > 1:      # the global count: this rank's rows summed over the axes of the rows
+            count = comm.all_reduce(count, engine.mesh, engine.plan.row_axes)
+        share = (count.reshape(()) / (engine.data_size * m)).float()     # (data_size: x context's chunks)
         micro = [{**mb, "num_items_in_batch": share} for mb in micro]
     return micro, b * n if local else b
 

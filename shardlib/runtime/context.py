@@ -10,8 +10,9 @@ is each rank's mean over its tokens; every rank holds as many, so the mean of th
 data x context is the global batch's (the engine averages over ``plan.dp_axes``, which include the
 context axis; gradients are summed over them as over any data axis).
 
-**Positions.** A learned position table (the reference GPT's ``wpe``, dim 0 named ``positions``) is asked
-for ``arange(local length)``: a forward pre-hook maps those to the rank's global positions.
+**Positions.** A module that embeds positions — a learned table (the reference GPT's ``wpe``, GPT-2's) or a
+rotary embedding (transformers' ``*RotaryEmbedding``) — is asked for ``arange(local length)``: a forward
+pre-hook maps those to the rank's global positions (``plan.position_tables`` names them).
 
 **Attention** (``ContextAttention``): ``F.scaled_dot_product_attention`` on the local queries, with the
 keys and values all-gathered over the context axis (Llama 3's choice; backward reduce-scatters their
@@ -114,12 +115,19 @@ class ContextRuntime:
         self.mesh, self.axis = mesh, axis
         self.size, self.coord = mesh.axis_size(axis), mesh.coord(mesh.rank, axis)
         self.attention = ContextAttention(mesh, axis)
-        self.hooks = [model.get_submodule(t).register_forward_pre_hook(self._global_positions) for t in tables]
+        self.hooks = [model.get_submodule(t).register_forward_pre_hook(self._global_positions, with_kwargs=True)
+                      for t in tables]
 
-    def _global_positions(self, module: nn.Module, args: tuple) -> tuple:
-        pos = args[0]
-        seq = pos.shape[-1] * self.size
-        return (zigzag_positions(seq, self.size, self.coord, pos.device)[pos], *args[1:])
+    def _global_positions(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple:
+        """A position module's positions (integer tensors without batch rows: ``planner/context.positions_in``)
+        mapped to this rank's global ones."""
+        def mapped(t: Any) -> Any:
+            if not (isinstance(t, torch.Tensor) and not t.is_floating_point() and t.dim() in (1, 2)
+                    and (t.dim() == 1 or t.shape[0] == 1)):
+                return t
+            seq = t.shape[-1] * self.size
+            return zigzag_positions(seq, self.size, self.coord, t.device)[t]
+        return tuple(mapped(a) for a in args), {k: mapped(v) for k, v in kwargs.items()}
 
     @contextmanager
     def active(self) -> Iterator[None]:

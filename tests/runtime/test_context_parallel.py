@@ -121,3 +121,52 @@ def test_what_cannot_run_on_chunks_is_refused_at_plan_time_by_name():
     long = torch.zeros(4, 32, dtype=torch.long)           # wpe holds 16 positions
     said = _refused(gpt, {"context": 2}, rules={"seq": "context"}, batch=(long, long))
     assert "wpe is a learned position table of 16 positions, shorter than the 32-token sequence" in said, said
+    from llama import tiny_llama
+    padded = {**_llama_batch(0), "attention_mask": torch.ones(4, 16, dtype=torch.long)}
+    padded["attention_mask"][1, 12:] = 0
+    said = _refused(tiny_llama(), {"context": 2}, rules={"seq": "context"}, batch=padded)
+    assert "the batch pads its sequences (attention_mask has zeros)" in said and "Pack documents" in said
+
+
+def _llama_batch(step: int) -> dict:
+    """Labels with ignored spans inside the sequence (one crosses a chunk edge at context 2 and 4): the loss is
+    the mean over the global batch's counted tokens."""
+    g = torch.Generator().manual_seed(step)
+    ids = torch.randint(0, 96, (4, 16), generator=g)
+    labels = ids.clone()
+    labels[0, 5:9], labels[2, 12:] = -100, -100
+    return {"input_ids": ids, "labels": labels}
+
+
+def _train_llama(shape: dict, zero: int):
+    from llama import tiny_llama
+    batches = [_llama_batch(s) for s in range(STEPS)]
+    want_losses, want = _one_process(tiny_llama(), batches, loss=lambda m, b: m(**b).loss)
+    model = tiny_llama()
+    mesh = sl.Mesh(shape)
+    plan = sl.plan(model, mesh, rules={"seq": "context"}, zero=zero, batch=batches[0])
+    engine = sl.parallelize(model, plan, optimizer=_opt)
+    losses = []
+    for step, b in enumerate(batches):
+        with sl.count_collectives() as counted:
+            losses.append(engine.step(b))
+        if step == 1:
+            second = _counted(counted.records)
+    got = engine.full_state_dict()
+    return {"losses": losses, "want_losses": want_losses, "params": {k: (got[k], want[k]) for k in want},
+            "counted": dict(second), "planned": dict(_planned(plan, mesh.rank)), "tables": plan.position_tables}
+
+
+@pytest.mark.parametrize("shape, zero", [({"context": 2}, 0), ({"data": 2, "context": 2}, 3), ({"context": 4}, 1)],
+                         ids=["context2", "data2_context2_zero3", "context4_zero1"])
+def test_a_transformers_llama_trains_unchanged_on_the_context_axis(world, shape, zero):
+    """transformers' Llama with SDPA, its code untouched: the rotary module's positions are mapped to global
+    ones, its loss gets the labels shifted over the whole sequence (``shift_labels``) and the global count of
+    tokens, so the loss is one process's token mean. Every parameter equals one process's; the token
+    embedding within 5e-5: after 3 AdamW steps (eps 1e-6) a token row whose gradient is round-off-small moves by
+    lr x the round-off's ratio (with SGD every parameter is within 1e-5)."""
+    for r in world(math.prod(shape.values()), _train_llama, shape, zero):
+        assert r["losses"] == pytest.approx(r["want_losses"], rel=1e-5), (r["losses"], r["want_losses"])
+        for k, (got, want) in r["params"].items():
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=5e-5 if "embed_tokens" in k else 1e-5, msg=k)
+        assert r["counted"] == r["planned"] and r["tables"] == ("model.rotary_emb",)
