@@ -418,9 +418,11 @@ def all_to_all(x: torch.Tensor, mesh: Mesh, axes: str | Sequence[str], *,
     return Pending(work, out) if async_op else out
 
 
-def send_recv(x: torch.Tensor, mesh: Mesh, axes: str | Sequence[str], pairs: Sequence[tuple[int, int]]):
+def send_recv(x: torch.Tensor, mesh: Mesh, axes: str | Sequence[str], pairs: Sequence[tuple[int, int]], *,
+              async_op: bool = False):
     """Point-to-point within each group over ``axes``: ``(src, dst)`` are group indices in ``axes``
-    order. Returns what this rank received, or zeros if nothing is sent to it (JAX ``ppermute``)."""
+    order. Returns what this rank received, or zeros if nothing is sent to it (JAX ``ppermute``);
+    with ``async_op`` a ``Pending`` whose ``wait()`` returns it (the sends and receives run meanwhile)."""
     mesh = _require_mesh(mesh, "ppermute")
     x = _check_tensor(x, "ppermute", mesh)
     axes = tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if mesh.axis_size(a) > 1)
@@ -442,9 +444,22 @@ def send_recv(x: torch.Tensor, mesh: Mesh, axes: str | Sequence[str], pairs: Seq
         _record("send_recv", mesh.canonical_axes(axes), sent, x, len(members))
     else:   # not a party to any pair: still a step of the program every rank takes
         _progress.enter("send_recv", mesh.canonical_axes(axes))
+    if async_op:
+        return Pending(_Works(ops), out)
     for w in ops:
         w.wait()
     return out
+
+
+class _Works:
+    """Several issued point-to-point works waited as one."""
+
+    def __init__(self, works: list) -> None:
+        self.works = works
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
 
 
 def send(x: torch.Tensor, mesh: Mesh, axis: str, dst: int, *, tag: int = 0) -> Pending:

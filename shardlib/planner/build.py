@@ -116,6 +116,7 @@ def _plan(model: nn.Module, mesh: AbstractMesh, *, policies: Policies, rules: An
                setup_sizes=setup, meta_build=meta, tensor=tplan, pipeline=pplan, replica_axis=replica_axis,
                expert_axis=expert_axis, context_axis=context_axis,
                context_calls=r.context.calls if context_axis else (),
+               context_attention=_method(r, mesh, pol) if context_axis else None,
                position_tables=r.context.tables if context_axis else (),
                expert_layers=expert_layers(
                    model, {n: tuple(p.shape) for n, p in named}, experts,
@@ -212,7 +213,8 @@ def plan(model: nn.Module, mesh: AbstractMesh, zero: int | None = None, *, state
          clip_grad_norm: float | None = None, recompute: bool | str | Iterable[str] = False,
          units: Sequence[str] | None = None, bucket_mb: float = 25.0, optimizer: str | int = "adamw",
          reshard_after_forward: bool = True, data_axis: str = "data", broadcast_buffers: bool = True,
-         rules: Any = None, sequence_parallel: bool = False, batch: Any = None, tensor_axis: str = "tensor",
+         rules: Any = None, sequence_parallel: bool = False, context_attention: str | None = None,
+         batch: Any = None, tensor_axis: str = "tensor",
          microbatches: int | None = None, schedule: str | None = None, virtual_stages: int | None = None,
          stages: Any = None, pipe_axis: str = "pipe", pipe_gather: str = "step",
          replica_axis: str | None = None, expert_axis: str | None = None, context_axis: str | None = None,
@@ -434,6 +436,14 @@ def _check(model: nn.Module, mesh: AbstractMesh, pol: Policies, *, rules: Any, b
     expert = expert if expert is not None and mesh.axis_sizes[expert] > 1 else None
     return Resolved(mem.states(roles.data), unit_names, set(stack_units), rec, sel, specs, tplan, pplan, kinds,
                     expert, ctx_axis, ctx_trace)
+
+
+def _method(r: Resolved, mesh: AbstractMesh, pol: Policies) -> str:
+    """The context axis's attention method: the one forced (``context_attention=``), else the fastest for
+    this model's calls (``planner/context.choose_method``: its moves' bytes and messages)."""
+    from .context import choose_method
+    itemsize = {"bf16": 2, "fp16": 2}.get(pol.training.precision, 4)
+    return choose_method(r.context.calls, mesh.axis_sizes[r.context_axis], itemsize, pol.tensor.context_attention)
 
 
 def _context(model: nn.Module, mesh: AbstractMesh, roles: MeshRoles, rules: Any, batch: Any, pol: Policies,

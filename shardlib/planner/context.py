@@ -34,14 +34,20 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 
+METHODS = ("allgather", "ring", "ulysses")
+
+
 @dataclass(frozen=True)
 class AttentionCall:
-    """One SDPA call of a micro-batch's forward on one rank: its keys' (= values') elements, whether its
-    mask is causal, the unit it runs in."""
+    """One SDPA call of a micro-batch's forward on one rank: its queries' and keys' (= values') elements and
+    heads, whether its mask is causal, the unit it runs in."""
 
     kv_numel: int
     causal: bool
     unit: str
+    q_numel: int = 0
+    heads: int = 1
+    kv_heads: int = 1
 
 
 @dataclass(frozen=True)
@@ -55,17 +61,18 @@ class _Recorder(TorchFunctionMode):
     def __init__(self, units: list[str], stack: list[str]):
         super().__init__()
         self.units, self.stack = set(units), stack
-        self.calls: list[tuple[int, bool, bool, float, str]] = []
+        self.calls: list[tuple] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
-            k = args[1]
+            q, k = args[0], args[1]
             mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
             dropout = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
             causal = args[5] if len(args) > 5 else kwargs.get("is_causal", False)
             unit = next((m for m in reversed(self.stack) if m in self.units), "")
-            self.calls.append((k.numel(), bool(causal), mask is not None, float(dropout or 0.0), unit))
+            self.calls.append((k.numel(), bool(causal), mask is not None, float(dropout or 0.0), unit,
+                               q.numel(), q.shape[-3] if q.dim() > 2 else 1, k.shape[-3] if k.dim() > 2 else 1))
         return func(*args, **kwargs)
 
 
@@ -178,7 +185,7 @@ def context_trace(model: nn.Module, batch: Any, size: int, rows: int, units: lis
                         "'sdpa').")
     # (an explicit mask is seen only when it runs: transformers builds one while tracing, skips it on a batch
     # without padding — runtime/context.py refuses one there)
-    for numel, causal, masked, dropout, unit in recorder.calls:
+    for numel, causal, masked, dropout, unit, *_ in recorder.calls:
         if dropout:
             problems.append(f"plan: an attention call{f' in {unit}' if unit else ''} passes dropout_p={dropout} to "
                             "SDPA — expected attention without dropout: context-parallel attention draws no dropout "
@@ -194,7 +201,8 @@ def context_trace(model: nn.Module, batch: Any, size: int, rows: int, units: lis
                                 f"{seq}-token sequence — expected a table at least as long as the sequence. Use a "
                                 f"sequence of at most {n} tokens, or a longer table.")
     scale = rows / trace_rows
-    calls = tuple(AttentionCall(int(numel * scale), causal, unit) for numel, causal, _, _, unit in recorder.calls)
+    calls = tuple(AttentionCall(int(numel * scale), causal, unit, int(qn * scale), h, hkv)
+                  for numel, causal, _, _, unit, qn, h, hkv in recorder.calls)
     return ContextTrace(calls, tuple(tables), tuple(problems))
 
 
@@ -215,26 +223,90 @@ def composition_problems(mesh: Any, axis: str, roles: Any, offload: tuple) -> li
     return out
 
 
-def context_moves(calls: tuple[AttentionCall, ...], size: int, itemsize: int, m: int,
-                  recomputed: set[str]) -> list[tuple[str, str, int, int, str]]:
-    """``(phase, op, bytes each, count, where)`` of the attention calls' collectives over the context axis
-    (``comm_per_step``'s entries): per call and micro-batch, the keys' and values' all-gathers forward (again
-    in backward where its unit is recomputed) and their gradients' reduce-scatters backward."""
+def context_moves(calls: tuple[AttentionCall, ...], size: int, itemsize: int, m: int, recomputed: set[str],
+                  method: str = "allgather") -> list[tuple[str, str, int, int, str]]:
+    """``(phase, op, bytes each, count, where)`` of the attention calls' collectives over the context axis by
+    ``method`` (``comm_per_step``'s entries), per call and micro-batch; a call in a recomputed unit runs its
+    forward's again in backward:
+
+    * allgather: the keys' and values' all-gathers forward, their gradients' reduce-scatters backward;
+    * ring: ``C-1`` passes of the key/value block forward (one message: both); backward ``C-1`` passes of the
+      block and ``C`` of its fp32 gradients' accumulator;
+    * ulysses: all-to-alls of the queries, keys, values and output forward, of their gradients backward (keys
+      and values repeated to every head where the axis does not divide their heads)."""
     from ..comm import core as comm
     out = []
     for i, c in enumerate(calls):
-        each = comm.all_gather_bytes(c.kv_numel, size, itemsize)
         where = c.unit or f"attention {i}"
-        out.append(("forward", "all_gather", each, 2 * m, where))
-        if c.unit in recomputed:
-            out.append(("backward", "all_gather", each, 2 * m, where))
-        out.append(("backward", "reduce_scatter", comm.reduce_scatter_bytes(c.kv_numel, size, itemsize), 2 * m, where))
+        again = c.unit in recomputed
+        if method == "ring":
+            block = 2 * c.kv_numel * itemsize
+            fwd = [("send_recv", block, (size - 1) * m)]
+            bwd = [("send_recv", block, (size - 1) * m), ("send_recv", 2 * c.kv_numel * 4, size * m)]
+        elif method == "ulysses":
+            kv = c.kv_numel * (1 if c.kv_heads % size == 0 else c.heads // c.kv_heads)
+            moves = [("all_to_all", comm_a2a(n, size, itemsize), m) for n in (c.q_numel, kv, kv, c.q_numel)]
+            fwd, bwd = moves, moves
+        else:
+            fwd = [("all_gather", comm.all_gather_bytes(c.kv_numel, size, itemsize), 2 * m)]
+            bwd = [("reduce_scatter", comm.reduce_scatter_bytes(c.kv_numel, size, itemsize), 2 * m)]
+        out += [("forward", op, n, k, where) for op, n, k in fwd]
+        if again:
+            out += [("backward", op, n, k, where) for op, n, k in fwd]
+        out += [("backward", op, n, k, where) for op, n, k in bwd]
     return out
+
+
+def comm_a2a(numel: int, size: int, itemsize: int) -> int:
+    """Bytes a rank sends in an even all-to-all of ``numel`` elements over ``size`` ranks."""
+    return numel // size * (size - 1) * itemsize
+
+
+def method_costs(calls: tuple[AttentionCall, ...], size: int, itemsize: int, *, bandwidth: float = 25e9,
+                 latency: float = 1e-5) -> dict[str, tuple[float, int]]:
+    """Each method's ``(seconds of its moves a step, bytes of keys and values a rank holds at once)`` for one
+    micro-batch's attention calls, at ``bandwidth`` bytes/s and ``latency`` s a message (a machine's
+    figures where known): the planner picks the fastest, the least memory breaking ties. Ulysses needs the
+    query heads divisible by the axis."""
+    out: dict[str, tuple[float, int]] = {}
+    for method in METHODS:
+        if method == "ulysses" and any(c.heads % size for c in calls):
+            continue
+        moves = context_moves(calls, size, itemsize, 1, set(), method)
+        t = sum(k * (n / bandwidth + latency * (size - 1 if op != "send_recv" else 1)) for _, op, n, k, _ in moves)
+        held = max((c.kv_numel * itemsize * {"allgather": 2 * size, "ring": 4,
+                                             "ulysses": 2 * max(1, c.heads // max(c.kv_heads, 1))}[method]
+                    for c in calls), default=0)
+        out[method] = (t, held)
+    return out
+
+
+def choose_method(calls: tuple[AttentionCall, ...], size: int, itemsize: int, forced: str | None,
+                  **figures: float) -> str:
+    """``forced``, or the fastest method by ``method_costs`` (ties: the least held, then the simplest)."""
+    if forced is not None:
+        return forced
+    costs = method_costs(calls, size, itemsize, **figures)
+    return min(costs, key=lambda k: (round(costs[k][0], 12), costs[k][1], METHODS.index(k)))
 
 
 def kv_bytes_formula(seq: int, kv_width: int, size: int, itemsize: int) -> float:
     """Llama 3's all-gather of one layer's keys and values for one sequence: ``2·b·s·h_kv·(N-1)/N``."""
     return 2 * itemsize * seq * kv_width * (size - 1) / size
+
+
+def ring_bytes_formula(seq: int, kv_width: int, size: int, itemsize: int) -> float:
+    """The ring's passes of one layer's key/value blocks for one sequence, forward: ``2·(N-1)·b·(s/N)·h_kv``."""
+    return 2 * (size - 1) * itemsize * seq / size * kv_width
+
+
+def ulysses_bytes_formula(seq: int, width: int, size: int, itemsize: int) -> float:
+    """Ulysses' all-to-alls of one layer for one sequence, forward (queries, keys, values, output; keys and
+    values as wide as the queries): ``4·b·(s/N)·h·(N-1)/N``."""
+    return 4 * itemsize * seq / size * width * (size - 1) / size
+
+
+FORMULAS = {"allgather": kv_bytes_formula, "ring": ring_bytes_formula, "ulysses": ulysses_bytes_formula}
 
 
 def tokens_per_rank(seq: int, size: int) -> int:

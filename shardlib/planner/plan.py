@@ -190,6 +190,7 @@ class Plan:
     # modules holding learned position tables
     context_axis: str | None = None
     context_calls: tuple = ()
+    context_attention: str | None = None     # allgather | ring | ulysses (runtime/context.py)
     position_tables: tuple = ()
     # its experts modules, for planning their routing (planner/experts.py)
     expert_layers: tuple = ()

@@ -153,12 +153,20 @@ class DataPolicy(_Policy):
 
 @dataclass(frozen=True, kw_only=True, repr=False)
 class TensorPolicy(_Policy):
-    """The tensor axis: whether sequence parallelism splits the residual stream inside the layer stack."""
+    """How the sequence splits: whether sequence parallelism splits the residual stream inside the layer
+    stack over the tensor axis, and by which method attention runs over a context axis
+    (``context_attention``: ``"allgather"``, ``"ring"``, ``"ulysses"``; None: the planner picks)."""
 
     sequence_parallel: bool | None = None
+    context_attention: str | None = None
 
     def problems(self, mesh: Any) -> list[Problem]:
-        return _flag("sequence_parallel", self.sequence_parallel)
+        out = _flag("sequence_parallel", self.sequence_parallel)
+        m = self.context_attention
+        if m is not None and m not in ("allgather", "ring", "ulysses"):
+            out.append((not isinstance(m, str), f"plan: context_attention must be 'allgather', 'ring', 'ulysses' or "
+                                                f"None (the planner picks) — got {m!r}."))
+        return out
 
 
 @dataclass(frozen=True, kw_only=True, repr=False)
@@ -260,7 +268,7 @@ SHORT_FORMS: dict[str, tuple[str, str]] = {
     "data_axis": ("roles", "data"), "tensor_axis": ("roles", "tensor"), "pipe_axis": ("roles", "pipe"),
     "replica_axis": ("roles", "replica"), "expert_axis": ("roles", "expert"), "context_axis": ("roles", "context"),
     "bucket_mb": ("data", "bucket_mb"), "broadcast_buffers": ("data", "broadcast_buffers"),
-    "sequence_parallel": ("tensor", "sequence_parallel"),
+    "sequence_parallel": ("tensor", "sequence_parallel"), "context_attention": ("tensor", "context_attention"),
     "schedule": ("pipeline", "schedule"), "virtual_stages": ("pipeline", "virtual_stages"),
     "stages": ("pipeline", "stages"), "pipe_gather": ("pipeline", "pipe_gather"),
     "zero": ("memory", "zero"), "states": ("memory", "zero"), "units": ("memory", "units"),

@@ -211,7 +211,8 @@ def comm_per_step(plan: Plan, rank: int | None = None) -> list[CommEntry]:
     if plan.context_size > 1:      # the keys' and values' all-gathers of attention (planner/context.py)
         again = {u.name for u in plan.units if u.recompute or u.selective}    # (selective: attention's core)
         out += [CommEntry(phase, "activations", op, (plan.context_axis,), n, k, where) for phase, op, n, k, where
-                in context_moves(plan.context_calls, plan.context_size, c, plan.grad_accum, again)]
+                in context_moves(plan.context_calls, plan.context_size, c, plan.grad_accum, again,
+                                 plan.context_attention)]
     out += stats_entries(plan)
     if plan.pipe_size > 1:
         out += _pipe_entries(plan) + _tied_entries(plan)

@@ -136,7 +136,7 @@ class Engine:
         # tensor axis's f and g where their widths split over tensor too)
         self.experts = route_experts(model, plan, self.global_plan, mesh) if plan.expert_size > 1 else None
         # the context axis (runtime/context.py): attention over every rank's keys, global positions
-        self.context = ContextRuntime(model, mesh, plan.context_axis, plan.position_tables) \
+        self.context = ContextRuntime(model, mesh, plan.context_axis, plan.position_tables, plan.context_attention) \
             if plan.context_size > 1 else None
         # after the units: its unit hooks run after ZeRO-3's gathers
         self.tensor = TensorRuntime(self) if plan.tensor_size > 1 else None

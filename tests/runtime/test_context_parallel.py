@@ -17,7 +17,7 @@ from torch import nn
 
 import shardlib as sl
 from shardlib.models.gpt import GPT, GPTConfig, token_batch
-from shardlib.planner.context import kv_bytes_formula
+from shardlib.planner.context import FORMULAS
 from shardlib.runtime.context import gathered_order, zigzag_positions
 from test_expert_parallel import _counted, _one_process, _opt, _planned
 
@@ -25,13 +25,13 @@ CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2)
 STEPS, BATCH = 3, 8
 
 
-def _train(shape: dict, zero: int, recompute: str, clip: float | None):
+def _train(shape: dict, zero: int, recompute: str, clip: float | None, method: str = "allgather"):
     batches = [token_batch(CFG, BATCH, s) for s in range(STEPS)]
     want_losses, want = _one_process(GPT(CFG, seed=0), batches, clip=clip)
     model = GPT(CFG, seed=0)
     mesh = sl.Mesh(shape)
     plan = sl.plan(model, mesh, rules={"seq": "context"}, zero=zero, batch=batches[0], recompute=recompute,
-                   clip_grad_norm=clip)
+                   clip_grad_norm=clip, context_attention=method)
     engine = sl.parallelize(model, plan, optimizer=_opt)
     losses = []
     for step, b in enumerate(batches):
@@ -40,33 +40,40 @@ def _train(shape: dict, zero: int, recompute: str, clip: float | None):
         if step == 1:
             second = _counted(counted.records)
     got = engine.full_state_dict()
-    # the planned keys' and values' gathers (the counted ones equal the plan's, collective by collective)
-    gathered = sum(e.total for e in plan.comm_per_step(mesh.rank) if e.what == "activations" and e.op == "all_gather")
+    # attention's planned moves forward (the counted ones equal the plan's, collective by collective)
+    moved = sum(e.total for e in plan.comm_per_step(mesh.rank) if e.what == "activations" and e.phase == "forward")
     return {"losses": losses, "want_losses": want_losses, "params": {k: (got[k], want[k]) for k in want},
-            "counted": dict(second), "planned": dict(_planned(plan, mesh.rank)), "gathered": gathered,
-            "tables": plan.position_tables, "dp": plan.dp_axes, "rows": plan.row_axes}
+            "counted": dict(second), "planned": dict(_planned(plan, mesh.rank)), "moved": moved,
+            "tables": plan.position_tables, "dp": plan.dp_axes, "rows": plan.row_axes, "method": plan.context_attention}
 
 
-@pytest.mark.parametrize("shape, zero, recompute, clip", [
-    ({"context": 2}, 0, "none", None), ({"context": 4}, 2, "selective", 1.0),
-    ({"data": 2, "context": 2}, 1, "none", 0.5), ({"data": 2, "context": 2}, 3, "full", None),
-    ({"context": 2}, 3, "selective", None)],
-    ids=["context2", "context4_zero2_selective_clip", "data2_context2_zero1_clip", "data2_context2_zero3_full",
-         "context2_zero3_selective"])
-def test_the_gpt_trains_on_the_context_axis_as_one_process_on_whole_sequences(world, shape, zero, recompute, clip):
+@pytest.mark.parametrize("method, shape, zero, recompute, clip", [
+    ("allgather", {"context": 2}, 0, "none", None), ("allgather", {"context": 4}, 2, "selective", 1.0),
+    ("allgather", {"data": 2, "context": 2}, 1, "none", 0.5), ("allgather", {"data": 2, "context": 2}, 3, "full", None),
+    ("allgather", {"context": 2}, 3, "selective", None),
+    ("ring", {"context": 2}, 0, "none", None), ("ring", {"context": 4}, 0, "none", 1.0),
+    ("ring", {"data": 2, "context": 2}, 3, "full", None), ("ring", {"context": 2}, 1, "selective", None),
+    ("ulysses", {"context": 2}, 0, "none", None), ("ulysses", {"context": 4}, 3, "full", None),
+    ("ulysses", {"data": 2, "context": 2}, 2, "selective", 0.5)],
+    ids=["allgather_context2", "allgather_context4_zero2_selective_clip", "allgather_data2_context2_zero1_clip",
+         "allgather_data2_context2_zero3_full", "allgather_context2_zero3_selective", "ring_context2",
+         "ring_context4_clip", "ring_data2_context2_zero3_full", "ring_context2_zero1_selective", "ulysses_context2",
+         "ulysses_context4_zero3_full", "ulysses_data2_context2_zero2_selective_clip"])
+def test_the_gpt_trains_on_the_context_axis_as_one_process_on_whole_sequences(world, method, shape, zero, recompute,
+                                                                              clip):
     n, c = math.prod(shape.values()), shape["context"]
-    for r in world(n, _train, shape, zero, recompute, clip):
+    for r in world(n, _train, shape, zero, recompute, clip, method):
         assert r["losses"] == pytest.approx(r["want_losses"], rel=1e-5), (r["losses"], r["want_losses"])
         for k, (got, want) in r["params"].items():
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=k)
         assert r["counted"] == r["planned"]           # (the gathers of keys and values among them)
         assert r["tables"] == ("wpe",) and r["dp"][-1] == "context" and "context" not in r["rows"]
-        # Llama 3's all-gather: each layer's keys and values, per sequence a rank holds rows of (recomputed
-        # blocks gather again in backward)
+        assert r["method"] == method
+        # each method's formula per layer and sequence (all-gather 2·b·s·h_kv·(N-1)/N, ring 2·(N-1)·b·(s/N)·h_kv,
+        # Ulysses 4·b·(s/N)·h·(N-1)/N), for the rows a rank holds: its forward moves
         rows = BATCH // shape.get("data", 1)
-        again = 2 if recompute != "none" else 1
-        formula = kv_bytes_formula(CFG.seq_len, CFG.d_model, c, 4)
-        assert r["gathered"] == pytest.approx(again * CFG.n_layers * rows * formula), (r["gathered"], formula)
+        formula = FORMULAS[method](CFG.seq_len, CFG.d_model, c, 4)
+        assert r["moved"] == pytest.approx(CFG.n_layers * rows * formula), (r["moved"], formula)
 
 
 def test_zigzag_chunks_cover_the_sequence_once_and_balance_causal_work():
@@ -138,13 +145,13 @@ def _llama_batch(step: int) -> dict:
     return {"input_ids": ids, "labels": labels}
 
 
-def _train_llama(shape: dict, zero: int):
+def _train_llama(shape: dict, zero: int, method: str = "allgather"):
     from llama import tiny_llama
     batches = [_llama_batch(s) for s in range(STEPS)]
     want_losses, want = _one_process(tiny_llama(), batches, loss=lambda m, b: m(**b).loss)
     model = tiny_llama()
     mesh = sl.Mesh(shape)
-    plan = sl.plan(model, mesh, rules={"seq": "context"}, zero=zero, batch=batches[0])
+    plan = sl.plan(model, mesh, rules={"seq": "context"}, zero=zero, batch=batches[0], context_attention=method)
     engine = sl.parallelize(model, plan, optimizer=_opt)
     losses = []
     for step, b in enumerate(batches):
@@ -157,16 +164,43 @@ def _train_llama(shape: dict, zero: int):
             "counted": dict(second), "planned": dict(_planned(plan, mesh.rank)), "tables": plan.position_tables}
 
 
-@pytest.mark.parametrize("shape, zero", [({"context": 2}, 0), ({"data": 2, "context": 2}, 3), ({"context": 4}, 1)],
-                         ids=["context2", "data2_context2_zero3", "context4_zero1"])
-def test_a_transformers_llama_trains_unchanged_on_the_context_axis(world, shape, zero):
+@pytest.mark.parametrize("method, shape, zero", [
+    ("allgather", {"context": 2}, 0), ("allgather", {"data": 2, "context": 2}, 3), ("allgather", {"context": 4}, 1),
+    ("ring", {"context": 4}, 1), ("ulysses", {"context": 2}, 0), ("ulysses", {"data": 2, "context": 2}, 3)],
+    ids=["allgather_context2", "allgather_data2_context2_zero3", "allgather_context4_zero1", "ring_context4_zero1",
+         "ulysses_context2", "ulysses_data2_context2_zero3"])
+def test_a_transformers_llama_trains_unchanged_on_the_context_axis(world, method, shape, zero):
     """transformers' Llama with SDPA, its code untouched: the rotary module's positions are mapped to global
     ones, its loss gets the labels shifted over the whole sequence (``shift_labels``) and the global count of
     tokens, so the loss is one process's token mean. Every parameter equals one process's; the token
     embedding within 5e-5: after 3 AdamW steps (eps 1e-6) a token row whose gradient is round-off-small moves by
-    lr x the round-off's ratio (with SGD every parameter is within 1e-5)."""
-    for r in world(math.prod(shape.values()), _train_llama, shape, zero):
+    lr x the round-off's ratio (with SGD every parameter is within 1e-5). Grouped keys and values (4 heads, 2
+    key/value heads) travel ungrouped: the ring passes the 2 heads, Ulysses splits them over the axis."""
+    for r in world(math.prod(shape.values()), _train_llama, shape, zero, method):
         assert r["losses"] == pytest.approx(r["want_losses"], rel=1e-5), (r["losses"], r["want_losses"])
         for k, (got, want) in r["params"].items():
             torch.testing.assert_close(got, want, rtol=1e-4, atol=5e-5 if "embed_tokens" in k else 1e-5, msg=k)
         assert r["counted"] == r["planned"] and r["tables"] == ("model.rotary_emb",)
+
+
+def test_the_planner_picks_the_method_by_its_moves_and_a_policy_forces_one():
+    """Per layer a rank's moves: Ulysses moves ``4·(s/N)·h·(N-1)/N`` against the all-gather's ``2·s·h_kv·(N-1)/N``,
+    so for a long sequence on 8 ranks it wins with as many key/value heads as query heads, and loses with 4
+    key/value heads of 32 (grouped-query attention); with heads the axis does not divide it cannot run. The
+    choice is the plan's (``plan.context_attention``, in ``explain``); ``context_attention=`` forces one."""
+    from shardlib.planner.context import AttentionCall, choose_method, method_costs
+    seq, n = 32768, 8
+
+    def calls(heads: int, kv_heads: int):
+        return tuple(AttentionCall(kv_heads * seq // n * 128, True, f"layers.{i}", heads * seq // n * 128, heads,
+                                   kv_heads) for i in range(32))
+    assert choose_method(calls(32, 32), n, 2, None) == "ulysses"
+    assert choose_method(calls(32, 4), n, 2, None) == "allgather"
+    assert "ulysses" not in method_costs(calls(12, 12), n, 2) and choose_method(calls(12, 12), n, 2, None) != "ulysses"
+    assert choose_method(calls(32, 32), n, 2, "ring") == "ring"
+    gpt, batch = GPT(CFG, seed=0), token_batch(CFG, 4, 0)
+    plan = sl.plan(gpt, sl.AbstractMesh({"context": 2}), rules={"seq": "context"}, batch=batch,
+                   context_attention="ulysses")
+    assert plan.context_attention == "ulysses" and "attention: ulysses in 2 call(s)" in plan.explain()
+    with pytest.raises(sl.ShardingError, match="context_attention must be 'allgather', 'ring', 'ulysses' or None"):
+        sl.plan(gpt, sl.AbstractMesh({"context": 2}), rules={"seq": "context"}, batch=batch, context_attention="tree")
