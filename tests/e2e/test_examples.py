@@ -107,6 +107,22 @@ def test_main_job_on_expert_x_tensor_records_and_draws_each_experts_load(world, 
     assert (tmp_path / "experts.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_main_job_on_data_x_context_trains_as_on_data_alone(world):
+    """The long-sequence job (``model=tiny_long mesh=dp2_cp2 parallel=cp train=long``: each 128-token sequence
+    split over context 2, ring attention forced) against the same job on data 2 alone: every step's loss
+    within fp32 round-off."""
+    job = ["model=tiny_long", "train=long", "train.steps=3", "train.seq=128", "train.batch=4"]
+    cp = _one_machine(world, [*job, "mesh=dp2_cp2", "parallel=cp", "parallel.context_attention=ring"])
+    dp = _one_machine(world, [*job, "mesh=dp2", "parallel=zero1"])
+    assert [r["loss"] for r in cp] == pytest.approx([r["loss"] for r in dp], rel=1e-5)
+    from shardlib.frontend.config.checking import ConfigError
+    with pytest.raises(ConfigError, match=r"has context=2, but parallel=zero1 maps no logical dim to 'context'.*"
+                                          r"parallel=cp"):
+        _compose([*job, "mesh=cp2", "parallel=zero1"])
+    with pytest.raises(ConfigError, match=r"train.seq: 130 tokens do not split over context=2 .* train.seq=128 or 132"):
+        _compose([*job, "mesh=cp2", "parallel=cp", "train.seq=130"])
+
+
 @pytest.fixture(scope="module")
 def main_run(tmp_path_factory):
     """The README's first command, shortened (a 2x2x2 mesh, 8 processes, 6 steps), run once for every

@@ -121,6 +121,7 @@ class ParallelConfig:
     zero: int = 0
     rules: tuple[tuple[str, Any], ...] = ()
     sequence_parallel: bool = False
+    context_attention: str | None = None        # allgather | ring | ulysses (null: the planner picks)
     schedule: str | None = None
     microbatches: int | None = None
     virtual_stages: int | None = None
@@ -301,6 +302,8 @@ def _parallel(raw: Any, problems: list[str]) -> ParallelConfig:
         zero = 0
     return ParallelConfig(name=c.str("name", "parallel"), zero=zero, rules=_rules(c.get("rules"), problems),
                           sequence_parallel=c.bool("sequence_parallel", False),
+                          context_attention=c.choice("context_attention", None, ("allgather", "ring", "ulysses"),
+                                                     optional=True),
                           schedule=c.choice("schedule", None, SCHEDULES, optional=True),
                           microbatches=c.int("microbatches", None, optional=True),
                           virtual_stages=c.int("virtual_stages", None, optional=True),
@@ -454,10 +457,15 @@ def _cross(run: RunConfig) -> list[str]:
                    "mesh=hsdp2x2).")
     for axis, size in shape.items():
         used = {a for _, x in run.parallel.rules for a in (x if isinstance(x, tuple) else (x,))}
-        if size > 1 and axis in ("tensor", "pipe", "expert") and axis not in used:
+        if size > 1 and axis in ("tensor", "pipe", "expert", "context") and axis not in used:
             out.append(f"parallel: mesh={run.mesh.name} has {axis}={size}, but parallel={run.parallel.name} maps no "
                        f"logical dim to {axis!r} — expected a preset that uses it (e.g. "
-                       f"parallel={'ep' if axis == 'expert' else '3d'}), or a mesh without it.")
+                       f"parallel={ {'expert': 'ep', 'context': 'cp'}.get(axis, '3d')}), or a mesh without it.")
+    if shape.get("context", 1) > 1 and run.seq % (2 * shape["context"]):
+        n = 2 * shape["context"]
+        lo, hi = run.seq // n * n, (run.seq // n + 1) * n
+        out.append(f"train.seq: {run.seq} tokens do not split over context={shape['context']} — expected a multiple "
+                   f"of 2 x {shape['context']} = {n} (zigzag chunks). Use train.seq={f'{lo} or {hi}' if lo else hi}.")
     if "expert" in shape and shape["expert"] > 1 and run.model.kind == "gpt":
         if not run.model.n_experts:
             out.append(f"model: mesh={run.mesh.name} splits experts over expert={shape['expert']}, but model="
