@@ -426,7 +426,8 @@ def _check(model: nn.Module, mesh: AbstractMesh, pol: Policies, *, rules: Any, b
         piped = sizes.get(roles.pipe or "pipe", 1) > 1
         for m in aux_loss_problems(model, mesh.axis_size(tuple(ranks)) if ranks else 1, piped):
             add(m)
-        ctx_axis, ctx_trace = _context(model, mesh, roles, rules, batch, pol, unit_names, kinds, add)
+        ctx_axis, ctx_trace = _context(model, mesh, roles, rules, batch, pol, unit_names, add,
+                                       heads_over=t if tplan is not None else 1)
     if problems:
         messages = [m for _, m in problems]
         if all(wrong_kind for wrong_kind, _ in problems):
@@ -447,10 +448,12 @@ def _method(r: Resolved, mesh: AbstractMesh, pol: Policies) -> str:
 
 
 def _context(model: nn.Module, mesh: AbstractMesh, roles: MeshRoles, rules: Any, batch: Any, pol: Policies,
-             units: list[str], kinds: tuple, add) -> tuple[str | None, Any]:
+             units: list[str], add, heads_over: int = 1) -> tuple[str | None, Any]:
     """The context axis and its trace (``planner/context.py``), or ``(None, None)``; what cannot run is
-    ``add``ed. The axis must be what ``rules`` map ``seq`` to, and the plan needs an example batch."""
-    from .context import composition_problems, context_trace, whole_sequence_inputs
+    ``add``ed. The axis must be what ``rules`` map ``seq`` to, and the plan needs an example batch. With the
+    heads split over a tensor axis of ``heads_over`` (Megatron's attention), each rank's attention calls
+    hold that share of them."""
+    from .context import context_trace, whole_sequence_inputs
     axis = roles.context_of(mesh)
     size = mesh.axis_sizes.get(axis, 1) if axis else 1
     seq_rule = dict(rules.items()).get("seq") if rules is not None and hasattr(rules, "items") else None
@@ -466,7 +469,7 @@ def _context(model: nn.Module, mesh: AbstractMesh, roles: MeshRoles, rules: Any,
             f"{'without' if seq_rule is None else 'mapping seq to ' + repr(seq_rule) + ', not'} 'seq': {axis!r}; "
             f"expected the sequence laid out over it. Add rules={{'seq': {axis!r}}}, or give the axis size 1.")
         return None, None
-    found = composition_problems(mesh, axis, roles, kinds)
+    found = []
     if batch is None:
         found.append(f"plan: a context axis ({axis}={size}) needs an example batch — expected batch= (tensors, or "
                      "meta tensors of its shape): the planner traces attention and positions on one rank's chunk.")
@@ -480,7 +483,7 @@ def _context(model: nn.Module, mesh: AbstractMesh, roles: MeshRoles, rules: Any,
     from torch.utils._pytree import tree_leaves
     leaves = [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
     rows = max(1, (leaves[0].shape[0] if leaves and leaves[0].dim() else 1) // (rows_over * m))
-    trace = context_trace(model, whole_sequence_inputs(model, batch), size, rows, units)
+    trace = context_trace(model, whole_sequence_inputs(model, batch), size, rows, units, heads_over)
     for m_ in trace.problems:
         add(m_)
     return axis, trace

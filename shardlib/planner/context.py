@@ -14,8 +14,7 @@ A plan with a context axis traces the model once on the meta device, on one rank
 
 What cannot run on chunks is refused by name at plan time: a sequence the axis does not divide into ``2·C``
 chunks (zigzag), a model whose attention does not go through SDPA (eager attention with a materialized mask:
-the fix is SDPA), attention dropout, a position table shorter than the sequence, and
-what this first version does not compose with yet (tensor, pipe and expert axes; offloaded activations).
+the fix is SDPA), attention dropout, a position table shorter than the sequence, a padded batch.
 """
 
 from __future__ import annotations
@@ -118,7 +117,8 @@ def _reads_positions(module: nn.Module) -> bool:
     return isinstance(module, nn.Embedding) or any(n == "inv_freq" for n, _ in module.named_buffers(recurse=False))
 
 
-def context_trace(model: nn.Module, batch: Any, size: int, rows: int, units: list[str]) -> ContextTrace:
+def context_trace(model: nn.Module, batch: Any, size: int, rows: int, units: list[str],
+                  heads_over: int = 1) -> ContextTrace:
     """The model's forward on one rank's micro-batch (``rows`` rows, the sequence's ``1/size``), on fake
     tensors: its attention calls and position modules (module doc), and what cannot run on chunks."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -163,7 +163,9 @@ def context_trace(model: nn.Module, batch: Any, size: int, rows: int, units: lis
         [m.register_forward_hook(leave) for m in model.modules()]
     recorder = _Recorder(units, stack)
     try:
-        with FakeTensorMode(allow_non_fake_inputs=False):
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
+        # (a shape environment: a mixture of experts' routing has data-dependent sizes, unbacked here)
+        with FakeTensorMode(allow_non_fake_inputs=False, shape_env=ShapeEnv()):
             state = {n: torch.empty(p.shape, dtype=p.dtype) for n, p in model.named_parameters()}
             state.update({n: torch.empty(b.shape, dtype=b.dtype) for n, b in model.named_buffers()})
             local = _local(batch, trace_rows, size)
@@ -201,26 +203,10 @@ def context_trace(model: nn.Module, batch: Any, size: int, rows: int, units: lis
                                 f"{seq}-token sequence — expected a table at least as long as the sequence. Use a "
                                 f"sequence of at most {n} tokens, or a longer table.")
     scale = rows / trace_rows
-    calls = tuple(AttentionCall(int(numel * scale), causal, unit, int(qn * scale), h, hkv)
+    t = heads_over            # the heads a tensor axis splits: each rank's calls hold 1/t of them
+    calls = tuple(AttentionCall(int(numel * scale) // t, causal, unit, int(qn * scale) // t, h // t, max(1, hkv // t))
                   for numel, causal, _, _, unit, qn, h, hkv in recorder.calls)
     return ContextTrace(calls, tuple(tables), tuple(problems))
-
-
-def composition_problems(mesh: Any, axis: str, roles: Any, offload: tuple) -> list[str]:
-    """What this first version of the context axis does not run beside it, named."""
-    sizes = mesh.axis_sizes
-    out = []
-    for role, name in (("tensor", roles.tensor or "tensor"), ("pipe", roles.pipe or "pipe"),
-                       ("expert", roles.expert_of(mesh))):
-        if name and sizes.get(name, 1) > 1:
-            out.append(f"plan: context={sizes[axis]} beside {role}={sizes[name]} — expected the context axis with "
-                       "data (and HSDP's replica) only in this version; context x tensor, x pipe and x expert are "
-                       f"not built yet. Plan the long sequence on data x context, or drop {name!r}.")
-    kinds = dict(offload)
-    if kinds.get("activations") or kinds.get("params"):
-        out.append("plan: a context axis with parameters or activations offloaded — not built yet. Offload only "
-                   "the optimizer, or drop the context axis.")
-    return out
 
 
 def context_moves(calls: tuple[AttentionCall, ...], size: int, itemsize: int, m: int, recomputed: set[str],

@@ -518,6 +518,7 @@ def _localized(plan: Plan, rank: int, key: tuple[int, int | None, int | None]) -
         out = replace(out, params=keep, units=tuple(units), pipe_coord=pcoord,
                       activations=_stage_activations(plan, mine),
                       expert_layers=tuple(x for x in plan.expert_layers if x.name in owners),
+                      context_calls=tuple(c for c in plan.context_calls if c.unit in {u.name for u in units}),
                       router_stats=tuple(r for r in plan.router_stats
                                          if any(o == r.name or o.startswith(r.name + ".") for o in owners)))
     if (tcoord is None or plan.tensor_size <= 1) and ecoord is None:
