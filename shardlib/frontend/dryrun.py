@@ -74,9 +74,11 @@ def _activations(plan, model, run: RunConfig, rank: int) -> tuple[int | None, st
     got = rank_activation_bytes(plan, rank)
     if got is not None:
         return got, None
+    if plan.context_activations is not None:       # measured on the rank's chunk (planner/context.py)
+        return plan.context_activations, None
     if plan.tensor is None:
         from ..planner.peak import activation_bytes
-        rows = run.train.batch // (plan.dp_size * run.microbatches)
+        rows = run.train.batch // (plan.dp_size // plan.context_size * run.microbatches)
         ids = torch.zeros(rows, run.seq, dtype=torch.long, device="meta")
         batch = {"input_ids": ids, "labels": ids} if run.model.kind == "hf" else (ids, ids)
         from torch._subclasses.fake_tensor import DynamicOutputShapeException

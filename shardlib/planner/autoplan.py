@@ -90,8 +90,8 @@ class Costs:
     @staticmethod
     def sharded(k: Candidate, stage_params: float, stage_experts: float = 0.0):
         """``per(stage)``: a rank's elements of the stage's parameters with ZeRO at ``stage`` or above
-        sharding them — the experts' over data, the rest over data x expert."""
-        shard = k.data // k.replica
+        sharding them — the experts' over data (x context), the rest over data x expert (x context)."""
+        shard = k.data // k.replica * k.context
         dense = (stage_params - stage_experts) / k.tensor
         experts = stage_experts / (k.tensor * k.expert)
         return lambda stage: (dense / (shard * k.expert) + experts / shard) if k.zero >= stage else dense + experts
@@ -117,17 +117,17 @@ class Costs:
         m = self.m
         b = self.batch // (k.batch_ranks * k.microbatches)
         t = k.tensor
-        sbh = m.seq * b * m.d_model
+        sbh = m.seq * b * m.d_model / k.context         # (a context rank holds S/C of each sequence)
         scores = 5 * m.heads * m.seq / m.d_model
         if k.recompute == "full":
             per = sbh * self.c / (t if k.sp else 1)
         elif self.block_fn is not None:     # the planner's own measurement of a block, per sequence
-            per = self.block(t, k.sp, k.recompute) * b
+            per = self.block(t, k.sp, k.recompute) * b / k.context
         else:
             scores = 0.0 if k.recompute == "selective" else scores
             per = sbh * (34 / t + scores / t if k.sp else 10 + 24 / t + scores / t) * self.c / 2
         layers = m.layers / k.pipe
-        post = m.post_act * b / t          # vocab-parallel logits and loss (measured in the compute dtype)
+        post = m.post_act * b / t / k.context   # vocab-parallel logits and loss (measured in the compute dtype)
         in_first, in_last = self.inflight(k)
         first = per * layers * in_first
         last = (per * layers + post) * in_last
@@ -159,7 +159,7 @@ class Costs:
         flops = self._flops[k.recompute] / n
         if k.pipe > 1:          # the busiest stage sets the pace: its layers and the head on the last
             m = self.m
-            head = 3 * 2 * m.d_model * m.vocab * self.batch * m.seq / (k.batch_ranks * k.tensor)
+            head = 3 * 2 * m.d_model * m.vocab * self.batch * m.seq / (k.batch_ranks * k.context * k.tensor)
             flops = (self._flops[k.recompute] - 3 * 2 * m.d_model * m.vocab * self.batch * m.seq) / n + head
         per_rank = flops / self.mc.rank_flops(n)
         per_rank += self.mc.layer_s * self.m.layers / k.pipe * k.microbatches * self._passes[k.recompute]
@@ -169,7 +169,7 @@ class Costs:
 
     def comm_s(self, k: Candidate) -> dict[str, float]:
         m, c = self.m, self.c
-        tokens = self.batch * m.seq / k.batch_ranks                    # this rank's tokens per step
+        tokens = self.batch * m.seq / (k.batch_ranks * k.context)      # this rank's tokens per step
         out: dict[str, float] = {}
         if k.tensor > 1:        # per layer: 2 all-reduces forward, 2 backward (or RS + AG each with SP: same bytes)
             t = k.tensor
@@ -183,9 +183,19 @@ class Costs:
             nbytes = 4 * (e - 1) / e * tokens * m.top_k * m.d_model * c * layers
             # 7 all-to-alls a layer (counts, rows, weights; each way), one message to each other rank
             out["expert"] = nbytes / bw + 7 * (e - 1) * lat * layers * k.microbatches
-        if k.batch_ranks > 1:
-            shard, rep = k.data // k.replica, k.replica
-            bw, lat = self.mc.link("data" if k.data > 1 else "expert")
+        if k.context > 1:       # per layer and micro-batch: attention's keys and values (all-gather forward,
+            c_ = k.context      # reduce-scatter backward), or Ulysses' four all-to-alls each way where cheaper
+            bw, lat = self.mc.link("context")
+            layers = m.layers / k.pipe
+            seqs = self.batch / k.batch_ranks                          # this rank's sequences per step
+            gather = 2 * 2 * (c_ - 1) / c_ * seqs * m.seq * m.d_model / k.tensor * c
+            ulysses = 2 * 4 * (c_ - 1) / c_ * seqs * m.seq / c_ * m.d_model / k.tensor * c
+            fits = (m.heads // k.tensor) % c_ == 0
+            nbytes, calls = min([(gather, 4 * (c_ - 1)), *([(ulysses, 8 * (c_ - 1))] if fits else [])])
+            out["context"] = (nbytes / bw + calls * lat * k.microbatches) * layers
+        if k.batch_ranks * k.context > 1:
+            shard, rep = k.data // k.replica * k.context, k.replica
+            bw, lat = self.mc.link("data" if k.data > 1 else "expert" if k.expert > 1 else "context")
             stage = m.layers / k.pipe
             experts = stage * m.expert_params / (k.tensor * k.expert)
             p = (stage * (m.block_params - m.expert_params) + max(m.pre_params, m.post_params)) / k.tensor
@@ -233,26 +243,28 @@ class Costs:
         fits = mem["total"] <= self.mc.memory and (self.mc.host_memory is None or mem["host"] <= self.mc.host_memory)
         return Priced(k, mem, step, no, full, fits)
 
-    def lower_bound(self, data: int, pipe: int, tensor: int, expert: int = 1) -> float:
+    def lower_bound(self, data: int, pipe: int, tensor: int, expert: int = 1, context: int = 1) -> float:
         """No configuration of this shape is faster: the compute with no bubble and no recompute, against
         the tensor axis's traffic, the expert axis's all-to-alls and the data axis's gradient all-reduce
         (ZeRO 0-2's bytes, the least)."""
         k = Candidate(data, pipe, tensor, zero=0, schedule="1f1b" if pipe > 1 else None, microbatches=1,
-                      recompute="none", expert=expert)
+                      recompute="none", expert=expert, context=context)
         compute = self.compute_s(k, bubble=False)
         comm = self.comm_s(k)
         # the gradients' traffic at its least: ZeRO 0-2's bytes, over the cheapest replica split (HSDP)
         grads = min(sum(v for a, v in self.comm_s(replace(k, replica=r, zero=1 if r > 1 else 0)).items()
-                        if a in ("data", "replica")) for r in divisors(data) if r < data or r == 1)
-        unavoidable = comm.get("tensor", 0.0) + comm.get("expert", 0.0) + grads
+                        if a in ("data", "replica")) for r in divisors(data) if (r < data or r == 1)
+                    and (r == 1 or context == 1))
+        unavoidable = comm.get("tensor", 0.0) + comm.get("expert", 0.0) + comm.get("context", 0.0) + grads
         return max(compute, unavoidable) if self.mc.overlap >= 1 else compute + (1 - self.mc.overlap) * unavoidable
 
 
 # ---- the space -------------------------------------------------------------------------------------
 
-def shapes(n: int, model: ModelShape, *, max_tensor: int = 8) -> Iterator[tuple[int, int, int, int]]:
-    """``(data, pipe, tensor, expert)`` with ``data·pipe·tensor·expert = n``: tensor divides the heads (and
-    d, the vocabulary's rows), pipe the layers, expert the routed experts (a dense model: 1)."""
+def shapes(n: int, model: ModelShape, *, max_tensor: int = 8) -> Iterator[tuple[int, int, int, int, int]]:
+    """``(data, pipe, tensor, expert, context)`` with their product ``n``: tensor divides the heads (and d, the
+    vocabulary's rows), pipe the layers, expert the routed experts (a dense model: 1), context the sequence
+    into ``2·context`` chunks."""
     for e in divisors(n):
         if e > 1 and (not model.experts or model.experts % e):
             continue
@@ -262,20 +274,23 @@ def shapes(n: int, model: ModelShape, *, max_tensor: int = 8) -> Iterator[tuple[
             for p in divisors(n // (e * t)):
                 if model.layers % p:
                     continue
-                yield n // (e * t * p), p, t, e
+                for c in divisors(n // (e * t * p)):
+                    if model.seq % (2 * c) and c > 1:
+                        continue
+                    yield n // (e * t * p * c), p, t, e, c
 
 
 def configs(data: int, pipe: int, tensor: int, model: ModelShape, batch: int, *, hsdp: bool = True,
-            offload: bool = True, expert: int = 1) -> Iterator[Candidate]:
+            offload: bool = True, expert: int = 1, context: int = 1) -> Iterator[Candidate]:
     """Every configuration of one shape (with experts split over tensor, no sequence parallelism, which
     the planner does not run with them yet; no HSDP beside an expert axis)."""
     if batch % (data * expert):
         return
     per_rank = batch // (data * expert)
-    replicas = [r for r in divisors(data) if 1 < r < data] if hsdp and expert == 1 else []
+    replicas = [r for r in divisors(data) if 1 < r < data] if hsdp and expert == 1 and context == 1 else []
     schedules = [None] if pipe == 1 else list(SCHEDULES)
     sps = (False, True) if tensor > 1 and not model.experts else (False,)
-    for zero in ((0, 1, 2, 3) if data * expert > 1 else (0,)):          # one batch rank: nothing to shard
+    for zero in ((0, 1, 2, 3) if data * expert * context > 1 else (0,)):   # one rank a stage: nothing to shard
         for rep in [1] + (replicas if zero >= 1 else []):
             for sp in sps:
                 for sched in schedules:
@@ -289,18 +304,19 @@ def configs(data: int, pipe: int, tensor: int, model: ModelShape, batch: int, *,
                             for rc in (RECOMPUTE[:2] if sched == "zb_h1" else RECOMPUTE):   # (W cannot split from a full recompute)
                                 for off in ((False, True) if offload else (False,)):
                                     yield Candidate(data, pipe, tensor, rep, zero, sp, sched, v, m, rc, off,
-                                                    expert)
+                                                    expert, context)
 
 
-def frugal(data: int, pipe: int, tensor: int, batch: int, expert: int = 1, moe: bool = False) -> list[Candidate]:
+def frugal(data: int, pipe: int, tensor: int, batch: int, expert: int = 1, moe: bool = False,
+           context: int = 1) -> list[Candidate]:
     """The shape's least memory is one of these: full recompute, sequence parallel (not with experts), the
     optimizer on the host, one sequence per micro-batch, and ZeRO-2 or ZeRO-3 (ZeRO-3 shards the
     parameters but holds two gathered units: on a small model or few data ranks ZeRO-2 holds less)."""
     sched = "1f1b" if pipe > 1 else None
-    zeros = (2, 3) if data * expert > 1 else (0,)
+    zeros = (2, 3) if data * expert * context > 1 else (0,)
     ranks = data * expert
     return [Candidate(data, pipe, tensor, 1, z, tensor > 1 and not moe, sched, 1, max(1, batch // ranks), "full",
-                      True, expert) for z in zeros]
+                      True, expert, context) for z in zeros]
 
 
 def search(costs: Costs, n: int, *, keep: int = 8, prune: bool = True, hsdp: bool = True,
@@ -312,15 +328,15 @@ def search(costs: Costs, n: int, *, keep: int = 8, prune: bool = True, hsdp: boo
     if prune:                          # the most promising shapes first: their results prune the others
         shape_list.sort(key=lambda s: costs.lower_bound(*s))
     moe = bool(costs.m.experts)
-    for d, p, t, e in shape_list:
+    for d, p, t, e, cx in shape_list:
         if costs.batch % (d * e):
             continue
         if prune:
-            if not any(costs.price(k).fits for k in frugal(d, p, t, costs.batch, e, moe)):
+            if not any(costs.price(k).fits for k in frugal(d, p, t, costs.batch, e, moe, cx)):
                 continue
-            if len(best) >= keep and costs.lower_bound(d, p, t, e) >= best[-1].step_s:
+            if len(best) >= keep and costs.lower_bound(d, p, t, e, cx) >= best[-1].step_s:
                 continue
-        for k in configs(d, p, t, costs.m, costs.batch, hsdp=hsdp, offload=offload, expert=e):
+        for k in configs(d, p, t, costs.m, costs.batch, hsdp=hsdp, offload=offload, expert=e, context=cx):
             got = costs.price(k)
             priced += 1
             if not got.fits:
@@ -363,8 +379,8 @@ def plan_search(costs: Costs, n: int, *, keep: int = 8, prune: bool = True, mode
 
 def tiebreak(k: Candidate) -> tuple:
     """Equal predicted steps: the simpler plan first (less sharding, no offload, no recompute)."""
-    return (k.offload, RECOMPUTE.index(k.recompute), k.zero, k.replica, k.sp, k.pipe, k.expert, k.virtual,
-            k.microbatches)
+    return (k.offload, RECOMPUTE.index(k.recompute), k.zero, k.replica, k.sp, k.pipe, k.expert, k.context,
+            k.virtual, k.microbatches)
 
 
 # ---- the overrides that run a candidate --------------------------------------------------------------
@@ -380,6 +396,8 @@ def overrides(k: Candidate, *, model: str, mesh: str, batch: int, precision: str
         rules.update(heads="tensor", mlp="tensor", vocab="tensor", **({"expert_mlp": "tensor"} if moe else {}))
     if k.expert > 1:
         rules["experts"] = "expert"
+    if k.context > 1:
+        rules["seq"] = "context"
     out = [f"model={model}", f"mesh={mesh}", f"mesh.axes={{{axes}}}", "parallel=zero3",
            f"parallel.zero={k.zero}", f"parallel.rules={{{','.join(f'{a}:{b}' for a, b in rules.items())}}}",
            f"train.batch={batch}", f"train.precision={precision}"]
@@ -401,17 +419,17 @@ def overrides(k: Candidate, *, model: str, mesh: str, batch: int, precision: str
 
 
 def describe(k: Candidate) -> dict[str, Any]:
-    return {"expert": k.expert, "zero": k.zero, "sequence_parallel": k.sp, "schedule": k.schedule, "virtual_stages": k.virtual,
+    return {"expert": k.expert, "context": k.context, "zero": k.zero, "sequence_parallel": k.sp, "schedule": k.schedule, "virtual_stages": k.virtual,
             "microbatches": k.microbatches, "replica": k.replica, "recompute": k.recompute,
             "offload": {"optimizer": "host"} if k.offload else {}}
 
 
 def smallest_memory(costs: Costs, n: int) -> tuple[float, Candidate]:
     best = None
-    for d, p, t, e in shapes(n, costs.m):
+    for d, p, t, e, cx in shapes(n, costs.m):
         if costs.batch % (d * e):
             continue
-        for k in frugal(d, p, t, costs.batch, e, bool(costs.m.experts)):
+        for k in frugal(d, p, t, costs.batch, e, bool(costs.m.experts), cx):
             mem = costs.memory(k)["total"]
             if best is None or mem < best[0]:
                 best = (mem, k)

@@ -142,6 +142,9 @@ def _plan(model: nn.Module, mesh: AbstractMesh, *, policies: Policies, rules: An
             pplan = replace(pplan, block_saved=block_saved_bytes(model, replace(out, pipeline=pplan),
                                                                            batch=batch))
         out = replace(out, pipeline=pplan)
+    if context_axis is not None and pplan is None and tplan is None:
+        from .context import context_activations
+        out = replace(out, context_activations=context_activations(model, out, batch))
     return out
 
 

@@ -23,6 +23,7 @@ class Candidate:
     recompute: str = "none"       # none | selective (attention's core) | full (every block)
     offload: bool = False         # the optimizer's states on the host
     expert: int = 1               # experts split over it; the batch over data x expert (Megatron, torchtitan)
+    context: int = 1              # each sequence split over it (zigzag chunks); a data axis for the states
 
     @property
     def batch_ranks(self) -> int:
@@ -31,7 +32,7 @@ class Candidate:
 
     @property
     def devices(self) -> int:
-        return self.data * self.pipe * self.tensor * self.expert
+        return self.data * self.pipe * self.tensor * self.expert * self.context
 
     @property
     def axes(self) -> dict[str, int]:
@@ -39,6 +40,8 @@ class Candidate:
         out["data"] = self.data // self.replica
         if self.expert > 1:
             out["expert"] = self.expert
+        if self.context > 1:
+            out["context"] = self.context
         if self.pipe > 1:
             out["pipe"] = self.pipe
         if self.tensor > 1:

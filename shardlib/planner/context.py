@@ -313,3 +313,28 @@ def whole_sequence_inputs(model: nn.Module, batch: Any) -> Any:
     if isinstance(labels, torch.Tensor) and "shift_labels" not in out and causal_lm_loss(model):
         out["shift_labels"] = torch.cat((labels[:, 1:], torch.full_like(labels[:, :1], -100)), 1)
     return out
+
+
+def context_activations(model: nn.Module, plan: Any, batch: Any) -> int | None:
+    """What one micro-batch saves for backward on a rank of a context plan: ``activation_bytes`` of the model on
+    the rank's chunk (its rows, ``S / C`` tokens of each; the plan's recompute applied), plus what the method
+    keeps beyond the local keys and values: the all-gather's whole keys and values (``C - 1`` more chunks of
+    each per call). None where the forward's shapes depend on its data (a mixture of experts)."""
+    from torch._subclasses.fake_tensor import DynamicOutputShapeException
+
+    from .peak import activation_bytes
+    size = plan.context_size
+    rows = max(1, _rows(batch) // (plan.dp_size // size * plan.grad_accum))
+    local = _local(whole_sequence_inputs(model, batch), rows, size)
+    try:
+        saved = activation_bytes(model, local, plan=plan)
+    except DynamicOutputShapeException:
+        return None
+    if plan.context_attention == "allgather":
+        saved += sum(2 * (size - 1) * c.kv_numel for c in plan.context_calls) * plan.compute_dtype.itemsize
+    return int(saved)
+
+
+def _rows(batch: Any) -> int:
+    leaves = [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
+    return leaves[0].shape[0] if leaves and leaves[0].dim() else 1

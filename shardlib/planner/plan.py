@@ -191,6 +191,9 @@ class Plan:
     context_axis: str | None = None
     context_calls: tuple = ()
     context_attention: str | None = None     # allgather | ring | ulysses (runtime/context.py)
+    # what one micro-batch's chunk saves for backward on a rank (planner/context.context_activations), where
+    # measured: peak_per_rank's activations by default
+    context_activations: int | None = None
     position_tables: tuple = ()
     # its experts modules, for planning their routing (planner/experts.py)
     expert_layers: tuple = ()
@@ -407,6 +410,8 @@ class Plan:
         the moments of a step (build, backward, update, publish): ``peak``, ``states``, ``transient``,
         ``activations`` and each moment's total. ``meta_build``: the model is built on the meta device
         (default: as the planned model was). The formulas: ``planner/peak.py``."""
+        if not activation_bytes and self.context_activations:      # measured on the rank's chunk
+            activation_bytes = self.context_activations
         if self.split:
             return self.local(rank).peak_per_rank(rank, activation_bytes=activation_bytes, foreach=foreach,
                                                   meta_build=meta_build)

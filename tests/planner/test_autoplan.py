@@ -44,13 +44,13 @@ def test_search_bounds_are_admissible():
     """The lower bound of a shape is at most the step of every configuration of it; the frugal
     configurations hold the least memory of their shape."""
     costs = _costs("small", "dp4", 8, 32)
-    for d, p, t, e in ap.shapes(8, costs.m):
+    for d, p, t, e, c in ap.shapes(8, costs.m):
         assert e == 1                                       # a dense model: no expert axis
-        bound = costs.lower_bound(d, p, t)
-        priced = [costs.price(k) for k in ap.configs(d, p, t, costs.m, 32)]
-        assert priced and all(bound <= x.step_s * (1 + 1e-12) for x in priced), (d, p, t)
-        least = min(costs.memory(k)["total"] for k in ap.frugal(d, p, t, 32))
-        assert least <= min(x.memory["total"] for x in priced) * (1 + 1e-12), (d, p, t)
+        bound = costs.lower_bound(d, p, t, e, c)
+        priced = [costs.price(k) for k in ap.configs(d, p, t, costs.m, 32, context=c)]
+        assert priced and all(bound <= x.step_s * (1 + 1e-12) for x in priced), (d, p, t, c)
+        least = min(costs.memory(k)["total"] for k in ap.frugal(d, p, t, 32, context=c))
+        assert least <= min(x.memory["total"] for x in priced) * (1 + 1e-12), (d, p, t, c)
 
 
 def test_every_candidate_autoplan_returns_passes_the_run_check():
@@ -174,7 +174,7 @@ def test_a_moe_models_shape_counts_its_experts_and_the_search_splits_them_where_
     costs = _moe_costs(80)
     m = costs.m
     assert (m.experts, m.top_k) == (8, 2) and m.expert_params == 8 * 3 * 4096 * 14336
-    assert {e for *_, e in ap.shapes(64, m)} == {1, 2, 4, 8}
+    assert {s[3] for s in ap.shapes(64, m)} == {1, 2, 4, 8}
     dense = ap.Candidate(8, 8, 1, zero=1, schedule="1f1b", microbatches=4)
     split = ap.Candidate(1, 8, 1, zero=1, schedule="1f1b", microbatches=4, expert=8)
     a, b = costs.memory(dense), costs.memory(split)
@@ -212,6 +212,46 @@ def test_an_expert_candidates_overrides_plan_and_hold_their_experts_split():
     assert 0 < probe(2, False) < probe(1, False)
     gate_up = plan.param("blocks.0.mlp.experts.gate_up_proj")
     assert gate_up.spec.dim_axes(0) == ("expert",) and gate_up.rest.local_shape(gate_up.shape, 0)[:2] == (2, 256)
+
+
+# ---- long sequences: the context axis -----------------------------------------------------------------
+
+def _long_costs(seq: int, batch: int):
+    """A 7B-shaped GPT (32 layers, d 4096, 32 heads) at ``seq`` tokens, ``batch`` sequences a step, on 64 devices
+    of the h100_64 machine (Korthikanti's activations)."""
+    from shardlib.models.gpt import GPTConfig
+    cfg = check_overrides(["model=1b", "mesh=h100_64", "parallel=zero3"])
+    cfg["mesh"]["axes"] = {"data": 1}
+    cfg["mesh"]["links"] = {"default": cfg["mesh"]["links"]["default"]}
+    machine = ap.Machine.of_mesh(run_config(cfg).mesh, 64)
+    shape = model_shape(GPTConfig(vocab_size=32000, seq_len=seq, d_model=4096, n_heads=32, n_layers=32), seq)
+    return ap.Costs(shape, machine, batch=batch, precision="bf16")
+
+
+def test_the_search_splits_long_sequences_over_a_context_axis_when_the_batch_cannot_fill_the_devices():
+    """The context axis is in the space (degrees splitting the sequence into 2·C chunks): a rank's tokens and
+    activations fall as 1/C, attention's keys and values move (the all-gather, or Ulysses where cheaper), and
+    the states shard over data x context. With 64 sequences of 4096 tokens data parallel fills the 64 devices;
+    with 8 (or 4) sequences of 131,072 tokens the fastest plan that fits splits each sequence. The pruned
+    search finds what brute force finds."""
+    costs = _long_costs(131072, 8)
+    assert {s[4] for s in ap.shapes(64, costs.m)} == {1, 2, 4, 8, 16, 32, 64}
+    k = ap.Candidate(8, 1, 1, zero=3, recompute="selective", context=8)
+    one = ap.Candidate(8, 1, 1, zero=3, recompute="selective")
+    assert costs.activations(k)[0] == pytest.approx(costs.activations(one)[0] / 8)
+    assert costs.memory(k)["params"] == pytest.approx(costs.memory(one)["params"] / 8)      # ZeRO over data x context
+    assert "context" in costs.comm_s(k) and "context" not in costs.comm_s(one)
+    for seq, batch, splits in ((4096, 64, False), (131072, 8, True), (131072, 4, True)):
+        costs = _long_costs(seq, batch)
+        pruned, _ = ap.search(costs, 64, keep=3)
+        brute, _ = ap.search(costs, 64, keep=3, prune=False)
+        assert pruned and [(p.cand, p.step_s) for p in pruned] == [(p.cand, p.step_s) for p in brute]
+        assert (pruned[0].cand.context > 1) == splits, (seq, batch, [p.cand for p in pruned])
+    ov = ap.overrides(ap.Candidate(2, 1, 1, zero=1, context=2), model="tiny_long", mesh="dp4", batch=4,
+                      precision="fp32")
+    assert "mesh.axes={data:2,context:2}" in ov and "parallel.rules={seq:context}" in ov, ov
+    from shardlib.frontend.run import check
+    assert check(run_config(check_overrides(ov + ["train.seq=128"]))) == []
 
 
 # ---- a transformers config as the model ------------------------------------------------------------

@@ -262,3 +262,20 @@ def test_the_context_axis_composes_with_every_other_axis_and_policy(world, shape
         for k, (got, want) in r["params"].items():
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=k)
         assert r["counted"] == r["planned"]
+
+
+@pytest.mark.parametrize("method", ["allgather", "ring", "ulysses"])
+def test_the_activations_a_rank_holds_fall_as_one_over_the_context_degree(method):
+    """``plan.peak_per_rank()["activations"]``: what a rank's chunk saves for backward, measured at plan time —
+    one process's activations over the whole sequences divided by C (ring, Ulysses), plus the all-gather's
+    whole keys and values (``2·(C-1)`` more local chunks per layer)."""
+    cfg = GPTConfig(vocab_size=64, seq_len=256, d_model=32, n_heads=4, n_layers=2)
+    batch = token_batch(cfg, 4, 0)
+    whole = sl.activation_bytes(GPT(cfg, seed=0), batch)
+    for c in (2, 4):
+        plan = sl.plan(GPT(cfg, seed=0), sl.AbstractMesh({"context": c}), rules={"seq": "context"}, batch=batch,
+                       context_attention=method)
+        got = plan.peak_per_rank(0)["activations"]
+        kv = 4 * 256 // c * 32 * 4                     # a layer's local keys (or values): rows x S/C x width, fp32
+        extra = 2 * (c - 1) * kv * cfg.n_layers if method == "allgather" else 0
+        assert got - extra == pytest.approx(whole / c, rel=0.02), (c, got, extra, whole)
