@@ -476,6 +476,11 @@ def _context(model: nn.Module, mesh: AbstractMesh, roles: MeshRoles, rules: Any,
     if batch is None:
         found.append(f"plan: a context axis ({axis}={size}) needs an example batch — expected batch= (tensors, or "
                      "meta tensors of its shape): the planner traces attention and positions on one rank's chunk.")
+    piped = mesh.axis_sizes.get(roles.pipe or "pipe", 1) > 1
+    if piped and isinstance(batch, dict) and any(k in batch for k in ("attention_mask", "position_ids")):
+        found.append("plan: a context axis under a pipe with a batch of documents or padding (attention_mask / "
+                     "position_ids) — not built yet: each stage's micro-batches would need their rows' masks. Pack "
+                     "without padding or positions, or drop the pipe axis.")
     if found:
         for m in found:
             add(m)

@@ -138,13 +138,14 @@ def context_trace(model: nn.Module, batch: Any, size: int, rows: int, units: lis
                         f"of 2 x {size} = {2 * size} (each rank holds two chunks, zigzag, so every rank's causal "
                         f"attention does the same work). Pad or cut the sequence to {lo or hi}{f' or {hi}' if lo else ''}.")
         return ContextTrace((), (), tuple(problems))
-    mask = batch.get("attention_mask") if isinstance(batch, dict) else None
-    if isinstance(mask, torch.Tensor) and not mask.is_meta and not bool(mask.bool().all()):
-        problems.append("plan: the batch pads its sequences (attention_mask has zeros) — expected no padding with a "
-                        "context axis: transformers then builds an explicit mask, which context-parallel attention "
-                        "does not take on chunks. Pack documents into full sequences (labels -100 where no loss is "
-                        "wanted), or drop the context axis.")
+    window = _sliding_window(model)
+    if window is not None and window < seq:
+        problems.append(f"plan: {type(model).__name__} attends within a sliding window of {window} tokens, shorter than "
+                        f"the {seq}-token sequence — context-parallel attention does not mask windows yet. Train "
+                        f"sequences of at most {window} tokens, or drop the context axis.")
         return ContextTrace((), (), tuple(problems))
+    if isinstance(batch, dict):        # documents and padding go to the attention, not the model (runtime/batches.py)
+        batch = {k: v for k, v in batch.items() if k not in ("attention_mask", "position_ids")}
     trace_rows = 2                   # two rows: a position lookup has no batch dim, a token lookup has
     stack: list[str] = []
     looked: set[str] = set()
@@ -286,10 +287,12 @@ def ring_bytes_formula(seq: int, kv_width: int, size: int, itemsize: int) -> flo
     return 2 * (size - 1) * itemsize * seq / size * kv_width
 
 
-def ulysses_bytes_formula(seq: int, width: int, size: int, itemsize: int) -> float:
-    """Ulysses' all-to-alls of one layer for one sequence, forward (queries, keys, values, output; keys and
-    values as wide as the queries): ``4·b·(s/N)·h·(N-1)/N``."""
-    return 4 * itemsize * seq / size * width * (size - 1) / size
+def ulysses_bytes_formula(seq: int, width: int, size: int, itemsize: int, kv_width: int | None = None) -> float:
+    """Ulysses' all-to-alls of one layer for one sequence, forward (queries, keys, values, output):
+    ``4·b·(s/N)·h·(N-1)/N`` with keys and values as wide as the queries; with grouped keys and values of
+    ``kv_width`` that the axis splits, ``2·b·(s/N)·(h + h_kv)·(N-1)/N``."""
+    kv = width if kv_width is None else kv_width
+    return 2 * itemsize * seq / size * (width + kv) * (size - 1) / size
 
 
 FORMULAS = {"allgather": kv_bytes_formula, "ring": ring_bytes_formula, "ulysses": ulysses_bytes_formula}
@@ -338,3 +341,16 @@ def context_activations(model: nn.Module, plan: Any, batch: Any) -> int | None:
 def _rows(batch: Any) -> int:
     leaves = [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
     return leaves[0].shape[0] if leaves and leaves[0].dim() else 1
+
+
+def _sliding_window(model: nn.Module) -> int | None:
+    """The window of a transformers model whose layers (some of them) attend within one, else None."""
+    from .peft import peft_base
+    config = getattr(peft_base(model)[0], "config", None)
+    window = getattr(config, "sliding_window", None)
+    if not isinstance(window, int) or getattr(config, "use_sliding_window", True) is False:
+        return None
+    kinds = getattr(config, "layer_types", None)
+    if kinds is not None and "sliding_attention" not in kinds:
+        return None
+    return window

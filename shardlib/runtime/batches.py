@@ -43,6 +43,8 @@ if TYPE_CHECKING:
     from .engine import Engine
 
 IGNORE = -100          # transformers' ignore index
+SEQUENCE_KEYS = ("attention_mask", "position_ids")   # read by the context axis's attention over whole sequences
+CONTEXT_KEY = "_shardlib_context"
 
 
 def split_batch(engine: Engine, batch: Any, local: bool) -> tuple[list[Any], int]:
@@ -72,8 +74,12 @@ def split_batch(engine: Engine, batch: Any, local: bool) -> tuple[list[Any], int
     per = rows // m
     device, cdt, mixed = engine.mesh.device, engine.cdt, engine.plan.mixed
     ctx = engine.context
+    docs: dict[str, torch.Tensor] = {}
     if ctx is not None:
-        batch = whole_sequence_inputs(engine.model, batch)       # global positions, labels shifted whole
+        batch = whole_sequence_inputs(engine.model, batch)       # labels shifted over the whole sequence
+        if isinstance(batch, dict):             # documents and padding: the attention's, not the model's
+            docs = {k: batch[k] for k in SEQUENCE_KEYS if isinstance(batch.get(k), torch.Tensor)}
+            batch = {k: v for k, v in batch.items() if k not in docs}
         leaves = _leaves(batch)
         seqs = {t.shape[1] if t.dim() > 1 else None for t in leaves}
         if len(seqs) != 1 or None in seqs or next(iter(seqs)) % (2 * ctx.size):
@@ -95,6 +101,9 @@ def split_batch(engine: Engine, batch: Any, local: bool) -> tuple[list[Any], int
     flat, spec = tree_flatten(batch)
     cuts = [cut(t) if isinstance(t, torch.Tensor) else None for t in flat]
     micro = [tree_unflatten([c[i] if c is not None else x for c, x in zip(cuts, flat)], spec) for i in range(m)]
+    if docs:                                    # each micro-batch's rows, whole sequences (Engine.loss_of)
+        rowed = {k: t[start:start + rows].to(device).split(per) for k, t in docs.items()}
+        micro = [{**mb, CONTEXT_KEY: {k: v[i] for k, v in rowed.items()}} for i, mb in enumerate(micro)]
     if counts_tokens(engine.model, engine.loss_fn, batch):
         labels = batch["labels"]
         count = (labels[:, 1:] != IGNORE).sum().to(device=device, dtype=torch.float64).reshape(1)

@@ -79,6 +79,41 @@ def local_chunk(t: torch.Tensor, size: int, coord: int, dim: int = 1) -> torch.T
     return torch.cat((t.narrow(dim, coord * chunk, chunk), t.narrow(dim, late * chunk, chunk)), dim).contiguous()
 
 
+class Documents:
+    """A micro-batch's documents or padding over its whole sequences (global order): which keys each query may
+    see beyond causality, as transformers decides it in one process — with an ``attention_mask``, its
+    non-padding keys; without one, ``position_ids`` that restart mark packed documents, and a query sees its
+    own document's keys. A query that sees no key at all (a left pad) gets zeros and no gradient, as SDPA
+    gives it."""
+
+    def __init__(self, valid: torch.Tensor | None, positions: torch.Tensor | None, rows: int, seq: int,
+                 device: Any):
+        self.valid = (valid.bool() if valid is not None else torch.ones(rows, seq, dtype=torch.bool)).to(device)
+        self.doc = torch.zeros(rows, seq, dtype=torch.long, device=device)
+        if positions is not None and valid is None:       # (transformers reads packing only without a mask)
+            positions = positions.to(device)
+            starts = torch.ones_like(positions, dtype=torch.bool)
+            starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
+            self.doc = starts.long().cumsum(-1)
+
+    def allowed(self, a: int, b: int, length: int, square: bool, causal: bool) -> torch.Tensor:
+        """``[rows, length, length]``: query chunk ``a``'s queries against key chunk ``b``'s keys."""
+        qs, ks = slice(a * length, (a + 1) * length), slice(b * length, (b + 1) * length)
+        out = (self.doc[:, qs, None] == self.doc[:, None, ks]) & self.valid[:, None, ks]
+        if square and causal:
+            idx = torch.arange(length, device=out.device)
+            out = out & (idx[None, :] <= idx[:, None])
+        return out
+
+    def full(self, seq: int, causal: bool) -> torch.Tensor:
+        """``[rows, 1, seq, seq]``: every query against every key (Ulysses' whole sequences)."""
+        out = (self.doc[:, :, None] == self.doc[:, None, :]) & self.valid[:, None, :]
+        if causal:
+            idx = torch.arange(seq, device=out.device)
+            out = out & (idx[None, :] <= idx[:, None])
+        return out[:, None]
+
+
 class ContextAttention(TorchFunctionMode):
     """While active, ``F.scaled_dot_product_attention`` runs as context-parallel attention over ``axis``:
     the local queries against every rank's keys and values (module doc)."""
@@ -89,6 +124,7 @@ class ContextAttention(TorchFunctionMode):
         self.size = mesh.axis_size(axis)
         self.coord = mesh.coord(mesh.rank, axis)
         self.calls = 0
+        self.docs: Documents | None = None       # the running micro-batch's (ContextRuntime.use)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -110,17 +146,9 @@ class ContextAttention(TorchFunctionMode):
             return RingAttention.apply(q, k, v, self, bool(is_causal), scale)
         if self.method == "ulysses":
             return self.ulysses(q, k, v, is_causal, scale, enable_gqa)
-        local = q.shape[-2]
-        seq = local * self.size
-        order = gathered_order(seq, self.size).to(k.device)
-        k = AllGather.apply(k.contiguous(), self.mesh, self.axes, k.dim() - 2).index_select(-2, order)
-        v = AllGather.apply(v.contiguous(), self.mesh, self.axes, v.dim() - 2).index_select(-2, order)
-        mask = None
-        if is_causal:
-            qpos = zigzag_positions(seq, self.size, self.coord, q.device)
-            mask = torch.arange(seq, device=q.device)[None, :] <= qpos[:, None]
-        extra = {"enable_gqa": True} if enable_gqa else {}
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, **extra)
+        k = AllGather.apply(k.contiguous(), self.mesh, self.axes, k.dim() - 2)      # every rank's, rank-major
+        v = AllGather.apply(v.contiguous(), self.mesh, self.axes, v.dim() - 2)
+        return GatheredAttention.apply(q, k, v, self, bool(is_causal), scale)
 
 
     # -- Ulysses: sequence <-> heads ------------------------------------------------------------------
@@ -139,8 +167,13 @@ class ContextAttention(TorchFunctionMode):
             t = AllToAll.apply(t.contiguous(), self.mesh, self.axes, t.dim() - 3, t.dim() - 2)
             return t.index_select(-2, order)
 
-        out = F.scaled_dot_product_attention(to_heads(q), to_heads(k), to_heads(v), is_causal=bool(is_causal),
-                                             scale=scale, **({"enable_gqa": True} if enable_gqa else {}))
+        extra = {"enable_gqa": True} if enable_gqa else {}
+        if self.docs is None:
+            out = F.scaled_dot_product_attention(to_heads(q), to_heads(k), to_heads(v), is_causal=bool(is_causal),
+                                                 scale=scale, **extra)
+        else:
+            out = F.scaled_dot_product_attention(to_heads(q), to_heads(k), to_heads(v),
+                                                 attn_mask=self.docs.full(seq, bool(is_causal)), scale=scale, **extra)
         out = out.index_select(-2, back).contiguous()
         return AllToAll.apply(out, self.mesh, self.axes, out.dim() - 2, out.dim() - 3)
 
@@ -152,86 +185,209 @@ class ContextAttention(TorchFunctionMode):
         return comm.send_recv(t.contiguous(), self.mesh, self.axes, pairs, async_op=True)
 
 
-def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One key/value block's scores' log-sum-exp, probabilities (against that lse) and output, in fp32."""
-    s = (q @ k.transpose(-1, -2)) * scale
-    if mask is not None:
-        s = s.masked_fill(~mask, _NEG)
+def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                   allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk of queries against one chunk of keys — the whole of it, or (``causal``: the same chunk) its
+    lower triangle: the output and the scores' log-sum-exp, fp32. On the CPU by its fused attention kernel
+    (no scores kept), elsewhere written out."""
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, attn_mask=_additive(allowed, q.dtype), scale=scale)
+        return out.float(), lse.float()
+    s = _scores(q, k, causal, scale, allowed)
     lse = torch.logsumexp(s, -1)
-    p = torch.exp(s - lse[..., None])
-    return lse, p, p @ v
+    return torch.exp(s - lse[..., None]) @ v.float(), lse
 
 
-class RingAttention(torch.autograd.Function):
-    """Ring attention over the context axis (module doc): forward and backward written out, the next
-    block's transfer overlapping the current block's compute."""
+def _block_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                    lse: torch.Tensor, causal: bool, scale: float, allowed: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One chunk pair's share of the gradients of attention whose whole output and log-sum-exp (over every
+    chunk of keys) are ``out`` and ``lse``: ``P = exp(S - lse)`` is this pair's part of the global softmax
+    (flash attention's backward)."""
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            do, q, k, v, out, lse, 0.0, causal, attn_mask=_additive(allowed, q.dtype), scale=scale)
+    qf, kf, vf, dof = q.float(), k.float(), v.float(), do.float()
+    p = torch.exp(_scores(q, k, causal, scale, allowed) - lse[..., None])
+    ds = p * (dof @ vf.transpose(-1, -2) - (dof * out.float()).sum(-1, keepdim=True))
+    return (ds @ kf) * scale, (ds.transpose(-1, -2) @ qf) * scale, p.transpose(-1, -2) @ dof
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float,
+            allowed: torch.Tensor | None = None) -> torch.Tensor:
+    s = (q.float() @ k.float().transpose(-1, -2)) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), _NEG)
+    if allowed is not None:
+        s = s.masked_fill(~allowed, _NEG)
+    return s
+
+
+def _additive(allowed: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A boolean ``allowed`` as the fused kernel's additive mask: 0, or the dtype's most negative half (finite:
+    no ``-inf - -inf``)."""
+    if allowed is None:
+        return None
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed,
+                                                                                   torch.finfo(dtype).min / 2)
+
+
+def _pairs(q_chunks: tuple[int, ...], k_chunks: tuple[int, ...], causal: bool):
+    """``(i, j, square)`` for each query chunk ``i`` (global chunk ``q_chunks[i]``) and key chunk ``j`` it
+    attends to: every one without causality; with it, the earlier chunks whole and its own chunk's lower
+    triangle (``square``)."""
+    for i, a in enumerate(q_chunks):
+        for j, b in enumerate(k_chunks):
+            if not causal or b < a:
+                yield i, j, False
+            elif b == a:
+                yield i, j, True
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    new = torch.logaddexp(lse, lse_b)
+    return out * torch.exp(lse - new)[..., None] + out_b * torch.exp(lse_b - new)[..., None], new
+
+
+class _Chunks:
+    """A rank's queries as its two zigzag chunks, and key/value blocks as chunks, for chunk-pair attention."""
+
+    def __init__(self, mode: ContextAttention, q: torch.Tensor, groups: int, causal: bool, scale: float | None):
+        self.n, self.me, self.groups, self.causal = mode.size, mode.coord, groups, causal
+        self.docs = mode.docs
+        self.scale = scale if scale is not None else q.shape[-1] ** -0.5
+        self.length = q.shape[-2] // 2
+        self.mine = (self.me, 2 * self.n - 1 - self.me)          # this rank's chunks, in the order it holds them
+
+    def held(self, rank: int) -> tuple[int, int]:
+        return rank, 2 * self.n - 1 - rank
+
+    def split(self, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return t.split(self.length, dim=-2)
+
+    def heads(self, t: torch.Tensor) -> torch.Tensor:
+        return t.repeat_interleave(self.groups, dim=-3) if self.groups > 1 else t
+
+    def fold(self, t: torch.Tensor) -> torch.Tensor:
+        """A key/value gradient over every query head back to its key/value heads."""
+        return t.unflatten(-3, (-1, self.groups)).sum(-3) if self.groups > 1 else t
+
+    def masked(self, a: int, b: int, square: bool) -> tuple[bool, torch.Tensor | None]:
+        """The batch's documents and padding (``Documents``) on query chunk ``a`` x key chunk ``b``: ``(skip,
+        allowed)`` — a pair no query may see is skipped; one every query sees whole needs no mask."""
+        if self.docs is None:
+            return False, None
+        allowed = self.docs.allowed(a, b, self.length, square, self.causal)
+        if not bool(allowed.any()):
+            return True, None
+        return False, None if bool(allowed.all()) else allowed[:, None]
+
+    def forward(self, qs, ks, vs, k_chunks, out, lse):
+        """``out``/``lse`` (per query chunk) merged with the pairs against these key chunks."""
+        for i, j, square in _pairs(self.mine, k_chunks, self.causal):
+            skip, allowed = self.masked(self.mine[i], k_chunks[j], square)
+            if skip:
+                continue
+            out_b, lse_b = _block_forward(qs[i], self.heads(ks[j]), self.heads(vs[j]), square and allowed is None,
+                                          self.scale, allowed)
+            out[i], lse[i] = _merge(out[i], lse[i], out_b, lse_b)
+
+    def backward(self, dos, qs, ks, vs, outs, lses, k_chunks, dq, dk, dv):
+        for i, j, square in _pairs(self.mine, k_chunks, self.causal):
+            skip, allowed = self.masked(self.mine[i], k_chunks[j], square)
+            if skip:
+                continue
+            a, b, c = _block_backward(dos[i], qs[i], self.heads(ks[j]), self.heads(vs[j]), outs[i], lses[i],
+                                      square and allowed is None, self.scale, allowed)
+            dq[i] += a.float()
+            dk[j] += self.fold(b.float())
+            dv[j] += self.fold(c.float())
+
+
+def _start(q: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    half = q.shape[-2] // 2
+    shape = (*q.shape[:-2], half, q.shape[-1])
+    return ([torch.zeros(shape, dtype=torch.float32, device=q.device) for _ in range(2)],
+            [torch.full(shape[:-1], _NEG, dtype=torch.float32, device=q.device) for _ in range(2)])
+
+
+class GatheredAttention(torch.autograd.Function):
+    """The all-gather method's attention: this rank's two query chunks against every rank's keys and values
+    (gathered rank-major), by chunk pairs — the earlier chunks whole, its own chunk's lower triangle —
+    merged by log-sum-exp. No mask and no scores are held; backward is flash attention's, pair by pair."""
 
     @staticmethod
     def forward(ctx, q, k, v, mode: ContextAttention, causal: bool, scale: float | None):
-        n, me = mode.size, mode.coord
-        groups = q.shape[-3] // k.shape[-3]
-        seq = q.shape[-2] * n
-        scale = scale if scale is not None else q.shape[-1] ** -0.5
-        qpos = zigzag_positions(seq, n, me, q.device)
-        qf = q.float()
-        out = torch.zeros_like(qf)
-        lse = torch.full(q.shape[:-1], _NEG, dtype=torch.float32, device=q.device)
-        kv = torch.stack((k, v))
-        for step in range(n):
-            src = (me - step) % n
-            pending = mode.pass_on(kv) if step < n - 1 else None
-            kb, vb = (t.float().repeat_interleave(groups, dim=-3) for t in kv)
-            mask = _mask(qpos, zigzag_positions(seq, n, src, q.device)) if causal else None
-            lse_b, _, out_b = _block(qf, kb, vb, mask, scale)
-            new = torch.logaddexp(lse, lse_b)
-            out = out * torch.exp(lse - new)[..., None] + out_b * torch.exp(lse_b - new)[..., None]
-            lse = new
-            if pending is not None:
-                kv = pending.wait()
+        ch = _Chunks(mode, q, q.shape[-3] // k.shape[-3], causal, scale)
+        k_chunks = tuple(c for r in range(ch.n) for c in ch.held(r))     # the gather's order: rank-major
+        out, lse = _start(q)
+        ch.forward(ch.split(q), ch.split(k), ch.split(v), k_chunks, out, lse)
+        out = torch.cat(out, -2).to(q.dtype)
+        lse = torch.cat(lse, -1)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.mode, ctx.causal, ctx.scale, ctx.groups = mode, causal, scale, groups
-        return out.to(q.dtype)
+        ctx.ch, ctx.k_chunks = ch, k_chunks
+        return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        mode, causal, scale, groups = ctx.mode, ctx.causal, ctx.scale, ctx.groups
-        n, me = mode.size, mode.coord
-        seq = q.shape[-2] * n
-        qpos = zigzag_positions(seq, n, me, q.device)
-        qf, do = q.float(), dout.float()
-        delta = (do * out).sum(-1)                               # softmax's backward: rowsum(dO * O)
-        dq = torch.zeros_like(qf)
+        ch = ctx.ch
+        dq = [torch.zeros(t.shape, dtype=torch.float32, device=q.device) for t in ch.split(q)]
+        dk = [torch.zeros(t.shape, dtype=torch.float32, device=q.device) for t in ch.split(k)]
+        dv = [torch.zeros(t.shape, dtype=torch.float32, device=q.device) for t in ch.split(v)]
+        ch.backward(ch.split(dout.contiguous()), ch.split(q), ch.split(k), ch.split(v), ch.split(out),
+                    lse.split(ch.length, -1), ctx.k_chunks, dq, dk, dv)
+        return (torch.cat(dq, -2).to(q.dtype), torch.cat(dk, -2).to(k.dtype), torch.cat(dv, -2).to(v.dtype),
+                None, None, None)
+
+
+class RingAttention(torch.autograd.Function):
+    """Ring attention over the context axis (module doc): each step this rank's query chunks meet the
+    key/value block it holds (two chunks) by chunk pairs, while the next block is in flight; partial results
+    merged by log-sum-exp. Backward passes the blocks again with their gradients' accumulators."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mode: ContextAttention, causal: bool, scale: float | None):
+        ch = _Chunks(mode, q, q.shape[-3] // k.shape[-3], causal, scale)
+        qs = ch.split(q)
+        out, lse = _start(q)
+        kv = torch.stack((k, v))
+        for step in range(ch.n):
+            src = (ch.me - step) % ch.n
+            pending = mode.pass_on(kv) if step < ch.n - 1 else None
+            ch.forward(qs, ch.split(kv[0]), ch.split(kv[1]), ch.held(src), out, lse)
+            if pending is not None:
+                kv = pending.wait()
+        out = torch.cat(out, -2).to(q.dtype)
+        lse = torch.cat(lse, -1)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ch, ctx.mode = ch, mode
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        ch, mode = ctx.ch, ctx.mode
+        qs, dos, outs, lses = ch.split(q), ch.split(dout.contiguous()), ch.split(out), lse.split(ch.length, -1)
+        dq = [torch.zeros(t.shape, dtype=torch.float32, device=q.device) for t in qs]
         kv = torch.stack((k, v))
         acc = None                                               # the held block's dK, dV accumulator, in flight
-        for step in range(n):
-            src = (me - step) % n
-            pending = mode.pass_on(kv) if step < n - 1 else None
-            kb, vb = (t.float().repeat_interleave(groups, dim=-3) for t in kv)
-            mask = _mask(qpos, zigzag_positions(seq, n, src, q.device)) if causal else None
-            s = (qf @ kb.transpose(-1, -2)) * scale
-            if mask is not None:
-                s = s.masked_fill(~mask, _NEG)
-            p = torch.exp(s - lse[..., None])
-            dv = p.transpose(-1, -2) @ do
-            ds = p * (do @ vb.transpose(-1, -2) - delta[..., None])
-            dq += (ds @ kb) * scale
-            dk = (ds.transpose(-1, -2) @ qf) * scale
-            mine = torch.stack((dk, dv))
-            if groups > 1:                                       # each key/value head served `groups` query heads
-                mine = mine.unflatten(-3, (-1, groups)).sum(-3)
+        for step in range(ch.n):
+            src = (ch.me - step) % ch.n
+            pending = mode.pass_on(kv) if step < ch.n - 1 else None
+            dk = [torch.zeros(t.shape, dtype=torch.float32, device=q.device) for t in ch.split(k)]
+            dv = [torch.zeros(t.shape, dtype=torch.float32, device=q.device) for t in ch.split(v)]
+            ch.backward(dos, qs, ch.split(kv[0]), ch.split(kv[1]), outs, lses, ch.held(src), dq, dk, dv)
+            mine = torch.stack((torch.cat(dk, -2), torch.cat(dv, -2)))
             if acc is not None:
                 mine = mine + acc.wait()
             acc = mode.pass_on(mine)                             # to the rank that holds this block next
             if pending is not None:
                 kv = pending.wait()
         dk, dv = acc.wait().to(k.dtype).unbind(0)               # the last pass brings this rank's own block home
-        return dq.to(q.dtype), dk, dv, None, None, None
-
-
-def _mask(qpos: torch.Tensor, kpos: torch.Tensor) -> torch.Tensor:
-    return kpos[None, :] <= qpos[:, None]
+        return torch.cat(dq, -2).to(q.dtype), dk, dv, None, None, None
 
 
 class ContextRuntime:
@@ -242,16 +398,33 @@ class ContextRuntime:
         self.mesh, self.axis = mesh, axis
         self.size, self.coord = mesh.axis_size(axis), mesh.coord(mesh.rank, axis)
         self.attention = ContextAttention(mesh, axis, method)
+        self.positions: torch.Tensor | None = None      # the running micro-batch's own, this rank's chunks
         self.hooks = [model.get_submodule(t).register_forward_pre_hook(self._global_positions, with_kwargs=True)
                       for t in tables]
 
+    def use(self, info: dict | None) -> None:
+        """The running micro-batch's documents and padding (its rows' whole ``attention_mask`` and
+        ``position_ids``, taken out of the model's inputs by ``runtime/batches.split_batch``), or None."""
+        self.positions = None
+        self.attention.docs = None
+        if not info:
+            return
+        valid, positions = info.get("attention_mask"), info.get("position_ids")
+        rows, seq = (valid if valid is not None else positions).shape
+        self.attention.docs = Documents(valid, positions, rows, seq, (valid if valid is not None else positions).device)
+        if positions is not None:
+            self.positions = local_chunk(positions, self.size, self.coord)
+
     def _global_positions(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple:
         """A position module's positions (integer tensors without batch rows: ``planner/context.positions_in``)
-        mapped to this rank's global ones."""
+        mapped to this rank's global ones — the batch's ``position_ids`` where it gave them (packed
+        documents: each row's own), else the zigzag positions."""
         def mapped(t: Any) -> Any:
             if not (isinstance(t, torch.Tensor) and not t.is_floating_point() and t.dim() in (1, 2)
                     and (t.dim() == 1 or t.shape[0] == 1)):
                 return t
+            if self.positions is not None:
+                return self.positions.to(t.device)[:, t.reshape(-1)]
             seq = t.shape[-1] * self.size
             return zigzag_positions(seq, self.size, self.coord, t.device)[t]
         return tuple(mapped(a) for a in args), {k: mapped(v) for k, v in kwargs.items()}

@@ -32,7 +32,7 @@ from ..errors import ShardingTypeError
 from ..planner.plan import Plan
 from ..validate import flag
 from .access import ParamAccess
-from .batches import split_batch
+from .batches import CONTEXT_KEY, split_batch
 from .buckets import GradBuckets
 from .context import ContextRuntime
 from .experts import ExpertReduction, capacity_layers, dropped_rows, global_statistics, route_experts
@@ -447,6 +447,11 @@ class Engine:
     def loss_of(self, batch: Any) -> torch.Tensor:
         """The loss of one micro-batch: ``loss_fn(model, batch)``, or the model's own (a scalar, or a
         transformers output's ``.loss``)."""
+        if self.context is not None:            # the micro-batch's documents and padding, for attention
+            info = batch.get(CONTEXT_KEY) if isinstance(batch, dict) else None
+            if info is not None:
+                batch = {k: v for k, v in batch.items() if k != CONTEXT_KEY}
+            self.context.use(info)
         with (router_loss.active(self.mesh, self.plan.dp_axes) if self.router_loss else contextlib.nullcontext()):
             if self.loss_fn is not None:
                 out = self.loss_fn(self.model, batch)

@@ -128,9 +128,14 @@ def test_what_cannot_run_on_chunks_is_refused_at_plan_time_by_name():
     assert "wpe is a learned position table of 16 positions, shorter than the 32-token sequence" in said, said
     from llama import tiny_llama
     padded = {**_llama_batch(0), "attention_mask": torch.ones(4, 16, dtype=torch.long)}
-    padded["attention_mask"][1, 12:] = 0
-    said = _refused(tiny_llama(), {"context": 2}, rules={"seq": "context"}, batch=padded)
-    assert "the batch pads its sequences (attention_mask has zeros)" in said and "Pack documents" in said
+    said = _refused(tiny_llama(), {"pipe": 2, "context": 2}, rules={"seq": "context", "layers": "pipe"},
+                    batch=padded)
+    assert "under a pipe with a batch of documents or padding" in said, said
+    from transformers import MistralConfig, MistralForCausalLM
+    mistral = MistralForCausalLM(MistralConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                               num_attention_heads=4, num_key_value_heads=2, sliding_window=8))
+    said = _refused(mistral, {"context": 2}, rules={"seq": "context"}, batch=_llama_batch(0))
+    assert "attends within a sliding window of 8 tokens, shorter than the 16-token sequence" in said, said
 
 
 def _llama_batch(step: int) -> dict:
@@ -279,3 +284,58 @@ def test_the_activations_a_rank_holds_fall_as_one_over_the_context_degree(method
         kv = 4 * 256 // c * 32 * 4                     # a layer's local keys (or values): rows x S/C x width, fp32
         extra = 2 * (c - 1) * kv * cfg.n_layers if method == "allgather" else 0
         assert got - extra == pytest.approx(whole / c, rel=0.02), (c, got, extra, whole)
+
+
+def _documents_batch(step: int, kind: str) -> dict:
+    """Padding (right on row 1, left on row 3; padded labels -100) and/or packed documents (``position_ids``
+    restarting mid-row, across chunk edges)."""
+    out = _llama_batch(step)
+    labels = out["labels"]
+    labels[0, 5:9], labels[2, 12:] = out["input_ids"][0, 5:9], out["input_ids"][2, 12:]     # (no spans here)
+    if kind in ("padding", "both"):
+        mask = torch.ones(4, 16, dtype=torch.long)
+        mask[1, 11:], mask[3, :5] = 0, 0
+        labels[mask == 0] = -100
+        out["attention_mask"] = mask
+    if kind in ("packed", "both"):
+        pos = torch.cat([torch.arange(6), torch.arange(7), torch.arange(3)]).expand(4, 16).clone()
+        pos[2] = torch.cat([torch.arange(9), torch.arange(7)])
+        out["position_ids"] = pos
+    return out
+
+
+def _train_documents(shape: dict, zero: int, kind: str, method: str):
+    from llama import tiny_llama
+    batches = [_documents_batch(s, kind) for s in range(STEPS)]
+    want_losses, want = _one_process(tiny_llama(), batches, loss=lambda m, b: m(**b).loss)
+    model = tiny_llama()
+    mesh = sl.Mesh(shape)
+    plan = sl.plan(model, mesh, rules={"seq": "context"}, zero=zero, batch=batches[0], context_attention=method)
+    engine = sl.parallelize(model, plan, optimizer=_opt)
+    losses = []
+    for step, b in enumerate(batches):
+        with sl.count_collectives() as counted:
+            losses.append(engine.step(b))
+        if step == 1:
+            second = _counted(counted.records)
+    got = engine.full_state_dict()
+    return {"losses": losses, "want_losses": want_losses, "params": {k: (got[k], want[k]) for k in want},
+            "counted": dict(second), "planned": dict(_planned(plan, mesh.rank))}
+
+
+@pytest.mark.parametrize("kind, method, shape, zero", [
+    ("padding", "allgather", {"context": 2}, 0), ("packed", "ring", {"data": 2, "context": 2}, 3),
+    ("both", "ring", {"context": 4}, 0), ("both", "ulysses", {"context": 2}, 1)],
+    ids=["padding_allgather", "packed_ring_data2_zero3", "both_ring_context4", "both_ulysses_zero1"])
+def test_padding_and_packed_documents_mask_attention_over_the_whole_sequence(world, kind, method, shape, zero):
+    """transformers decides the mask in one process — with an ``attention_mask``, causal over the non-padding
+    keys (a left pad sees nothing: zeros); without one, ``position_ids`` restarting mark packed documents, each
+    query seeing its own document's keys; the rotary positions are the batch's ``position_ids``. The engine
+    takes both out of the model's inputs and gives them to the attention over whole sequences
+    (``runtime/context.Documents``), each method masking chunk pairs: every loss and parameter equals one
+    process's, counted = planned."""
+    for r in world(math.prod(shape.values()), _train_documents, shape, zero, kind, method):
+        assert r["losses"] == pytest.approx(r["want_losses"], rel=1e-5), (r["losses"], r["want_losses"])
+        for k, (got, want) in r["params"].items():
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=5e-5 if "embed_tokens" in k else 1e-5, msg=k)
+        assert r["counted"] == r["planned"]
