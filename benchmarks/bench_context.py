@@ -15,9 +15,10 @@ row's answer; beside it the plan's estimate of the activations (``plan.peak_per_
 context 1, ``sl.activation_bytes`` of the model on the batch) at that length.
 
 **Part 2: step time and bytes at one length** (``--seq``), per method at context 2 and 4, side by side with
-plain PyTorch in the same processes: each rank also holds the one-process model and steps it on the whole
-sequence (its step alternating with shardlib's after a barrier: ``harness.alternate``); the ratio is
-shardlib's median step over plain PyTorch's, one rank's whole-sequence step. The attention's bytes rank 0 sent
+plain PyTorch in the same processes: rank 0 also holds the one-process model and steps it on the whole
+sequence while the other ranks wait (its step alternating with shardlib's after a barrier:
+``harness.alternate``); the ratio is shardlib's median step (the latest end minus the earliest start over the
+ranks) over plain PyTorch's whole-sequence step on one rank. The attention's bytes rank 0 sent
 in one step (``sl.count_collectives``, the activation moves) are set beside each method's formula
 (``planner/context.FORMULAS`` x layers, forward and backward as the plan lists them). Losses are compared with
 one process on every step.
@@ -102,13 +103,17 @@ def longest_main(n: int, lengths: list[int], budget: int) -> list[dict]:
 # ---- part 2: step time and bytes beside plain PyTorch ------------------------------------------------------
 
 class _Plain:
-    """The one-process model stepped on the whole sequence (every rank its own copy)."""
+    """The one-process model stepped on the whole sequence — on rank 0 only (``idle``: the other ranks wait at
+    the barrier), so it has a core to itself as one process would."""
 
-    def __init__(self):
-        self.model = build()
-        self.opt = _opt(self.model.parameters())
+    def __init__(self, idle: bool = False):
+        self.idle = idle
+        self.model = None if idle else build()
+        self.opt = None if idle else _opt(self.model.parameters())
 
     def step(self, batch) -> float:
+        if self.idle:
+            return float("nan")
         loss = self.model(**batch).loss
         loss.backward()
         self.opt.step()
@@ -126,7 +131,7 @@ class _Shardlib:
 
 def timed_main(n: int, seq: int, method: str, warmup: int, steps: int) -> dict:
     torch.set_num_threads(1)
-    built = {"shardlib": _Shardlib(n, seq, method), "torch": _Plain()}
+    built = {"shardlib": _Shardlib(n, seq, method), "torch": _Plain(idle=dist.get_rank() != 0)}
     batches = [batch_at(seq, s) for s in range(warmup + steps)]
 
     def count(side, b, batch):
@@ -208,8 +213,7 @@ def main() -> None:
                 for side in ("shardlib", "torch"):
                     times = [max(r[side]["spans"][k][1] for r in per) - min(r[side]["spans"][k][0] for r in per)
                              for k in range(args.steps)] if side == "shardlib" else \
-                        [statistics.median(r[side]["spans"][k][1] - r[side]["spans"][k][0] for r in per)
-                         for k in range(args.steps)]
+                        [per[0][side]["spans"][k][1] - per[0][side]["spans"][k][0] for k in range(args.steps)]
                     row[side] = {"ms": 1e3 * statistics.median(times), "dloss": max_rel(per[0][side]["losses"], ref)}
                 row["ratio"] = row["shardlib"]["ms"] / row["torch"]["ms"]
                 row["bytes"] = per[0]["shardlib"]["bytes"]

@@ -15,6 +15,10 @@ stepped alternately — see each script's docstring):
 * ``bench_moe.py``            a transformers Mixtral and Qwen3-MoE on expert 2 and 4 vs a hand-written
                               ``all_to_all_single`` dispatch + DDP (torchtitan's way), and vs FSDP2 with every
                               expert on every rank
+* ``bench_context.py``        a transformers Llama with each sequence over context 2 and 4 (all-gather, ring,
+                              Ulysses) vs one rank's plain PyTorch step on the whole sequence (torch's own
+                              ``context_parallel`` does not run on this CPU build: said in its output); and the
+                              longest sequence a rank trains within a fixed memory, at context 1, 2 and 4
 
 and writes ``<out>/summary.md`` (one table: form, baseline, ranks, median step ms of each side, ratio,
 max relative loss difference of each side against one process) and ``<out>/summary.json``, plus each
@@ -46,6 +50,7 @@ SCRIPTS = {
     "bench_hf": {"full": ["--parts", "steps", "--no-rss", "--steps", "10"],
                  "quick": ["--parts", "steps", "--no-rss", "--steps", "5", "--warmup", "2"]},
     "bench_moe": {"full": [], "quick": ["--configs", "mixtral-e2", "qwen3_moe-e4", "--steps", "6"]},
+    "bench_context": {"full": [], "quick": ["--max-seq", "8192", "--steps", "4"]},
 }
 
 
@@ -90,6 +95,14 @@ def _rows(script: str, data) -> list[dict]:
                             "shardlib_ms": res["shardlib"]["ms"], "torch_ms": res[other]["ms"],
                             "ratio": r[f"ratio_{other}"], "dloss": max(res["shardlib"]["dloss"], res[other]["dloss"]),
                             "dloss_kind": "rel vs 1 process"})
+    elif script == "bench_context":
+        for r in data.get("timed", []):
+            if "ratio" not in r:
+                continue
+            out.append({"form": f"context {r['context']} {r['method']} ({r['seq']} tokens)",
+                        "baseline": "plain PyTorch, one rank, the whole sequence", "ranks": r["context"],
+                        "shardlib_ms": r["shardlib"]["ms"], "torch_ms": r["torch"]["ms"], "ratio": r["ratio"],
+                        "dloss": max(r["shardlib"]["dloss"], r["torch"]["dloss"]), "dloss_kind": "rel vs 1 process"})
     return out
 
 

@@ -56,14 +56,34 @@ class ContextTrace:
     problems: tuple[str, ...]
 
 
+_REDUCTIONS = {torch.mean, torch.sum, torch.amax, torch.amin, torch.max, torch.min, torch.logsumexp, torch.prod,
+               torch.Tensor.mean, torch.Tensor.sum, torch.Tensor.amax, torch.Tensor.amin, torch.Tensor.max,
+               torch.Tensor.min, torch.Tensor.logsumexp, torch.Tensor.prod}
+
+
 class _Recorder(TorchFunctionMode):
-    def __init__(self, units: list[str], stack: list[str]):
+    def __init__(self, units: list[str], stack: list[str], local_seq: int = 0):
         super().__init__()
-        self.units, self.stack = set(units), stack
+        self.units, self.stack, self.local_seq = set(units), stack, local_seq
         self.calls: list[tuple] = []
+        self.pooled: list[str] = []        # modules that reduce activations over the sequence
+
+    def _pools(self, func, args, kwargs) -> bool:
+        """A reduction over dim 1 of a ``[batch, seq, ...]`` activation: it would see only the rank's chunk."""
+        x = args[0] if args else None
+        if func not in _REDUCTIONS or not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < 3 \
+                or x.shape[1] != self.local_seq:
+            return False
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+        if dim is None:
+            return False                   # (a reduction to one number: a loss)
+        dims = dim if isinstance(dim, (tuple, list)) else (dim,)
+        return any(isinstance(d, int) and d % x.dim() == 1 for d in dims)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self._pools(func, args, kwargs):
+            self.pooled.append(next((m for m in reversed(self.stack) if m), "the model's forward"))
         if func is F.scaled_dot_product_attention:
             q, k = args[0], args[1]
             mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
@@ -153,7 +173,7 @@ def context_trace(model: nn.Module, batch: Any, size: int, rows: int, units: lis
     local_seq = seq // size
 
     def enter(mod, args, kwargs):
-        stack.append(names.get(mod, ""))
+        stack.append(names.get(mod, "") or type(mod).__name__)          # (the root by its class)
         if _reads_positions(mod) and positions_in(args, kwargs, local_seq):
             looked.add(names.get(mod, ""))
 
@@ -162,7 +182,7 @@ def context_trace(model: nn.Module, batch: Any, size: int, rows: int, units: lis
 
     handles = [m.register_forward_pre_hook(enter, with_kwargs=True) for m in model.modules()] + \
         [m.register_forward_hook(leave) for m in model.modules()]
-    recorder = _Recorder(units, stack)
+    recorder = _Recorder(units, stack, local_seq)
     try:
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
         # (a shape environment: a mixture of experts' routing has data-dependent sizes, unbacked here)
@@ -186,6 +206,12 @@ def context_trace(model: nn.Module, batch: Any, size: int, rows: int, units: lis
                         "chunks of the sequence by intercepting SDPA; an attention written out (eager, with a "
                         "materialized mask) cannot run on chunks. Use SDPA (transformers: attn_implementation="
                         "'sdpa').")
+    if recorder.pooled:
+        where = ", ".join(dict.fromkeys(recorder.pooled))
+        problems.append(f"plan: {where} reduces activations over the sequence (a pooling over dim 1) — on a context "
+                        "rank it would see only its chunk; expected every op but attention to read its own tokens. "
+                        "Pool after gathering the sequence (or compute it in the loss over the whole batch), or drop "
+                        "the context axis.")
     # (an explicit mask is seen only when it runs: transformers builds one while tracing, skips it on a batch
     # without padding — runtime/context.py refuses one there)
     for numel, causal, masked, dropout, unit, *_ in recorder.calls:

@@ -339,3 +339,21 @@ def test_padding_and_packed_documents_mask_attention_over_the_whole_sequence(wor
         for k, (got, want) in r["params"].items():
             torch.testing.assert_close(got, want, rtol=1e-4, atol=5e-5 if "embed_tokens" in k else 1e-5, msg=k)
         assert r["counted"] == r["planned"]
+
+
+class _Pooled(GPT):
+    """The GPT with a sequence classifier's mean pooling over its tokens before the head."""
+
+    def forward(self, idx, targets):
+        x = self.pipeline_pre(idx)
+        for block in self.blocks:
+            x = block(x)
+        pooled = self.ln_f(x).mean(dim=1)
+        return nn.functional.cross_entropy(self.head(pooled), targets[:, 0])
+
+
+def test_a_pooling_over_the_sequence_is_refused_naming_where():
+    said = _refused(_Pooled(CFG, seed=0), {"context": 2}, rules={"seq": "context"}, batch=token_batch(CFG, 4, 0))
+    assert "plan: _Pooled reduces activations over the sequence (a pooling over dim 1)" in said, said
+    sl.plan(GPT(CFG, seed=0), sl.AbstractMesh({"context": 2}), rules={"seq": "context"},
+            batch=token_batch(CFG, 4, 0))             # the GPT's loss is a mean over every token: not a pooling
