@@ -491,7 +491,8 @@ def _context(model: nn.Module, mesh: AbstractMesh, roles: MeshRoles, rules: Any,
     from torch.utils._pytree import tree_leaves
     leaves = [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
     rows = max(1, (leaves[0].shape[0] if leaves and leaves[0].dim() else 1) // (rows_over * m))
-    trace = context_trace(model, whole_sequence_inputs(model, batch), size, rows, units, heads_over)
+    trace = context_trace(model, whole_sequence_inputs(model, batch), size, rows, units, heads_over,
+                          selective=pol.memory.recompute == "selective")
     for m_ in trace.problems:
         add(m_)
     return axis, trace

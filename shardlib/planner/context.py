@@ -14,7 +14,8 @@ A plan with a context axis traces the model once on the meta device, on one rank
 
 What cannot run on chunks is refused by name at plan time: a sequence the axis does not divide into ``2·C``
 chunks (zigzag), a model whose attention does not go through SDPA (eager attention with a materialized mask:
-the fix is SDPA), attention dropout, a position table shorter than the sequence, a padded batch.
+the fix is SDPA), attention dropout, a position table shorter than the sequence, a pooling over the sequence,
+a sliding window under selective recompute.
 """
 
 from __future__ import annotations
@@ -138,7 +139,7 @@ def _reads_positions(module: nn.Module) -> bool:
 
 
 def context_trace(model: nn.Module, batch: Any, size: int, rows: int, units: list[str],
-                  heads_over: int = 1) -> ContextTrace:
+                  heads_over: int = 1, selective: bool = False) -> ContextTrace:
     """The model's forward on one rank's micro-batch (``rows`` rows, the sequence's ``1/size``), on fake
     tensors: its attention calls and position modules (module doc), and what cannot run on chunks."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -158,11 +159,10 @@ def context_trace(model: nn.Module, batch: Any, size: int, rows: int, units: lis
                         f"of 2 x {size} = {2 * size} (each rank holds two chunks, zigzag, so every rank's causal "
                         f"attention does the same work). Pad or cut the sequence to {lo or hi}{f' or {hi}' if lo else ''}.")
         return ContextTrace((), (), tuple(problems))
-    window = _sliding_window(model)
-    if window is not None and window < seq:
-        problems.append(f"plan: {type(model).__name__} attends within a sliding window of {window} tokens, shorter than "
-                        f"the {seq}-token sequence — context-parallel attention does not mask windows yet. Train "
-                        f"sequences of at most {window} tokens, or drop the context axis.")
+    if _sliding_window(model) is not None and selective:
+        problems.append(f"plan: {type(model).__name__} attends within a sliding window, and selective recompute replays "
+                        "attention where the layer's window is not known — not built yet. Use recompute='full' or "
+                        "'none' with the context axis.")
         return ContextTrace((), (), tuple(problems))
     if isinstance(batch, dict):        # documents and padding go to the attention, not the model (runtime/batches.py)
         batch = {k: v for k, v in batch.items() if k not in ("attention_mask", "position_ids")}

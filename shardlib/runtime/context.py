@@ -125,6 +125,7 @@ class ContextAttention(TorchFunctionMode):
         self.coord = mesh.coord(mesh.rank, axis)
         self.calls = 0
         self.docs: Documents | None = None       # the running micro-batch's (ContextRuntime.use)
+        self.window: int | None = None           # the running layer's sliding window (ContextRuntime.windows)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -135,6 +136,8 @@ class ContextAttention(TorchFunctionMode):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
                dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                enable_gqa: bool = False) -> torch.Tensor:
+        if attn_mask is not None and self._own_chunk_mask(attn_mask, q.shape[-2]):
+            attn_mask, is_causal = None, True       # the model's causal (windowed) mask of its chunk: made global here
         if attn_mask is not None or dropout_p:
             what = "an explicit attn_mask" if attn_mask is not None else f"dropout_p={dropout_p}"
             raise ShardingError(f"context parallel: scaled_dot_product_attention got {what} — expected a causal "
@@ -150,6 +153,19 @@ class ContextAttention(TorchFunctionMode):
         v = AllGather.apply(v.contiguous(), self.mesh, self.axes, v.dim() - 2)
         return GatheredAttention.apply(q, k, v, self, bool(is_causal), scale)
 
+
+    def _own_chunk_mask(self, mask: torch.Tensor, local: int) -> bool:
+        """Whether ``mask`` is what a transformers model builds of its own chunk when given no mask (the engine
+        gives the batch's documents and padding to this attention instead): causal, within the layer's sliding
+        window, by the chunk's indices. This attention applies both over the whole sequence."""
+        if mask.shape[-2:] != (local, local):
+            return False
+        allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+        idx = torch.arange(local, device=mask.device)
+        want = idx[None, :] <= idx[:, None]
+        if self.window is not None:
+            want = want & (idx[:, None] - idx[None, :] < self.window)
+        return bool((allowed == want).all())
 
     # -- Ulysses: sequence <-> heads ------------------------------------------------------------------
 
@@ -168,12 +184,18 @@ class ContextAttention(TorchFunctionMode):
             return t.index_select(-2, order)
 
         extra = {"enable_gqa": True} if enable_gqa else {}
-        if self.docs is None:
+        if self.docs is None and self.window is None:
             out = F.scaled_dot_product_attention(to_heads(q), to_heads(k), to_heads(v), is_causal=bool(is_causal),
                                                  scale=scale, **extra)
         else:
-            out = F.scaled_dot_product_attention(to_heads(q), to_heads(k), to_heads(v),
-                                                 attn_mask=self.docs.full(seq, bool(is_causal)), scale=scale, **extra)
+            mask = self.docs.full(seq, bool(is_causal)) if self.docs is not None else \
+                torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()[None, None] if is_causal else None
+            if self.window is not None:
+                idx = torch.arange(seq, device=q.device)
+                near = idx[:, None] - idx[None, :] < self.window
+                mask = near[None, None] if mask is None else mask & near
+            out = F.scaled_dot_product_attention(to_heads(q), to_heads(k), to_heads(v), attn_mask=mask, scale=scale,
+                                                 **extra)
         out = out.index_select(-2, back).contiguous()
         return AllToAll.apply(out, self.mesh, self.axes, out.dim() - 2, out.dim() - 3)
 
@@ -256,7 +278,7 @@ class _Chunks:
 
     def __init__(self, mode: ContextAttention, q: torch.Tensor, groups: int, causal: bool, scale: float | None):
         self.n, self.me, self.groups, self.causal = mode.size, mode.coord, groups, causal
-        self.docs = mode.docs
+        self.docs, self.window = mode.docs, mode.window
         self.scale = scale if scale is not None else q.shape[-1] ** -0.5
         self.length = q.shape[-2] // 2
         self.mine = (self.me, 2 * self.n - 1 - self.me)          # this rank's chunks, in the order it holds them
@@ -275,11 +297,22 @@ class _Chunks:
         return t.unflatten(-3, (-1, self.groups)).sum(-3) if self.groups > 1 else t
 
     def masked(self, a: int, b: int, square: bool) -> tuple[bool, torch.Tensor | None]:
-        """The batch's documents and padding (``Documents``) on query chunk ``a`` x key chunk ``b``: ``(skip,
-        allowed)`` — a pair no query may see is skipped; one every query sees whole needs no mask."""
-        if self.docs is None:
+        """The batch's documents and padding (``Documents``) and the layer's sliding window on query chunk ``a``
+        x key chunk ``b``: ``(skip, allowed)`` — a pair no query may see is skipped; one every query sees whole
+        needs no mask."""
+        if self.docs is None and self.window is None:
             return False, None
-        allowed = self.docs.allowed(a, b, self.length, square, self.causal)
+        n = self.length
+        if self.docs is not None:
+            allowed = self.docs.allowed(a, b, n, square, self.causal)
+        else:
+            allowed = torch.ones(1, n, n, dtype=torch.bool)
+            if square and self.causal:
+                allowed = allowed.tril()
+        if self.window is not None:        # transformers' sliding window: q - w < k (by index)
+            idx = torch.arange(n)
+            near = (a * n + idx)[:, None] - (b * n + idx)[None, :] < self.window
+            allowed = allowed & near.to(allowed.device)
         if not bool(allowed.any()):
             return True, None
         return False, None if bool(allowed.all()) else allowed[:, None]
@@ -390,6 +423,22 @@ class RingAttention(torch.autograd.Function):
         return torch.cat(dq, -2).to(q.dtype), dk, dv, None, None, None
 
 
+def sliding_window(module: nn.Module) -> int | None:
+    """The sliding window a transformers attention module attends within: its own ``sliding_window`` (Qwen2's,
+    per layer type), or its config's where the module is an attention that reads it (Mistral's); else None."""
+    if not type(module).__name__.endswith("Attention"):
+        return None
+    own = getattr(module, "sliding_window", "absent")
+    if own != "absent":
+        return own if isinstance(own, int) else None
+    config = getattr(module, "config", None)
+    window = getattr(config, "sliding_window", None)
+    if isinstance(window, int) and getattr(config, "use_sliding_window", True) is not False \
+            and not getattr(config, "layer_types", None):
+        return window
+    return None
+
+
 class ContextRuntime:
     """The context axis's runtime state: the attention mode, and the position tables' hooks (``tables``:
     the names of the modules holding them, ``plan.position_tables``)."""
@@ -399,8 +448,22 @@ class ContextRuntime:
         self.size, self.coord = mesh.axis_size(axis), mesh.coord(mesh.rank, axis)
         self.attention = ContextAttention(mesh, axis, method)
         self.positions: torch.Tensor | None = None      # the running micro-batch's own, this rank's chunks
+        # transformers reads packed documents from position_ids only without a cache (a model whose config says
+        # use_cache makes one in training too, and then attends across the documents: so here as well)
+        from ..planner.peft import peft_base
+        self.packs = not getattr(getattr(peft_base(model)[0], "config", None), "use_cache", False)
         self.hooks = [model.get_submodule(t).register_forward_pre_hook(self._global_positions, with_kwargs=True)
                       for t in tables]
+        for m in model.modules():                     # layers attending within a sliding window
+            if sliding_window(m) is not None:
+                self.hooks += [m.register_forward_pre_hook(self._enter_window),
+                               m.register_forward_hook(self._leave_window)]
+
+    def _enter_window(self, module: nn.Module, args: tuple) -> None:
+        self.attention.window = sliding_window(module)
+
+    def _leave_window(self, module: nn.Module, args: tuple, out: Any) -> None:
+        self.attention.window = None
 
     def use(self, info: dict | None) -> None:
         """The running micro-batch's documents and padding (its rows' whole ``attention_mask`` and
@@ -411,7 +474,8 @@ class ContextRuntime:
             return
         valid, positions = info.get("attention_mask"), info.get("position_ids")
         rows, seq = (valid if valid is not None else positions).shape
-        self.attention.docs = Documents(valid, positions, rows, seq, (valid if valid is not None else positions).device)
+        self.attention.docs = Documents(valid, positions if self.packs else None, rows, seq,
+                                        (valid if valid is not None else positions).device)
         if positions is not None:
             self.positions = local_chunk(positions, self.size, self.coord)
 

@@ -18,7 +18,8 @@ from shardlib.frontend.run import check, lr_factor
 # a mesh for each parallel preset
 MESH_FOR = {"dp": "dp4", "zero1": "dp4", "zero2": "dp4", "zero3": "dp4", "hsdp": "hsdp2x2", "tp": "tp2",
             "tp_sp": "dp2_tp2", "pp_gpipe": "pp2", "pp_1f1b": "pp2_dp2", "pp_interleaved": "pp2", "pp_zb": "pp4",
-            "3d": "2x2x2", "zero_offload": "dp2", "zero_infinity": "dp2", "ep": "dp2_ep2", "ep_tp": "ep2_tp2"}
+            "3d": "2x2x2", "zero_offload": "dp2", "zero_infinity": "dp2", "ep": "dp2_ep2", "ep_tp": "ep2_tp2",
+            "cp": "dp2_cp2"}
 MODEL_FOR = {"ep": "moe_tiny", "ep_tp": "moe_tiny"}          # a preset that needs a model of its kind (default: the tiny GPT)
 
 

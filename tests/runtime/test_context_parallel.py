@@ -131,11 +131,9 @@ def test_what_cannot_run_on_chunks_is_refused_at_plan_time_by_name():
     said = _refused(tiny_llama(), {"pipe": 2, "context": 2}, rules={"seq": "context", "layers": "pipe"},
                     batch=padded)
     assert "under a pipe with a batch of documents or padding" in said, said
-    from transformers import MistralConfig, MistralForCausalLM
-    mistral = MistralForCausalLM(MistralConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                               num_attention_heads=4, num_key_value_heads=2, sliding_window=8))
-    said = _refused(mistral, {"context": 2}, rules={"seq": "context"}, batch=_llama_batch(0))
-    assert "attends within a sliding window of 8 tokens, shorter than the 16-token sequence" in said, said
+    said = _refused(_windowed("mistral"), {"context": 2}, rules={"seq": "context"}, batch=_llama_batch(0),
+                    recompute="selective")
+    assert "attends within a sliding window, and selective recompute replays attention" in said, said
 
 
 def _llama_batch(step: int) -> dict:
@@ -357,3 +355,53 @@ def test_a_pooling_over_the_sequence_is_refused_naming_where():
     assert "plan: _Pooled reduces activations over the sequence (a pooling over dim 1)" in said, said
     sl.plan(GPT(CFG, seed=0), sl.AbstractMesh({"context": 2}), rules={"seq": "context"},
             batch=token_batch(CFG, 4, 0))             # the GPT's loss is a mean over every token: not a pooling
+
+
+def _windowed(kind: str, cache: bool = False):
+    """A tiny transformers Mistral (every layer within a sliding window of 6) or Qwen2 (its second layer within
+    one of 5), SDPA; ``cache``: the config's ``use_cache`` (transformers then makes a cache in training too)."""
+    torch.manual_seed(0)
+    common = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, attn_implementation="sdpa", use_cache=cache)
+    if kind == "mistral":
+        from transformers import MistralConfig, MistralForCausalLM
+        return MistralForCausalLM(MistralConfig(sliding_window=6, **common))
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    return Qwen2ForCausalLM(Qwen2Config(sliding_window=5, use_sliding_window=True, max_window_layers=1, **common))
+
+
+def _train_windowed(shape: dict, kind: str, method: str, docs: str, cache: bool):
+    batches = [_documents_batch(s, docs) for s in range(STEPS)]
+    want_losses, want = _one_process(_windowed(kind, cache), batches, loss=lambda m, b: m(**b).loss)
+    model = _windowed(kind, cache)
+    mesh = sl.Mesh(shape)
+    plan = sl.plan(model, mesh, rules={"seq": "context"}, batch=batches[0], context_attention=method)
+    engine = sl.parallelize(model, plan, optimizer=_opt)
+    losses = []
+    for step, b in enumerate(batches):
+        with sl.count_collectives() as counted:
+            losses.append(engine.step(b))
+        if step == 1:
+            second = _counted(counted.records)
+    got = engine.full_state_dict()
+    return {"losses": losses, "want_losses": want_losses, "params": {k: (got[k], want[k]) for k in want},
+            "counted": dict(second), "planned": dict(_planned(plan, mesh.rank))}
+
+
+@pytest.mark.parametrize("kind, method, shape, docs, cache", [
+    ("mistral", "allgather", {"context": 2}, "none", False), ("qwen2", "ulysses", {"context": 2}, "none", False),
+    ("mistral", "ring", {"data": 2, "context": 2}, "packed", False), ("qwen2", "ulysses", {"context": 4}, "both", False),
+    ("mistral", "ring", {"context": 2}, "packed", True)],
+    ids=["mistral_allgather", "qwen2_mixed_layers_ulysses", "mistral_packed_ring_data2", "qwen2_both_ulysses_context4",
+         "mistral_packed_with_a_cache_ring"])
+def test_sliding_windows_by_layer_over_the_whole_sequence(world, kind, method, shape, docs, cache):
+    """A layer's sliding window (Mistral's every layer, Qwen2's sliding ones: the attention module's own) is
+    applied over the whole sequence by global index, with documents and padding as transformers combines
+    them; the model's own mask of its chunk (causal within the window) is recognized and replaced. A model whose
+    config keeps a cache attends across packed documents in one process (transformers reads packing only
+    without one): so here too. Every loss and parameter equals one process's, counted = planned."""
+    for r in world(math.prod(shape.values()), _train_windowed, shape, kind, method, docs, cache):
+        assert r["losses"] == pytest.approx(r["want_losses"], rel=1e-5), (r["losses"], r["want_losses"])
+        for k, (got, want) in r["params"].items():
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=5e-5 if "embed_tokens" in k else 1e-5, msg=k)
+        assert r["counted"] == r["planned"]
