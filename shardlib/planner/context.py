@@ -145,6 +145,9 @@ def context_trace(model: nn.Module, batch: Any, size: int, rows: int, units: lis
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.func import functional_call
 
+    if isinstance(batch, dict):        # (flash-attention's offsets of packed documents: not per token)
+        batch = {k: v for k, v in batch.items() if k not in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
+                                                             "max_length_k")}
     leaves = [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
     seq = leaves[0].shape[1] if leaves and leaves[0].dim() > 1 else 0
     problems: list[str] = []
@@ -165,7 +168,8 @@ def context_trace(model: nn.Module, batch: Any, size: int, rows: int, units: lis
                         "'none' with the context axis.")
         return ContextTrace((), (), tuple(problems))
     if isinstance(batch, dict):        # documents and padding go to the attention, not the model (runtime/batches.py)
-        batch = {k: v for k, v in batch.items() if k not in ("attention_mask", "position_ids")}
+        batch = {k: v for k, v in batch.items() if k not in ("attention_mask", "position_ids", "cu_seq_lens_q",
+                                                             "cu_seq_lens_k", "max_length_q", "max_length_k")}
     trace_rows = 2                   # two rows: a position lookup has no batch dim, a token lookup has
     stack: list[str] = []
     looked: set[str] = set()

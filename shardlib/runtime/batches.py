@@ -44,6 +44,9 @@ if TYPE_CHECKING:
 
 IGNORE = -100          # transformers' ignore index
 SEQUENCE_KEYS = ("attention_mask", "position_ids")   # read by the context axis's attention over whole sequences
+# flash-attention's form of packed documents (transformers' DataCollatorWithFlattening): offsets over the whole
+# flattened sequence, which an SDPA model never reads (its documents come from position_ids): not cut, dropped
+FLASH_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 CONTEXT_KEY = "_shardlib_context"
 
 
@@ -51,6 +54,8 @@ def split_batch(engine: Engine, batch: Any, local: bool) -> tuple[list[Any], int
     """This rank's micro-batches of ``batch`` and the global batch's rows. With a context axis each row's
     sequence (dim 1) is cut to this rank's zigzag chunks (``runtime/context.py``)."""
     n, m = engine.rows_size, engine.plan.grad_accum
+    if engine.context is not None and isinstance(batch, dict):      # (offsets over the whole row: not cut)
+        batch = {k: v for k, v in batch.items() if k not in FLASH_KEYS}
     leaves = _leaves(batch)
     if not leaves:
         raise ShardingTypeError("step: the batch holds no tensors — expected a tensor, or a tuple/list/dict of "

@@ -405,3 +405,70 @@ def test_sliding_windows_by_layer_over_the_whole_sequence(world, kind, method, s
         for k, (got, want) in r["params"].items():
             torch.testing.assert_close(got, want, rtol=1e-4, atol=5e-5 if "embed_tokens" in k else 1e-5, msg=k)
         assert r["counted"] == r["planned"]
+
+
+def _flattened(step: int) -> dict:
+    """transformers' ``DataCollatorWithFlattening`` form: one row of packed documents with its ``position_ids`` and
+    flash-attention's offsets (``cu_seq_lens_q/k``, ``max_length_q/k``), labels -100 at each document's start."""
+    g = torch.Generator().manual_seed(step)
+    lengths = (5, 7, 9, 11)
+    ids = torch.randint(0, 96, (1, sum(lengths)), generator=g)
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    labels = ids.clone()
+    labels[pos == 0] = -100
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return {"input_ids": ids, "labels": labels, "position_ids": pos, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu,
+            "max_length_q": max(lengths), "max_length_k": max(lengths)}
+
+
+def _train_flattened(shape: dict, method: str):
+    from llama import tiny_llama
+    batches = [_flattened(s) for s in range(STEPS)]
+    want_losses, want = _one_process(tiny_llama(), batches, loss=lambda m, b: m(**b).loss)
+    model = tiny_llama()
+    plan = sl.plan(model, sl.Mesh(shape), rules={"seq": "context"}, batch=batches[0], context_attention=method)
+    engine = sl.parallelize(model, plan, optimizer=_opt)
+    losses = [engine.step(b) for b in batches]
+    got = engine.full_state_dict()
+    return {"losses": losses, "want_losses": want_losses, "params": {k: (got[k], want[k]) for k in want}}
+
+
+@pytest.mark.parametrize("method", ["allgather", "ring"])
+def test_a_flattened_batch_of_packed_documents_trains_as_one_process(world, method):
+    """One 32-token row of 4 packed documents as transformers' flattening collator gives it: the documents
+    come from ``position_ids`` (an SDPA model never reads flash-attention's ``cu_seq_lens``, which describe
+    the whole row and are dropped, not cut); at context 2 every loss and parameter equals one process's."""
+    for r in world(2, _train_flattened, {"context": 2}, method):
+        assert r["losses"] == pytest.approx(r["want_losses"], rel=1e-5), (r["losses"], r["want_losses"])
+        for k, (got, want) in r["params"].items():
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=5e-5 if "embed_tokens" in k else 1e-5, msg=k)
+
+
+def _save_or_resume(shape: dict, folder: str, save: bool):
+    """``save``: two steps on ``shape`` (ZeRO-1: the optimizer's states sharded over data x context), saved;
+    else: loaded on ``shape`` and the third step taken, every parameter beside one process's."""
+    model = GPT(CFG, seed=0)
+    mesh = sl.Mesh(shape)
+    rules = {"seq": "context"} if "context" in shape else None
+    plan = sl.plan(model, mesh, rules=rules, zero=1, batch=token_batch(CFG, BATCH, 0))
+    engine = sl.parallelize(model, plan, optimizer=_opt)
+    if save:
+        losses = [engine.step(token_batch(CFG, BATCH, s)) for s in range(2)]
+        engine.save(folder)
+        return {"losses": losses}
+    engine.load(folder)
+    losses = [engine.step(token_batch(CFG, BATCH, 2))]
+    want_losses, want = _one_process(GPT(CFG, seed=0), [token_batch(CFG, BATCH, s) for s in range(3)])
+    got = engine.full_state_dict()
+    return {"losses": losses, "want_losses": want_losses[2:], "params": {k: (got[k], want[k]) for k in want}}
+
+
+@pytest.mark.parametrize("to", [{"data": 2}, {"context": 4}], ids=["data2", "context4"])
+def test_a_checkpoint_saved_on_data_x_context_resumes_on_another_layout(world, tmp_path, to):
+    """The axis holds no state of its own: a checkpoint of data 2 x context 2 (ZeRO-1 over both) resumes on data 2
+    and on context 4, and the step after equals one process's."""
+    world(4, _save_or_resume, {"data": 2, "context": 2}, str(tmp_path), True)
+    for r in world(math.prod(to.values()), _save_or_resume, to, str(tmp_path), False):
+        assert r["losses"] == pytest.approx(r["want_losses"], rel=1e-5)
+        for k, (got, want) in r["params"].items():
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=k)
