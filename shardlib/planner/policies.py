@@ -97,36 +97,13 @@ class MeshRoles(_Policy):
             out.append((False, f"plan: the mesh {mesh.axis_sizes} has no {data!r} axis — expected data_axis to name "
                                f"one of its axes {mesh.axis_names} (a mesh with no axis named 'data' plans with "
                                "data = 1 by default). Fix data_axis=, or drop it."))
-        rep = self.replica
-        if rep is not None and not isinstance(rep, str):
-            out.append((True, f"plan: replica_axis must be a mesh axis name or None — got {type(rep).__name__} "
-                              f"{rep!r}."))
-        elif rep is not None and rep not in mesh.axis_names:
-            out.append((False, f"plan: replica_axis={rep!r} is not an axis of the mesh {mesh.axis_sizes} — expected "
-                               "the axis over which HSDP replicates the sharded training states. Add it to the mesh, "
-                               "or drop replica_axis."))
-        elif rep is not None and rep in (data, tensor, pipe):
-            out.append((False, f"plan: replica_axis={rep!r} is also the data, tensor or pipe axis — expected an axis "
-                               "of its own."))
-        exp = self.expert
-        if exp is not None and not isinstance(exp, str):
-            out.append((True, f"plan: expert_axis must be a mesh axis name or None — got {type(exp).__name__} {exp!r}."))
-        elif exp is not None and exp not in mesh.axis_names:
-            out.append((False, f"plan: expert_axis={exp!r} is not an axis of the mesh {mesh.axis_sizes} — expected the "
-                               "axis the experts split over. Add it to the mesh, or drop expert_axis."))
-        elif exp is not None and exp in (data, tensor, pipe, rep):
-            out.append((False, f"plan: expert_axis={exp!r} is also the data, tensor, pipe or replica axis — expected "
-                               "an axis of its own."))
-        ctx = self.context
-        if ctx is not None and not isinstance(ctx, str):
-            out.append((True, f"plan: context_axis must be a mesh axis name or None — got {type(ctx).__name__} "
-                              f"{ctx!r}."))
-        elif ctx is not None and ctx not in mesh.axis_names:
-            out.append((False, f"plan: context_axis={ctx!r} is not an axis of the mesh {mesh.axis_sizes} — expected "
-                               "the axis the sequence splits over. Add it to the mesh, or drop context_axis."))
-        elif ctx is not None and ctx in (data, tensor, pipe, rep, exp):
-            out.append((False, f"plan: context_axis={ctx!r} is also the data, tensor, pipe, replica or expert axis — "
-                               "expected an axis of its own."))
+        rep, exp, ctx = self.replica, self.expert, self.context
+        out += _role_axis("replica_axis", rep, mesh, (data, tensor, pipe), "the data, tensor or pipe axis",
+                          "the axis over which HSDP replicates the sharded training states")
+        out += _role_axis("expert_axis", exp, mesh, (data, tensor, pipe, rep), "the data, tensor, pipe or replica axis",
+                          "the axis the experts split over")
+        out += _role_axis("context_axis", ctx, mesh, (data, tensor, pipe, rep, exp),
+                          "the data, tensor, pipe, replica or expert axis", "the axis the sequence splits over")
         used = (data, tensor, pipe, self.replica_of(mesh), self.expert_of(mesh), self.context_of(mesh))
         others = {a: s for a, s in mesh.axis_sizes.items() if a not in used and s > 1}
         if others and isinstance(data, str) and data in mesh.axis_names:
@@ -135,6 +112,20 @@ class MeshRoles(_Policy):
                                "(data_axis=, pipe_axis=, tensor_axis=, expert_axis= for experts, context_axis= for the sequence, or replica_axis= "
                                "for HSDP: states sharded over data, replicated over it) or give them size 1."))
         return out
+
+
+def _role_axis(key: str, axis: Any, mesh: Any, taken: tuple, taken_words: str, role: str) -> list[Problem]:
+    """The problems of an optional role's axis ``key=axis``: not a name, not on the mesh, or another role's."""
+    if axis is None:
+        return []
+    if not isinstance(axis, str):
+        return [(True, f"plan: {key} must be a mesh axis name or None — got {type(axis).__name__} {axis!r}.")]
+    if axis not in mesh.axis_names:
+        return [(False, f"plan: {key}={axis!r} is not an axis of the mesh {mesh.axis_sizes} — expected {role}. Add "
+                        f"it to the mesh, or drop {key}.")]
+    if axis in taken:
+        return [(False, f"plan: {key}={axis!r} is also {taken_words} — expected an axis of its own.")]
+    return []
 
 
 @dataclass(frozen=True, kw_only=True, repr=False)

@@ -339,6 +339,14 @@ class _Chunks:
             dv[j] += self.fold(c.float())
 
 
+def _saved(ctx, ch: _Chunks, q, k, v, out: list[torch.Tensor], lse: list[torch.Tensor]) -> torch.Tensor:
+    """The merged chunks' output (in the queries' dtype), saved for backward with the log-sum-exp."""
+    out_t = torch.cat(out, -2).to(q.dtype)
+    ctx.save_for_backward(q, k, v, out_t, torch.cat(lse, -1))
+    ctx.ch = ch
+    return out_t
+
+
 def _start(q: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     half = q.shape[-2] // 2
     shape = (*q.shape[:-2], half, q.shape[-1])
@@ -357,11 +365,8 @@ class GatheredAttention(torch.autograd.Function):
         k_chunks = tuple(c for r in range(ch.n) for c in ch.held(r))     # the gather's order: rank-major
         out, lse = _start(q)
         ch.forward(ch.split(q), ch.split(k), ch.split(v), k_chunks, out, lse)
-        out = torch.cat(out, -2).to(q.dtype)
-        lse = torch.cat(lse, -1)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ch, ctx.k_chunks = ch, k_chunks
-        return out
+        ctx.k_chunks = k_chunks
+        return _saved(ctx, ch, q, k, v, out, lse)
 
     @staticmethod
     def backward(ctx, dout):
@@ -393,11 +398,8 @@ class RingAttention(torch.autograd.Function):
             ch.forward(qs, ch.split(kv[0]), ch.split(kv[1]), ch.held(src), out, lse)
             if pending is not None:
                 kv = pending.wait()
-        out = torch.cat(out, -2).to(q.dtype)
-        lse = torch.cat(lse, -1)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ch, ctx.mode = ch, mode
-        return out
+        ctx.mode = mode
+        return _saved(ctx, ch, q, k, v, out, lse)
 
     @staticmethod
     def backward(ctx, dout):

@@ -25,6 +25,17 @@ CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2)
 STEPS, BATCH = 3, 8
 
 
+def _stepped(engine, batches: list) -> tuple[list[float], dict, dict]:
+    """Each batch a step: the losses, the second step's collectives (``_counted``) and the final state."""
+    losses, second = [], {}
+    for step, b in enumerate(batches):
+        with sl.count_collectives() as counted:
+            losses.append(engine.step(b))
+        if step == 1:
+            second = _counted(counted.records)
+    return losses, second, engine.full_state_dict()
+
+
 def _train(shape: dict, zero: int, recompute: str, clip: float | None, method: str = "allgather"):
     batches = [token_batch(CFG, BATCH, s) for s in range(STEPS)]
     want_losses, want = _one_process(GPT(CFG, seed=0), batches, clip=clip)
@@ -33,13 +44,7 @@ def _train(shape: dict, zero: int, recompute: str, clip: float | None, method: s
     plan = sl.plan(model, mesh, rules={"seq": "context"}, zero=zero, batch=batches[0], recompute=recompute,
                    clip_grad_norm=clip, context_attention=method)
     engine = sl.parallelize(model, plan, optimizer=_opt)
-    losses = []
-    for step, b in enumerate(batches):
-        with sl.count_collectives() as counted:
-            losses.append(engine.step(b))
-        if step == 1:
-            second = _counted(counted.records)
-    got = engine.full_state_dict()
+    losses, second, got = _stepped(engine, batches)
     # attention's planned moves forward (the counted ones equal the plan's, collective by collective)
     moved = sum(e.total for e in plan.comm_per_step(mesh.rank) if e.what == "activations" and e.phase == "forward")
     return {"losses": losses, "want_losses": want_losses, "params": {k: (got[k], want[k]) for k in want},
@@ -154,13 +159,7 @@ def _train_llama(shape: dict, zero: int, method: str = "allgather"):
     mesh = sl.Mesh(shape)
     plan = sl.plan(model, mesh, rules={"seq": "context"}, zero=zero, batch=batches[0], context_attention=method)
     engine = sl.parallelize(model, plan, optimizer=_opt)
-    losses = []
-    for step, b in enumerate(batches):
-        with sl.count_collectives() as counted:
-            losses.append(engine.step(b))
-        if step == 1:
-            second = _counted(counted.records)
-    got = engine.full_state_dict()
+    losses, second, got = _stepped(engine, batches)
     return {"losses": losses, "want_losses": want_losses, "params": {k: (got[k], want[k]) for k in want},
             "counted": dict(second), "planned": dict(_planned(plan, mesh.rank)), "tables": plan.position_tables}
 
@@ -227,13 +226,7 @@ def _composed(shape: dict, model: str, method: str, rules: dict, kw: dict):
     plan = sl.plan(net, mesh, rules={"seq": "context", **rules}, batch=batches[0], context_attention=method, **kw)
     # (PEFT's wrapper takes the batch as keywords: its loss through loss_fn; the others their own forward)
     engine = sl.parallelize(net, plan, optimizer=_opt, loss_fn=(lambda m, b: m(*b)) if model == "lora" else None)
-    losses = []
-    for step, b in enumerate(batches):
-        with sl.count_collectives() as counted:
-            losses.append(engine.step(b))
-        if step == 1:
-            second = _counted(counted.records)
-    got = engine.full_state_dict()
+    losses, second, got = _stepped(engine, batches)
     return {"losses": losses, "want_losses": want_losses, "params": {k: (got[k], want[k]) for k in want},
             "counted": dict(second), "planned": dict(_planned(plan, mesh.rank))}
 
@@ -310,13 +303,7 @@ def _train_documents(shape: dict, zero: int, kind: str, method: str):
     mesh = sl.Mesh(shape)
     plan = sl.plan(model, mesh, rules={"seq": "context"}, zero=zero, batch=batches[0], context_attention=method)
     engine = sl.parallelize(model, plan, optimizer=_opt)
-    losses = []
-    for step, b in enumerate(batches):
-        with sl.count_collectives() as counted:
-            losses.append(engine.step(b))
-        if step == 1:
-            second = _counted(counted.records)
-    got = engine.full_state_dict()
+    losses, second, got = _stepped(engine, batches)
     return {"losses": losses, "want_losses": want_losses, "params": {k: (got[k], want[k]) for k in want},
             "counted": dict(second), "planned": dict(_planned(plan, mesh.rank))}
 
@@ -377,13 +364,7 @@ def _train_windowed(shape: dict, kind: str, method: str, docs: str, cache: bool)
     mesh = sl.Mesh(shape)
     plan = sl.plan(model, mesh, rules={"seq": "context"}, batch=batches[0], context_attention=method)
     engine = sl.parallelize(model, plan, optimizer=_opt)
-    losses = []
-    for step, b in enumerate(batches):
-        with sl.count_collectives() as counted:
-            losses.append(engine.step(b))
-        if step == 1:
-            second = _counted(counted.records)
-    got = engine.full_state_dict()
+    losses, second, got = _stepped(engine, batches)
     return {"losses": losses, "want_losses": want_losses, "params": {k: (got[k], want[k]) for k in want},
             "counted": dict(second), "planned": dict(_planned(plan, mesh.rank))}
 
