@@ -171,7 +171,7 @@ class Trainer:
                 self.engine.load_pretrained(run.model.path)
             self.tokenizer = load_tokenizer(run.model.path)
             self.text = text if text is not None else load_tokens(
-                run.data, self.tokenizer, run.seq, self.engine.data_index, self.engine.data_size)
+                run.data, self.tokenizer, run.seq, self.engine.data_index, self.engine.rows_size)
         else:
             self.text = text if text is not None else load_text(run.data, run.seq)
         self.tokens_per_step = t.batch * run.seq
@@ -192,7 +192,7 @@ class Trainer:
         t = self.run.train
         if self.hf:
             from .data.tokens import local_batch
-            return local_batch(self.text, i, t.batch // self.engine.data_size, self.run.seq, t.seed,
+            return local_batch(self.text, i, t.batch // self.engine.rows_size, self.run.seq, t.seed,
                                self.engine.data_index)
         return batch_at(self.text, i, t.batch, self.run.seq, t.seed)
 

@@ -20,7 +20,6 @@ a sliding window under selective recompute.
 
 from __future__ import annotations
 
-import math
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -39,11 +38,10 @@ METHODS = ("allgather", "ring", "ulysses")
 
 @dataclass(frozen=True)
 class AttentionCall:
-    """One SDPA call of a micro-batch's forward on one rank: its queries' and keys' (= values') elements and
-    heads, whether its mask is causal, the unit it runs in."""
+    """One SDPA call of a micro-batch's forward on one rank: its keys' (= values') and queries' elements and
+    heads, and the unit it runs in."""
 
     kv_numel: int
-    causal: bool
     unit: str
     q_numel: int = 0
     heads: int = 1
@@ -87,12 +85,10 @@ class _Recorder(TorchFunctionMode):
             self.pooled.append(next((m for m in reversed(self.stack) if m), "the model's forward"))
         if func is F.scaled_dot_product_attention:
             q, k = args[0], args[1]
-            mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
             dropout = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
-            causal = args[5] if len(args) > 5 else kwargs.get("is_causal", False)
             unit = next((m for m in reversed(self.stack) if m in self.units), "")
-            self.calls.append((k.numel(), bool(causal), mask is not None, float(dropout or 0.0), unit,
-                               q.numel(), q.shape[-3] if q.dim() > 2 else 1, k.shape[-3] if k.dim() > 2 else 1))
+            self.calls.append((k.numel(), float(dropout or 0.0), unit, q.numel(), q.shape[-3] if q.dim() > 2 else 1,
+                               k.shape[-3] if k.dim() > 2 else 1))
         return func(*args, **kwargs)
 
 
@@ -107,12 +103,15 @@ def _local(batch: Any, rows: int, size: int) -> Any:
     return tree_map_only(torch.Tensor, cut, batch)
 
 
+def is_positions(t: Any) -> bool:
+    """A sequence's positions: an integer tensor without batch rows (``[S]`` or ``[1, S]``)."""
+    return isinstance(t, torch.Tensor) and not t.is_floating_point() and t.dim() in (1, 2) \
+        and (t.dim() == 1 or t.shape[0] == 1)
+
+
 def positions_in(args: tuple, kwargs: dict, local: int) -> list[tuple[int, ...]]:
-    """The shapes of the arguments that are a sequence's positions: integer tensors without batch rows
-    (``[S]`` or ``[1, S]``) of the local length."""
-    return [tuple(t.shape) for t in (*args, *kwargs.values())
-            if isinstance(t, torch.Tensor) and not t.is_floating_point() and t.dim() in (1, 2)
-            and t.shape[-1] == local and (t.dim() == 1 or t.shape[0] == 1)]
+    """The shapes of the arguments that are a sequence's positions (``is_positions``) of the local length."""
+    return [tuple(t.shape) for t in (*args, *kwargs.values()) if is_positions(t) and t.shape[-1] == local]
 
 
 @contextmanager
@@ -218,7 +217,7 @@ def context_trace(model: nn.Module, batch: Any, size: int, rows: int, units: lis
                         "the context axis.")
     # (an explicit mask is seen only when it runs: transformers builds one while tracing, skips it on a batch
     # without padding — runtime/context.py refuses one there)
-    for numel, causal, masked, dropout, unit, *_ in recorder.calls:
+    for _, dropout, unit, *_ in recorder.calls:
         if dropout:
             problems.append(f"plan: an attention call{f' in {unit}' if unit else ''} passes dropout_p={dropout} to "
                             "SDPA — expected attention without dropout: context-parallel attention draws no dropout "
@@ -235,8 +234,8 @@ def context_trace(model: nn.Module, batch: Any, size: int, rows: int, units: lis
                                 f"sequence of at most {n} tokens, or a longer table.")
     scale = rows / trace_rows
     t = heads_over            # the heads a tensor axis splits: each rank's calls hold 1/t of them
-    calls = tuple(AttentionCall(int(numel * scale) // t, causal, unit, int(qn * scale) // t, h // t, max(1, hkv // t))
-                  for numel, causal, _, _, unit, qn, h, hkv in recorder.calls)
+    calls = tuple(AttentionCall(int(numel * scale) // t, unit, int(qn * scale) // t, h // t, max(1, hkv // t))
+                  for numel, _, unit, qn, h, hkv in recorder.calls)
     return ContextTrace(calls, tuple(tables), tuple(problems))
 
 
@@ -327,9 +326,6 @@ def ulysses_bytes_formula(seq: int, width: int, size: int, itemsize: int, kv_wid
 
 FORMULAS = {"allgather": kv_bytes_formula, "ring": ring_bytes_formula, "ulysses": ulysses_bytes_formula}
 
-
-def tokens_per_rank(seq: int, size: int) -> int:
-    return math.ceil(seq / size)
 
 
 def whole_sequence_inputs(model: nn.Module, batch: Any) -> Any:

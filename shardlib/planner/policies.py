@@ -31,6 +31,7 @@ import torch
 
 from ..errors import ShardingError, ShardingTypeError
 from ..validate import flag, is_int, non_negative_int, positive_int, positive_number
+from .context import METHODS as CONTEXT_METHODS
 from .plan import OPTIMIZER_STATE_BYTES, PRECISIONS
 from .states import StateLayouts, zero_problem
 
@@ -154,7 +155,7 @@ class TensorPolicy(_Policy):
     def problems(self, mesh: Any) -> list[Problem]:
         out = _flag("sequence_parallel", self.sequence_parallel)
         m = self.context_attention
-        if m is not None and m not in ("allgather", "ring", "ulysses"):
+        if m is not None and m not in CONTEXT_METHODS:
             out.append((not isinstance(m, str), f"plan: context_attention must be 'allgather', 'ring', 'ulysses' or "
                                                 f"None (the planner picks) — got {m!r}."))
         return out

@@ -18,7 +18,8 @@ pre-hook maps those to the rank's global positions (``plan.position_tables`` nam
 (``plan.context_attention``), each query attending to exactly the keys it attends to in one process:
 
 * ``"allgather"`` (Llama 3's): the keys and values all-gathered over the context axis (backward
-  reduce-scatters their gradients), put back in global order, the causal mask from global positions;
+  reduce-scatters their gradients); the rank's two query chunks meet the gathered chunks pair by pair
+  (``GatheredAttention``: the earlier chunks whole, its own chunk's lower triangle);
 * ``"ring"`` (``RingAttention``): each rank's key/value block passed around the ring, the next block's
   transfer in flight while the current one is computed, partial results merged by their log-sum-exp
   (online softmax); backward passes the blocks again with their gradients' accumulators, recomputing each
@@ -43,8 +44,8 @@ from torch.overrides import TorchFunctionMode
 from ..comm import core as comm
 from ..comm.autograd import AllGather, AllToAll
 from ..errors import ShardingError
+from ..planner.context import is_positions
 
-METHODS = ("allgather", "ring", "ulysses")
 _NEG = -1.0e30          # a masked score: finite, so no -inf - -inf makes a NaN in the merge or its gradient
 
 
@@ -96,22 +97,20 @@ class Documents:
             starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
             self.doc = starts.long().cumsum(-1)
 
-    def allowed(self, a: int, b: int, length: int, square: bool, causal: bool) -> torch.Tensor:
-        """``[rows, length, length]``: query chunk ``a``'s queries against key chunk ``b``'s keys."""
-        qs, ks = slice(a * length, (a + 1) * length), slice(b * length, (b + 1) * length)
-        out = (self.doc[:, qs, None] == self.doc[:, None, ks]) & self.valid[:, None, ks]
-        if square and causal:
-            idx = torch.arange(length, device=out.device)
-            out = out & (idx[None, :] <= idx[:, None])
-        return out
+    def allowed(self, qs: slice, ks: slice) -> torch.Tensor:
+        """``[rows, queries, keys]``: the queries at global indices ``qs`` against the keys at ``ks`` — the same
+        document, not padding (causality and windows: ``_visible``)."""
+        return (self.doc[:, qs, None] == self.doc[:, None, ks]) & self.valid[:, None, ks]
 
-    def full(self, seq: int, causal: bool) -> torch.Tensor:
-        """``[rows, 1, seq, seq]``: every query against every key (Ulysses' whole sequences)."""
-        out = (self.doc[:, :, None] == self.doc[:, None, :]) & self.valid[:, None, :]
-        if causal:
-            idx = torch.arange(seq, device=out.device)
-            out = out & (idx[None, :] <= idx[:, None])
-        return out[:, None]
+
+def _visible(qi: torch.Tensor, ki: torch.Tensor, causal: bool, window: int | None) -> torch.Tensor | None:
+    """``[queries, keys]``: which keys (global indices ``ki``) the queries at ``qi`` see by causality and a
+    sliding window (transformers': ``q - w < k``); None where both are off."""
+    out = ki[None, :] <= qi[:, None] if causal else None
+    if window is not None:
+        near = qi[:, None] - ki[None, :] < window
+        out = near if out is None else out & near
+    return out
 
 
 class ContextAttention(TorchFunctionMode):
@@ -162,10 +161,7 @@ class ContextAttention(TorchFunctionMode):
             return False
         allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
         idx = torch.arange(local, device=mask.device)
-        want = idx[None, :] <= idx[:, None]
-        if self.window is not None:
-            want = want & (idx[:, None] - idx[None, :] < self.window)
-        return bool((allowed == want).all())
+        return bool((allowed == _visible(idx, idx, True, self.window)).all())
 
     # -- Ulysses: sequence <-> heads ------------------------------------------------------------------
 
@@ -187,13 +183,14 @@ class ContextAttention(TorchFunctionMode):
         if self.docs is None and self.window is None:
             out = F.scaled_dot_product_attention(to_heads(q), to_heads(k), to_heads(v), is_causal=bool(is_causal),
                                                  scale=scale, **extra)
-        else:
-            mask = self.docs.full(seq, bool(is_causal)) if self.docs is not None else \
-                torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()[None, None] if is_causal else None
-            if self.window is not None:
-                idx = torch.arange(seq, device=q.device)
-                near = idx[:, None] - idx[None, :] < self.window
-                mask = near[None, None] if mask is None else mask & near
+        else:                                   # whole sequences: one mask of documents, causality and window
+            idx = torch.arange(seq, device=q.device)
+            mask = _visible(idx, idx, bool(is_causal), self.window)
+            if self.docs is not None:
+                docs = self.docs.allowed(slice(None), slice(None))
+                mask = docs if mask is None else docs & mask
+            if mask is not None:                # [rows or 1, heads 1, S, S]
+                mask = mask[:, None] if mask.dim() == 3 else mask[None, None]
             out = F.scaled_dot_product_attention(to_heads(q), to_heads(k), to_heads(v), attn_mask=mask, scale=scale,
                                                  **extra)
         out = out.index_select(-2, back).contiguous()
@@ -296,23 +293,22 @@ class _Chunks:
         """A key/value gradient over every query head back to its key/value heads."""
         return t.unflatten(-3, (-1, self.groups)).sum(-3) if self.groups > 1 else t
 
-    def masked(self, a: int, b: int, square: bool) -> tuple[bool, torch.Tensor | None]:
+    def masked(self, a: int, b: int) -> tuple[bool, torch.Tensor | None]:
         """The batch's documents and padding (``Documents``) and the layer's sliding window on query chunk ``a``
         x key chunk ``b``: ``(skip, allowed)`` — a pair no query may see is skipped; one every query sees whole
         needs no mask."""
         if self.docs is None and self.window is None:
             return False, None
         n = self.length
+        idx = torch.arange(n)
+        allowed = _visible(a * n + idx, b * n + idx, self.causal, self.window)      # (an earlier chunk: all causal)
         if self.docs is not None:
-            allowed = self.docs.allowed(a, b, n, square, self.causal)
-        else:
-            allowed = torch.ones(1, n, n, dtype=torch.bool)
-            if square and self.causal:
-                allowed = allowed.tril()
-        if self.window is not None:        # transformers' sliding window: q - w < k (by index)
-            idx = torch.arange(n)
-            near = (a * n + idx)[:, None] - (b * n + idx)[None, :] < self.window
-            allowed = allowed & near.to(allowed.device)
+            docs = self.docs.allowed(slice(a * n, (a + 1) * n), slice(b * n, (b + 1) * n))
+            allowed = docs if allowed is None else docs & allowed.to(docs.device)
+        if allowed is None:
+            return False, None
+        if allowed.dim() == 2:
+            allowed = allowed[None]
         if not bool(allowed.any()):
             return True, None
         return False, None if bool(allowed.all()) else allowed[:, None]
@@ -320,7 +316,7 @@ class _Chunks:
     def forward(self, qs, ks, vs, k_chunks, out, lse):
         """``out``/``lse`` (per query chunk) merged with the pairs against these key chunks."""
         for i, j, square in _pairs(self.mine, k_chunks, self.causal):
-            skip, allowed = self.masked(self.mine[i], k_chunks[j], square)
+            skip, allowed = self.masked(self.mine[i], k_chunks[j])
             if skip:
                 continue
             out_b, lse_b = _block_forward(qs[i], self.heads(ks[j]), self.heads(vs[j]), square and allowed is None,
@@ -329,7 +325,7 @@ class _Chunks:
 
     def backward(self, dos, qs, ks, vs, outs, lses, k_chunks, dq, dk, dv):
         for i, j, square in _pairs(self.mine, k_chunks, self.causal):
-            skip, allowed = self.masked(self.mine[i], k_chunks[j], square)
+            skip, allowed = self.masked(self.mine[i], k_chunks[j])
             if skip:
                 continue
             a, b, c = _block_backward(dos[i], qs[i], self.heads(ks[j]), self.heads(vs[j]), outs[i], lses[i],
@@ -482,12 +478,11 @@ class ContextRuntime:
             self.positions = local_chunk(positions, self.size, self.coord)
 
     def _global_positions(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple:
-        """A position module's positions (integer tensors without batch rows: ``planner/context.positions_in``)
-        mapped to this rank's global ones — the batch's ``position_ids`` where it gave them (packed
-        documents: each row's own), else the zigzag positions."""
+        """A position module's positions (``planner/context.is_positions``) mapped to this rank's global ones —
+        the batch's ``position_ids`` where it gave them (packed documents: each row's own), else the zigzag
+        positions."""
         def mapped(t: Any) -> Any:
-            if not (isinstance(t, torch.Tensor) and not t.is_floating_point() and t.dim() in (1, 2)
-                    and (t.dim() == 1 or t.shape[0] == 1)):
+            if not is_positions(t):
                 return t
             if self.positions is not None:
                 return self.positions.to(t.device)[:, t.reshape(-1)]

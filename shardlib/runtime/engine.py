@@ -9,7 +9,8 @@ of the whole batch, the same on every rank.
 Feeding per-rank data (a real data loader): give each rank its own rows and call
 ``engine.step(local_batch, local=True)``; rank ``r`` must hold rows
 ``plan.batch.local_slices(global_shape, r)`` of the global batch (its ``data`` coordinate's
-chunk). ``engine.data_index`` and ``engine.data_size`` say which chunk that is.
+chunk). ``engine.data_index`` and ``engine.rows_size`` say which chunk of rows that is; with a
+context axis a rank gets its rows' whole sequences and the engine cuts its zigzag chunks.
 
 The loss of each micro-batch must be a mean over its rows (as ``F.cross_entropy`` and
 ``F.mse_loss`` are by default); with equal micro-batches the mean of means is the mean of the

@@ -496,15 +496,15 @@ class PipelineRuntime(GradSync):
 
     def sum_of_squares(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """This rank's share of the squared global norm: its stages' gradients (a tied weight's on the
-        first stage only), counted as the tensor axis counts them, else on data coordinate 0 only when
-        they are replicated over ``data``."""
+        first stage only), counted as the tensor axis counts them, else on the first rank of the batch's axes
+        only (data, and context: its ranks hold the same gradients) when they are replicated over them."""
         eng = self.engine
         grads = self.norm_grads(grads)
         if self.expert_norm is not None:
             return self.expert_norm.sum_of_squares(grads)
         if eng.tensor is not None:
             return eng.tensor.sum_of_squares(grads)
-        if eng.plan.states.grads is None and eng.data_index != 0:
+        if eng.plan.states.grads is None and eng.mesh.group_index(eng.mesh.rank, eng.plan.dp_axes) != 0:
             return torch.zeros((), device=self.mesh.device)
         return sum(((g.double() ** 2).sum() for g in grads), torch.zeros((), dtype=torch.float64)).float()
 

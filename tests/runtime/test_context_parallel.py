@@ -36,6 +36,30 @@ def _stepped(engine, batches: list) -> tuple[list[float], dict, dict]:
     return losses, second, engine.full_state_dict()
 
 
+def _exact(r: dict, embed_atol: float = 1e-5, counted: bool = True) -> None:
+    """A rank's result against one process's: every step's loss, every final parameter (a transformers token
+    embedding within ``embed_atol``: ``test_a_transformers_llama_trains_unchanged_on_the_context_axis`` says
+    why), and, with ``counted``, the second step's collectives equal to the plan's."""
+    assert r["losses"] == pytest.approx(r["want_losses"], rel=1e-5), (r["losses"], r["want_losses"])
+    for k, (got, want) in r["params"].items():
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=embed_atol if "embed_tokens" in k else 1e-5, msg=k)
+    if counted:
+        assert r["counted"] == r["planned"]
+
+
+def _train_hf(build, batches: list, shape: dict, zero: int = 0, method: str = "allgather") -> dict:
+    """A transformers model (``build()``) trained on ``batches`` on ``shape`` with the sequence over context, its
+    own loss, beside the same model in one process: ``_exact``'s fields and its position modules."""
+    want_losses, want = _one_process(build(), batches, loss=lambda m, b: m(**b).loss)
+    model = build()
+    mesh = sl.Mesh(shape)
+    plan = sl.plan(model, mesh, rules={"seq": "context"}, zero=zero, batch=batches[0], context_attention=method)
+    engine = sl.parallelize(model, plan, optimizer=_opt)
+    losses, second, got = _stepped(engine, batches)
+    return {"losses": losses, "want_losses": want_losses, "params": {k: (got[k], want[k]) for k in want},
+            "counted": dict(second), "planned": dict(_planned(plan, mesh.rank)), "tables": plan.position_tables}
+
+
 def _train(shape: dict, zero: int, recompute: str, clip: float | None, method: str = "allgather"):
     batches = [token_batch(CFG, BATCH, s) for s in range(STEPS)]
     want_losses, want = _one_process(GPT(CFG, seed=0), batches, clip=clip)
@@ -68,10 +92,7 @@ def test_the_gpt_trains_on_the_context_axis_as_one_process_on_whole_sequences(wo
                                                                               clip):
     n, c = math.prod(shape.values()), shape["context"]
     for r in world(n, _train, shape, zero, recompute, clip, method):
-        assert r["losses"] == pytest.approx(r["want_losses"], rel=1e-5), (r["losses"], r["want_losses"])
-        for k, (got, want) in r["params"].items():
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=k)
-        assert r["counted"] == r["planned"]           # (the gathers of keys and values among them)
+        _exact(r)                                     # (counted = planned: the gathers of keys and values too)
         assert r["tables"] == ("wpe",) and r["dp"][-1] == "context" and "context" not in r["rows"]
         assert r["method"] == method
         # each method's formula per layer and sequence (all-gather 2·b·s·h_kv·(N-1)/N, ring 2·(N-1)·b·(s/N)·h_kv,
@@ -153,15 +174,7 @@ def _llama_batch(step: int) -> dict:
 
 def _train_llama(shape: dict, zero: int, method: str = "allgather"):
     from llama import tiny_llama
-    batches = [_llama_batch(s) for s in range(STEPS)]
-    want_losses, want = _one_process(tiny_llama(), batches, loss=lambda m, b: m(**b).loss)
-    model = tiny_llama()
-    mesh = sl.Mesh(shape)
-    plan = sl.plan(model, mesh, rules={"seq": "context"}, zero=zero, batch=batches[0], context_attention=method)
-    engine = sl.parallelize(model, plan, optimizer=_opt)
-    losses, second, got = _stepped(engine, batches)
-    return {"losses": losses, "want_losses": want_losses, "params": {k: (got[k], want[k]) for k in want},
-            "counted": dict(second), "planned": dict(_planned(plan, mesh.rank)), "tables": plan.position_tables}
+    return _train_hf(tiny_llama, [_llama_batch(s) for s in range(STEPS)], shape, zero, method)
 
 
 @pytest.mark.parametrize("method, shape, zero", [
@@ -177,10 +190,8 @@ def test_a_transformers_llama_trains_unchanged_on_the_context_axis(world, method
     lr x the round-off's ratio (with SGD every parameter is within 1e-5). Grouped keys and values (4 heads, 2
     key/value heads) travel ungrouped: the ring passes the 2 heads, Ulysses splits them over the axis."""
     for r in world(math.prod(shape.values()), _train_llama, shape, zero, method):
-        assert r["losses"] == pytest.approx(r["want_losses"], rel=1e-5), (r["losses"], r["want_losses"])
-        for k, (got, want) in r["params"].items():
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=5e-5 if "embed_tokens" in k else 1e-5, msg=k)
-        assert r["counted"] == r["planned"] and r["tables"] == ("model.rotary_emb",)
+        _exact(r, embed_atol=5e-5)
+        assert r["tables"] == ("model.rotary_emb",)
 
 
 def test_the_planner_picks_the_method_by_its_moves_and_a_policy_forces_one():
@@ -192,8 +203,8 @@ def test_the_planner_picks_the_method_by_its_moves_and_a_policy_forces_one():
     seq, n = 32768, 8
 
     def calls(heads: int, kv_heads: int):
-        return tuple(AttentionCall(kv_heads * seq // n * 128, True, f"layers.{i}", heads * seq // n * 128, heads,
-                                   kv_heads) for i in range(32))
+        return tuple(AttentionCall(kv_heads * seq // n * 128, f"layers.{i}", heads * seq // n * 128, heads, kv_heads)
+                     for i in range(32))
     assert choose_method(calls(32, 32), n, 2, None) == "ulysses"
     assert choose_method(calls(32, 4), n, 2, None) == "allgather"
     assert "ulysses" not in method_costs(calls(12, 12), n, 2) and choose_method(calls(12, 12), n, 2, None) != "ulysses"
@@ -220,7 +231,7 @@ def _composed(shape: dict, model: str, method: str, rules: dict, kw: dict):
         if model == "moe" else CFG
     build = _lora_gpt if model == "lora" else (lambda: GPT(cfg, seed=0))
     batches = [token_batch(cfg, BATCH, s) for s in range(STEPS)]
-    want_losses, want = _one_process(build(), batches)
+    want_losses, want = _one_process(build(), batches, clip=kw.get("clip_grad_norm"))
     net = build()
     mesh = sl.Mesh(shape)
     plan = sl.plan(net, mesh, rules={"seq": "context", **rules}, batch=batches[0], context_attention=method, **kw)
@@ -237,7 +248,7 @@ TP = {"heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
 @pytest.mark.parametrize("shape, model, method, rules, kw", [
     ({"context": 2, "tensor": 2}, "gpt", "allgather", TP, {}),
     ({"data": 2, "context": 2, "tensor": 2}, "gpt", "ulysses", TP, {"zero": 3, "sequence_parallel": True}),
-    ({"pipe": 2, "context": 2}, "gpt", "allgather", {"layers": "pipe"}, {"microbatches": 2}),
+    ({"pipe": 2, "context": 2}, "gpt", "allgather", {"layers": "pipe"}, {"microbatches": 2, "clip_grad_norm": 0.05}),
     ({"pipe": 2, "context": 2, "tensor": 2}, "gpt", "ring", {"layers": "pipe", **TP},
      {"microbatches": 2, "zero": 1, "sequence_parallel": True}),
     ({"expert": 2, "context": 2}, "moe", "ring", {"experts": "expert"}, {"zero": 1}),
@@ -245,19 +256,16 @@ TP = {"heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
      {"zero": 2, "recompute": "selective", "offload": {"activations": "host", "optimizer": "host"}}),
     ({"data": 2, "context": 2}, "gpt", "ring", {}, {"zero": 3, "offload": {"params": "host", "optimizer": "host"}}),
     ({"data": 2, "context": 2}, "lora", "ring", {}, {"zero": 3})],
-    ids=["tensor2", "data2_tensor2_sp_zero3_ulysses", "pipe2", "pipe2_tensor2_sp_zero1_ring", "moe_expert2_zero1_ring",
+    ids=["tensor2", "data2_tensor2_sp_zero3_ulysses", "pipe2_clip", "pipe2_tensor2_sp_zero1_ring", "moe_expert2_zero1_ring",
          "activations_and_optimizer_on_host_selective", "params_on_host_zero3_ring", "lora_zero3_ring"])
 def test_the_context_axis_composes_with_every_other_axis_and_policy(world, shape, model, method, rules, kw):
     """Beside tensor (± SP: attention's region gathers the sequence chunk back, the context method runs on
-    the rank's heads), pipe (each stage's blocks attend over context; the stream is the chunk), expert (a
-    mixture of experts routes each chunk's tokens; the routers' statistics are the whole batch's), offload
-    of activations, optimizer and parameters, and PEFT LoRA: every loss and parameter equals one process's,
-    every collective counted = planned."""
+    the rank's heads), pipe (each stage's blocks attend over context; the stream is the chunk; clipping counts
+    the replicated gradients once over data x context), expert (a mixture of experts routes each chunk's
+    tokens; the routers' statistics are the whole batch's), offload of activations, optimizer and parameters,
+    and PEFT LoRA: every loss and parameter equals one process's, every collective counted = planned."""
     for r in world(math.prod(shape.values()), _composed, shape, model, method, rules, kw):
-        assert r["losses"] == pytest.approx(r["want_losses"], rel=1e-5), (r["losses"], r["want_losses"])
-        for k, (got, want) in r["params"].items():
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=k)
-        assert r["counted"] == r["planned"]
+        _exact(r)
 
 
 @pytest.mark.parametrize("method", ["allgather", "ring", "ulysses"])
@@ -297,15 +305,7 @@ def _documents_batch(step: int, kind: str) -> dict:
 
 def _train_documents(shape: dict, zero: int, kind: str, method: str):
     from llama import tiny_llama
-    batches = [_documents_batch(s, kind) for s in range(STEPS)]
-    want_losses, want = _one_process(tiny_llama(), batches, loss=lambda m, b: m(**b).loss)
-    model = tiny_llama()
-    mesh = sl.Mesh(shape)
-    plan = sl.plan(model, mesh, rules={"seq": "context"}, zero=zero, batch=batches[0], context_attention=method)
-    engine = sl.parallelize(model, plan, optimizer=_opt)
-    losses, second, got = _stepped(engine, batches)
-    return {"losses": losses, "want_losses": want_losses, "params": {k: (got[k], want[k]) for k in want},
-            "counted": dict(second), "planned": dict(_planned(plan, mesh.rank))}
+    return _train_hf(tiny_llama, [_documents_batch(s, kind) for s in range(STEPS)], shape, zero, method)
 
 
 @pytest.mark.parametrize("kind, method, shape, zero", [
@@ -320,10 +320,7 @@ def test_padding_and_packed_documents_mask_attention_over_the_whole_sequence(wor
     (``runtime/context.Documents``), each method masking chunk pairs: every loss and parameter equals one
     process's, counted = planned."""
     for r in world(math.prod(shape.values()), _train_documents, shape, zero, kind, method):
-        assert r["losses"] == pytest.approx(r["want_losses"], rel=1e-5), (r["losses"], r["want_losses"])
-        for k, (got, want) in r["params"].items():
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=5e-5 if "embed_tokens" in k else 1e-5, msg=k)
-        assert r["counted"] == r["planned"]
+        _exact(r, embed_atol=5e-5)
 
 
 class _Pooled(GPT):
@@ -358,15 +355,8 @@ def _windowed(kind: str, cache: bool = False):
 
 
 def _train_windowed(shape: dict, kind: str, method: str, docs: str, cache: bool):
-    batches = [_documents_batch(s, docs) for s in range(STEPS)]
-    want_losses, want = _one_process(_windowed(kind, cache), batches, loss=lambda m, b: m(**b).loss)
-    model = _windowed(kind, cache)
-    mesh = sl.Mesh(shape)
-    plan = sl.plan(model, mesh, rules={"seq": "context"}, batch=batches[0], context_attention=method)
-    engine = sl.parallelize(model, plan, optimizer=_opt)
-    losses, second, got = _stepped(engine, batches)
-    return {"losses": losses, "want_losses": want_losses, "params": {k: (got[k], want[k]) for k in want},
-            "counted": dict(second), "planned": dict(_planned(plan, mesh.rank))}
+    return _train_hf(lambda: _windowed(kind, cache), [_documents_batch(s, docs) for s in range(STEPS)], shape,
+                     method=method)
 
 
 @pytest.mark.parametrize("kind, method, shape, docs, cache", [
@@ -382,10 +372,7 @@ def test_sliding_windows_by_layer_over_the_whole_sequence(world, kind, method, s
     config keeps a cache attends across packed documents in one process (transformers reads packing only
     without one): so here too. Every loss and parameter equals one process's, counted = planned."""
     for r in world(math.prod(shape.values()), _train_windowed, shape, kind, method, docs, cache):
-        assert r["losses"] == pytest.approx(r["want_losses"], rel=1e-5), (r["losses"], r["want_losses"])
-        for k, (got, want) in r["params"].items():
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=5e-5 if "embed_tokens" in k else 1e-5, msg=k)
-        assert r["counted"] == r["planned"]
+        _exact(r, embed_atol=5e-5)
 
 
 def _flattened(step: int) -> dict:
@@ -404,14 +391,7 @@ def _flattened(step: int) -> dict:
 
 def _train_flattened(shape: dict, method: str):
     from llama import tiny_llama
-    batches = [_flattened(s) for s in range(STEPS)]
-    want_losses, want = _one_process(tiny_llama(), batches, loss=lambda m, b: m(**b).loss)
-    model = tiny_llama()
-    plan = sl.plan(model, sl.Mesh(shape), rules={"seq": "context"}, batch=batches[0], context_attention=method)
-    engine = sl.parallelize(model, plan, optimizer=_opt)
-    losses = [engine.step(b) for b in batches]
-    got = engine.full_state_dict()
-    return {"losses": losses, "want_losses": want_losses, "params": {k: (got[k], want[k]) for k in want}}
+    return _train_hf(tiny_llama, [_flattened(s) for s in range(STEPS)], shape, method=method)
 
 
 @pytest.mark.parametrize("method", ["allgather", "ring"])
@@ -420,9 +400,7 @@ def test_a_flattened_batch_of_packed_documents_trains_as_one_process(world, meth
     come from ``position_ids`` (an SDPA model never reads flash-attention's ``cu_seq_lens``, which describe
     the whole row and are dropped, not cut); at context 2 every loss and parameter equals one process's."""
     for r in world(2, _train_flattened, {"context": 2}, method):
-        assert r["losses"] == pytest.approx(r["want_losses"], rel=1e-5), (r["losses"], r["want_losses"])
-        for k, (got, want) in r["params"].items():
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=5e-5 if "embed_tokens" in k else 1e-5, msg=k)
+        _exact(r, embed_atol=5e-5)
 
 
 def _save_or_resume(shape: dict, folder: str, save: bool):
@@ -450,6 +428,4 @@ def test_a_checkpoint_saved_on_data_x_context_resumes_on_another_layout(world, t
     and on context 4, and the step after equals one process's."""
     world(4, _save_or_resume, {"data": 2, "context": 2}, str(tmp_path), True)
     for r in world(math.prod(to.values()), _save_or_resume, to, str(tmp_path), False):
-        assert r["losses"] == pytest.approx(r["want_losses"], rel=1e-5)
-        for k, (got, want) in r["params"].items():
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=k)
+        _exact(r, counted=False)

@@ -295,6 +295,7 @@ def _rules(raw: Any, problems: list[str]) -> tuple[tuple[str, Any], ...]:
 
 
 def _parallel(raw: Any, problems: list[str]) -> ParallelConfig:
+    from ...planner.context import METHODS as CONTEXT_METHODS
     c = Checker("parallel", raw, problems, field_names(ParallelConfig))
     zero = c.get("zero", 0)
     if isinstance(zero, bool) or zero not in (0, 1, 2, 3):
@@ -302,8 +303,7 @@ def _parallel(raw: Any, problems: list[str]) -> ParallelConfig:
         zero = 0
     return ParallelConfig(name=c.str("name", "parallel"), zero=zero, rules=_rules(c.get("rules"), problems),
                           sequence_parallel=c.bool("sequence_parallel", False),
-                          context_attention=c.choice("context_attention", None, ("allgather", "ring", "ulysses"),
-                                                     optional=True),
+                          context_attention=c.choice("context_attention", None, CONTEXT_METHODS, optional=True),
                           schedule=c.choice("schedule", None, SCHEDULES, optional=True),
                           microbatches=c.int("microbatches", None, optional=True),
                           virtual_stages=c.int("virtual_stages", None, optional=True),
