@@ -36,6 +36,7 @@ from .errors import SpecError as SpecError
 from .frontend.launch.outcomes import WorkerError as WorkerError
 from .frontend.launch.launcher import launch as launch
 from .frontend.shard_map import shard_map as shard_map
+from .quant.api import quantize as quantize
 from .planner.rules import AxisRules as AxisRules
 from .planner.specs import shard as shard
 from .planner.build import plan as plan
@@ -70,5 +71,5 @@ __all__ = [
     "WorkerError", "all_gather", "all_to_all", "axis_index", "count_collectives", "current_mesh",
     "format_bytes", "from_dtensor", "launch", "pbroadcast", "plan_redistribute", "ppermute", "psum",
     "psum_scatter", "redistribute", "shard", "shard_map", "to_dtensor", "use_mesh",
-    "tp_table", "activation_bytes", "check_replicas", "replica_mismatches", "plot_timeline",
+    "tp_table", "activation_bytes", "check_replicas", "replica_mismatches", "plot_timeline", "quantize",
 ]

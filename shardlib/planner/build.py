@@ -18,7 +18,7 @@ from ..algebra.mesh import AbstractMesh
 from ..algebra.qualnames import unit_of
 from ..algebra.spec import Fused, PartitionSpec
 from ..errors import ShardingError, ShardingTypeError
-from ..quant.layout import QuantSpec, is_quantized, quantized_problems
+from ..quant.layout import quant_spec, quantized_problems
 from .experts import (aux_loss_problems, expert_adapter_specs, expert_layers, expert_params, expert_problems,
                       router_stats)
 from .offload import disk_problems, offload_problems
@@ -95,7 +95,7 @@ def _plan(model: nn.Module, mesh: AbstractMesh, *, policies: Policies, rules: An
     specs = {k: _trim(v) for k, v in specs.items()}
     params = [ParamPlan(name, tuple(p.shape), param_unit[name], buckets.get(name), p.requires_grad,
                         *state_layouts(specs.get(name, PartitionSpec()) if p.dim() else PartitionSpec()),
-                        spec=specs.get(name, PartitionSpec()), quant=QuantSpec.of(p) if is_quantized(p) else None)
+                        spec=specs.get(name, PartitionSpec()), quant=quant_spec(p))
               for name, p in named]
     unit_list = _unit_plans(model, params, unit_names, stack_units, rec, sel, reshard_after_forward,
                            piped=pplan is not None)

@@ -29,13 +29,10 @@ from typing import Any
 import torch
 
 from ..errors import ShardingError
+from . import formats
+from .formats import is_quantized as is_quantized
 
 _ALIGN = 8          # byte offsets of components in a packed buffer: every dtype's alignment
-
-
-def is_quantized(t: object) -> bool:
-    """A quantized weight: a tensor subclass with components (``__tensor_flatten__``) and codes (``qdata``)."""
-    return isinstance(t, torch.Tensor) and hasattr(type(t), "__tensor_flatten__") and hasattr(t, "qdata")
 
 
 def inner_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -50,24 +47,23 @@ def inner_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def _blocks(t: torch.Tensor) -> dict[str, tuple[int, ...]]:
-    """Weight elements per component entry, per dim."""
-    names, meta = t.__tensor_flatten__()
-    own = getattr(t, "component_blocks", None)
-    if callable(own):
-        return {k: tuple(v) for k, v in own().items()}
+def _blocks(t: torch.Tensor) -> dict[str, tuple[tuple[int, ...], tuple[bool, ...] | None, tuple[int, ...]]]:
+    """``{component: (block, whole or None, entries)}``: weight elements per component entry per dim,
+    whether it is kept whole per dim (None: one entry spanning a dim of a shard is), entries per block."""
+    own = formats.blocks(t)
+    if own is not None:
+        return own
+    _, meta = t.__tensor_flatten__()
     out = {}
     block = tuple(meta.get("block_size") or getattr(t, "block_size", ()) or ())
-    for n in names:
-        c = getattr(t, n)
-        if c is None:
-            continue
+    ones = (1,) * t.dim()
+    for n, c in formats.components(t).items():
         if tuple(c.shape) == tuple(t.shape):
-            out[n] = (1,) * t.dim()
+            out[n] = (ones, None, ones)
         elif block:
-            out[n] = tuple(block)
+            out[n] = (tuple(block), None, ones)
         else:
-            out[n] = tuple(math.ceil(s / max(cs, 1)) for s, cs in zip(t.shape, c.shape))
+            out[n] = (tuple(math.ceil(s / max(cs, 1)) for s, cs in zip(t.shape, c.shape)), None, ones)
     return out
 
 
@@ -77,9 +73,11 @@ class Component:
     dtype: torch.dtype
     block: tuple[int, ...]        # weight elements per entry, per dim
     whole: tuple[bool, ...]       # one entry spans the whole dim (kept whole on every slice of it)
+    entries: tuple[int, ...] = ()  # entries per block, per dim (default: one)
 
     def shape(self, weight: tuple[int, ...]) -> tuple[int, ...]:
-        return tuple(1 if w else math.ceil(n / b) for n, b, w in zip(weight, self.block, self.whole))
+        per = self.entries or (1,) * len(weight)
+        return tuple((1 if w else math.ceil(n / b)) * e for n, b, w, e in zip(weight, self.block, self.whole, per))
 
 
 @dataclass(frozen=True)
@@ -92,18 +90,12 @@ class QuantSpec:
 
     @classmethod
     def of(cls, t: torch.Tensor) -> QuantSpec:
-        blocks = _blocks(t)
-        # a type that declares its blocks (Int4Tensor) keeps them fixed: a single group spanning a row is
-        # still a group of that size; torchao's block_size spanning a whole dim follows a shard's
-        fixed = callable(getattr(t, "component_blocks", None))
-        comps = []
-        for n in t.__tensor_flatten__()[0]:
-            c = getattr(t, n)
-            if c is None:
-                continue
-            b = blocks[n]
-            whole = tuple(not fixed and cs == 1 and b_ >= s > 1 for cs, b_, s in zip(c.shape, b, t.shape))
-            comps.append(Component(n, c.dtype, b, whole))
+        comps, blocks = [], _blocks(t)
+        for n, c in formats.components(t).items():
+            b, whole, entries = blocks[n]
+            if whole is None:   # torchao's block_size spanning a whole dim follows a shard's
+                whole = tuple(cs == 1 and b_ >= s > 1 for cs, b_, s in zip(c.shape, b, t.shape))
+            comps.append(Component(n, c.dtype, b, whole, entries if any(e != 1 for e in entries) else ()))
         return cls(type(t).__name__, tuple(t.shape), tuple(comps))
 
     def packed_bytes(self, shape: tuple[int, ...] | None = None) -> int:
@@ -127,6 +119,15 @@ def _round(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
+def quant_spec(p: torch.Tensor) -> QuantSpec | None:
+    """The packed layout of a quantized weight, or of one ``sl.quantize`` marked on a meta-device model
+    (``PendingWeight``: the layout its load will give it); None for any other tensor."""
+    layout = getattr(p, "quantized_layout", None)
+    if layout is not None:
+        return QuantSpec.of(layout)
+    return QuantSpec.of(p) if is_quantized(p) else None
+
+
 def split_problems(name: str, spec: QuantSpec, dims: list[tuple[int, int, str]]) -> list[str]:
     """Problems of splitting quantized weight ``name`` on ``dims``: ``(dim, shards, axis)`` each. A
     shard boundary must fall on a block boundary of every component cut there."""
@@ -141,7 +142,9 @@ def split_problems(name: str, spec: QuantSpec, dims: list[tuple[int, int, str]])
             out.append(f"plan: {name} {spec.shape} is a {spec.kind} quantized in groups of {g} along its {what}, "
                        f"and {axis}={k} shards of {chunk} would cut a group — expected each shard to hold whole "
                        f"groups ({n} = {n // g} groups of {g}). Use a {axis} degree among {ok}, keep this weight "
-                       f"unsplit on {axis!r}, or quantize with a group size dividing {chunk}.")
+                       f"unsplit on {axis!r}, or " + (f"quantize with a scaler_block_size whose blocks fit {chunk} "
+                       f"{'in-features' if dim == len(spec.shape) - 1 else 'rows'}." if spec.kind == "NF4Tensor"
+                       else f"quantize with a group size dividing {chunk}."))
     return out
 
 
@@ -150,9 +153,9 @@ def quantized_problems(model, specs: dict, mesh) -> list[str]:
     weight marked trainable, a fused split of one, a split that cuts a quantization group."""
     out = []
     for name, p in model.named_parameters():
-        if not is_quantized(p):
+        spec = quant_spec(p)
+        if spec is None:
             continue
-        spec = QuantSpec.of(p)
         if p.requires_grad:
             out.append(f"plan: {name} {spec.shape} is a quantized {spec.kind} marked trainable (requires_grad=True) "
                        "— expected quantized weights frozen: their codes cannot take a gradient step. Call "
@@ -201,10 +204,9 @@ def slice_weight(t: torch.Tensor, slices: tuple[slice, ...]) -> torch.Tensor:
     """The quantized weight ``t`` cut to ``slices`` (one per dim, steps of 1, on block boundaries):
     every component cut to match, a component kept whole where one entry spans the dim."""
     spec = QuantSpec.of(t)
-    names, meta = t.__tensor_flatten__()
+    comps = formats.components(t)
     inner = {}
     for c in spec.components:
-        comp = getattr(t, c.name)
         idx = []
         for d, s in enumerate(slices):
             start, stop, _ = s.indices(t.shape[d])
@@ -212,37 +214,47 @@ def slice_weight(t: torch.Tensor, slices: tuple[slice, ...]) -> torch.Tensor:
                 idx.append(slice(None))
                 continue
             b = c.block[d]
+            e = c.entries[d] if c.entries else 1
             if start % b or (stop % b and stop != t.shape[d]):
                 raise ShardingError(f"slice_weight: {spec.kind} {tuple(t.shape)}: slice {start}:{stop} of dim {d} "
                                     f"cuts a block of {b} — got bounds inside a block; expected multiples of {b}. "
                                     "Slice on block boundaries (the planner refuses such splits).")
-            idx.append(slice(start // b, math.ceil(stop / b)))
-        inner[c.name] = comp[tuple(idx)].clone(memory_format=torch.contiguous_format)   # not a view: frees the rest
-    for n in names:
-        if n not in inner:
-            inner[n] = getattr(t, n)
+            idx.append(slice(start // b * e, math.ceil(stop / b) * e))
+        inner[c.name] = comps[c.name][tuple(idx)].clone(memory_format=torch.contiguous_format)  # frees the rest
     shape = tuple(len(range(*s.indices(n))) for s, n in zip(slices, t.shape))
-    return _rebuild(t, inner, shape, meta)
+    return formats.rebuild(t, inner, shape)
 
 
-def _rebuild(like: torch.Tensor, inner: dict[str, Any], shape: tuple[int, ...], meta: dict[str, Any]) -> torch.Tensor:
-    meta = dict(meta)
-    if "shape" in meta:
-        meta["shape"] = shape
-    if meta.get("block_size"):          # torchao: a block spanning a whole dim spans the shard's
-        meta["block_size"] = [n if b == full else b for b, full, n in zip(meta["block_size"], like.shape, shape)]
-    stride = torch.empty(shape, device="meta").stride() if shape else ()
-    return type(like).__tensor_unflatten__(inner, meta, torch.Size(shape), stride)
+def cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Quantized weights of the same type and in-features, stacked along dim 0 (each part whole blocks
+    of rows): every component concatenated along its rows, one kept whole taken from the first."""
+    if len(parts) == 1:
+        return parts[0]
+    spec = QuantSpec.of(parts[0])
+    views_ = [formats.components(p) for p in parts]
+    inner = {c.name: (views_[0][c.name] if c.whole[0] else torch.cat([v[c.name] for v in views_]))
+             for c in spec.components}
+    shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+    return formats.rebuild(parts[0], inner, shape)
+
+
+def zeros(like: torch.Tensor, shape: tuple[int, ...], device: torch.device | str = "cpu") -> torch.Tensor:
+    """A weight of ``shape`` of ``like``'s type, every component zeros of its own (what a load fills)."""
+    spec = QuantSpec.of(like)
+    return formats.rebuild(like, {c.name: torch.zeros(c.shape(shape), dtype=c.dtype, device=device)
+                                  for c in spec.components}, shape)
 
 
 def pack(t: torch.Tensor) -> torch.Tensor:
     """``t``'s components laid end to end (each at an offset aligned to 8 bytes), as one uint8 tensor
     of ``QuantSpec.of(t).packed_bytes(t.shape)`` bytes."""
     spec = QuantSpec.of(t)
+    comps = formats.components(t)
     out = torch.zeros(spec.packed_bytes(tuple(t.shape)), dtype=torch.uint8, device=t.device)
     pos = 0
     for c in spec.components:
-        raw = getattr(t, c.name).contiguous().view(-1).view(torch.uint8)
+        # (a copy in contiguous strides: a one-entry view may keep a stride that refuses a byte view)
+        raw = comps[c.name].reshape(-1).clone(memory_format=torch.contiguous_format).view(torch.uint8)
         out[pos:pos + raw.numel()] = raw
         pos = _round(pos + raw.numel())
     return out
@@ -253,7 +265,6 @@ def views(like: torch.Tensor, buffer: torch.Tensor, shape: tuple[int, ...]) -> t
     type and metadata of ``like``: refilling the buffer refills the weight, freeing its storage frees it."""
     spec = QuantSpec.of(like)
     raw = buffer.view(-1).view(torch.uint8)
-    names, meta = like.__tensor_flatten__()
     inner: dict[str, Any] = {}
     pos = 0
     for c in spec.components:
@@ -261,6 +272,4 @@ def views(like: torch.Tensor, buffer: torch.Tensor, shape: tuple[int, ...]) -> t
         n = math.prod(cshape) * c.dtype.itemsize
         inner[c.name] = raw[pos:pos + n].view(c.dtype).view(cshape)
         pos = _round(pos + n)
-    for n in names:
-        inner.setdefault(n, getattr(like, n))
-    return _rebuild(like, inner, shape, meta)
+    return formats.rebuild(like, inner, shape)

@@ -39,6 +39,7 @@ from ..algebra.spec import PartitionSpec
 from ..comm import core as comm
 from ..comm.redistribute import redistribute
 from ..errors import ShardingError
+from ..quant import formats
 from ..validate import flag
 from .checkpoint.pieces import quant_shard
 from .sync import broadcast_coalesced
@@ -251,7 +252,7 @@ class ParamAccess:
     def _dequantized(self, s) -> torch.Tensor:
         """A quantized weight's tensor shard in fp32: under ZeRO-3 its packed bytes are summed over
         ``data`` into zeros as integers (each byte held by one rank: exact), then dequantized."""
-        return quant_shard(self.mesh, self.plan, s)[0].dequantize().to(torch.float32)
+        return formats.dequantize(quant_shard(self.mesh, self.plan, s)[0]).to(torch.float32)
 
     @torch.no_grad()
     def write_back(self, values: dict[str, torch.Tensor]) -> None:

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from ..algebra.mesh import Mesh
-from ..errors import ShardingTypeError
+from ..errors import ShardingError, ShardingTypeError
 from ..planner.plan import Plan
 from ..validate import flag
 from .access import ParamAccess
@@ -41,6 +41,7 @@ from .grad_sync import Accumulate, DataReduction, GradSync, MicroBatches, Riding
 from . import inspection, router_loss
 from .machine import warn_slow_precision
 from .masters import LostStep, Masters
+from ..quant.api import pending_weights
 from .materialize import is_meta, materialize_stage_
 from .offload.core import Copies, DiskOptimizer, OffloadError, OptimizerOffload
 from .offload.activations import activation_offload
@@ -101,6 +102,11 @@ class Engine:
         rng = None
         piped = self.global_plan.pipe_size > 1
         meta = is_meta(model)
+        if init and (pending := list(pending_weights(model))):
+            raise ShardingError(f"parallelize: {len(pending)} weight(s) marked by sl.quantize on a meta-device model "
+                                f"(e.g. {pending[0]}) have no values — got init=True; expected their values from a "
+                                "folder. Parallelize with init=False and call engine.load_pretrained(folder), which "
+                                "quantizes each rank's slices.")
         if piped:              # this rank keeps its stages' parameters; the rest stays shapes only
             strip_to_stage(model, {p.name for p in plan.params})
         # values from a load (init=False): none now, and a step is refused until one

@@ -14,6 +14,7 @@ from ..algebra.mesh import Mesh
 from ..errors import ShardingError, ShardingTypeError
 from ..planner.units import param_owners
 from ..planner.plan import Plan
+from ..quant.api import format_of
 from ..quant.layout import pack, slice_weight, views
 from ..validate import is_number
 from .flat import flat_runs
@@ -173,6 +174,7 @@ class StateBuilder:
         ``quant/layout.py``), held packed; under ZeRO-3 this rank keeps its piece of the shard's packed
         bytes and the modules hold the shard rebuilt as views of a buffer filled while gathered."""
         plan, mesh, pp = self.plan, self.mesh, st.plan
+        st.quant_format = format_of(st.param)
         mine = full
         if pp.full_shape is not None and tuple(full.shape) != pp.shape:
             mine = slice_weight(full, Layout(mesh, pp.spec).local_slices(full.shape, mesh.rank))

@@ -47,6 +47,8 @@ class ParamState:
     # ZeRO-3, a quantized weight: its packed bytes as compute-dtype elements, whose storage is filled
     # while gathered; ``param`` is the weight rebuilt as views of it (``quant/layout.py``)
     store: torch.Tensor | None = None
+    # a quantized weight's format and options (``quant/api.py``): what a load quantizes its slices to
+    quant_format: Any = None
 
     @property
     def storage(self) -> torch.Tensor:

@@ -31,12 +31,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from ...algebra.boxes import Box
-from ...planner.peft import is_peft
+from ...planner.peft import base_name, is_adapter, is_peft, peft_base
 from ..checkpoint.core import gather_objects
 from ..checkpoint.files import CheckpointError
 from ..checkpoint.pieces import rank_pieces
 from .files import CONFIG, DTYPES, FLOATS, RELOAD, Entry, read_folder
 from .names import param_aliases, persistent_buffers, renamed
+from .quantized import fill, quantized_shard
 from .names import reverted as reverted
 from .names import saved_names as saved_names
 from .save import Sender as Sender
@@ -54,9 +55,10 @@ def _check(training: TrainingState, path: Path, config: dict | None, entries: di
     """Every problem with the folder for this model, raised at once; else the file name of each
     parameter (by plan name) and of each persistent buffer found."""
     model, problems = training.model, []
-    mconf = getattr(model, "config", None)
+    base = peft_base(model)[0]
+    mconf = getattr(base, "config", None)
     if config is not None and mconf is not None and hasattr(mconf, "model_type"):
-        arch, want = config.get("architectures") or [], type(model).__name__
+        arch, want = config.get("architectures") or [], type(base).__name__
         if config.get("model_type") != mconf.model_type or (arch and want not in arch):
             problems.append(f"load_pretrained: {path} holds a {config.get('model_type')!r} model ({', '.join(arch)}) "
                             f"— expected {mconf.model_type!r} ({want}). Load the folder of this architecture, or "
@@ -66,7 +68,13 @@ def _check(training: TrainingState, path: Path, config: dict | None, entries: di
                         f"{type(model).__name__}. Write it with save_pretrained.")
     params: dict[str, str] = {}
     shapes = {p.name: tuple(p.shape) for p in training.global_plan.params}
+    quantized = {p.name for p in training.global_plan.params if p.quant is not None}
+    peft = is_peft(model)
     for first, names in param_aliases(model).items():
+        if peft and is_adapter(first):          # PEFT's adapters: not in a base folder, initialized by PEFT
+            continue
+        if peft:
+            names = [folder_name(n) for n in names]
         found = next((n for n in names if n in entries), None)
         if found is None:
             problems.append(f"load_pretrained: {path} holds no tensor {first!r}"
@@ -74,18 +82,27 @@ def _check(training: TrainingState, path: Path, config: dict | None, entries: di
                             + f" — expected every parameter of {type(model).__name__}. {RELOAD}")
             continue
         params[first] = found
-        problems += _entry_problems(path, found, entries[found], shapes[first], None)
+        problems += _entry_problems(path, found, entries[found], shapes[first], None,
+                                    quantized=first in quantized)
+        if first not in quantized and (q := _quantized_in_folder(found, entries)):
+            problems.append(f"load_pretrained: {path} holds {found!r} quantized ({q}) — expected a float tensor "
+                            f"for {type(model).__name__}'s float weight. Mark the weights the folder holds "
+                            "quantized with sl.quantize(meta_model, 'nf4' | 'int4' | 'int8', modules=[...]) "
+                            "and load a folder of float weights (load_pretrained quantizes them on each rank).")
     buffers: dict[str, str] = {}
     for name, b in persistent_buffers(model).items():
-        if name in entries:
-            buffers[name] = name
-            problems += _entry_problems(path, name, entries[name], tuple(b.shape), b.dtype)
+        fname = folder_name(name) if peft else name
+        if fname in entries:
+            buffers[name] = fname
+            problems += _entry_problems(path, fname, entries[fname], tuple(b.shape), b.dtype)
         elif training.needs_load and name in training.awaited:     # zeroed by init=False: a load must fill it
             problems.append(f"load_pretrained: {path} holds no buffer {name!r} — expected every persistent buffer "
                             f"of a model built without values (init=False). {RELOAD}")
     if strict:
-        known = {n for names in param_aliases(model).values() for n in names} | set(persistent_buffers(model))
-        ignore = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
+        known = {folder_name(n) if peft else n for names in param_aliases(model).values() for n in names} | \
+            {folder_name(n) if peft else n for n in persistent_buffers(model)}
+        ignore = [re.compile(p) for p in getattr(peft_base(model)[0], "_keys_to_ignore_on_load_unexpected", None)
+                  or []]
         nonpersistent = {n for n, _ in model.named_buffers()}
         extra = [k for k in entries if k not in known and k not in nonpersistent
                  and not any(p.search(k) for p in ignore)]
@@ -98,9 +115,33 @@ def _check(training: TrainingState, path: Path, config: dict | None, entries: di
     return params, buffers
 
 
-def _entry_problems(path: Path, name: str, e: Entry, shape: tuple[int, ...], dtype: torch.dtype | None
-                    ) -> list[str]:
+def folder_name(name: str) -> str:
+    """A PEFT model's name of a base tensor as the base model's folder names it (``base_model.model.`` and
+    ``.base_layer`` dropped; a ``modules_to_save`` copy and its original both the module's own)."""
+    name = base_name(name, root=True)
+    return re.sub(r"\.(original_module|modules_to_save\.[^.]+)\.", ".", name)
+
+
+def _quantized_in_folder(name: str, entries: dict[str, Entry]) -> str:
+    """How the folder says ``name`` is quantized (bitsandbytes' ``<name>.absmax``/``.quant_state...``,
+    int8's ``SCB``, torchao's ``qdata``); '' for a plain tensor."""
+    stem = name.rsplit(".", 1)[0]
+    marks = [k[len(name) + 1:] for k in entries if k.startswith(name + ".")] + \
+        [k[len(stem) + 1:] for k in entries if k.startswith(stem + ".") and k.rsplit(".", 1)[-1] in ("SCB",)]
+    if any("quant_state" in m or m == "absmax" or m == "quant_map" for m in marks):
+        return f"bitsandbytes 4-bit: {', '.join(sorted(marks)[:3])}"
+    if marks:
+        return f"with {', '.join(sorted(marks)[:3])}"
+    return ""
+
+
+def _entry_problems(path: Path, name: str, e: Entry, shape: tuple[int, ...], dtype: torch.dtype | None,
+                    quantized: bool = False) -> list[str]:
     out = []
+    if quantized and e.dtype not in FLOATS:
+        return [f"load_pretrained: {path}: tensor {name!r} is {e.dtype} — expected a float tensor (F32, F16, BF16) "
+                "to quantize: the engine marks it quantized and quantizes its float values on each rank. Load a "
+                "folder of float weights (the model as trained, before quantizing)."]
     if tuple(e.shape) != tuple(shape):
         out.append(f"load_pretrained: {path}: tensor {name!r} has shape {list(e.shape)} — expected {list(shape)}. "
                    "Load the folder of a model with this config.")
@@ -133,19 +174,17 @@ def load_pretrained(training: TrainingState, path: str | os.PathLike, *, strict:
                               "before the first step (the optimizer's state would belong to other weights). Load "
                               "pretrained weights into a fresh engine, or resume training with "
                               "engine.load(checkpoint).")
-    held = [s.name for s in training.states if s.plan.quant is not None]
-    if held or is_peft(training.model):        # the same on every rank: decided by the model alone
-        what = (f"quantized weights ({', '.join(held[:2])}{', ...' if len(held) > 2 else ''})" if held
-                else "a PEFT model (its names are base_model.model.*, its adapters in no base folder)")
-        raise CheckpointError(f"load_pretrained: the engine holds {what} — expected a plain float model: a folder "
-                              "loads into the base model's own parameters. Load the base with from_pretrained, "
-                              "quantize it and wrap it with peft.get_peft_model before sl.plan; resume training "
-                              "with engine.load(checkpoint).")
+    unknown = [s.name for s in training.states if s.plan.quant is not None and s.quant_format is None]
+    if unknown:                       # the same on every rank: decided by the model alone
+        raise CheckpointError(f"load_pretrained: the engine holds quantized weights of a kind it cannot quantize "
+                              f"({', '.join(unknown[:2])}{', ...' if len(unknown) > 2 else ''}) — expected weights "
+                              "quantized by sl.quantize (int8, int4, nf4). Mark the meta model with sl.quantize, "
+                              "or resume training with engine.load(checkpoint).")
     # ranks may see different files (a folder on one node only): agreed before the collectives below
     mine = None
     try:
         config, entries = read_folder(path)
-        entries = renamed(training.model, entries)
+        entries = renamed(peft_base(training.model)[0], entries)
         params, buffers = _check(training, path, config, entries, strict)
     except CheckpointError as e:
         mine = e
@@ -165,7 +204,7 @@ def load_pretrained(training: TrainingState, path: str | os.PathLike, *, strict:
     training.needs_load = True                      # until every rank has read all of its pieces
     try:
         for p in pieces:
-            if not p.key.startswith("param/"):
+            if not p.key.startswith("param/") or p.key[len("param/"):] not in params:     # PEFT's adapters
                 continue
             name = params[p.key[len("param/"):]]
             e = entries[name]
@@ -180,8 +219,12 @@ def load_pretrained(training: TrainingState, path: str | os.PathLike, *, strict:
                     (dst[i:i + step] if box[1] else dst).copy_(got)
                     del got
         by_key = {p.key: p for p in pieces}
+        for s in training.states:            # quantized: this rank's float rows, quantized here
+            if s.plan.quant is not None:
+                fill(training, s, quantized_shard(s, entries[params[s.name]], training.mesh.rank, training.mesh,
+                                                  chunk))
         for s in training.states:            # frozen values into what the engine computes with
-            if not s.trainable:
+            if not s.trainable and s.plan.quant is None:
                 dst = s.shard if s.shard is not None else s.local_piece(s.param.data)
                 dst.copy_(by_key[f"param/{s.name}"].flat.view_as(dst))
         held = persistent_buffers(training.model)

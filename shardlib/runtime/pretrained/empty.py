@@ -20,6 +20,8 @@ import torch
 from torch import nn
 
 from ...errors import ShardingError
+from ...quant.api import is_pending
+from ...quant.layout import zeros
 from ..checkpoint.files import CheckpointError
 
 if TYPE_CHECKING:
@@ -54,7 +56,15 @@ def build_empty(builder: StateBuilder) -> tuple[list[ParamState], frozenset[str]
             if p.is_meta:
                 raise ShardingError(f"parallelize: {pp.name} is a quantized {pp.quant.kind} on the meta device "
                                     "with init=False — got no codes to lay out; expected a quantized weight with "
-                                    "values. Build the base, quantize it, then parallelize it.")
+                                    "values, or a float weight marked by sl.quantize(model, format) before "
+                                    "peft.get_peft_model. Mark it with sl.quantize, or quantize a built base.")
+            # a weight sl.quantize marked: zeros of this rank's tensor shard in the packed layout
+            full = zeros(p.quantized_layout, pp.shape) if is_pending(p) else p.detach()
+            st = builder.param_state(i, pp, p, full, who)
+            builder.put(st)
+            states.append(st)
+            continue
+        if not p.is_meta:                # real values (PEFT's adapters of a meta base): kept until a load
             st = builder.param_state(i, pp, p, p.detach(), who)
             builder.put(st)
             states.append(st)

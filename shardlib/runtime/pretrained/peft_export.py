@@ -41,6 +41,7 @@ from torch import nn
 
 from ...algebra.boxes import Box
 from ...planner.peft import is_adapter, is_peft
+from ...quant import formats
 from ..checkpoint.core import from_rank_zero, gather_objects
 from ..checkpoint.pieces import Piece, quant_shard, tensor_block
 from ..checkpoint.files import CheckpointError
@@ -83,7 +84,8 @@ class FloatSender(Sender):
             return super().full(name)
         st = self.quant.get(name)
         if st is not None:
-            f = quant_shard(self.training.mesh, self.training.plan, st)[0].dequantize().to(torch.float32).contiguous()
+            f = formats.dequantize(quant_shard(self.training.mesh, self.training.plan, st)[0]).to(
+                torch.float32).contiguous()
             shape, block = tensor_block(self.training, st)
             self.mine[name] = Piece(f"param/{name}", shape, block, tuple(st.plan.shape), 0, f.numel(), f.view(-1))
         self.owner[name] = self.quant_owner[name]

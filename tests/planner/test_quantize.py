@@ -1,0 +1,124 @@
+"""``sl.quantize`` (issue 42, deliverable 1): the format of a model's frozen weights, on a real model (in
+place: torchao's ``Int8Tensor`` and ``NF4Tensor``, the project's ``Int4Tensor``) or on the meta device (a
+mark the planner counts in packed bytes, the same as the real weights'); bad input named before anything
+changes."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import qlora_models as qm
+import shardlib as sl
+from shardlib.quant import formats
+from shardlib.quant.api import PendingWeight, pending_weights
+
+logging.getLogger("torchao").setLevel(logging.ERROR)
+PROJ = "model.layers.0.self_attn.q_proj"
+
+
+def _llama(meta: bool = False, **over):
+    from transformers import LlamaForCausalLM
+    cfg = qm.config(**over)
+    torch.manual_seed(0)
+    if meta:
+        with torch.device("meta"):
+            return LlamaForCausalLM(cfg)
+    return LlamaForCausalLM(cfg)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "nf4"])
+def test_a_real_model_is_quantized_in_place_as_the_library_quantizes(fmt):
+    model = _llama()
+    w = model.get_submodule(PROJ).weight.detach().clone()
+    sl.quantize(model, fmt, **qm.OPTIONS[fmt])
+    q = model.get_submodule(PROJ).weight
+    assert formats.is_quantized(q) and not q.requires_grad
+    if fmt == "nf4":
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+        want = to_nf4(w, 64, 64).get_original_weight()
+    elif fmt == "int4":
+        from shardlib.quant import Int4Tensor
+        want = Int4Tensor.from_float(w, 16).dequantize()
+    else:
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+        lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+        lin.weight.data.copy_(w)
+        quantize_(lin, Int8WeightOnlyConfig())
+        want = lin.weight.dequantize()
+    assert torch.equal(formats.dequantize(q), want)
+    # QLoRA's targets: the blocks' linear layers, not the embeddings or the head
+    assert not formats.is_quantized(model.lm_head.weight) and not formats.is_quantized(model.model.embed_tokens.weight)
+    assert sum(formats.is_quantized(p) for p in model.parameters()) == 2 * 7
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "nf4"])
+def test_a_meta_model_is_marked_and_planned_as_the_real_one(fmt):
+    meta, real = _llama(meta=True), _llama()
+    sl.quantize(meta, fmt, **qm.OPTIONS[fmt])
+    sl.quantize(real, fmt, **qm.OPTIONS[fmt])
+    marked = pending_weights(meta)
+    assert len(marked) == 14 and all(not p.requires_grad for p in marked.values())
+    # no memory: a wrapper with no storage of its own, holding only the meta layout of its codes
+    assert all(all(t.is_meta for t in formats.components(p.quantized_layout).values()) for p in marked.values())
+    mesh = sl.AbstractMesh({"data": 2, "tensor": 2})
+    for model in (meta, real):
+        sl.shard(sl.tp_table(model))(model)
+    plans = [sl.plan(m, mesh, zero=3) for m in (meta, real)]
+    q = [{p.name: p.quant for p in plan.params if p.quant is not None} for plan in plans]
+    assert q[0] == q[1] and len(q[0]) == 14
+    assert plans[0].memory_per_rank(0) == plans[1].memory_per_rank(0)
+    held = plans[0].memory_per_rank(0)["params"]
+    plain = _llama(meta=True)
+    sl.shard(sl.tp_table(plain))(plain)
+    floats = sl.plan(plain, mesh, zero=3).memory_per_rank(0)["params"]
+    assert held < floats / 2, (held, floats)            # packed bytes, not fp32
+
+
+def test_a_marked_weight_has_no_values_to_compute_with():
+    model = _llama(meta=True)
+    sl.quantize(model, "nf4", **qm.OPTIONS["nf4"])
+    w = model.get_submodule(PROJ).weight
+    assert isinstance(w, PendingWeight) and w.device.type == "cpu"
+    with pytest.raises(sl.ShardingError, match=r"no values yet.*load_pretrained"):
+        F.linear(torch.randn(2, 128), w)
+
+
+def test_peft_draws_the_adapters_of_a_marked_meta_model_as_one_process():
+    meta = qm.wrap(_llama(meta=True), "nf4")
+    real = qm.wrap(_llama(), "nf4")
+    a, b = dict(meta.named_parameters()), dict(real.named_parameters())
+    lora = [k for k in a if "lora_" in k]
+    assert len(lora) == 28 and all(a[k].device.type == "cpu" and torch.equal(a[k], b[k]) for k in lora)
+
+
+def test_bad_input_is_named_and_changes_nothing():
+    model = _llama()
+    before = {k: type(v) for k, v in model.named_parameters()}
+    with pytest.raises(sl.ShardingError, match=r"unknown format 'fp4'.*\['int8', 'int4', 'nf4'\]"):
+        sl.quantize(model, "fp4")
+    with pytest.raises(sl.ShardingTypeError, match="group_size must be an even positive int"):
+        sl.quantize(model, "int4", group_size=3)
+    # one entry matches nothing, another cannot take NF4's blocks of 64: both named at once
+    with pytest.raises(sl.ShardingError) as e:
+        sl.quantize(model, "nf4", modules=["q_proj", "no_such_proj"], block_size=256)
+    msg = str(e.value)
+    assert "'no_such_proj' matches no nn.Linear" in msg and "in-features 128 (expected a multiple of block_size 256)" \
+        in msg, msg
+    assert {k: type(v) for k, v in model.named_parameters()} == before
+    # a trainable weight of a PEFT model: an adapter
+    peft_model = qm.wrap(_llama(), None)
+    with pytest.raises(sl.ShardingError, match=r"lora_A.*trainable.*before peft.get_peft_model"):
+        sl.quantize(peft_model, "int8", modules=["*.q_proj.lora_A.default"])
+
+
+def test_an_nf4_split_that_would_cut_a_block_is_refused_with_the_degrees_that_work():
+    model = _llama(meta=True, hidden_size=64, intermediate_size=128)     # o_proj: 64 in-features, one block
+    sl.quantize(model, "nf4", scaler_block_size=16)
+    sl.shard(sl.tp_table(model))(model)
+    with pytest.raises(sl.ShardingError, match=r"o_proj.weight \(64, 64\) is a NF4Tensor.*tensor=2 shards of 32 "
+                                               r"would cut a group.*among \[1\]"):
+        sl.plan(model, sl.AbstractMesh({"data": 1, "tensor": 2}))

@@ -1,0 +1,123 @@
+"""QLoRA from a folder (issue 42): a tiny transformers Llama saved as an fp32 folder; the one-process
+reference loads it whole (``from_pretrained``), quantizes it with ``sl.quantize`` and wraps it with
+``peft.get_peft_model`` after ``torch.manual_seed(ADAPTER_SEED)``; the engine builds the same model on the
+meta device, marks it with ``sl.quantize``, wraps it the same way (PEFT draws the adapters on the CPU: a
+marked weight says it lives there) and loads the folder with ``engine.load_pretrained``, each rank
+quantizing its own slices.
+
+The Llama: hidden 128 (so a tensor split of 2 keeps NF4's blocks of 64 whole in every in-feature slice),
+heads 4 / key-value heads 2, MLP 256, 2 layers; NF4 with scaler blocks of 64 (every projection holds
+whole scaler blocks; torchao's default 256 needs 16384-element weights), int4 groups of 16.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+import shardlib as sl
+
+ADAPTER_SEED, STEPS, ROWS, SEQ, LR = 1, 3, 4, 12, 1e-2
+OPTIONS = {"nf4": {"scaler_block_size": 64}, "int4": {"group_size": 16}, "int8": {}}
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+logging.getLogger("torchao").setLevel(logging.ERROR)
+
+
+def config(**over):
+    from transformers import LlamaConfig
+    kw = dict(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+              attn_implementation="sdpa")
+    return LlamaConfig(**{**kw, **over})
+
+
+def write_folder(path: str) -> str:
+    """A random fp32 Llama (seed 0) saved with ``save_pretrained``."""
+    from transformers import LlamaForCausalLM
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config())
+    for p in model.parameters():            # norms away from 1: a wrong load shows
+        if p.dim() == 1:
+            torch.nn.init.uniform_(p, 0.5, 1.5)
+    model.save_pretrained(path)
+    return path
+
+
+def wrap(model, fmt: str, r: int = 4):
+    """``model`` quantized (or marked) with ``fmt`` (None: float), then LoRA on every projection."""
+    from peft import LoraConfig, get_peft_model
+    if fmt is not None:
+        sl.quantize(model, fmt, **OPTIONS[fmt])
+    torch.manual_seed(ADAPTER_SEED)
+    return get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, target_modules=TARGETS, lora_dropout=0.0,
+                                            init_lora_weights=False))
+
+
+def batches() -> list[dict]:
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for _ in range(STEPS):
+        ids = torch.randint(0, 96, (ROWS, SEQ), generator=g)
+        out.append({"input_ids": ids, "labels": ids.clone()})
+    return out
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=LR)
+
+
+def reference(path: str, fmt: str | None) -> dict:
+    """One process: the folder loaded whole, quantized, wrapped, trained."""
+    from transformers import LlamaForCausalLM
+    model = wrap(LlamaForCausalLM.from_pretrained(path, dtype=torch.float32), fmt)
+    first = {k: v.detach().clone() for k, v in model.state_dict().items() if "lora_" in k}
+    opt = adamw([p for p in model.parameters() if p.requires_grad])
+    losses = []
+    for b in batches():
+        opt.zero_grad(set_to_none=True)
+        loss = model(**b).loss
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    state = model.state_dict()
+    return {"losses": losses, "first": first, "adapters": {k: v.detach().clone() for k, v in state.items()
+                                                           if "lora_" in k},
+            "base": {k: _float(v) for k, v in state.items() if "lora_" not in k}}
+
+
+def engine(path: str, fmt: str | None, shape: dict, zero: int = 0):
+    """The engine of the meta-built, marked, wrapped model on a ``shape`` mesh, loaded from ``path``."""
+    from transformers import LlamaForCausalLM
+
+    from shardlib.planner.hf_tp import tp_table
+    from shardlib.testing import get_mesh
+
+    mesh = get_mesh(shape)
+    with torch.device("meta"):
+        base = LlamaForCausalLM(config())
+    model = wrap(base, fmt)
+    if shape.get("tensor", 1) > 1:
+        sl.shard(tp_table(model))(model)
+    kw = {"rules": {"layers": "pipe"}, "microbatches": 2} if shape.get("pipe", 1) > 1 else {}
+    plan = sl.plan(model, mesh, zero=zero, batch=batches()[0], **kw)
+    eng = sl.parallelize(model, plan, optimizer=adamw, init=False)
+    eng.load_pretrained(path)
+    return eng, plan
+
+
+def run(path: str, fmt: str | None, shape: dict, zero: int = 0) -> dict:
+    """On every rank: the adapters as loaded, losses, the final adapters and base (full, dequantized),
+    memory planned and held."""
+    eng, plan = engine(path, fmt, shape, zero)
+    first = {k: v for k, v in eng.full_state_dict().items() if "lora_" in k}
+    losses = [float(eng.step(b)) for b in batches()]
+    state = eng.full_state_dict()
+    return {"losses": losses, "first": first, "adapters": {k: v for k, v in state.items() if "lora_" in k},
+            "base": {k: _float(v) for k, v in state.items() if "lora_" not in k},
+            "memory": plan.memory_per_rank(eng.mesh.rank), "held": eng.memory_held()}
+
+
+def _float(t: torch.Tensor) -> torch.Tensor:
+    from shardlib.quant import formats
+    return formats.dequantize(t).float() if formats.is_quantized(t) else t.detach().float().clone()
