@@ -121,3 +121,93 @@ def run(path: str, fmt: str | None, shape: dict, zero: int = 0) -> dict:
 def _float(t: torch.Tensor) -> torch.Tensor:
     from shardlib.quant import formats
     return formats.dequantize(t).float() if formats.is_quantized(t) else t.detach().float().clone()
+
+
+def resume(path: str, fmt: str, first: tuple[dict, int], then: tuple[dict, int], ckpt: str, adapter_dir: str) -> dict:
+    """Load and train one step on ``first`` (mesh shape, zero), save a checkpoint and the adapter folder; a
+    fresh marked meta model on ``then`` loads the checkpoint (no folder): both states, and the next step's
+    loss on each."""
+    eng, _ = engine(path, fmt, *first)
+    eng.step(batches()[0])
+    eng.save(ckpt)
+    eng.save_pretrained(adapter_dir)
+    saved = {k: _float(v) for k, v in eng.full_state_dict().items()}
+    loss_a = float(eng.step(batches()[1]))
+    from transformers import LlamaForCausalLM
+
+    from shardlib.planner.hf_tp import tp_table
+    from shardlib.testing import get_mesh
+    shape, zero = then
+    with torch.device("meta"):
+        model = wrap(LlamaForCausalLM(config()), fmt)
+    if shape.get("tensor", 1) > 1:
+        sl.shard(tp_table(model))(model)
+    plan = sl.plan(model, get_mesh(shape), zero=zero, batch=batches()[0])
+    other = sl.parallelize(model, plan, optimizer=adamw, init=False)
+    other.load(ckpt)
+    loaded = {k: _float(v) for k, v in other.full_state_dict().items()}
+    return {"saved": saved, "loaded": loaded, "loss_a": loss_a, "loss_b": float(other.step(batches()[1]))}
+
+
+def broken_folders(path: str, out: str) -> dict[str, str]:
+    """Copies of the folder that a load must refuse: ``"int"`` (a projection stored as int32), ``"bnb"``
+    (one stored as bitsandbytes stores a 4-bit weight: packed uint8 codes with ``absmax`` and ``quant_state``)."""
+    import json
+    import os
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    state = load_file(os.path.join(path, "model.safetensors"))
+    name = f"{'model.layers.0.self_attn.q_proj'}.weight"
+    made = {}
+    for kind in ("int", "bnb"):
+        folder = os.path.join(out, kind)
+        os.makedirs(folder, exist_ok=True)
+        shutil.copy(os.path.join(path, "config.json"), folder)
+        s = dict(state)
+        if kind == "int":
+            s[name] = s[name].to(torch.int32)
+        else:
+            s[name] = torch.zeros(s[name].numel() // 2, 1, dtype=torch.uint8)
+            s[name + ".absmax"] = torch.ones(s[name].numel() * 2 // 64)
+            s[name + ".quant_state.bitsandbytes__nf4"] = torch.tensor(list(json.dumps({"quant_type": "nf4"}).encode()),
+                                                                      dtype=torch.uint8)
+        save_file(s, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+        made[kind] = folder
+    return made
+
+
+def refusals(path: str, folders: dict[str, str]) -> dict[str, str]:
+    """On every rank: what each bad load says, and whether the engine still refuses to step after it."""
+    from transformers import LlamaForCausalLM
+
+    from shardlib.quant.layout import pack
+    from shardlib.testing import get_mesh
+    out = {}
+
+    def marked(fmt="nf4"):
+        with torch.device("meta"):
+            return wrap(LlamaForCausalLM(config()), fmt)
+
+    mesh = get_mesh({"data": 2})
+    model = marked()
+    plan = sl.plan(model, mesh, zero=3, batch=batches()[0])
+    try:
+        sl.parallelize(model, plan, optimizer=adamw)
+    except sl.ShardingError as e:
+        out["init"] = str(e)
+    for kind, fmt in (("int", "nf4"), ("bnb", None)):
+        model = marked(fmt)
+        eng = sl.parallelize(model, sl.plan(model, mesh, zero=3, batch=batches()[0]), optimizer=adamw, init=False)
+        held = [pack(s.param).clone() if s.store is None else s.shard.clone() for s in eng.states if s.plan.quant]
+        try:
+            eng.load_pretrained(folders[kind])
+        except sl.CheckpointError as e:
+            out[kind] = str(e)
+        after = [pack(s.param) if s.store is None else s.shard for s in eng.states if s.plan.quant]
+        out[kind + "_untouched"] = all(torch.equal(a, b) for a, b in zip(held, after))
+        try:
+            eng.step(batches()[0])
+        except sl.CheckpointError as e:
+            out[kind + "_step"] = str(e)
+    return out

@@ -149,32 +149,42 @@ def _nf4_views(t: torch.Tensor) -> dict[str, torch.Tensor]:
             "scaler_mean": t.scaler_mean.reshape(1, 1), "nf4": t.nf4.view(1, -1)}
 
 
+_NF4_PIECE = 1 << 14           # elements quantized per call: torchao's nearest-code search holds ~140 B each
+_NF4_TABLES: dict = {}
+
+
 def nf4_from_float(w: torch.Tensor, block_size: int, scaler_block_size: int,
                    mean: torch.Tensor | None = None) -> Any:
-    """torchao's ``to_nf4(w, block_size, scaler_block_size)`` — with ``mean`` given, the double
-    quantization's mean of block scales is that one (the whole weight's, for a slice of its rows): the
-    slice's codes then equal the whole weight's quantized by torchao, cut to those rows (same ops, same
-    dtype, same order; a factor's scaler block lies within the slice's whole ``R``-row groups)."""
+    """torchao's ``to_nf4(w, block_size, scaler_block_size)``, bit for bit (same ops, same dtype, same
+    order), its codes found ``_NF4_PIECE`` elements at a time (torchao searches a million at once: ~140 MB
+    of temporaries). ``mean``: the double quantization's mean of block scales, given — the whole weight's,
+    for ``w`` a slice of its rows: the slice's codes then equal the whole weight's cut to those rows (a
+    factor's scaler block lies within the slice's whole ``R``-row groups)."""
     from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import (NF4Tensor, SubclassTensorArgs,
                                                                        get_block_absmax)
-    if mean is None:
-        return NF4Tensor.from_tensor(w, block_size, scaler_block_size)
     with torch.no_grad():
-        nf4 = NF4Tensor.from_tensor(w.new_zeros(block_size * scaler_block_size), block_size,
-                                    scaler_block_size).nf4          # torchao's table, in w's dtype
+        key = (w.dtype, w.device)
+        if key not in _NF4_TABLES:           # torchao's table, in w's dtype
+            _NF4_TABLES[key] = NF4Tensor.from_tensor(w.new_zeros(block_size * scaler_block_size), block_size,
+                                                     scaler_block_size).nf4
+        nf4 = _NF4_TABLES[key]
         n_blocks = w.numel() // block_size
-        flat = w.flatten()
-        # NF4Tensor.double_quantize_scalers, with the whole weight's mean
-        scalers = get_block_absmax(flat, block_size) - mean
+        flat = w.contiguous().flatten()
+        # NF4Tensor.double_quantize_scalers
+        scalers = get_block_absmax(flat, block_size)
+        mean = scalers.mean() if mean is None else mean
+        scalers = scalers - mean
         n_scaler_blocks = scalers.numel() // scaler_block_size
         absmax = get_block_absmax(scalers, scaler_block_size)
         absmax = absmax.unsqueeze(-1).expand(n_scaler_blocks, scaler_block_size)
         factor = 256 / (2 * absmax)
         q = (scalers.view(n_scaler_blocks, scaler_block_size) * factor).round().clamp(-128, 127)
-        data = NF4Tensor.convert_to_norm_float_weight(w, n_blocks, block_size, nf4)
+        step = max(block_size, _NF4_PIECE // block_size * block_size)
+        data = torch.cat([NF4Tensor.convert_to_norm_float_weight(p, p.numel() // block_size, block_size, nf4)
+                          for p in flat.split(step)])
         meta = SubclassTensorArgs(w.size(), w.stride(), w.storage_offset(), w.dtype, w.device, False)
         return NF4Tensor(meta, block_size, n_blocks, scaler_block_size, q.flatten().to(torch.int8),
-                         factor[:, 0].view(n_scaler_blocks).contiguous(), mean.clone(), data, nf4)
+                         factor[:, 0].view(n_scaler_blocks).contiguous(), mean.clone(), data, nf4.clone())
 
 
 def nf4_block_absmax(w: torch.Tensor, block_size: int) -> torch.Tensor:

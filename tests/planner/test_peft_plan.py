@@ -97,14 +97,28 @@ def test_a_peft_method_other_than_lora_is_refused_by_name():
 
 
 @pytest.mark.parametrize("quant", [None, "int8"])
-def test_load_pretrained_into_a_peft_or_quantized_engine_is_refused(tmp_path, quant):
-    """A transformers folder holds the base model's names and floats: loading it into a PEFT model's
-    engine (or over packed weights) is refused by name, with the order that works."""
+def test_load_pretrained_into_a_built_peft_or_quantized_engine_loads_the_base(tmp_path, quant):
+    """A transformers folder holds the base model's names and floats: loaded into a PEFT model's engine
+    (its base quantized in place or not), the base becomes the folder's, quantized in the base's own
+    format, and the adapters stay as drawn."""
+    hf_models.build("llama", seed=7, layers=2).save_pretrained(tmp_path)
     model = pm.lora("llama", quant)
+    drawn = {k: v.clone() for k, v in model.state_dict().items() if "lora_" in k}
     engine = sl.parallelize(model, sl.plan(model, sl.Mesh({"data": 1})), optimizer=pm.adamw)
-    what = "quantized weights" if quant else "a PEFT model"
-    with pytest.raises(sl.CheckpointError, match=f"holds {what}.*Load the base with from_pretrained, quantize it"):
-        engine.load_pretrained(tmp_path)
+    engine.load_pretrained(tmp_path)
+    got = engine.full_state_dict()
+    ref = hf_models.build("llama", seed=7, layers=2)
+    if quant == "int8":
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+        quantize_(ref, Int8WeightOnlyConfig(), filter_fn=pm._adapted("llama"))
+    for name, value in ref.state_dict().items():
+        adapted = name.rpartition(".")[0].rpartition(".")[2] in pm.TARGETS["llama"]
+        mine = got["base_model.model." + (name.replace(".weight", ".base_layer.weight") if adapted else name)]
+        if hasattr(value, "dequantize"):
+            value, mine = value.dequantize(), mine.dequantize()
+        torch.testing.assert_close(mine, value, rtol=0, atol=0, msg=name)
+    for name, value in drawn.items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=name)
 
 
 @pytest.mark.parametrize("zero", [0, 3])

@@ -63,3 +63,42 @@ def test_marked_meta_model_loads_quantized_and_trains_like_one_process(world, fo
         held, planned = res["held"], res["memory"]
         assert {k: held[k] for k in ("params", "grads", "optimizer")} == \
             {k: planned[k] for k in ("params", "grads", "optimizer")}, f"{where}: held {held}, planned {planned}"
+
+
+def test_an_nf4_checkpoint_resumes_on_another_mesh_and_the_adapters_load_in_one_process(world, folder, tmp_path):
+    """data 2 ZeRO-3 saves (``engine.save``: the codes as components), tensor 2 resumes from the checkpoint alone:
+    every tensor equal, the next step's loss equal to round-off; the adapter folder (``engine.save_pretrained``)
+    loads into the one-process base with ``PeftModel.from_pretrained`` and gives the engine's adapters."""
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    ckpt, adapters = str(tmp_path / "ckpt"), str(tmp_path / "adapters")
+    per_rank = world(2, qm.resume, folder, "nf4", ({"data": 2}, 3), ({"data": 1, "tensor": 2}, 0), ckpt, adapters)
+    for r, res in enumerate(per_rank):
+        assert res["saved"].keys() == res["loaded"].keys(), r
+        bad = [k for k, v in res["saved"].items() if not torch.equal(v, res["loaded"][k])]
+        assert bad == [], f"rank {r}: resumed tensors differ: {bad[:4]}"
+        assert abs(res["loss_a"] - res["loss_b"]) <= 1e-5 * abs(res["loss_a"]), res
+    base = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    import shardlib as sl
+    sl.quantize(base, "nf4", **qm.OPTIONS["nf4"])
+    model = PeftModel.from_pretrained(base, adapters)
+    got = {k: v for k, v in model.state_dict().items() if "lora_" in k}
+    want = {k: v for k, v in per_rank[0]["saved"].items() if "lora_" in k}
+    assert got.keys() == want.keys() and want
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_bad_loads_are_named_before_anything_is_written(world, folder, tmp_path):
+    folders = qm.broken_folders(folder, str(tmp_path))
+    for r, out in enumerate(world(2, qm.refusals, folder, folders)):
+        assert "have no values" in out["init"] and "init=False" in out["init"] and "load_pretrained" in out["init"], out
+        # a marked weight stored as ints: no float values to quantize
+        assert "'model.layers.0.self_attn.q_proj.weight' is I32 — expected a float tensor (F32, F16, BF16) to " \
+               "quantize" in out["int"], out["int"]
+        # an unmarked (float) weight the folder holds quantized by bitsandbytes: named, with the mark to add
+        assert "holds 'model.layers.0.self_attn.q_proj.weight' quantized (bitsandbytes 4-bit" in out["bnb"] and \
+            "sl.quantize(meta_model" in out["bnb"], out["bnb"]
+        for kind in ("int", "bnb"):
+            assert out[kind + "_untouched"], f"rank {r}: a refused {kind} load wrote codes"
+            assert "init=False" in out[kind + "_step"] and "load first" in out[kind + "_step"], out[kind + "_step"]

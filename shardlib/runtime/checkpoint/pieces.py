@@ -13,6 +13,7 @@ import torch
 from ...algebra.boxes import Box, piece_boxes
 from ...algebra.layout import Layout
 from ...comm import core as comm
+from ...quant import formats
 from ...quant.layout import QuantSpec, views
 
 if TYPE_CHECKING:
@@ -122,9 +123,9 @@ def _quant_pieces(training: TrainingState, s, spec: QuantSpec) -> list[Piece]:
     is the whole weight's (a shard's own may see a dim it cuts as one entry spanning it)."""
     q, raw = quant_shard(training.mesh, training.plan, s)
     shape, (_, start) = tensor_block(training, s)
-    out = []
+    out, comps = [], formats.components(q)
     for c in spec.components:
-        comp = getattr(q, c.name)
+        comp = comps[c.name]
         assert comp.is_contiguous(), (s.name, c.name)
         first = tuple(0 if c.whole[d] else start[d] // c.block[d] for d in range(len(shape)))
         p = Piece(f"quant/{s.name}/{c.name}", c.shape(shape), ((1,) * len(shape), first), tuple(comp.shape),
