@@ -8,14 +8,16 @@ target modules — PEFT's ``LoraConfig`` fields) and ``QuantConfig`` (``quant``:
 the run is the plain transformers job and neither peft nor torchao is imported.
 
 The model is built in one order everywhere (``adapt``): the base with its layout table, every
-``nn.Linear`` but the output head quantized in place, then ``torch.manual_seed(train.seed)`` and
+``nn.Linear`` but the output head quantized (``sl.quantize``), then ``torch.manual_seed(train.seed)`` and
 ``peft.get_peft_model`` — so every rank draws the same adapters, and the layouts set on the base carry
 over (the planner reads through PEFT's names). ``check`` (``frontend/run.py``) builds it on the meta
 device and plans it, so a bad target, a quantization the layout cannot split or a missing folder is
-named by config key before any process starts; each rank then builds it from the folder's values
-(``build``: ``from_pretrained`` whole, on every rank — the base is read, quantized and wrapped before
-the engine shards it) and the engine starts from those values. At the end the job writes the adapter
-folder with ``engine.save_pretrained`` (what ``peft_model.save_pretrained`` writes).
+named by config key before any process starts. With ``quant`` set each rank builds the same meta model
+(``build``): ``sl.quantize`` marks the weights (no values), PEFT draws the adapters on the CPU as one
+process does, the engine is made with ``init=False`` and ``engine.load_pretrained`` reads each rank's
+float rows and quantizes them there — no rank ever holds the whole base. With ``lora`` alone the base
+is read whole (``from_pretrained``) on every rank and the engine starts from its values. At the end the
+job writes the adapter folder with ``engine.save_pretrained`` (what ``peft_model.save_pretrained`` writes).
 """
 
 from __future__ import annotations
@@ -36,9 +38,17 @@ from .config.finetune import ALL_LINEAR, QuantConfig
 # ---- building -----------------------------------------------------------------------------------
 
 def build(run: RunConfig) -> nn.Module:
-    """This rank's model: the folder's values (``from_pretrained``), quantized, with seeded adapters."""
-    from .hf import pretrained_model
-    return adapt(pretrained_model(run), run)
+    """This rank's model with seeded adapters: with ``quant``, on the meta device, its base marked for
+    quantizing while ``engine.load_pretrained`` reads it (``loads_base``); else the folder's values
+    (``from_pretrained``, whole)."""
+    from .hf import meta_model, pretrained_model
+    return adapt(meta_model(run) if loads_base(run) else pretrained_model(run), run)
+
+
+def loads_base(run: RunConfig) -> bool:
+    """Whether the engine is made without values (``init=False``) and reads the folder into its shards
+    (``engine.load_pretrained``): a plain transformers run, or LoRA over a quantized base."""
+    return run.model.kind == "hf" and (run.lora is None or run.quant is not None)
 
 
 def adapt(model: nn.Module, run: RunConfig) -> nn.Module:
@@ -57,15 +67,25 @@ def adapt(model: nn.Module, run: RunConfig) -> nn.Module:
             for noise in ("TorchaoLoraLinear was instantiated", "fan_in_fan_out is set to False",
                           "`is_gradient_checkpointing` is deprecated"):      # transformers' rename
                 warnings.filterwarnings("ignore", message=noise)
-            return get_peft_model(model, run.lora.peft())
+            model = get_peft_model(model, run.lora.peft())
     except ValueError as e:                  # e.g. a target of a module type LoRA does not adapt
         raise ConfigError(f"lora.target_modules: {run.lora.target_modules!r} — PEFT refuses it ({_first(e)}); "
                           f"expected linear layers such as {', '.join(_linear_leaves(model)[:6])}.",
                           api="config") from None
+    unread = sorted({n.split(".lora_")[0] for n, p in model.named_parameters() if p.requires_grad and p.is_meta})
+    if unread:                               # adapters beside a float base on the meta device: nothing draws them
+        raise ConfigError(f"lora.target_modules: {run.lora.target_modules!r} adapts {', '.join(unread[:3])}"
+                          f"{' ...' if len(unread) > 3 else ''}, which quant={run.quant.name} leaves in float "
+                          "(the output head, or a layer the format cannot take) — expected adapters on the "
+                          "quantized linear layers only (e.g. all-linear). Leave these out of lora.target_modules.",
+                          api="config")
+    return model
 
 
 def quantize(model: nn.Module, quant: QuantConfig, path: str | None) -> None:
-    """Quantize, in place, every ``nn.Linear`` of ``model`` but the output head."""
+    """Quantize every ``nn.Linear`` of ``model`` but the output head (``sl.quantize``): in place on a real
+    model, marked for ``engine.load_pretrained`` on the meta device."""
+    from ..quant.api import quantize as mark
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     names = [n for n, m in model.named_modules() if type(m) is nn.Linear and m is not head]
     if not names:
@@ -74,17 +94,16 @@ def quantize(model: nn.Module, quant: QuantConfig, path: str | None) -> None:
                           f"has none but its output head (its projections are {', '.join(kinds) or 'other modules'})"
                           " — expected a model of nn.Linear projections (Llama, Qwen2, Mistral, ...), or quant=none.",
                           api="config")
-    chosen = set(names)
-    if quant.method == "int8":
-        from torchao.quantization import Int8WeightOnlyConfig, quantize_
-        quantize_(model, Int8WeightOnlyConfig(), filter_fn=lambda m, fqn: fqn in chosen)
-    else:
-        from ..quant import quantize_int4_
+    if quant.method == "int4":
         _check_groups(model, names, quant.group_size)
-        try:
-            quantize_int4_(model, group_size=quant.group_size, filter_fn=lambda m, fqn: fqn in chosen)
-        except ShardingError as e:           # a weight tied to another module's, or not a float Parameter
-            raise ConfigError([f"quant: {p}" for p in e.problems], api="config") from None
+    try:
+        mark(model, quant.method, names,
+             **({"group_size": quant.group_size} if quant.group_size else {}))
+    except ShardingError as e:           # a weight tied to another module's, a shape the format cannot take
+        from .run import collapse
+        fix = "Use another quant.method for this model (int8 takes any shape), or quant=none."
+        raise ConfigError([f"quant: {p.replace('Leave it out of modules.', fix)}" for p in collapse(e.problems)],
+                          api="config") from None
 
 
 def _check_groups(model: nn.Module, names: list[str], group: int) -> None:

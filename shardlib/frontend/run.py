@@ -28,6 +28,7 @@ from ..comm import core as comm
 from ..errors import ShardingError, ShardingTypeError
 from .config.run_config import LR_SCHEDULES, ConfigError, RunConfig, TrainConfig
 from .data.text import VOCAB, batch_at, load_text
+from .finetune import loads_base
 
 
 def lr_factor(train: TrainConfig, step: int) -> float:
@@ -156,18 +157,19 @@ class Trainer:
         self.run, self.mesh = run, mesh
         t = run.train
         self.hf = run.model.kind == "hf"
-        self.tuned = self.hf and run.lora is not None      # LoRA over the folder's base: values built in
+        self.tuned = self.hf and run.lora is not None      # LoRA adapters over the folder's base
+        self.loads = loads_base(run)           # no values built: the folder read into the shards
         self.model = self._model()
         self.plan = make_plan(self.model, mesh, run)
         self.engine = parallelize(
             self.model, self.plan,
             optimizer=lambda ps: torch.optim.AdamW(ps, lr=t.lr, weight_decay=t.weight_decay),
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda i: lr_factor(t, i)),
-            init=not self.hf or self.tuned)
+            init=not self.loads)
         if self.hf:       # the weights into the shards; this data rank's share of the text, in the folder's tokens
             from .hf import load_tokenizer
             from .data.tokens import load_tokens
-            if not self.tuned:
+            if self.loads:
                 self.engine.load_pretrained(run.model.path)
             self.tokenizer = load_tokenizer(run.model.path)
             self.text = text if text is not None else load_tokens(

@@ -29,22 +29,28 @@ def _digests(folder) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
 
 
-def _peft_model(folder):
-    """The job's model in one process: the folder, its linear layers (not the head) int8, LoRA r=8
-    on every linear layer, seeded with train.seed=0."""
+def _peft_model(folder, quant: str = "int8"):
+    """The job's model in one process: the folder, its linear layers (not the head) int8 (torchao's
+    ``Int8WeightOnlyConfig``) or NF4 (torchao's ``to_nf4``, as torchtune quantizes), LoRA r=8 on every
+    linear layer, seeded with train.seed=0."""
     from peft import LoraConfig, get_peft_model
     from torchao.quantization import Int8WeightOnlyConfig, quantize_
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    quantize_(model, Int8WeightOnlyConfig(),
-              filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear) and fqn != "lm_head")
+    linear = [m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+    if quant == "int8":
+        quantize_(model, Int8WeightOnlyConfig(), filter_fn=lambda m, fqn: any(m is x for x in linear))
+    else:
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+        for m in linear:
+            m.weight = torch.nn.Parameter(to_nf4(m.weight.detach()), requires_grad=False)
     torch.manual_seed(0)
     return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear",
                                             task_type="CAUSAL_LM"))
 
 
-def _reference(made) -> tuple[list[float], torch.nn.Module]:
+def _reference(made, quant: str = "int8", folder=None) -> tuple[list[float], torch.nn.Module]:
     """The losses and the trained model of one process: the two data ranks' rows of each step
     stacked, AdamW with train=quick's settings (lr 3e-3 constant, clipping at 1.0) on the adapters."""
     from transformers import AutoTokenizer
@@ -55,7 +61,7 @@ def _reference(made) -> tuple[list[float], torch.nn.Module]:
     tokenizer = AutoTokenizer.from_pretrained(made["folder"])
     data = DataConfig(source="dataset", path=str(made["root"] / "docs.jsonl"), megabytes=16)
     shares = [load_tokens(data, tokenizer, SEQ, d, 2) for d in range(2)]
-    model = _peft_model(made["folder"]).train()
+    model = _peft_model(folder or made["folder"], quant).train()
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=3e-3, weight_decay=0.0)
     losses = []
@@ -106,6 +112,33 @@ def test_main_job_trains_lora_over_an_int8_base_and_writes_the_adapter_folder(ma
     assert absent and all("lora_" not in n for n in absent) and any("q_proj.base_layer" in n for n in absent)
 
 
+@pytest.mark.slow
+def test_main_job_trains_qlora_nf4_read_into_the_shards(made, tmp_path):
+    """``lora=r8 quant=nf4`` at data 2 ZeRO-3: each rank builds the model on the meta device, marks its
+    linear layers NF4, draws the adapters, and reads and quantizes its rows of the folder
+    (``engine.load_pretrained``); the losses are torchao's NF4 base with the same adapters in one process
+    (128 wide: NF4 needs whole blocks of 64 values and 256 blocks a weight)."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(made["folder"])
+    cfg.update({"hidden_size": 128, "intermediate_size": 256, "num_key_value_heads": 4, "head_dim": 32})
+    folder = tmp_path / "llama-128"
+    torch.manual_seed(3)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(made["folder"] / name, folder / name)
+    out = tmp_path / "run"
+    _run({**made, "folder": folder}, out, "mesh=dp2", "parallel=zero3", "lora=r8", "quant=nf4",
+         f"train.steps={STEPS}", f"data.path={made['root'] / 'docs.jsonl'}")
+    want, _ = _reference(made, "nf4", folder)
+    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rel = max(abs(a - b) / abs(b) for a, b in zip(losses, want, strict=True))
+    assert rel <= 1e-5, f"{losses} vs one process {want} ({rel:.3g})"
+    assert "all_gather(data) 76 KiB" in (out / "plan.txt").read_text()    # packed NF4 moves, not fp32 (256 KiB)
+
+
 # ---- configuration errors: named by key, in this process, before any rank starts --------------------
 
 def test_lora_and_quant_errors_are_named_by_key(made, tmp_path, monkeypatch):
@@ -150,4 +183,11 @@ def test_lora_and_quant_errors_are_named_by_key(made, tmp_path, monkeypatch):
         "head (its projections are Conv1D) — expected a model of nn.Linear projections (Llama, Qwen2, Mistral, ...), "
         "or quant=none.")
     assert one("lora=r8", "quant=int3").startswith("quant=int3: no such quant preset — expected one of int4, int8, "
-                                                   "none")
+                                                   "nf4, none")
+    assert one("lora=r8", "quant=int4", "quant.method=nf4") == (
+        "quant.group_size: 32 is not used by quant.method=nf4 (blocks of 64 values) — remove it, or use quant=int4.")
+    got = problems_of([*base, "lora=r8", "quant=nf4"])      # 32-wide: no whole NF4 block of 64 values
+    assert got[0] == ("quant: quantize: model.layers.0.self_attn.q_proj [32, 32] cannot be quantized as nf4 — got "
+                      "in-features 32 (expected a multiple of block_size 64). Use another quant.method for this model "
+                      "(int8 takes any shape), or quant=none. (the same in 2 blocks: 0..1)"), got
+    assert len(got) == 7 and all("model.layers.0." in p for p in got)

@@ -11,7 +11,7 @@ from typing import Any
 from .checking import Checker
 
 
-METHODS = ("int8", "int4")
+METHODS = ("int8", "int4", "nf4")
 ALL_LINEAR = "all-linear"
 
 
@@ -36,8 +36,9 @@ class AdapterConfig:
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """``quant``: the frozen base's linear weights as ``int8`` (per-row scales, torchao) or ``int4``
-    (two values a byte, a scale and zero point per ``group_size`` in-features)."""
+    """``quant``: the frozen base's linear weights as ``int8`` (per-row scales, torchao), ``int4`` (two
+    values a byte, a scale and zero point per ``group_size`` in-features) or ``nf4`` (QLoRA's 4-bit
+    NormalFloat, torchao's ``NF4Tensor``: a scale per 64 values, the scales double-quantized)."""
 
     name: str
     method: str
@@ -80,8 +81,9 @@ def quant_config(raw: Any, problems: list[str]) -> QuantConfig | None:
         c.bad("group_size", None, "an int >= 1 for quant.method=int4 (in-features per scale and zero point, e.g. 32)")
     elif method == "int4" and group % 2:
         c.bad("group_size", group, "an even int (two 4-bit codes share a byte), e.g. 32")
-    if method == "int8" and group is not None:
-        problems.append(f"quant.group_size: {group} is not used by quant.method=int8 (one scale per output row) — "
+    if method in ("int8", "nf4") and group is not None:
+        why = "one scale per output row" if method == "int8" else "blocks of 64 values"
+        problems.append(f"quant.group_size: {group} is not used by quant.method={method} ({why}) — "
                         "remove it, or use quant=int4.")
     return QuantConfig(name=c.str("name", "quant"), method=method, group_size=group)
 
