@@ -73,7 +73,7 @@ def adapt(model: nn.Module, run: RunConfig) -> nn.Module:
                           f"expected linear layers such as {', '.join(_linear_leaves(model)[:6])}.",
                           api="config") from None
     unread = sorted({n.split(".lora_")[0] for n, p in model.named_parameters() if p.requires_grad and p.is_meta})
-    if unread:                               # adapters beside a float base on the meta device: nothing draws them
+    if unread and run.quant is not None:     # adapters beside a float base on the meta device: nothing draws them
         raise ConfigError(f"lora.target_modules: {run.lora.target_modules!r} adapts {', '.join(unread[:3])}"
                           f"{' ...' if len(unread) > 3 else ''}, which quant={run.quant.name} leaves in float "
                           "(the output head, or a layer the format cannot take) — expected adapters on the "

@@ -43,7 +43,7 @@ from .machine import warn_slow_precision
 from .masters import LostStep, Masters
 from ..quant.api import pending_weights
 from .materialize import is_meta, materialize_stage_
-from .offload.core import Copies, DiskOptimizer, OffloadError, OptimizerOffload
+from .offload.core import Copies, DiskOptimizer, OffloadError, OptimizerOffload, release_host_heap
 from .offload.activations import activation_offload
 from .offload.params import params_offload
 from .pipeline import PipelineRuntime
@@ -192,6 +192,8 @@ class Engine:
         micro, rows = split_batch(self, batch, local)    # validates before any collective
         with self.access.stepping():
             loss = self._step(micro)
+        if self.offload is not None or self.params_offload is not None:
+            release_host_heap()          # what the plan sent to the host or disk leaves the process too
         if self.capacity_layers:                        # a capacity's overflow: the rows each MoE layer dropped
             self.dropped = dropped_rows(self.capacity_layers)
         self.samples_seen += rows

@@ -157,6 +157,11 @@ def test_lora_and_quant_errors_are_named_by_key(made, tmp_path, monkeypatch):
         return got[0]
 
     assert problems_of([*base, "lora=r16", "quant=int8"]) == problems_of([*base, "lora=r8", "quant=int4"]) == []
+    assert problems_of([*base, "lora=r8"]) == []            # a float base: read whole, adapters drawn on it
+    assert one("lora=r8", "quant=int8", "lora.target_modules=[q_proj,lm_head]") == (
+        "lora.target_modules: ('q_proj', 'lm_head') adapts lm_head, which quant=int8 leaves in float (the output "
+        "head, or a layer the format cannot take) — expected adapters on the quantized linear layers only (e.g. "
+        "all-linear). Leave these out of lora.target_modules.")
     assert one("lora=r8", prefix=["mesh=dp2", "parallel=dp", "model=tiny"]) == (
         "lora: lora=r8 fine-tunes a transformers folder — got model=tiny (the reference GPT); expected model=hf "
         "model.path=<folder>, or lora=none.")

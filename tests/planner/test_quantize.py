@@ -122,3 +122,21 @@ def test_an_nf4_split_that_would_cut_a_block_is_refused_with_the_degrees_that_wo
     with pytest.raises(sl.ShardingError, match=r"o_proj.weight \(64, 64\) is a NF4Tensor.*tensor=2 shards of 32 "
                                                r"would cut a group.*among \[1\]"):
         sl.plan(model, sl.AbstractMesh({"data": 1, "tensor": 2}))
+
+
+def test_a_bitsandbytes_4bit_model_is_refused_at_plan_time_with_the_way_to_qlora(tmp_path):
+    """A model loaded with bitsandbytes 4-bit (``BitsAndBytesConfig``, NF4, on the CPU) holds ``Params4bit``
+    codes whose ``quant_state`` lives beside them: not laid out on a mesh, so named before anything runs
+    (it once reached the step and failed inside bitsandbytes' kernel), with the torchao NF4 path that does."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    qm.write_folder(tmp_path)
+    base = AutoModelForCausalLM.from_pretrained(
+        tmp_path, device_map="cpu", dtype=torch.float32,
+        quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                               bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.float32))
+    model = get_peft_model(base, LoraConfig(r=4, target_modules="all-linear"))
+    with pytest.raises(sl.ShardingError, match=r"self_attn\.q_proj\.base_layer\.weight, .* and \d+ more are "
+                                               r"bitsandbytes Params4bit weights .* sl\.quantize\(model, 'nf4'\)"):
+        sl.plan(model, sl.AbstractMesh({"data": 2}))

@@ -71,6 +71,25 @@ class Copies:
         return {k: v[0] for k, v in self.step.items()}
 
 
+_TRIM = None
+
+
+def release_host_heap() -> None:
+    """Hand the host memory a step freed back to the kernel (glibc's ``malloc_trim``): the update's chunks,
+    read and write buffers and the optimizer's temporaries are freed into malloc's heaps (the reader
+    thread's arena among them), where they would stay resident — the process would hold what the plan
+    says left it. A no-op where the C library has no ``malloc_trim``."""
+    global _TRIM
+    if _TRIM is None:
+        import ctypes
+        try:
+            _TRIM = ctypes.CDLL(None).malloc_trim
+        except (OSError, AttributeError):
+            _TRIM = False
+    if _TRIM:
+        _TRIM(0)
+
+
 def host_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A host copy of ``t`` (pinned where an accelerator can copy from it asynchronously)."""
     out = torch.empty(t.shape, dtype=dtype or t.dtype, device=HOST,
