@@ -178,11 +178,10 @@ def rank_main(side: str, s: Size, d: int, folder: str, warmup: int, steps: int) 
     from transformers.utils.logging import disable_progress_bar, set_verbosity_error
     disable_progress_bar()
     set_verbosity_error()
-    import peft  # noqa: F401  (the libraries' import is not the load: imported before measuring)
-    import torchao.quantization.quantize_.workflows.nf4.nf4_tensor  # noqa: F401
-    import transformers.models.llama.modeling_llama  # noqa: F401
-    if side == "bnb-fsdp2":
-        import bitsandbytes  # noqa: F401
+    import importlib
+    for module in ("peft", "torchao.quantization.quantize_.workflows.nf4.nf4_tensor",
+                   "transformers.models.llama.modeling_llama") + (("bitsandbytes",) if side == "bnb-fsdp2" else ()):
+        importlib.import_module(module)      # the libraries' import is not the load: imported before measuring
     before = _reset_peak()
     dist.barrier()
     t0 = time.perf_counter()

@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         print("explain: " + str(e), file=sys.stderr)
         return 2
     except ShardingError as e:
-        from ..frontend.run import collapse
+        from ..frontend.config.checking import collapse
         print("explain: plan: " + "\n  - ".join([""] + collapse(e.problems)).lstrip("\n  - ")
               if len(e.problems) == 1 else "explain: plan:\n  - " + "\n  - ".join(collapse(e.problems)),
               file=sys.stderr)

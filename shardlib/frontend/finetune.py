@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ..errors import ShardingError
-from .config.checking import ConfigError
+from .config.checking import ConfigError, collapse
 from .config.run_config import RunConfig
 from .config.finetune import ALL_LINEAR, QuantConfig
 
@@ -72,7 +72,8 @@ def adapt(model: nn.Module, run: RunConfig) -> nn.Module:
         raise ConfigError(f"lora.target_modules: {run.lora.target_modules!r} — PEFT refuses it ({_first(e)}); "
                           f"expected linear layers such as {', '.join(_linear_leaves(model)[:6])}.",
                           api="config") from None
-    unread = sorted({n.split(".lora_")[0] for n, p in model.named_parameters() if p.requires_grad and p.is_meta})
+    unread = sorted({n.split(".lora_")[0].removeprefix("base_model.model.") for n, p in model.named_parameters()
+                     if p.requires_grad and p.is_meta})
     if unread and run.quant is not None:     # adapters beside a float base on the meta device: nothing draws them
         raise ConfigError(f"lora.target_modules: {run.lora.target_modules!r} adapts {', '.join(unread[:3])}"
                           f"{' ...' if len(unread) > 3 else ''}, which quant={run.quant.name} leaves in float "
@@ -100,7 +101,6 @@ def quantize(model: nn.Module, quant: QuantConfig, path: str | None) -> None:
         mark(model, quant.method, names,
              **({"group_size": quant.group_size} if quant.group_size else {}))
     except ShardingError as e:           # a weight tied to another module's, a shape the format cannot take
-        from .run import collapse
         fix = "Use another quant.method for this model (int8 takes any shape), or quant=none."
         raise ConfigError([f"quant: {p.replace('Leave it out of modules.', fix)}" for p in collapse(e.problems)],
                           api="config") from None

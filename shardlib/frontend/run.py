@@ -26,6 +26,7 @@ import torch
 from ..algebra.mesh import AbstractMesh, Mesh
 from ..comm import core as comm
 from ..errors import ShardingError, ShardingTypeError
+from .config.checking import collapse
 from .config.run_config import LR_SCHEDULES, ConfigError, RunConfig, TrainConfig
 from .data.text import VOCAB, batch_at, load_text
 from .finetune import loads_base
@@ -132,20 +133,6 @@ def _keys_of(problem: str, run: RunConfig) -> str:
                 keys = "model.path (its config.json)" + keys[keys.index(" with"):]
             return f"{keys}: "
     return ""
-
-
-def collapse(problems: list[str]) -> list[str]:
-    """Problems that differ only in a block's index (``blocks.0``, ``blocks.1``, ...) as one, naming
-    how many blocks it holds for: a rule that fails on every layer is one problem, not forty."""
-    groups: dict[str, list[str]] = {}
-    for p in problems:
-        groups.setdefault(re.sub(r"\.\d+\.", ".*.", p), []).append(p)
-    out = []
-    for key, same in groups.items():
-        indices = sorted({int(i) for p in same for i in re.findall(r"\.(\d+)\.", p)})
-        out.append(same[0] if len(same) == 1 else
-                   f"{same[0]} (the same in {len(same)} blocks: {indices[0]}..{indices[-1]})")
-    return out
 
 
 class Trainer:

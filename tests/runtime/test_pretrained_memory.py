@@ -74,6 +74,23 @@ def _plan(model, mesh, shape: dict, zero: int):
     return sl.plan(model, mesh, zero=zero, **rules)
 
 
+def _measured(model, plan, folder: str, *, mine: bool = False) -> dict:
+    """``parallelize(init=False)`` and ``load_pretrained``: each phase's peak RSS above the RSS before it,
+    what the engine holds (and plans) at rest, and a step's loss; ``mine``: this rank's fp32 values."""
+    before = peak_rss_reset()
+    engine = sl.parallelize(model, plan, optimizer=_opt, init=False)
+    build_peak = peak_rss() - before
+    rest = peak_rss_reset()
+    engine.load_pretrained(folder)
+    load_peak = peak_rss() - rest
+    ids = torch.randint(0, 4096, (4, 16), generator=torch.Generator().manual_seed(0))
+    out = {"build": build_peak, "rest": rest - before, "load": load_peak, "held": _held(engine),
+           "planned": plan.memory_per_rank(engine.mesh.rank), "loss": engine.step({"input_ids": ids, "labels": ids})}
+    if mine:
+        out["mine"] = sum((s.hi - s.lo) * 4 for s in engine.states)        # this rank's fp32 values
+    return out
+
+
 def load_peaks(folder: str, cases: list[tuple[dict, int]], warm: bool = True) -> list[dict]:
     """Per case ``(mesh shape, zero)``: meta build, ``parallelize(init=False)`` and ``load_pretrained``;
     each phase's peak RSS above the RSS before it, and what the engine holds at rest. ``warm``: first
@@ -97,19 +114,8 @@ def load_peaks(folder: str, cases: list[tuple[dict, int]], warm: bool = True) ->
         mesh = get_mesh(shape)
         with torch.device("meta"):
             model = LlamaForCausalLM(_cfg())
-        plan = _plan(model, mesh, shape, zero)
-        before = peak_rss_reset()
-        engine = sl.parallelize(model, plan, optimizer=_opt, init=False)
-        build_peak = peak_rss() - before
-        rest = peak_rss_reset()
-        engine.load_pretrained(folder)
-        load_peak = peak_rss() - rest
-        mine = sum((s.hi - s.lo) * 4 for s in engine.states)        # this rank's fp32 values
-        ids = torch.randint(0, 4096, (4, 16), generator=torch.Generator().manual_seed(0))
-        loss = engine.step({"input_ids": ids, "labels": ids})
-        out.append({"build": build_peak, "rest": rest - before, "load": load_peak, "held": _held(engine),
-                    "mine": mine, "loss": loss})
-        del engine, model, plan
+        out.append(_measured(model, _plan(model, mesh, shape, zero), folder, mine=True))
+        del model
     return out
 
 
@@ -170,18 +176,8 @@ def qlora_load_peaks(folder: str, cases: list[tuple[dict, int]]) -> list[dict]:
     out = []
     for shape, zero in cases:
         model = build()
-        plan = _plan(model, get_mesh(shape), shape, zero)
-        before = peak_rss_reset()
-        engine = sl.parallelize(model, plan, optimizer=_opt, init=False)
-        build_peak = peak_rss() - before
-        rest = peak_rss_reset()
-        engine.load_pretrained(folder)
-        load_peak = peak_rss() - rest
-        ids = torch.randint(0, 4096, (4, 16), generator=torch.Generator().manual_seed(0))
-        loss = engine.step({"input_ids": ids, "labels": ids})
-        out.append({"build": build_peak, "rest": rest - before, "load": load_peak, "held": _held(engine),
-                    "planned": plan.memory_per_rank(engine.mesh.rank), "loss": loss})
-        del engine, model, plan
+        out.append(_measured(model, _plan(model, get_mesh(shape), shape, zero), folder))
+        del model
     ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, 128 << 10)       # glibc's default (kept fixed)
     return out
 

@@ -15,6 +15,8 @@ row-parallel split: per-row scales over the whole row); int4 at data 2 ZeRO-3.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -41,10 +43,7 @@ def _reference(path: str, fmt: str) -> dict:
 @pytest.mark.parametrize("fmt,shape,zero", CASES, ids=[f"{f}-{'x'.join(f'{k}{v}' for k, v in s.items())}-zero{z}"
                                                        for f, s, z in CASES])
 def test_marked_meta_model_loads_quantized_and_trains_like_one_process(world, folder, fmt, shape, zero):
-    n = 1
-    for v in shape.values():
-        n *= v
-    per_rank = world(n, qm.run, folder, fmt, shape, zero)
+    per_rank = world(math.prod(shape.values()), qm.run, folder, fmt, shape, zero)
     ref = _reference(folder, fmt)
     for r, res in enumerate(per_rank):
         where = f"{fmt} {shape} zero={zero} rank {r}"

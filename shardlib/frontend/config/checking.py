@@ -4,6 +4,7 @@ group's parser uses (``config.py``, ``frontend/config/finetune.py``)."""
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
@@ -88,3 +89,17 @@ class Checker:
 
 def field_names(cls) -> tuple[str, ...]:
     return tuple(f.name for f in fields(cls))
+
+
+def collapse(problems: list[str]) -> list[str]:
+    """Problems that differ only in a block's index (``blocks.0``, ``blocks.1``, ...) as one, naming
+    how many blocks it holds for: a rule that fails on every layer is one problem, not forty."""
+    groups: dict[str, list[str]] = {}
+    for p in problems:
+        groups.setdefault(re.sub(r"\.\d+\.", ".*.", p), []).append(p)
+    out = []
+    for key, same in groups.items():
+        indices = sorted({int(i) for p in same for i in re.findall(r"\.(\d+)\.", p)})
+        out.append(same[0] if len(same) == 1 else
+                   f"{same[0]} (the same in {len(same)} blocks: {indices[0]}..{indices[-1]})")
+    return out
