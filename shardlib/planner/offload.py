@@ -112,6 +112,29 @@ def split_by_kind(mem: dict[str, int], offload: tuple, kind: str, *, sharded_gra
     return out
 
 
+# the disk optimizer's streamed update (``runtime/offload/core.py``: ``DiskOptimizer``): the masters and
+# moments in chunks of ``disk_chunk_elems`` elements, read into a ring of ``DISK_RESIDENT`` chunk buffers
+# (two read ahead, the one updated, two written behind), allocated once a step
+DISK_RESIDENT = 5
+
+
+def disk_chunk_elems(total: int) -> int:
+    """Elements per chunk of the disk optimizer's update, for ``total`` master elements on a rank: a 64th
+    of them, within 64 Ki and 16 Mi."""
+    return max(1 << 16, min(1 << 24, -(-total // 64)))
+
+
+def disk_update_bytes(total: int, slots: int) -> int:
+    """The bytes the disk optimizer's update holds beyond the states, for ``total`` master elements and
+    ``slots`` fp32 tensors per element (the master and the moments): its ring of chunk buffers
+    (``DISK_RESIDENT`` chunks of every slot, fewer where there are fewer chunks), and the optimizer's
+    temporaries on the chunk it updates (two of its size, as a step over one tensor: ``planner/peak.py``)."""
+    if total <= 0:
+        return 0
+    chunk = min(disk_chunk_elems(total), total)
+    return 4 * (slots * min(DISK_RESIDENT, -(-total // chunk)) * chunk + 2 * chunk)
+
+
 # the copies between memory kinds, entries of ``Plan.comm_per_step`` beside the collectives (no axis):
 # ``traffic.copy_entries``
 COPY_OPS = ("d2h", "h2d", "disk_read", "disk_write")

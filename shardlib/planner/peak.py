@@ -34,7 +34,9 @@ gradient bucket, laid flat: ``planner/flat.py``):
   temporaries (+ what ZeRO-3's persistent collective buffers hold between steps, ``comm_buffers``). Adam's per-tensor step (torch's default on the CPU) holds two fp32 temporaries the
   size of the tensor it updates (``sqrt`` of the second moment, then its quotient): twice the
   largest master piece. The multi-tensor (``foreach``) step, torch's default on GPUs, holds one
-  per master at once: all master bytes.
+  per master at once: all master bytes. With the optimizer on disk the update streams the masters and
+  moments through a ring of chunk buffers (``planner/offload.disk_update_bytes``: five chunks of every
+  slot, and the temporaries of the chunk it updates); on the host, it adds nothing to the device.
 * **publish** (ZeRO-1/2) — after the update the new parameters are all-gathered bucket by bucket:
   states at the update + the largest bucket's all-gather input (its chunk) and output (``c``).
 
@@ -65,6 +67,7 @@ from torch import nn
 from ..errors import ShardingError, ShardingTypeError
 from ..validate import non_negative_int
 from .memory import grad_views
+from .offload import disk_update_bytes
 
 if TYPE_CHECKING:
     from .plan import Plan
@@ -167,7 +170,11 @@ def peak_per_rank(plan: Plan, rank: int | None = None, *, activation_bytes: int 
     masters = _master_pieces(plan, rank)
     temps = 4 * (sum(masters) if foreach else 2 * max(masters, default=0))
     at_step = at_update + temps
-    if dict(plan.offload).get("optimizer"):       # the update runs on the host: nothing more on the device
+    offload = dict(plan.offload).get("optimizer")
+    if offload == "disk":                          # streamed through memory chunk by chunk: its ring of chunks
+        at_update = states
+        at_step = states + disk_update_bytes(sum(masters), 1 + plan.optimizer_state_bytes // 4)
+    elif offload:                                  # the update runs on the host: nothing more on the device
         at_update = at_step = states
     at_step += buffers
     publish = 0

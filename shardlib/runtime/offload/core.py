@@ -44,6 +44,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from ...planner.offload import DISK_RESIDENT, disk_chunk_elems
 from .files import DiskStore, OffloadError
 from ..state import ParamState
 
@@ -215,7 +216,7 @@ class DiskOptimizer(OptimizerOffload):
         self.store = DiskStore(offload_dir, engine.mesh.rank, [s.master.numel() for s in self.states], slots)
         self.shapes = [tuple(s.master.shape) for s in self.states]
         total = sum(s.master.numel() for s in self.states)
-        self.chunk = chunk_elems or max(1 << 16, min(1 << 24, -(-total // 64)))
+        self.chunk = chunk_elems or disk_chunk_elems(total)
         self.keys: dict[int, list[str]] = {}          # per state: its element-state keys, in slot order
         self.scalars: dict[int, dict] = {}            # per state: its per-parameter scalars (step counts)
         self.timeline: list[tuple[str, int, float, float]] = []
@@ -255,12 +256,17 @@ class DiskOptimizer(OptimizerOffload):
             out.append(cur)
         return out
 
-    def _read(self, gen: int, chunk: list[tuple[int, int, int]], known: dict[int, list[str]], t0: float, c: int):
+    def _read(self, gen: int, chunk: list[tuple[int, int, int]], known: dict[int, list[str]], t0: float, c: int,
+              pool: torch.Tensor):
+        """Chunk ``c``'s masters and moments from generation ``gen``, read into its ring buffer of
+        ``pool`` (``[DISK_RESIDENT, slots, chunk]``: chunk ``c`` takes row ``c % DISK_RESIDENT``, whose
+        previous chunk's write is done by then — ``step`` waits each write two chunks later)."""
         start = time.perf_counter()
-        out = []
+        out, off, ring = [], 0, pool[c % DISK_RESIDENT]
         for i, lo, hi in chunk:
             slots = 1 + len(known.get(i, ()))
-            bufs = [torch.empty(hi - lo, dtype=torch.float32) for _ in range(slots)]
+            bufs = [ring[k, off:off + hi - lo] for k in range(slots)]
+            off += hi - lo
             for k, b in enumerate(bufs):
                 self.store.read(gen, i, k, lo, b)
             self.copies.add("disk_read", "optimizer", slots * (hi - lo) * 4)
@@ -292,7 +298,11 @@ class DiskOptimizer(OptimizerOffload):
         after: dict[int, dict] = {}
         known = dict(self.keys)           # the element state that exists before this step (none before the first)
         # read-ahead two chunks deep: the reader thread always has the next read queued
-        reads = [self.reader.submit(self._read, old, chunks[c], known, t0, c) for c in range(min(2, len(chunks)))]
+        # the chunks' buffers: one allocation a step (handed back to the kernel when the step ends), never
+        # more than DISK_RESIDENT chunks — two read ahead, the one updated, two written behind
+        pool = torch.empty(min(DISK_RESIDENT, len(chunks)), self.slots, max((sum(h - l for _, l, h in ch)
+                                                                              for ch in chunks), default=0))
+        reads = [self.reader.submit(self._read, old, chunks[c], known, t0, c, pool) for c in range(min(2, len(chunks)))]
         writes = []
         published: list[tuple[int, int, int]] = []
         failure = None
@@ -303,7 +313,7 @@ class DiskOptimizer(OptimizerOffload):
                 reads[c] = None                   # (a done future keeps its result: the chunk would stay)
                 self.timeline.append(("wait", c, waited, time.perf_counter()))
                 if c + 2 < len(chunks):
-                    reads.append(self.reader.submit(self._read, old, chunks[c + 2], known, t0, c + 2))
+                    reads.append(self.reader.submit(self._read, old, chunks[c + 2], known, t0, c + 2, pool))
                 start = time.perf_counter()
                 for (i, lo, hi), bs in zip(chunk, bufs):
                     s = states[i]
