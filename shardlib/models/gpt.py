@@ -33,6 +33,7 @@ class GPTConfig:
     n_experts: int = 0
     top_k: int = 2                     # experts per token
     expert_width: int | None = None    # each expert's hidden width (default: the MLP's)
+    expert_modules: bool = False       # the experts one module each (an nn.ModuleList), not fused 3-D weights
     shared_experts: int = 0            # always-on experts beside the routed ones (Qwen2-MoE, DeepSeek)
     norm_topk: bool = True             # the chosen experts' weights renormalized to sum to 1 (Mixtral)
     aux_loss: float = 0.01             # the load-balancing loss's coefficient in the training loss

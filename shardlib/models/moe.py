@@ -49,6 +49,37 @@ class Experts(nn.Module):
         return out
 
 
+# one expert as its own module (older families and hand-written models): a list of them, ``ExpertList``, is
+# stacked for the expert axis (models/stacked.py), its weights' dims then ("experts", *these)
+@shard({"gate_up.weight": (Fused(2, "expert_mlp"), "embed"), "down.weight": ("embed", "expert_mlp")})
+class ExpertMLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.gate_up = nn.Linear(cfg.d_model, 2 * cfg.expert_width, bias=False)
+        self.down = nn.Linear(cfg.expert_width, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class ExpertList(nn.ModuleList):
+    """The routed experts one module each (``GPTConfig(expert_modules=True)``), with ``Experts``' signature and
+    arithmetic: each of its experts runs on the rows routed to it (an expert no row chose on zero rows)."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__([ExpertMLP(cfg) for _ in range(cfg.n_experts)])
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(hidden_states)
+        for e in range(len(self)):
+            token, slot = torch.where(top_k_index == e)
+            y = self[e](hidden_states[token])
+            out.index_add_(0, token, y * top_k_weights[token, slot, None].to(y.dtype))
+        return out
+
+
 # split over tensor as the dense MLP is (rules={"mlp": "tensor"}): gate|up a column of two blocks, down a row
 @shard({"gate_up.weight": (Fused(2, "mlp"), "embed"), "down.weight": ("embed", "mlp")})
 class SharedExperts(nn.Module):
@@ -91,7 +122,7 @@ class MoE(nn.Module):
         super().__init__()
         self.n_experts, self.top_k, self.norm_topk = cfg.n_experts, cfg.top_k, cfg.norm_topk
         self.gate = nn.Linear(cfg.d_model, cfg.n_experts, bias=False)      # the router
-        self.experts = Experts(cfg)
+        self.experts = ExpertList(cfg) if cfg.expert_modules else Experts(cfg)
         self.shared = SharedExperts(cfg) if cfg.shared_experts else None
         self.aux_loss: torch.Tensor | None = None
         self.aux_weight = cfg.aux_loss      # what the model weighs aux_loss by in its loss (0: not added)

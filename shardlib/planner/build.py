@@ -47,6 +47,10 @@ def _plan(model: nn.Module, mesh: AbstractMesh, *, policies: Policies, rules: An
     data_axis = pol.roles.data
     if data_axis == "data":          # a mesh without a data axis is one whose data size is 1
         mesh = mesh.with_axis(data_axis)
+    expert_axis = pol.roles.expert_of(mesh)
+    if expert_axis is not None and mesh.axis_sizes[expert_axis] > 1:
+        from ..models.stacked import stack_experts
+        stack_experts(model)         # experts one module each: stacked, in place, to be split (models/stacked.py)
     r = _check(model, mesh, pol, rules=rules, batch=batch)
     states, unit_names, stack_units, rec, sel, specs, tplan, pplan = (
         r.states, r.unit_names, r.stack_units, r.recompute, r.selective, r.specs, r.tensor, r.pipeline)

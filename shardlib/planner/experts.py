@@ -92,14 +92,11 @@ def aux_loss_problems(model: nn.Module, batch_ranks: int, piped: bool = False) -
 
 
 def module_list_experts(model: nn.Module) -> list[tuple[str, int]]:
-    """``(name, count)`` of each ``nn.ModuleList`` of experts (a MoE block of older families and hand-written
-    models: one module per expert, beside a router), which the expert axis does not split."""
-    out = []
-    for name, m in model.named_modules():
-        if isinstance(m, nn.ModuleList) and len(m) > 1 and name.rpartition(".")[2] in ("experts", "expert", "mlps") \
-                and len({type(c) for c in m}) == 1:
-            out.append((name, len(m)))
-    return out
+    """``(name, count)`` of each container of experts one module each whose block loops over it (its own
+    forward does not take the routing): the expert axis cannot move tokens to them (``models/stacked.py``
+    stacks those whose forward does)."""
+    from ..models.stacked import expert_containers, routes
+    return [(name, len(keys)) for name, m, keys in expert_containers(model) if not routes(m)]
 
 
 def expert_problems(specs: dict[str, PartitionSpec], mesh: Any, roles: Any, states: Any, offload: tuple,
@@ -114,14 +111,13 @@ def expert_problems(specs: dict[str, PartitionSpec], mesh: Any, roles: Any, stat
         lists = module_list_experts(model) if model is not None else []
         if lists:
             names = ", ".join(f"{name!r} ({k} modules)" for name, k in lists[:3]) + (" ..." if len(lists) > 3 else "")
-            return [f"plan: the mesh's expert axis ({axis}={n}) splits no parameter — the model keeps its experts as "
-                    f"nn.ModuleLists, one module per expert: {names}, whose MoE block routes by looping over them; "
-                    "shardlib splits experts stored as stacked 3-D weights [E, out, in] behind a forward taking "
-                    "(hidden_states, top_k_index, top_k_weights), as transformers 5's fused *Experts and "
-                    "shardlib.models.moe.Experts are. Declare such a module, its weights' dim 0 named 'experts' "
-                    "(sl.shard({'gate_up_proj': ('experts', sl.Fused(2, 'expert_mlp'), 'embed'), 'down_proj': "
-                    "('experts', 'embed', 'expert_mlp')})), or load the model with a transformers version that fuses "
-                    "its experts; or give the expert axis size 1."]
+            return [f"plan: the mesh's expert axis ({axis}={n}) splits no parameter — the model keeps its experts "
+                    f"one module each: {names}, and its MoE block routes by looping over them, so no call carries the "
+                    "routing to move tokens by. Give the container a forward taking (hidden_states [T, H], "
+                    "top_k_index [T, k], top_k_weights [T, k]) that runs self[e] on the rows routed to expert e "
+                    "(as shardlib.models.moe.ExpertList does; the block calls self.experts(x, index, weights)), "
+                    "and shardlib stacks it and splits its experts; or store the experts as 3-D weights [E, out, in] "
+                    "(transformers 5's fused *Experts); or give the expert axis size 1."]
         return [f"plan: the mesh's expert axis ({axis}={n}) splits no parameter — expected the experts' weights laid "
                 f"out on it (rules={{'experts': '{axis}'}} on a mixture-of-experts model). An axis that splits "
                 "nothing is refused: give it size 1, or use it as the data axis."]
@@ -166,7 +162,10 @@ def expert_layers(model: nn.Module, params: dict[str, tuple[int, ...]], experts:
     for owner in sorted(expert_owners(experts)):
         mine = sorted(n for n in experts if n.rpartition(".")[0] == owner)
         down = next((n for n in mine if n.endswith("down_proj")), None)
-        hidden = params[down][1] if down is not None else params[mine[0]][-1]
+        common = set.intersection(*(set(params[n][1:]) for n in mine if len(params[n]) == 3)) \
+            if any(len(params[n]) == 3 for n in mine) else set()
+        # the row width: down_proj's [E, H, I], else the one width every expert matrix has (H in [E, 2I, H], [E, H, I])
+        hidden = params[down][1] if down is not None else (common.pop() if len(common) == 1 else params[mine[0]][-1])
         parent = modules.get(owner.rpartition(".")[0]) if "." in owner else model
         k = getattr(parent, "top_k", None) or getattr(config, "num_experts_per_tok", None) or 1
         out.append(ExpertLayer(owner, params[mine[0]][0], int(k), hidden, tokens))

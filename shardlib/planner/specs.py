@@ -176,10 +176,13 @@ def tables_by_prefix(model: nn.Module) -> dict[str, list[tuple[ShardTable, str]]
         found += [(t, _owner(prefix, module, None)) for t in _INSTANCE_TABLES.get(module, ())]
         if found:
             out[prefix] = found
-    if not out:          # a transformers model with no table: the dims its own plans give (planner/hf_dims.py)
+    from ..models.stacked import StackedExperts
+    if all(isinstance(model.get_submodule(p), StackedExperts) for p in out):
+        # a transformers model with no table (but its stacked experts'): the dims its own plans give
+        # (planner/hf_dims.py)
         table = _model_table(model)
         if table is not None:
-            out[""] = [(table, OWN_PLANS)]
+            out.setdefault("", []).insert(0, (table, OWN_PLANS))
     return out
 
 

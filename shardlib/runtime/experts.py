@@ -80,9 +80,14 @@ def _routed(forward, n_experts: int, mesh: Mesh, axis: str, counts: ExpertCounts
     def routed(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, **kwargs: Any):
         if _PROBING.get():
             return torch.zeros_like(hidden_states)
-        rows, local, weights, back = dispatch(hidden_states, top_k_index, top_k_weights, n_experts, mesh, axis)
+        onehot = top_k_index.dim() == 3           # Switch's routing: a one-hot mask [T, k, E], a row dropped all 0
+        index = torch.where(top_k_index.any(-1), top_k_index.argmax(-1), n_experts) if onehot else top_k_index
+        rows, local, weights, back = dispatch(hidden_states, index, top_k_weights, n_experts, mesh, axis)
         counts.add(layer, local, back)
-        return combine(forward(rows, local[:, None], weights[:, None], **kwargs), back)
+        chosen = local[:, None]
+        if onehot:
+            chosen = torch.nn.functional.one_hot(chosen, n_experts // mesh.axis_size(axis)).to(top_k_index.dtype)
+        return combine(forward(rows, chosen, weights[:, None], **kwargs), back)
     return routed
 
 

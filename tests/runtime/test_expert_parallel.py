@@ -242,26 +242,6 @@ def test_what_the_expert_axis_does_not_run_yet_is_refused_by_name(shape, kwargs,
     assert said in _refused(shape, kwargs)
 
 
-class _ListMoE(torch.nn.Module):
-    """An older family's MoE block: a router and one module per expert, looped over in its forward."""
-
-    def __init__(self):
-        super().__init__()
-        self.gate = torch.nn.Linear(8, 4, bias=False)
-        self.experts = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
-
-    def forward(self, x):
-        w, idx = torch.softmax(self.gate(x), -1).topk(1, dim=-1)
-        return sum(torch.where(idx == e, w, 0.0) * expert(x) for e, expert in enumerate(self.experts))
-
-
-def test_a_module_list_of_experts_is_named_with_how_to_declare_experts_the_axis_splits():
-    said = _refused_model(torch.nn.Sequential(_ListMoE(), _ListMoE()), {"data": 2, "expert": 2},
-                          {"rules": {"experts": "expert"}})
-    assert "nn.ModuleLists, one module per expert: '0.experts' (4 modules), '1.experts' (4 modules)" in said, said
-    assert "stacked 3-D weights [E, out, in]" in said and "('experts', sl.Fused(2, 'expert_mlp'), 'embed')" in said
-
-
 def _refused_model(model, shape: dict, kwargs: dict) -> str:
     try:
         sl.plan(model, sl.AbstractMesh(shape), **kwargs)
