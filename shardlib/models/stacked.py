@@ -59,8 +59,20 @@ def routes(container: nn.Module) -> bool:
 def stack_experts(model: nn.Module) -> list[str]:
     """Stack every container of experts whose forward takes the routing (module doc), in place; returns their
     names. Already stacked ones are left alone."""
+    from ..errors import ShardingError
+    from ..quant.layout import is_quantized
     done = []
     for name, container, keys in expert_containers(model):
+        packed = [f"{name}.{k}.{n}" for k in keys[:1] for n, p in container._modules[k].named_parameters()
+                  if is_quantized(p)]
+        if routes(container) and packed:
+            raise ShardingError(f"plan: the experts {name!r} are one module each with quantized weights "
+                                f"({', '.join(packed[:2])}) — the expert axis splits them stacked [E, out, in], and a "
+                                "quantized tensor does not stack. Stack the float model first "
+                                "(shardlib.models.stacked.stack_experts(model)), then quantize the stacked 3-D "
+                                "weights by name (int8: torchao's FqnToConfig; int4: shardlib.quant.quantize_int4_(parameters="
+                                "[...])); torchao's NF4Tensor holds at most 2 dims, so NF4 experts are not split yet.",
+                                api="plan")
         if routes(container):
             parent_name, _, attr = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
@@ -255,3 +267,16 @@ def _stacked_names(module: StackedExperts, state_dict: dict, prefix: str, local_
         names = [f"{prefix}{key}.{pname}" for key in module._keys]
         if prefix + flat not in state_dict and all(n in state_dict for n in names):
             state_dict[prefix + flat] = torch.stack([state_dict.pop(n) for n in names])
+
+
+def per_expert_names(model: nn.Module) -> dict[str, list[str]]:
+    """``{stacked parameter's name: its experts' own names, in order}`` of every ``StackedExperts`` in
+    ``model`` (``...experts.w1_weight`` -> ``[...experts.0.w1.weight, ...]``): what a folder or a
+    ``state_dict`` of the list holds."""
+    out = {}
+    for mname, m in model.named_modules():
+        if isinstance(m, StackedExperts):
+            pre = f"{mname}." if mname else ""
+            for flat, pname in m._names.items():
+                out[pre + flat] = [f"{pre}{key}.{pname}" for key in m._keys]
+    return out

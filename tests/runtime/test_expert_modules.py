@@ -195,3 +195,80 @@ def test_a_stacked_model_plans_on_the_meta_device_with_its_experts_split():
     spec = plan.param("blocks.0.mlp.experts.gate_up_weight").spec
     assert spec.dim_axes(0) == ("expert",), spec
     assert "2 of 4 experts per rank" in plan.explain(max_params=0)
+
+
+def _switch_folders(shape: dict, folder: str):
+    """A Switch folder written by transformers (each expert's own tensors) read into stacked experts split over
+    ``shape`` on a meta model (``init=False``), then written back by the engine."""
+    from safetensors import safe_open
+    from transformers import SwitchTransformersForConditionalGeneration
+    mesh = sl.Mesh(shape)
+    src, out = f"{folder}/hf", f"{folder}/engine"
+    if mesh.rank == 0:
+        _switch().save_pretrained(src)
+    torch.distributed.barrier()
+    want = _switch().state_dict()
+    with torch.device("meta"):
+        model = _switch()
+    engine = sl.parallelize(model, sl.plan(model, mesh, rules={"experts": "expert"}), optimizer=_opt, init=False)
+    engine.load_pretrained(src)
+    got = _per_expert(_switch, engine.full_state_dict())
+    engine.save_pretrained(out)
+    res = {"loaded": {k: (got[k], want[k]) for k in want}}
+    if mesh.rank == 0:
+        with safe_open(f"{out}/model.safetensors", "pt") as a, safe_open(f"{src}/model.safetensors", "pt") as b:
+            res["keys"] = (sorted(a.keys()), sorted(b.keys()))
+        back = SwitchTransformersForConditionalGeneration.from_pretrained(out).state_dict()
+        res["written"] = {k: (back[k], want[k]) for k in want}
+    return res
+
+
+def test_a_switch_folder_reads_into_split_experts_and_is_written_back_as_transformers_writes_it(world, tmp_path):
+    for r in world(4, _switch_folders, {"data": 2, "expert": 2}, str(tmp_path)):
+        for k, (got, want) in r["loaded"].items():
+            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=k)
+        if "keys" in r:
+            assert r["keys"][0] == r["keys"][1] and any(".experts.expert_3.wi.weight" in k for k in r["keys"][0])
+            for k, (got, want) in r["written"].items():
+                torch.testing.assert_close(got, want, rtol=0, atol=0, msg=k)
+
+
+def test_nllb_moe_experts_stack_keeping_the_models_loss_and_names():
+    """NLLB-MoE's experts (an ``nn.ModuleDict`` beside its token dropout, routed by index): stacked in one
+    process, the loss and the ``state_dict`` are the list's."""
+    from transformers import NllbMoeConfig, NllbMoeForConditionalGeneration
+    cfg = NllbMoeConfig(vocab_size=64, d_model=32, encoder_layers=2, decoder_layers=2, encoder_ffn_dim=48,
+                        decoder_ffn_dim=48, encoder_attention_heads=4, decoder_attention_heads=4, num_experts=4,
+                        expert_capacity=64, encoder_sparse_step=1, decoder_sparse_step=1, dropout=0.0,
+                        max_position_embeddings=64)
+    torch.manual_seed(0)
+    a = NllbMoeForConditionalGeneration(cfg).eval()
+    torch.manual_seed(0)
+    b = NllbMoeForConditionalGeneration(cfg).eval()
+    assert len(stack_experts(b)) == 4
+    g = torch.Generator().manual_seed(0)
+    batch = {"input_ids": torch.randint(3, 64, (2, 10), generator=g), "labels": torch.randint(3, 64, (2, 8), generator=g)}
+    assert float(a(**batch).loss) == float(b(**batch).loss)
+    sa, sb = a.state_dict(), b.state_dict()
+    assert set(sa) == set(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_quantized_experts_one_module_each_are_refused_naming_how_to_stack_then_quantize():
+    model = GPT(CFG, seed=0)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    sl.quantize(model, "int8", modules="*.experts.*")
+    with pytest.raises(sl.ShardingError) as e:
+        sl.plan(model, sl.AbstractMesh({"expert": 2}), rules={"experts": "expert"})
+    said = str(e.value)
+    assert "'blocks.0.mlp.experts' are one module each with quantized weights (blocks.0.mlp.experts.0.gate_up.weight" \
+        in said and "stack_experts(model)" in said and "NF4Tensor holds at most 2 dims" in said, said
+    stacked = GPT(CFG, seed=0)              # stacked first, the 3-D weights then quantized: split like fused ones
+    stack_experts(stacked)
+    from shardlib.quant import quantize_int4_
+    names = [n for n, p in stacked.named_parameters() if p.dim() == 3]
+    quantize_int4_(stacked, group_size=8, filter_fn=lambda m, n: False, parameters=names)
+    for n in names:
+        stacked.get_parameter(n).requires_grad_(False)
+    plan = sl.plan(stacked, sl.AbstractMesh({"expert": 2}), rules={"experts": "expert"})
+    assert plan.param(names[0]).spec.dim_axes(0) == ("expert",) and plan.param(names[0]).quant is not None

@@ -25,12 +25,14 @@ from __future__ import annotations
 import math
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from ...algebra.boxes import Box
+from ...models.stacked import per_expert_names
 from ...planner.peft import base_name, is_adapter, is_peft, peft_base
 from ..checkpoint.core import gather_objects
 from ..checkpoint.files import CheckpointError
@@ -68,6 +70,7 @@ def _check(training: TrainingState, path: Path, config: dict | None, entries: di
                         f"{type(model).__name__}. Write it with save_pretrained.")
     params: dict[str, str] = {}
     shapes = {p.name: tuple(p.shape) for p in training.global_plan.params}
+    stacks = per_expert_names(model)
     quantized = {p.name for p in training.global_plan.params if p.quant is not None}
     peft = is_peft(model)
     for first, names in param_aliases(model).items():
@@ -76,6 +79,14 @@ def _check(training: TrainingState, path: Path, config: dict | None, entries: di
         if peft:
             names = [folder_name(n) for n in names]
         found = next((n for n in names if n in entries), None)
+        experts = [folder_name(n) for n in stacks.get(first, [])] if peft else stacks.get(first, [])
+        if found is None and experts and all(n in entries for n in experts):
+            # stacked experts (models/stacked.py) from a folder of the list's: each expert's own tensor
+            entries[first] = _stacked_entry(experts, entries)
+            found = first
+            problems += [p for n in experts for p in _entry_problems(path, n, entries[n], shapes[first][1:], None)]
+            params[first] = found
+            continue
         if found is None:
             problems.append(f"load_pretrained: {path} holds no tensor {first!r}"
                             + (f" (nor its tied names {names[1:]})" if len(names) > 1 else "")
@@ -100,7 +111,8 @@ def _check(training: TrainingState, path: Path, config: dict | None, entries: di
                             f"of a model built without values (init=False). {RELOAD}")
     if strict:
         known = {folder_name(n) if peft else n for names in param_aliases(model).values() for n in names} | \
-            {folder_name(n) if peft else n for n in persistent_buffers(model)}
+            {folder_name(n) if peft else n for n in persistent_buffers(model)} | \
+            {folder_name(n) if peft else n for names in stacks.values() for n in names}
         ignore = [re.compile(p) for p in getattr(peft_base(model)[0], "_keys_to_ignore_on_load_unexpected", None)
                   or []]
         nonpersistent = {n for n, _ in model.named_buffers()}
@@ -113,6 +125,30 @@ def _check(training: TrainingState, path: Path, config: dict | None, entries: di
     if problems:
         raise CheckpointError(problems[:20], api="load_pretrained")
     return params, buffers
+
+
+@dataclass(frozen=True)
+class StackedEntry:
+    """A stacked experts' weight read from its experts' own tensors in a folder: ``rows`` their entries."""
+
+    rows: tuple
+    shape: tuple[int, ...]
+    dtype: str
+
+    def read(self, index: tuple[slice, ...]) -> torch.Tensor:
+        """``index`` of the stacked tensor: its rows' slices, each from its own tensor."""
+        from safetensors import safe_open
+        first, rest = index[0], index[1:]
+        out = []
+        for e in self.rows[first]:
+            with safe_open(str(e.file), framework="pt") as f:
+                out.append(f.get_slice(e.key)[rest] if rest else f.get_tensor(e.key))
+        return torch.stack(out)
+
+
+def _stacked_entry(names: list[str], entries: dict[str, Entry]) -> StackedEntry:
+    rows = tuple(entries[n] for n in names)
+    return StackedEntry(rows, (len(rows), *rows[0].shape), rows[0].dtype)
 
 
 def folder_name(name: str) -> str:
@@ -214,8 +250,11 @@ def load_pretrained(training: TrainingState, path: str | os.PathLike, *, strict:
                 step = max(1, chunk // row) if box[1] else 1
                 for i in range(0, max(box[1][0], 1) if box[1] else 1, step):
                     part = _rows(box, i, step)
-                    with safe_open(str(e.file), framework="pt") as f:       # mapped pages let go after
-                        got = f.get_slice(e.key)[whole_index(part)]
+                    if isinstance(e, StackedEntry):
+                        got = e.read(whole_index(part))
+                    else:
+                        with safe_open(str(e.file), framework="pt") as f:       # mapped pages let go after
+                            got = f.get_slice(e.key)[whole_index(part)]
                     (dst[i:i + step] if box[1] else dst).copy_(got)
                     del got
         by_key = {p.key: p for p in pieces}

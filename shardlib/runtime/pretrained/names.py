@@ -52,6 +52,28 @@ def reverted(model: nn.Module, names: list[tuple[str, str]], meta: dict[str, tor
 
 def converted(model: nn.Module, names: list[tuple[str, str]], meta: dict[str, torch.Tensor]
               ) -> tuple[list[tuple[str, str]], dict[str, torch.Tensor], dict[str, str]]:
+    """``_converted``, then each stacked experts' weight (``models/stacked.py``) written as its experts' own
+    tensors (``experts.3.w1.weight``: row 3 of ``experts.w1_weight``), derived from it as a split is."""
+    listed, out, derived = _converted(model, names, meta)
+    from ...models.stacked import per_expert_names
+    stacks = per_expert_names(model)
+    if not stacks:
+        return listed, out, derived
+    rows, meta_rows = [], {}
+    for k, src in listed:
+        if k in stacks and src == k:
+            for i, n in enumerate(stacks[k]):
+                rows.append((n, src))
+                meta_rows[n] = out[k][i]
+                derived[n] = k
+        else:
+            rows.append((k, src))
+            meta_rows[k] = out[k]
+    return rows, meta_rows, derived
+
+
+def _converted(model: nn.Module, names: list[tuple[str, str]], meta: dict[str, torch.Tensor]
+               ) -> tuple[list[tuple[str, str]], dict[str, torch.Tensor], dict[str, str]]:
     """The tensors transformers' ``save_pretrained`` writes: ``(name in the file, its source's plan name)`` in
     its order, their meta tensors, and ``{name in the file: the model's name of its source}`` for those a
     conversion derives from one source each (a MoE family's fused experts ``[E, 2I, H]`` written as each expert's

@@ -29,6 +29,7 @@ from ..checkpoint.core import from_rank_zero, gather_objects
 from ..checkpoint.files import CheckpointError
 from ..checkpoint.pieces import rank_pieces
 from .files import OutFile, header_bytes, tidy, write_refused
+from ...models.stacked import per_expert_names
 from .names import converted, persistent_buffers, saved_names
 
 if TYPE_CHECKING:
@@ -131,8 +132,11 @@ class Converted:
         if self.src != src:
             full = self.sender.full(src)
             self.src = src
+            stacks = per_expert_names(self.model)
             if full is None:
                 self.outputs = {}
+            elif src in stacks:               # stacked experts: each expert's own tensor
+                self.outputs = dict(zip(stacks[src], full))
             else:
                 from transformers.core_model_loading import revert_weight_conversion
                 self.outputs = revert_weight_conversion(self.model, {self.derived[name]: full})
