@@ -127,7 +127,8 @@ def _plan(model: nn.Module, mesh: AbstractMesh, *, policies: Policies, rules: An
                    _tokens(batch, mesh.axis_size(dp) * grad_accum))
                if experts else (),
                router_stats=router_stats(model, {u.name for u in unit_list}) if mesh.axis_size(dp) > 1 else (),
-               offload=kinds, offload_dir=None if offload_dir is None else os.fspath(offload_dir))
+               offload=kinds, offload_dir=None if offload_dir is None else os.fspath(offload_dir),
+               delayed=bool(pol.memory.delayed))
     if offload_dir is not None and any(k == "disk" for _, k in kinds) and getattr(mesh, "rank", None) is not None:
         found = disk_problems(offload_dir, out.disk_bytes())      # a running mesh: this machine's disk
         if found:
@@ -225,7 +226,7 @@ def plan(model: nn.Module, mesh: AbstractMesh, zero: int | None = None, *, state
          microbatches: int | None = None, schedule: str | None = None, virtual_stages: int | None = None,
          stages: Any = None, pipe_axis: str = "pipe", pipe_gather: str = "step",
          replica_axis: str | None = None, expert_axis: str | None = None, context_axis: str | None = None,
-         offload: Any = None, offload_dir: Any = None,
+         offload: Any = None, offload_dir: Any = None, delayed: bool = False,
          roles: MeshRoles | None = None, data: DataPolicy | None = None, tensor: TensorPolicy | None = None, pipeline: PipelinePolicy | None = None,
          memory: MemoryPolicy | None = None, training: TrainingPolicy | None = None) -> Plan:
     """Plan training of ``model`` on ``mesh``: data parallel / ZeRO on ``data``, tensor parallel on ``tensor``.
@@ -401,6 +402,10 @@ def _check(model: nn.Module, mesh: AbstractMesh, pol: Policies, *, rules: Any, b
     kinds, offload_found = offload_problems(mem.offload, mem.offload_dir, zero3=zero3, recompute=bool(rec))
     for m in offload_found:
         add(m, m.startswith("plan: offload must be a mapping") or m.startswith("plan: offload_dir must be"))
+    if mem.delayed and (dict(kinds).get("optimizer") != "host" or dict(kinds).get("params")):
+        add(f"plan: delayed=True with offload={dict(kinds) or None} — the delayed update is the host optimizer's "
+            "(it runs beside the next step's forward and backward): expected offload={'optimizer': 'host'} without "
+            "the parameters offloaded. Offload the optimizer to the host, or leave delayed=False.")
     specs: dict[str, PartitionSpec] = {}
     tplan = pplan = None
     if not problems:

@@ -166,11 +166,18 @@ def _offload_lines(plan: Plan) -> list[str]:
     cpu = getattr(plan.mesh, "device", None)
     same = (" — on this machine (no accelerator) 'host' is the same memory as 'device': the copies run, "
             "nothing is saved" if cpu is not None and torch.device(cpu).type == "cpu" else "")
+    delayed = []
+    if plan.delayed:
+        extra = kinds["host"]["grads"]
+        delayed = ["    delayed update: the host update of step t runs beside step t+1's forward and backward, which "
+                   "compute with the parameters of update t-1 (DeepSpeed's delayed parameter update: the numerics "
+                   "differ)" + (f"; it reads its own copy of the host gradient shards ({format_bytes(extra)} more on "
+                                "the host while it runs)" if extra else "")]
     return [f"    by memory kind ({where}{disk}): "
             + ", ".join(f"{k} {format_bytes(v['total'])}" for k, v in kinds.items()),
             f"    copies per step between kinds: {moved or 'none'}"
             + (f"; offload_dir holds {format_bytes(plan.disk_bytes())} (two generations, every rank)"
-               if kinds["disk"]["total"] else "") + same]
+               if kinds["disk"]["total"] else "") + same] + delayed
 
 def _frozen_lines(plan: Plan, full: bool) -> list[str]:
     """Frozen and quantized parameters, and each LoRA adapter's layout next to its base weight's."""

@@ -204,6 +204,9 @@ class Plan:
     # memory kinds (planner/offload.py): ((state, "host" | "disk"), ...) — states not named live on the device
     offload: tuple[tuple[str, str], ...] = ()
     offload_dir: str | None = None
+    # the optimizer on the host updates beside the next step's forward and backward, which computes with the
+    # parameters one update behind (DeepSpeed's delayed parameter update): w_t = w_{t-1} - U(grad at w_{t-2})
+    delayed: bool = False
 
     # ---- basics --------------------------------------------------------------------------------
     @property

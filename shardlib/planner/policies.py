@@ -183,6 +183,7 @@ class MemoryPolicy(_Policy):
     recompute: bool | str | Iterable[str] | None = None
     offload: Mapping[str, str] | None = None
     offload_dir: Any = None
+    delayed: bool | None = None        # the optimizer on the host updates one step behind (DeepSpeed's DPU)
 
     def states(self, data_axis: str) -> StateLayouts:
         """The state layouts: the given ones, or the stage's (ZeRO-0 when none is given)."""
@@ -195,7 +196,7 @@ class MemoryPolicy(_Policy):
         return self.zero.params is not None if isinstance(self.zero, StateLayouts) else self.zero == 3
 
     def problems(self, mesh: Any) -> list[Problem]:
-        out = _flag("reshard_after_forward", self.reshard_after_forward)
+        out = _flag("reshard_after_forward", self.reshard_after_forward) + _flag("delayed", self.delayed)
         if isinstance(self.zero, StateLayouts):
             out += [(False, m) for m in self.zero.problems(mesh)]
         elif self.zero is not None and (problem := zero_problem(self.zero)) is not None:
@@ -265,7 +266,7 @@ SHORT_FORMS: dict[str, tuple[str, str]] = {
     "stages": ("pipeline", "stages"), "pipe_gather": ("pipeline", "pipe_gather"),
     "zero": ("memory", "zero"), "states": ("memory", "zero"), "units": ("memory", "units"),
     "reshard_after_forward": ("memory", "reshard_after_forward"), "recompute": ("memory", "recompute"),
-    "offload": ("memory", "offload"), "offload_dir": ("memory", "offload_dir"),
+    "offload": ("memory", "offload"), "offload_dir": ("memory", "offload_dir"), "delayed": ("memory", "delayed"),
     "precision": ("training", "precision"), "reduce_dtype": ("training", "reduce_dtype"),
     "microbatches": ("training", "microbatches"), "grad_accum": ("training", "microbatches"),
     "clip_grad_norm": ("training", "clip_grad_norm"), "optimizer": ("training", "optimizer"),
@@ -275,6 +276,7 @@ DEFAULTS: dict[tuple[str, str], Any] = {
     ("roles", "data"): "data", ("roles", "tensor"): "tensor", ("roles", "pipe"): "pipe",
     ("data", "bucket_mb"): 25.0, ("data", "broadcast_buffers"): True, ("tensor", "sequence_parallel"): False,
     ("pipeline", "pipe_gather"): "step", ("memory", "reshard_after_forward"): True, ("memory", "recompute"): False,
+    ("memory", "delayed"): False,
     ("training", "precision"): "fp32", ("training", "optimizer"): "adamw",
 }
 

@@ -302,6 +302,8 @@ class Engine:
         for sync in self.syncs:
             got = sync.finish()
             reduced = got if got is not None else reduced
+        if self.plan.delayed:      # the last step's update, beside this step's forward and backward: done now
+            self.offload.wait()
         grads = self.masters.grads(reduced, scale)
         for sync in self.syncs:
             sync.complete(grads)          # (the pipe: tied embeddings' shares summed over the stages)
@@ -316,7 +318,8 @@ class Engine:
             self._update(grads, used, sumsq, loss)
         if self.scaler:
             self.scaler.update(skip)
-        self.masters.release()
+        if not (self.plan.delayed and not skip):      # (a delayed update reads its gradients until wait())
+            self.masters.release()
         return float(loss)
 
     def _forward_backward(self, micro: list[Any], factor: float) -> torch.Tensor:
@@ -396,6 +399,9 @@ class Engine:
             coef = torch.clamp(self.plan.clip_grad_norm / (total + 1e-6), max=1.0)
             for g in grads:
                 g.mul_(coef.to(device=g.device, dtype=g.dtype))
+        if self.plan.delayed:              # the update beside the next step's forward and backward
+            self.offload.begin(self.optimizer, lambda: self._schedule(loss))
+            return
         if self.offload is not None:       # the update where the masters are, then the device copies
             try:
                 self.offload.step(self.optimizer)
@@ -405,13 +411,17 @@ class Engine:
                 raise
         else:
             self.optimizer.step()
+        self._schedule(loss)
+        if self.offload is None:
+            self.publish()
+
+    def _schedule(self, loss: torch.Tensor) -> None:
+        """The learning-rate schedule's step, after the optimizer's."""
         if self.lr_scheduler is not None:
             if isinstance(self.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
                 self.lr_scheduler.step(float(loss))
             else:
                 self.lr_scheduler.step()
-        if self.offload is None:
-            self.publish()
 
     def scalar_vector(self, scalars: list[torch.Tensor]) -> torch.Tensor:
         """``[scalars..., used flag of each trainable parameter]`` in fp32."""

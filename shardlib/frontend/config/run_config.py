@@ -129,6 +129,7 @@ class ParallelConfig:
     replica_axis: str | None = None
     offload: tuple[tuple[str, str], ...] = ()   # memory kinds (planner/offload.py): ((state, kind), ...)
     offload_dir: str | None = None
+    delayed: bool = False                       # the host optimizer's delayed update (runtime/offload/core.py)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -309,7 +310,8 @@ def _parallel(raw: Any, problems: list[str]) -> ParallelConfig:
                           virtual_stages=c.int("virtual_stages", None, optional=True),
                           pipe_gather=c.choice("pipe_gather", "step", ("step", "microbatch")),
                           replica_axis=c.str("replica_axis", None, optional=True),
-                          offload=_offload(c), offload_dir=c.str("offload_dir", None, optional=True))
+                          offload=_offload(c), offload_dir=c.str("offload_dir", None, optional=True),
+                          delayed=c.bool("delayed", False))
 
 
 def _offload(c: Checker) -> tuple[tuple[str, str], ...]:

@@ -32,6 +32,14 @@ written in place.
 
 On a machine without an accelerator the host is the device's memory: the host path runs and its
 copies are counted, nothing is saved; ``disk`` does free memory.
+
+**Delayed** (``sl.plan(..., offload={"optimizer": "host"}, delayed=True)``, DeepSpeed's delayed parameter
+update): the host update of step ``t`` runs on a thread beside step ``t+1``'s forward and backward, which
+compute with the parameters of update ``t-1``; step ``t+1`` waits for it after its backward (before its own
+gradients reach the masters), publishes it, then starts its own. So ``w_t = w_{t-1} - U(g_t)`` with ``g_t`` taken
+at ``w_{t-2}`` (``w_{-1} = w_0``). The update reads its own copy of the gradients the next backward overwrites
+(ZeRO-2/3's host gradient shards: one more gradient shard on the host while it runs). Every access outside the
+step (``offload_mapped``: checkpoints, ``full_state_dict``) finishes the update in flight first.
 """
 
 from __future__ import annotations
@@ -157,6 +165,48 @@ class OptimizerOffload:
         if self.engine.params_offload is not None:
             self.engine.params_offload.commit()
 
+    # ---- the delayed update (module doc) ---------------------------------------------------------------
+    _thread: threading.Thread | None = None
+    _failed: BaseException | None = None
+
+    def begin(self, optimizer: torch.optim.Optimizer, then) -> None:
+        """Start this step's update (``optimizer.step()``, then ``then()``: the learning-rate schedule) on a
+        thread; ``wait`` finishes and publishes it. The gradients it reads are its own: those in storage the
+        next backward writes (the host gradient shards) are copied first."""
+        kept = {s.grad_shard.untyped_storage().data_ptr() for s in self.states if s.grad_shard is not None}
+        for s in self.states:
+            g = s.master.grad
+            if g is not None and g.untyped_storage().data_ptr() in kept:
+                s.master.grad = g.clone()
+
+        def run() -> None:
+            try:
+                optimizer.step()
+                then()
+            except BaseException as e:        # noqa: BLE001 — raised by wait() on the engine's thread
+                self._failed = e
+
+        self._failed = None
+        self._thread = threading.Thread(target=run, name="shardlib-delayed-update", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> bool:
+        """Finish the delayed update in flight, if any: join it, drop the gradients it read, and put its
+        values into the device copies (ZeRO-1/2: the bucket all-gathers, a collective every rank runs here
+        alike). Returns whether one was in flight."""
+        t = self._thread
+        if t is None:
+            return False
+        self._thread = None
+        t.join()
+        for s in self.states:
+            s.master.grad = None if s.grad_shard is None or not self.engine.grad_is_master else s.grad_shard
+        if self._failed is not None:
+            failed, self._failed = self._failed, None
+            raise failed
+        self.publish_all()
+        return True
+
     @torch.no_grad()
     def publish_all(self) -> None:
         for s in self.states:
@@ -189,6 +239,7 @@ class OptimizerOffload:
 
     @contextmanager
     def mapped(self):
+        self.wait()                  # a delayed update in flight: done before anything reads the states
         yield
 
     def held(self) -> int:
