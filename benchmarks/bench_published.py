@@ -212,6 +212,10 @@ def price(row: dict) -> dict:
     needed = est.flops_per_rank / max(1e-9, (pub_s - comm) * (1 - est.idle)) / 1e12 if pub_s > comm else float("nan")
     if row["v"] > 1:
         notes.append(f"interleaved v={row['v']}")
+    acts = None
+    if row["group"] == "Korthikanti":    # activations of the first pipe rank against the paper's formula
+        acts = activations(dr.plan, m, row)
+        acts["planned"] = dr.memory.get("activations")
     return {**{k: row[k] for k in ("group", "name", "t", "p", "d", "batch", "mbs", "source")}, "gpus": n,
             "model": m, "recompute_published": row["recompute"], "recompute_planned": rc,
             "zero": row["zero"], "published_kind": kind, "published_value": value, "published_s": pub_s,
@@ -220,7 +224,20 @@ def price(row: dict) -> dict:
             "error_overlap": est.overlapped_s / pub_s - 1,
             "published_tflops": f_conv / (n * pub_s) / 1e12, "predicted_tflops": f_conv / (n * est.total_s) / 1e12,
             "needed_tflops": needed, "rank_tflops": est.flops_per_rank / est.compute_s / 1e12,
-            "fits": dr.fits, "notes": notes}
+            "fits": dr.fits, "notes": notes, "activations": acts}
+
+
+def activations(plan, m: dict, row: dict) -> dict:
+    """The planned bytes a block saves per micro-batch (measured on the meta device at the row's shard shapes)
+    as a multiple of ``s·b·h/t``, and Korthikanti et al.'s per-GPU figure by their formula: a layer's bytes
+    (``34sbh/t`` with SP and selective recompute, ``2sbh/t`` with full) times the layers in flight on the first
+    stage: 1F1B with ``m >= p`` keeps its ``L/p`` layers for ``p`` micro-batches, and without a pipe the ``L``
+    layers hold one micro-batch — ``L`` layers' worth either way."""
+    pp = plan.pipeline
+    block = pp.block_saved[0] if pp is not None and pp.block_saved else plan.stack_saved[1][0]
+    s, b, h, t, L = m["seq_len"], row["mbs"], m["d_model"], row["t"], m["n_layers"]
+    per = 34 if row["recompute"] == "selective" else 2
+    return {"multiple": block * t / (s * b * h), "formula_multiple": per, "formula_bytes": per * s * b * h / t * L}
 
 
 def table(rows: list[dict]) -> str:
@@ -240,6 +257,25 @@ def table(rows: list[dict]) -> str:
                    f"{r['batch']} ({r['mbs']}) | {rc} | {pub} | {r['published_s']:.2f} | {r['predicted_s']:.2f} "
                    f"({r['overlap_s']:.2f}) | **{100 * r['error']:+.0f}%** | {comp:.2f} / {r['bubble']:.3f} / "
                    f"{comm or '0'} | {r['needed_tflops']:.0f} ({r['needed_tflops'] / r['rank_tflops']:.2f}) |")
+    return "\n".join(out)
+
+
+def activation_table(rows: list[dict]) -> str:
+    """The Korthikanti rows' activation memory per GPU (first pipe rank) against the paper's formula."""
+    out = ["| model | t/p | recompute | a block saves (planned) | Korthikanti | planned per GPU GiB | formula GiB | "
+           "planned / formula | why |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        a = r.get("activations")
+        if not a:
+            continue
+        t = r["t"]
+        why = (f"(28 + 4t)·sbh/t = {28 + 4 * t}: both sequence-parallel all-gathers' outputs kept whole for the "
+               "column-parallel matmuls' backward (2sbh each where Megatron keeps the 2sbh/t shard and gathers "
+               "again: +4t-4), no dropout masks (-2)") if r["recompute_planned"] == "selective" else \
+            "each block keeps its input only, as Megatron's full recompute"
+        out.append(f"| {r['name']} | {t}/{r['p']} | {r['recompute_planned']} | {a['multiple']:.1f}·sbh/t | "
+                   f"{a['formula_multiple']}·sbh/t | {(a['planned'] or 0) / 2**30:.2f} | "
+                   f"{a['formula_bytes'] / 2**30:.2f} | {(a['planned'] or 0) / a['formula_bytes']:.2f} | {why} |")
     return "\n".join(out)
 
 
@@ -263,7 +299,8 @@ def main(argv=None) -> None:
     md = table(rows)
     notes = sorted({f"{r['name']} ({r['gpus']} GPUs): {n}" for r in rows for n in r["notes"]})
     text = (f"{md}\n\nerror = predicted (no overlap) / published - 1; negative: the estimate is faster than "
-            f"measured.\n\n{summary(rows)}\n\nnotes:\n" + "\n".join(f"- {n}" for n in notes)
+            f"measured.\n\n{summary(rows)}\n\nactivations per GPU, Korthikanti's rows (the first pipe rank; "
+            f"embeddings and head not counted), bytes of 16-bit values:\n\n{activation_table(rows)}\n\nnotes:\n" + "\n".join(f"- {n}" for n in notes)
             + "\n\nsources:\n" + "\n".join(f"- {s}" for s in dict.fromkeys(r["source"] for r in rows))
             + f"\n\n{len(rows)} rows planned in {secs:.1f} s\n")
     print(text)

@@ -87,8 +87,9 @@ def _activations(plan, model, run: RunConfig, rank: int) -> tuple[int | None, st
         except DynamicOutputShapeException:      # a mixture of experts: how many rows each expert gets is data
             return None, ("activations: not estimated for a model whose shapes depend on its data (a mixture of "
                           "experts routes a data-dependent number of rows to each expert)")
-    return None, "activations: not estimated for a tensor axis without a pipeline (plan with a pipe axis to " \
-                 "measure each block's saved bytes on its shards)"
+    if plan.stack_saved is not None:        # each block measured on its shards; micro-batches run in turn
+        return sum(plan.stack_saved[1]), None
+    return None, "activations: not estimated for a tensor axis on a model without one stack of identical blocks"
 
 
 def dry_run(run: RunConfig) -> DryRun:

@@ -50,7 +50,7 @@ class Experts(nn.Module):
 
 
 # one expert as its own module (older families and hand-written models): a list of them, ``ExpertList``, is
-# stacked for the expert axis (models/stacked.py), its weights' dims then ("experts", *these)
+# stacked for the expert axis (planner/stacked.py), its weights' dims then ("experts", *these)
 @shard({"gate_up.weight": (Fused(2, "expert_mlp"), "embed"), "down.weight": ("embed", "expert_mlp")})
 class ExpertMLP(nn.Module):
     def __init__(self, cfg: GPTConfig):

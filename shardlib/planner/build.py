@@ -25,6 +25,7 @@ from .offload import disk_problems, offload_problems
 from .peft import adapter_specs
 from .pipeline import PipelinePlan
 from .pipeline import derive as derive_pipeline
+from .pipeline import with_stream
 from .plan import ParamPlan, Plan, UnitPlan
 from .policies import (DataPolicy, MemoryPolicy, MeshRoles, PipelinePolicy, Policies, TensorPolicy,
                        TrainingPolicy, grouped)
@@ -49,8 +50,8 @@ def _plan(model: nn.Module, mesh: AbstractMesh, *, policies: Policies, rules: An
         mesh = mesh.with_axis(data_axis)
     expert_axis = pol.roles.expert_of(mesh)
     if expert_axis is not None and mesh.axis_sizes[expert_axis] > 1:
-        from ..models.stacked import stack_experts
-        stack_experts(model)         # experts one module each: stacked, in place, to be split (models/stacked.py)
+        from .stacked import stack_experts
+        stack_experts(model)         # experts one module each: stacked, in place, to be split (planner/stacked.py)
     r = _check(model, mesh, pol, rules=rules, batch=batch)
     states, unit_names, stack_units, rec, sel, specs, tplan, pplan = (
         r.states, r.unit_names, r.stack_units, r.recompute, r.selective, r.specs, r.tensor, r.pipeline)
@@ -138,11 +139,14 @@ def _plan(model: nn.Module, mesh: AbstractMesh, *, policies: Policies, rules: An
         from .varying import derive_f
         out = derive_f(model, out, batch)
         out = replace(out, activations=trace_activations(model, out, batch))
+        if pplan is None and not experts:          # each block's saved bytes, as a pipeline's are measured
+            from .pipeline_report import stack_saved_bytes
+            out = replace(out, stack_saved=stack_saved_bytes(model, out, batch))
     if pplan is not None:
         pplan = replace(pplan, trainable=sum(1 for p in params if p.trainable),
                         aux_riding=any(getattr(m, "aux_weight", 0) for m in model.modules()))
         if batch is not None:
-            pplan = _with_stream(model, pplan, out, batch)
+            pplan = with_stream(model, pplan, out, batch)
             from .pipeline_report import block_saved_bytes
             pplan = replace(pplan, block_saved=block_saved_bytes(model, replace(out, pipeline=pplan),
                                                                            batch=batch))
@@ -281,27 +285,6 @@ def plan(model: nn.Module, mesh: AbstractMesh, zero: int | None = None, *, state
     """
     raise AssertionError("unreachable: grouped(_plan) runs the plan")
 
-
-
-def _with_stream(model: nn.Module, pplan, plan: Plan, batch) -> Any:
-    """The pipeline plan with the stream's per-micro-batch shape on each rank (``batch``: the
-    example global batch), after checking that ``data x microbatches`` divides it."""
-    from torch.utils._pytree import tree_leaves
-
-    from .pipeline import stream_shape
-    leaves = [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
-    b = leaves[0].shape[0] if leaves and leaves[0].dim() else None
-    need = plan.dp_size * pplan.microbatches
-    if b is None or b % need:
-        raise ShardingError(f"plan: the batch of {b} rows does not split into data={plan.dp_size} x "
-                            f"microbatches={pplan.microbatches} = {need} micro-batches — expected a multiple of {need}. "
-                            f"Use a batch of {max(need, (b or 0) // need * need)} or {((b or 0) // need + 1) * need}, "
-                            "or change microbatches.")
-    shape = list(stream_shape(model, pplan.stack, batch, b // need, plan.compute_dtype))
-    tp = plan.tensor
-    if tp is not None and tp.sequence_parallel and tp.size > 1:
-        shape[tp.seq_dim] //= tp.size           # the stream is sequence-split between the stack's blocks
-    return replace(pplan, stream=tuple(shape), stream_dtype=str(plan.compute_dtype).replace("torch.", ""))
 
 
 def _tokens(batch: Any, chunks: int) -> int | None:

@@ -93,9 +93,9 @@ def aux_loss_problems(model: nn.Module, batch_ranks: int, piped: bool = False) -
 
 def module_list_experts(model: nn.Module) -> list[tuple[str, int]]:
     """``(name, count)`` of each container of experts one module each whose block loops over it (its own
-    forward does not take the routing): the expert axis cannot move tokens to them (``models/stacked.py``
+    forward does not take the routing): the expert axis cannot move tokens to them (``planner/stacked.py``
     stacks those whose forward does)."""
-    from ..models.stacked import expert_containers, routes
+    from .stacked import expert_containers, routes
     return [(name, len(keys)) for name, m, keys in expert_containers(model) if not routes(m)]
 
 

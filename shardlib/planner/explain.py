@@ -58,6 +58,8 @@ def explain(plan: Plan, max_params: int | None = None, *, full: bool = False) ->
     if plan.pipeline is not None:
         from .pipeline_report import pipeline_lines
         lines += pipeline_lines(plan, full)
+    from .pipeline_report import activation_lines
+    lines += [w for line in activation_lines(plan) for w in _wrap(line.strip(), "  ", "    ")]
     lines += _frozen_lines(plan, full)
     lines += _wrap("units: " + ", ".join(_unit_words(plan, full))
                    + ("   (* = recomputed in backward)" if any(u.recompute for u in plan.units) else "")

@@ -47,7 +47,8 @@ loss, ``|`` between stages).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import Any
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import math
@@ -55,6 +56,7 @@ import math
 import torch
 from torch import nn
 
+from ..errors import ShardingError
 from ..validate import is_int
 from .hf_stages import CausalLMStages, meta_or_zeros
 from .stage_checks import combination_problems, tied_across_stages
@@ -476,3 +478,23 @@ def stream_shape(model: nn.Module, stack: str, batch, rows: int, dtype) -> tuple
         with torch.no_grad():
             return torch.func.functional_call(Probe(), params, meta, strict=False, tie_weights=True)
     return tuple(meta_or_zeros(run, params, meta).shape)
+
+
+def with_stream(model: nn.Module, pplan: PipelinePlan, plan: Any, batch: Any) -> PipelinePlan:
+    """The pipeline plan with the stream's per-micro-batch shape on each rank (``batch``: the
+    example global batch), after checking that ``data x microbatches`` divides it."""
+    from torch.utils._pytree import tree_leaves
+
+    leaves = [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
+    b = leaves[0].shape[0] if leaves and leaves[0].dim() else None
+    need = plan.dp_size * pplan.microbatches
+    if b is None or b % need:
+        raise ShardingError(f"plan: the batch of {b} rows does not split into data={plan.dp_size} x "
+                            f"microbatches={pplan.microbatches} = {need} micro-batches — expected a multiple of {need}. "
+                            f"Use a batch of {max(need, (b or 0) // need * need)} or {((b or 0) // need + 1) * need}, "
+                            "or change microbatches.")
+    shape = list(stream_shape(model, pplan.stack, batch, b // need, plan.compute_dtype))
+    tp = plan.tensor
+    if tp is not None and tp.sequence_parallel and tp.size > 1:
+        shape[tp.seq_dim] //= tp.size           # the stream is sequence-split between the stack's blocks
+    return replace(pplan, stream=tuple(shape), stream_dtype=str(plan.compute_dtype).replace("torch.", ""))

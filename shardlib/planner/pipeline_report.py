@@ -31,6 +31,7 @@ stack's order; ``explain()`` reads it from there.
 from __future__ import annotations
 
 import contextlib
+import math
 import textwrap
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -171,6 +172,78 @@ def block_saved_bytes(model: nn.Module, plan: Plan, *, rank: int = 0, batch: Any
                             "expected SDPA attention. A transformers model needs attn_implementation='sdpa'; "
                             "or use recompute='full'.", api="plan")
     return tuple(out)
+
+
+def stack_saved_bytes(model: nn.Module, plan: Plan, batch: Any
+                      ) -> tuple[str, tuple[int, ...], tuple[int, ...]] | None:
+    """Without a pipe axis (a tensor axis, say): the layer stack's name, each block's saved bytes per
+    micro-batch on rank 0 and the stream's shape between blocks (``PipelinePlan.stream``), measured as ``block_saved_bytes`` measures a pipeline's blocks — the stack taken
+    as one stage. None where the model has no one stack of identical blocks."""
+    from dataclasses import replace
+
+    from .pipeline import PipelinePlan, StagePlan, with_stream
+    from .specs import find_stack
+    from .stack import auto_stack
+    stack = find_stack(model, None)[0] or auto_stack(model)[0]
+    if stack is None:
+        return None
+    blocks = tuple(f"{stack}.{n}" for n, _ in model.get_submodule(stack).named_children())
+    pp = PipelinePlan(axis="pipe", size=1, virtual=1, microbatches=plan.grad_accum, schedule="gpipe", stack=stack,
+                      stages=(StagePlan(0, 0, blocks, True, True, 0),), split="one stage", pre_params=(),
+                      post_params=())
+    pp = with_stream(model, pp, plan, batch)
+    return stack, block_saved_bytes(model, replace(plan, pipeline=pp), batch=batch), pp.stream
+
+
+def korthikanti_factor(plan: Plan) -> tuple[float, str]:
+    """Korthikanti et al.'s bytes per layer as a multiple of ``s·b·h`` (their Table 2, 16-bit values): with
+    sequence parallelism ``34/t`` (selective recompute: the attention core's ``5as/h`` left out; else
+    ``34/t + 5as/(h·t)``, not given here), without it ``10 + 24/t``; full recompute ``2`` (``2/t`` with SP).
+    Returns the factor and the formula in words."""
+    tp = plan.tensor
+    t = tp.size if tp is not None else 1
+    sp = tp is not None and tp.sequence_parallel and t > 1
+    if plan.recompute == "full":
+        return (2 / t, "2sbh/t (full recompute, SP)") if sp else (2.0, "2sbh (full recompute)")
+    extra = "" if plan.recompute == "selective" else " + 5as²b/t (not counted: no recompute)"
+    return (34 / t, f"34sbh/t (SP{', selective recompute' if not extra else ''}){extra}") if sp else \
+        (10 + 24 / t, f"sbh(10 + 24/t){extra}")
+
+
+def activation_lines(plan: Plan) -> list[str]:
+    """The measured bytes a block saves per micro-batch as a multiple of ``s·b·h`` beside Korthikanti et al.'s
+    formula, and the micro-batches in flight on the first pipe rank: what ``explain()`` says of activations."""
+    pp = plan.pipeline
+    if pp is not None and pp.block_saved and pp.stream:
+        per, stream = pp.block_saved, pp.stream
+        weight = {s.index: 1 for s in pp.stages if s.rank == 0}
+        live = rank_peak(pp.actions(0), weight)
+        mine = [b for s in pp.stages if s.rank == 0 for b in s.blocks]
+        index = {b: i for i, b in enumerate(b for s in pp.stages for b in s.blocks)}
+        blocks = [per[index[b]] for b in mine]
+        where = (f"pipe rank 0's {len(blocks)} block{'s' if len(blocks) != 1 else ''} x {live} micro-batches in "
+                 "flight (its schedule's peak)")
+        total = rank_activation_bytes(plan, plan.mesh.rank_at([0] * plan.mesh.ndim))
+    elif plan.stack_saved is not None:
+        _, blocks, stream = plan.stack_saved
+        blocks, live = list(blocks), 1
+        where = f"{len(blocks)} blocks x 1 micro-batch in flight (micro-batches run in turn)"
+        total = sum(blocks)
+    else:
+        return []
+    tp = plan.tensor
+    t = tp.size if tp is not None else 1
+    sp = tp is not None and tp.sequence_parallel and t > 1
+    seq_dim = tp.seq_dim if tp is not None else 1
+    sbh = math.prod(stream) * (t if sp else 1)
+    itemsize = 2                              # Korthikanti et al. count 16-bit values: bytes = 2 x elements
+    factor, formula = korthikanti_factor(plan)
+    got = blocks[0] / (sbh * itemsize / 2) if blocks else 0.0
+    scale = f"/t (t={t})" if sp else ""
+    mult = got * (t if sp else 1)
+    return [f"  activations: a block saves {format_bytes(blocks[0])} per micro-batch = {mult:.1f}·sbh{scale} bytes "
+            f"(s·b·h = {sbh:,} elements, seq dim {seq_dim}); Korthikanti et al.'s {formula} = "
+            f"{format_bytes(int(factor * sbh))}; {where} = {format_bytes(total or 0)}"]
 
 
 # ---- activation memory per stage and rank ------------------------------------------------------

@@ -207,6 +207,9 @@ class Plan:
     # the optimizer on the host updates beside the next step's forward and backward, which computes with the
     # parameters one update behind (DeepSpeed's delayed parameter update): w_t = w_{t-1} - U(grad at w_{t-2})
     delayed: bool = False
+    # without a pipe axis (a tensor axis): the layer stack and each block's saved bytes per micro-batch on rank 0,
+    # measured on the meta device when the plan is given ``batch=`` (planner/pipeline_report.stack_saved_bytes)
+    stack_saved: tuple[str, tuple[int, ...]] | None = None
 
     # ---- basics --------------------------------------------------------------------------------
     @property

@@ -160,6 +160,11 @@ def shard(mesh: AbstractMesh | Mapping | None = None, spec: Mapping | None = Non
     return apply
 
 
+def class_tables(cls: type) -> list[ShardTable]:
+    """The tables ``@sl.shard`` attached to ``cls`` and its bases (bases first)."""
+    return [t for c in reversed(cls.__mro__) for t in _CLASS_TABLES.get(c, ())]
+
+
 def _owner(prefix: str, module: nn.Module, cls: type | None) -> str:
     at = f"{prefix!r}" if prefix else "the model"
     if cls is not None:
@@ -176,8 +181,7 @@ def tables_by_prefix(model: nn.Module) -> dict[str, list[tuple[ShardTable, str]]
         found += [(t, _owner(prefix, module, None)) for t in _INSTANCE_TABLES.get(module, ())]
         if found:
             out[prefix] = found
-    from ..models.stacked import StackedExperts
-    if all(isinstance(model.get_submodule(p), StackedExperts) for p in out):
+    if all(getattr(model.get_submodule(p), "stacked_experts", False) for p in out):
         # a transformers model with no table (but its stacked experts'): the dims its own plans give
         # (planner/hf_dims.py)
         table = _model_table(model)

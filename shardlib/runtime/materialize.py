@@ -200,11 +200,11 @@ def init_program(model: nn.Module, api: str = "parallelize") -> tuple[list[_Step
                   "holds tensors to define reset_parameters(), or the model to define init_weights(module) "
                   "(see shardlib.runtime.materialize). Add one, or build the model on a real device.")
     if init_weights is not None:
-        from ..models.stacked import StackedExperts
+        from ..planner.stacked import StackedExperts
         for name, mod in model.named_modules():
             own = tensors.direct(mod)
             if own:
-                # stacked experts (models/stacked.py): each expert's modules in turn, as the list's build ran them
+                # stacked experts (planner/stacked.py): each expert's modules in turn, as the list's build ran them
                 call = ((lambda m=mod: m.replay(init_weights)) if isinstance(mod, StackedExperts)
                         else (lambda m=mod: init_weights(m)))
                 steps.append(_Step(f"init_weights({name or '<root>'})", call, own, False))

@@ -1,4 +1,4 @@
-"""Experts kept one module each (``models/stacked.py``): the reference GPT's ``ExpertList`` (an
+"""Experts kept one module each (``planner/stacked.py``): the reference GPT's ``ExpertList`` (an
 ``nn.ModuleList`` of SwiGLU modules) and transformers' Switch Transformers (an ``nn.ModuleDict`` of
 ``expert_{i}`` modules, routed by a one-hot mask) are stacked where the mesh has an expert axis, each rank
 holding whole experts, and train as one process trains them — every loss and every parameter, compared
@@ -14,7 +14,7 @@ import torch
 
 import shardlib as sl
 from shardlib.models.gpt import GPT, GPTConfig, token_batch
-from shardlib.models.stacked import StackedExperts, stack_experts
+from shardlib.planner.stacked import StackedExperts, stack_experts
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2, n_experts=4, top_k=2,
                 expert_width=24, shared_experts=1, aux_loss=0.05, expert_modules=True)

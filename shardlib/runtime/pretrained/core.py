@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ...algebra.boxes import Box
-from ...models.stacked import per_expert_names
+from ...planner.stacked import per_expert_names
 from ...planner.peft import base_name, is_adapter, is_peft, peft_base
 from ..checkpoint.core import gather_objects
 from ..checkpoint.files import CheckpointError
@@ -81,7 +81,7 @@ def _check(training: TrainingState, path: Path, config: dict | None, entries: di
         found = next((n for n in names if n in entries), None)
         experts = [folder_name(n) for n in stacks.get(first, [])] if peft else stacks.get(first, [])
         if found is None and experts and all(n in entries for n in experts):
-            # stacked experts (models/stacked.py) from a folder of the list's: each expert's own tensor
+            # stacked experts (planner/stacked.py) from a folder of the list's: each expert's own tensor
             entries[first] = _stacked_entry(experts, entries)
             found = first
             problems += [p for n in experts for p in _entry_problems(path, n, entries[n], shapes[first][1:], None)]

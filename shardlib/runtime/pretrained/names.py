@@ -52,10 +52,10 @@ def reverted(model: nn.Module, names: list[tuple[str, str]], meta: dict[str, tor
 
 def converted(model: nn.Module, names: list[tuple[str, str]], meta: dict[str, torch.Tensor]
               ) -> tuple[list[tuple[str, str]], dict[str, torch.Tensor], dict[str, str]]:
-    """``_converted``, then each stacked experts' weight (``models/stacked.py``) written as its experts' own
+    """``_converted``, then each stacked experts' weight (``planner/stacked.py``) written as its experts' own
     tensors (``experts.3.w1.weight``: row 3 of ``experts.w1_weight``), derived from it as a split is."""
     listed, out, derived = _converted(model, names, meta)
-    from ...models.stacked import per_expert_names
+    from ...planner.stacked import per_expert_names
     stacks = per_expert_names(model)
     if not stacks:
         return listed, out, derived

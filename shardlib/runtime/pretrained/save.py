@@ -29,7 +29,7 @@ from ..checkpoint.core import from_rank_zero, gather_objects
 from ..checkpoint.files import CheckpointError
 from ..checkpoint.pieces import rank_pieces
 from .files import OutFile, header_bytes, tidy, write_refused
-from ...models.stacked import per_expert_names
+from ...planner.stacked import per_expert_names
 from .names import converted, persistent_buffers, saved_names
 
 if TYPE_CHECKING:

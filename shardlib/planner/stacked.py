@@ -69,7 +69,7 @@ def stack_experts(model: nn.Module) -> list[str]:
             raise ShardingError(f"plan: the experts {name!r} are one module each with quantized weights "
                                 f"({', '.join(packed[:2])}) — the expert axis splits them stacked [E, out, in], and a "
                                 "quantized tensor does not stack. Stack the float model first "
-                                "(shardlib.models.stacked.stack_experts(model)), then quantize the stacked 3-D "
+                                "(shardlib.planner.stacked.stack_experts(model)), then quantize the stacked 3-D "
                                 "weights by name (int8: torchao's FqnToConfig; int4: shardlib.quant.quantize_int4_(parameters="
                                 "[...])); torchao's NF4Tensor holds at most 2 dims, so NF4 experts are not split yet.",
                                 api="plan")
@@ -97,6 +97,8 @@ def stacked_class(kind: type) -> type:
 class StackedExperts(nn.Module):
     """A container of ``E`` expert modules as one module: each expert parameter ``p`` stacked ``[E, *p.shape]``
     (module doc). Holds whatever experts its weights hold; its forward is the container's own."""
+
+    stacked_experts = True          # what planner/specs.py asks (it does not import this module)
 
     def __init__(self, container: nn.Module, keys: list[str]):
         super().__init__()
@@ -129,15 +131,14 @@ class StackedExperts(nn.Module):
     def _register_tables(self, template: nn.Module) -> None:
         """Each stacked weight's dims: ``experts`` then the expert's own (from its class's ``sl.shard`` table
         where it has one with logical dims, else unnamed)."""
-        from ..planner.specs import _CLASS_TABLES, shard
+        from .specs import class_tables, shard
         table: dict[str, tuple] = {}
         for flat, pname in self._names.items():
             dims: tuple = (None,) * (getattr(self, flat).dim() - 1)
-            for cls in reversed(type(template).__mro__):
-                for t in _CLASS_TABLES.get(cls, ()):
-                    for e in t.match(pname):
-                        if e.logical is not None and len(e.logical) == len(dims):
-                            dims = tuple(e.logical)
+            for t in class_tables(type(template)):
+                for e in t.match(pname):
+                    if e.logical is not None and len(e.logical) == len(dims):
+                        dims = tuple(e.logical)
             table[flat] = ("experts", *dims)
         shard(table)(self)
 
