@@ -73,6 +73,14 @@ def stack_experts(model: nn.Module) -> list[str]:
                                 "weights by name (int8: torchao's FqnToConfig; int4: shardlib.quant.quantize_int4_(parameters="
                                 "[...])); torchao's NF4Tensor holds at most 2 dims, so NF4 experts are not split yet.",
                                 api="plan")
+        adapters = [f"{name}.{k}.{n}" for k in keys[:1] for n, _ in container._modules[k].named_parameters()
+                    if "lora_" in n]
+        if routes(container) and adapters:
+            raise ShardingError(f"plan: the experts {name!r} are one module each with PEFT adapters inside "
+                                f"({', '.join(adapters[:2])}) — the expert axis splits them stacked [E, out, in], and "
+                                "stacking would stack the adapters too. Stack the base model first "
+                                "(shardlib.planner.stacked.stack_experts(model)), then give the stacked 3-D weights "
+                                "LoRA by name (LoraConfig(target_parameters=[...]), as for fused experts).", api="plan")
         if routes(container):
             parent_name, _, attr = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model

@@ -272,3 +272,11 @@ def test_quantized_experts_one_module_each_are_refused_naming_how_to_stack_then_
         stacked.get_parameter(n).requires_grad_(False)
     plan = sl.plan(stacked, sl.AbstractMesh({"expert": 2}), rules={"experts": "expert"})
     assert plan.param(names[0]).spec.dim_axes(0) == ("expert",) and plan.param(names[0]).quant is not None
+
+
+def test_lora_inside_experts_one_module_each_is_refused_naming_stack_then_adapt():
+    from peft import LoraConfig, get_peft_model
+    model = get_peft_model(GPT(CFG, seed=0), LoraConfig(r=2, target_modules=["gate_up", "down"]))
+    with pytest.raises(sl.ShardingError) as e:
+        sl.plan(model, sl.AbstractMesh({"expert": 2}), rules={"experts": "expert"})
+    assert "one module each with PEFT adapters inside" in str(e.value) and "target_parameters" in str(e.value)
