@@ -22,6 +22,7 @@ what ran is what was planned.
 from __future__ import annotations
 
 import threading
+import zlib
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -65,6 +66,23 @@ class CollectiveRecord:
 
 
 NETWORK_OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv", "broadcast")
+RAGGED_OPS = ("all_to_all", "send_recv")      # their bytes differ by rank by design: fingerprinted without them
+
+# The fingerprint of the collectives this process entered since the last ``fingerprint_reset``: a CRC-32 over
+# each one's (op, axes, bytes, tag), in order, one over (op, axes, tag) alone, and their count. Ranks that run
+# the same program on the same shapes agree on the first; ranks of a tensor axis, whose shards (and so their
+# buckets' bytes) may differ, on the second. The engine compares one in the step's scalar all-reduce
+# (runtime/parted.py).
+_FP = [0, 0, 0]
+
+
+def fingerprint(bytes_too: bool = True) -> tuple[int, int]:
+    """``(crc, count)`` of the collectives entered since the last reset (``bytes_too``: their bytes included)."""
+    return (_FP[0] if bytes_too else _FP[1]), _FP[2]
+
+
+def fingerprint_reset() -> None:
+    _FP[0] = _FP[1] = _FP[2] = 0
 
 
 class CollectiveCounter:
@@ -134,9 +152,18 @@ def count_collectives() -> CollectiveCounter:
     return CollectiveCounter()
 
 
+def _enter(op: str, axes: Sequence[str], nbytes: int, tag: str = "") -> None:
+    """A collective this rank enters: its progress record and the fingerprint."""
+    _progress.enter(op, axes, nbytes)
+    kind = f"{op}|{','.join(axes)}|{tag}"
+    _FP[0] = zlib.crc32(f"{kind}|{'-' if op in RAGGED_OPS else nbytes}".encode(), _FP[0])
+    _FP[1] = zlib.crc32(kind.encode(), _FP[1])
+    _FP[2] += 1
+
+
 def _record(op: str, axes: Sequence[str], nbytes: int, t: torch.Tensor, k: int, tag: str = "") -> None:
     if op in NETWORK_OPS:   # every rank enters the same collectives in order: a hang names who is behind
-        _progress.enter(op, axes)
+        _enter(op, axes, nbytes, tag)
     if not _ACTIVE:
         return
     rec = CollectiveRecord(op, tuple(axes), int(nbytes), t.dtype, t.numel(), k, tag)
@@ -443,7 +470,7 @@ def send_recv(x: torch.Tensor, mesh: Mesh, axes: str | Sequence[str], pairs: Seq
     if sent or ops:
         _record("send_recv", mesh.canonical_axes(axes), sent, x, len(members))
     else:   # not a party to any pair: still a step of the program every rank takes
-        _progress.enter("send_recv", mesh.canonical_axes(axes))
+        _enter("send_recv", mesh.canonical_axes(axes), 0)
     if async_op:
         return Pending(_Works(ops), out)
     for w in ops:

@@ -6,8 +6,10 @@ op, its axes, the wall time and the user's step (``set_step``). An SPMD program 
 collectives in the same order on every rank, so when a collective times out, the ranks whose
 sequence number is the lowest are the ones the others are waiting for.
 
-The record is a 128-byte buffer packed in place (no I/O on the hot path: well under a
-microsecond per collective). Under ``sl.launch`` it is an ``mmap`` of a file in the launcher's
+The record is a 128-byte head and a ring of the last ``RING`` collectives (sequence number, op,
+axes, bytes, step: the flight recorder), packed in place (no I/O on the hot path: about a
+microsecond per collective). On a failure the reports set every rank's ring side by side and name
+the first collective where ranks that had agreed parted (``flight_report``). Under ``sl.launch`` it is an ``mmap`` of a file in the launcher's
 result directory (``attach``): the parent reads it even from a rank that is stuck, killed or
 holds the GIL. Under ``torchrun`` there is no parent; a daemon thread (``publish``) copies it
 into the world's key-value store when it changes, at most every ``interval`` seconds, and the
@@ -24,7 +26,9 @@ import time
 from collections.abc import Mapping, Sequence
 
 _REC = struct.Struct("<qqdq24s64s8x")   # seq, step (-1: unknown), time, pid, op, axes
-SIZE = _REC.size                         # 128
+_ENTRY = struct.Struct("<qqq16s24s")     # seq, bytes, step, op, axes: one collective of the ring
+RING = 16                                # the flight recorder: the last collectives each rank entered
+SIZE = _REC.size + RING * _ENTRY.size    # 128 + 16 x 64
 _KEY = "shardlib/progress/{}"
 
 
@@ -41,7 +45,7 @@ class _Record:
     def _pack(self) -> None:
         _REC.pack_into(self.buf, 0, self.seq, self.step, self.time, self.pid, *self._cur)
 
-    def enter(self, op: str, axes: Sequence[str]) -> None:
+    def enter(self, op: str, axes: Sequence[str], nbytes: int = 0) -> None:
         key = (op, tuple(axes))
         names = self._names.get(key)
         if names is None:
@@ -50,6 +54,8 @@ class _Record:
         self.time = time.time()
         self._cur = names
         self._pack()
+        _ENTRY.pack_into(self.buf, _REC.size + (self.seq % RING) * _ENTRY.size, self.seq, int(nbytes), self.step,
+                         names[0][:16], names[1][:24])
 
     def set_step(self, step: int) -> None:
         self.step = int(step)
@@ -87,13 +93,24 @@ def current() -> dict:
 
 
 def unpack(data: bytes) -> dict | None:
-    """``{"seq", "step", "time", "pid", "op", "axes"}``, or None for a missing/short record."""
-    if len(data) < SIZE:
+    """``{"seq", "step", "time", "pid", "op", "axes", "recent"}`` (``recent``: the flight recorder's
+    collectives, oldest first, each ``{"seq", "op", "axes", "bytes", "step"}``), or None for a
+    missing/short record."""
+    if len(data) < _REC.size:
         return None
     seq, step, t, pid, op, axes = _REC.unpack_from(data)
+    recent = []
+    for i in range(RING if len(data) >= SIZE else 0):
+        s, nbytes, st, o, a = _ENTRY.unpack_from(data, _REC.size + i * _ENTRY.size)
+        if s > 0:
+            recent.append({"seq": s, "op": o.rstrip(b"\0").decode(errors="replace"), "bytes": nbytes,
+                           "axes": tuple(x for x in a.rstrip(b"\0").decode(errors="replace").split(",") if x),
+                           "step": None if st < 0 else st})
+    recent.sort(key=lambda e: e["seq"])
     return {"seq": seq, "step": None if step < 0 else step, "time": t, "pid": pid,
             "op": op.rstrip(b"\0").decode(errors="replace"),
-            "axes": tuple(a for a in axes.rstrip(b"\0").decode(errors="replace").split(",") if a)}
+            "axes": tuple(a for a in axes.rstrip(b"\0").decode(errors="replace").split(",") if a),
+            "recent": recent}
 
 
 def read_file(path: str) -> dict | None:
@@ -174,6 +191,50 @@ def laggards(records: Mapping[int, dict | None]) -> list[int]:
         return []
     low = min(seqs.values())
     return sorted(r for r, s in seqs.items() if s == low)
+
+
+def _word(e: dict) -> str:
+    return f"#{e['seq']} {e['op']}({', '.join(e['axes'])}) {e['bytes']:,} B" + (
+        f" step {e['step']}" if e.get("step") is not None else "")
+
+
+def parted(records: Mapping[int, dict | None]) -> tuple[int, list[int]] | None:
+    """``(sequence number, ranks that differ from the lowest rank there)``: the first collective in every
+    rank's flight recorder where ranks that had entered the same collectives (op, axes, bytes) before it
+    entered different ones — an SPMD program's ranks that took different paths. None where their recorders
+    agree wherever they overlap, or never agreed (ranks of different roles, such as pipeline stages)."""
+    rings = {r: {e["seq"]: (e["op"], e["axes"], e["bytes"]) for e in rec.get("recent", [])}
+             for r, rec in records.items() if rec}
+    if len(rings) < 2:
+        return None
+    common = sorted(set.intersection(*(set(v) for v in rings.values())))
+    agreed = 0
+    for s in common:
+        kinds = {r: ring[s] for r, ring in rings.items()}
+        first = kinds[min(kinds)]
+        differ = sorted(r for r, k in kinds.items() if k != first)
+        if differ:
+            return (s, differ) if agreed else None
+        agreed += 1
+    return None
+
+
+def flight_report(records: Mapping[int, dict | None], limit: int = 8) -> str:
+    """Every rank's last collectives (the flight recorder), and where ranks parted (``parted``)."""
+    lines = ["flight recorder (each rank's last collectives, oldest first):"]
+    for r in sorted(records):
+        rec = records[r]
+        recent = (rec or {}).get("recent", [])[-limit:]
+        lines.append(f"  rank {r}: " + ("; ".join(_word(e) for e in recent) if recent else "no collective yet"))
+    found = parted(records)
+    if found is not None:
+        s, differ = found
+        ref = min(r for r in records if records[r])
+        kinds = {r: next((e for e in records[r]["recent"] if e["seq"] == s), None) for r in [ref, *differ]}
+        lines.append(f"  the ranks parted at collective #{s}: rank {ref} entered {_word(kinds[ref])}, "
+                     + "; ".join(f"rank {r} {_word(kinds[r])}" for r in differ)
+                     + " — a data-dependent branch sent them down different paths before it")
+    return "\n".join(lines)
 
 
 def describe(rec: dict | None, now: float | None = None) -> str:

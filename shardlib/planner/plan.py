@@ -450,6 +450,9 @@ class Plan:
     def scalars_per_step(self) -> int:
         return traffic.scalars_per_step(self)
 
+    def fingerprint_axes(self) -> tuple[str, ...]:
+        return traffic.fingerprint_axes(self)
+
     def pipe_scalar_axes(self) -> tuple[str, ...]:
         return traffic.pipe_scalar_axes(self)
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import TYPE_CHECKING
@@ -77,6 +79,31 @@ def step_buffer_sizes(plan: Plan) -> tuple[tuple[torch.dtype, int], ...]:
         out[dt] = out.get(dt, 0) + k
     return tuple(out.items())
 
+FINGERPRINT_FLOATS = 4        # two hashes of the step's collectives and their squares (runtime/parted.py)
+
+
+def fingerprint_axes(plan: Plan) -> tuple[str, ...]:
+    """The axes whose ranks compare their collectives' fingerprint in the step's scalar all-reduce: those
+    the scalars are summed over, whose ranks run the same collectives — () where there is none (one rank),
+    where the group is too large for the fp32 sums to stay exact (``fingerprint_bits``), or under a pipe
+    axis whose scalars are summed over the whole mesh (its stages run different collectives)."""
+    mesh = plan.mesh
+    if plan.pipeline is not None and plan.pipe_size > 1:
+        axes = plan.pipe_scalar_axes()
+        if axes == mesh.canonical_axes(mesh.axis_names):
+            return ()
+    else:
+        tensor = (plan.tensor.axis,) if plan.tensor is not None and plan.tensor_size > 1 else ()
+        axes = mesh.canonical_axes((*plan.dp_axes, *tensor))
+    n = mesh.axis_size(axes) if axes else 1
+    return axes if n > 1 and fingerprint_bits(n) > 0 else ()
+
+
+def fingerprint_bits(n: int) -> int:
+    """Bits per hash for ``n`` ranks: ``n² · 2^(2b) < 2^24`` keeps ``n · Σv²`` exact in fp32."""
+    return min(8, 11 - math.ceil(math.log2(n)))
+
+
 def scalars_per_step(plan: Plan) -> int:
     """Floats in the one all-reduce that ends a step: the loss, (with sharded gradients) a
     non-finite count under fp16 and a squared norm under clipping, and one flag per trainable
@@ -85,12 +112,13 @@ def scalars_per_step(plan: Plan) -> int:
     (the role of DDP's ``find_unused_parameters`` bitmap). Under a pipe axis see
     ``pipe_scalar_axes``: over the whole mesh the vector holds every stage's flags, over
     ``data`` only this stage's."""
+    fp = FINGERPRINT_FLOATS if fingerprint_axes(plan) else 0      # the collectives' fingerprint
     if plan.pipeline is not None and plan.pipe_size > 1:
         if plan.pipe_scalar_axes() == plan.mesh.canonical_axes(plan.mesh.axis_names):
             return (1 + plan.pipeline.trainable + int(plan.precision == "fp16")
                     + int(plan.clip_grad_norm is not None))
-        return 1 + sum(1 for p in plan.params if p.trainable)
-    k = 1 + sum(1 for p in plan.params if p.trainable)
+        return 1 + sum(1 for p in plan.params if p.trainable) + fp
+    k = 1 + sum(1 for p in plan.params if p.trainable) + fp
     if plan.states.grads is not None or plan.tensor_size > 1 or plan.expert_size > 1:   # gradients differ by rank
         k += int(plan.precision == "fp16") + int(plan.clip_grad_norm is not None)
     if plan.pipe_size == 1:          # the tokens per expert ride along (runtime/experts.py)

@@ -43,6 +43,7 @@ from .machine import warn_slow_precision
 from .masters import LostStep, Masters
 from ..quant.api import pending_weights
 from .materialize import is_meta, materialize_stage_
+from .parted import Fingerprint
 from .offload.core import Copies, DiskOptimizer, OffloadError, OptimizerOffload, release_host_heap
 from .offload.activations import activation_offload
 from .offload.params import params_offload
@@ -167,10 +168,11 @@ class Engine:
         self.grads_sharded = (plan.states.grads is not None or self.tensor is not None or self.pipe is not None
                               or self.experts is not None)
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=mesh.device)   # this rank's, this step
+        self.fingerprint = Fingerprint(plan, mesh)    # ranks that part ways fail the step (runtime/parted.py)
         if self.buckets is not None and self.buckets.riders:
             # read when the last bucket launches (end of the last backward): the loss of every micro-step
             # is in by then, and so is every parameter's "got a gradient" flag
-            self.buckets.rider_values = lambda: self.scalar_vector([self.loss_sum])
+            self.buckets.rider_values = lambda: self.scalar_vector([self.loss_sum, *self.fingerprint.values()])
         self.params_offload = params_offload(self)   # ZeRO-3's shards to the host or to files (runtime/offload/params.py)
         self.offload = _offload(self)           # masters and moments to the host or to files (runtime/offload/core.py)
         self.masters = Masters(plan, self.states, self.buckets, self.offload, self.params_offload,
@@ -349,6 +351,7 @@ class Engine:
         summed by one all-reduce or already summed in the last gradient bucket's collective."""
         scalars = [loss_sum]
         sharded = self.grads_sharded
+        riding = isinstance(self.reduction, Riding)
         found_inf = torch.zeros((), device=self.mesh.device)
         if self.scaler:       # counted where the gradients are (the host, offloaded), reduced on the device
             found_inf = (sum((~torch.isfinite(g)).sum() for g in grads).float().to(self.mesh.device) if grads
@@ -362,7 +365,17 @@ class Engine:
                 sumsq = torch.zeros_like(sumsq)           # HSDP: the first replica counts the shards
             if sharded:
                 scalars.append(sumsq)
+        fp = self.fingerprint.placeholders() if riding else self.fingerprint.values()
+        scalars += fp
         vec = self.reduction.reduce(scalars)
+        if fp:
+            try:
+                self.fingerprint.check(vec[len(scalars) - len(fp):len(scalars)], self.step_count + 1)
+            except Exception:
+                self.masters.release()
+                raise
+        else:
+            self.fingerprint.check(vec[:0], self.step_count + 1)
         if sharded:
             k = 1
             if self.scaler:

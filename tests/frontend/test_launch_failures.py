@@ -65,7 +65,7 @@ def test_record_round_trips_through_a_file(tmp_path):
     with open(path, "wb") as f:
         f.write(_rec(7, "all_gather", ("data", "tensor"), t=123.5, step=4))
     assert progress.read_file(path) == {"seq": 7, "step": 4, "time": 123.5, "pid": 1, "op": "all_gather",
-                                        "axes": ("data", "tensor")}
+                                        "axes": ("data", "tensor"), "recent": []}
     assert progress.read_file(str(tmp_path / "missing")) is None
 
 
@@ -144,6 +144,41 @@ def _hang_on_rank_one():
     if dist.get_rank() == 1:
         time.sleep(600)   # never reaches the next collective
     core.all_reduce(x, mesh, "data")
+
+
+def _parted_ranks():
+    import torch.distributed as dist
+
+    mesh = sl.Mesh({"data": 2}, timeout=3)
+    x = torch.ones(4)
+    dist.barrier()                       # the world's timeout: however late a busy machine starts a rank
+    for _ in range(3):
+        core.all_reduce(x, mesh, "data")
+    if mesh.rank == 1:                   # a data-dependent branch: a collective rank 0 does not run
+        core.all_gather(torch.ones(8), mesh, "data")
+    core.all_reduce(x, mesh, "data")
+    core.all_reduce(x, mesh, "data")
+
+
+def test_the_flight_recorder_shows_each_ranks_last_collectives_and_where_they_parted():
+    with pytest.raises(sl.WorkerError) as info:
+        sl.launch(_parted_ranks, 2, timeout=120)
+    msg = str(info.value)
+    assert "flight recorder (each rank's last collectives, oldest first):" in msg, msg
+    assert "rank 0: " in msg and "rank 1: " in msg and "all_reduce(data) 16 B" in msg, msg
+    # the barrier is #1 (a collective outside shardlib's: not counted); three all-reduces agree, then they part
+    assert "the ranks parted at collective #4: rank 0 entered #4 all_reduce(data) 16 B" in msg, msg
+    assert "rank 1 #4 all_gather(data)" in msg, msg
+
+
+def test_parted_needs_ranks_that_agreed_first():
+    def rec(*kinds):
+        return {"recent": [{"seq": i + 1, "op": op, "axes": ("data",), "bytes": b, "step": None}
+                           for i, (op, b) in enumerate(kinds)]}
+    same, other = ("all_reduce", 16), ("all_gather", 32)
+    assert progress.parted({0: rec(same, same, same), 1: rec(same, other, same)}) == (2, [1])
+    assert progress.parted({0: rec(same, same), 1: rec(same, same)}) is None
+    assert progress.parted({0: rec(other, same), 1: rec(same, same)}) is None      # never agreed: other roles
 
 
 def test_launch_names_the_rank_that_never_reached_the_collective():

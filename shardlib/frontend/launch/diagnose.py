@@ -147,6 +147,7 @@ class WorldWatch:
             lines.append(f"  ... {len(behind) - 4} more")
         lines.append(f"Look at {_ranks(lag)} (the furthest behind). A collective waits for every rank of its "
                      f"group up to the collective timeout: {timeout_text()}.")
+        lines.append(progress.flight_report(records))
         add_note(exc, "\n".join(lines))
 
 

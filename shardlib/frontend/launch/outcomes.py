@@ -117,17 +117,21 @@ def _failure(processes: list, result_dir: str, errors: dict[int, dict], results:
     records = {r: progress.read_file(progress_path(result_dir, r)) for r in range(nprocs)}
     returned = {r for r, v in results.items() if v["ok"]}
     found = diagnose.hang_report(records, errors, returned, nprocs, timeout)
+    flight = ("\n" + progress.flight_report(records)) if any(rec and rec.get("recent") for rec in records.values()) \
+        else ""
     if found is None:
         err = _worker_error(errors, results, nprocs, run_timeout)
         behind = progress.laggards(records)
         if not errors and behind:   # the run timed out while some ranks were behind the others
             err.args = (err.args[0] + " Behind the others: " + "; ".join(
                 f"rank {r} (last collective {progress.describe(records[r])})" for r in behind[:4]) + ".",)
+        if flight and err.args and isinstance(err.args[0], str):
+            err.args = (err.args[0] + flight,) + err.args[1:]
         return err
     running = {r: processes[r].pid for r in found[0] if r not in results and processes[r].exitcode is None}
     stacks = diagnose.dump_stacks(running, {r: fault_path(result_dir, r) for r in running})
     behind, msg = diagnose.hang_report(records, errors, returned, nprocs, timeout, stacks)
-    return WorkerError(msg, rank=behind[0], remote_traceback=stacks.get(behind[0], ""))
+    return WorkerError(msg + flight, rank=behind[0], remote_traceback=stacks.get(behind[0], ""))
 
 
 def _worker_error(errors: dict[int, dict], results: dict[int, dict], nprocs: int,
