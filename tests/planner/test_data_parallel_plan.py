@@ -231,22 +231,22 @@ def test_uneven_shards_move_at_most_the_padding_more():
 
 
 def test_comm_entries_by_hand_for_the_mlp():
-    """N = 2, fp32. DP: the step's scalars (the loss + one used-flag per parameter: 7 floats) ride
-    the one bucket's all-reduce: 318 + 7 = 325 floats = 2·1·163·4 bytes, of which 2·1·159·4 are
-    the gradients' share. ZeRO-2: a reduce-scatter, and the scalars in an all-reduce of their own:
-    7 floats = 2·1·4·4 bytes."""
+    """N = 2, fp32. DP: the step's scalars (the loss + one used-flag per parameter: 7 floats, and the 4 of the
+    ranks' collectives' fingerprint: 11) ride the one bucket's all-reduce: 318 + 11 = 329 floats = 2·1·165·4
+    bytes, of which 2·1·159·4 are the gradients' share. ZeRO-2: a reduce-scatter, and the scalars in an
+    all-reduce of their own: 11 floats = 2·1·6·4 bytes."""
     plan = sl.plan(MLP(), mesh(2), zero=0)
     assert plan.scalars_ride_gradients
     assert [(e.phase, e.op, e.bytes, e.count, e.riders) for e in plan.comm_per_step()] == [
-        ("backward", "all_reduce", 1304, 1, 1304 - 1272)]
-    assert plan.comm_bytes_per_step("grads") == 1272 and plan.comm_bytes_per_step("scalars") == 32
-    assert plan.scalars_per_step() == 7
-    assert plan.memory_per_rank()["buffers"] == 7 * 4
+        ("backward", "all_reduce", 1320, 1, 1320 - 1272)]
+    assert plan.comm_bytes_per_step("grads") == 1272 and plan.comm_bytes_per_step("scalars") == 48
+    assert plan.scalars_per_step() == 7 + 4
+    assert plan.memory_per_rank()["buffers"] == 11 * 4
     plan = sl.plan(MLP(), mesh(2), zero=2)
     assert not plan.scalars_ride_gradients
-    assert [(e.op, e.bytes) for e in plan.comm_per_step() if e.what == "scalars"] == [("all_reduce", 32)]
+    assert [(e.op, e.bytes) for e in plan.comm_per_step() if e.what == "scalars"] == [("all_reduce", 48)]
     # ZeRO-2 + fp16 + clipping: the scalars also carry the overflow count and the squared norm
-    assert sl.plan(MLP(), mesh(2), zero=2, precision="fp16", clip_grad_norm=1.0).scalars_per_step() == 9
+    assert sl.plan(MLP(), mesh(2), zero=2, precision="fp16", clip_grad_norm=1.0).scalars_per_step() == 9 + 4
     # ZeRO-3 with 2 micro-steps: per unit, per micro-step: gather, gather again, reduce-scatter
     plan = sl.plan(MLP(), mesh(2), zero=3, grad_accum=2)
     layer0 = [e for e in plan.comm_per_step() if e.where == "layers.0"]

@@ -480,7 +480,8 @@ def test_step_scalars_take_a_collective_only_where_stages_must_agree():
     dp = sl.plan(model, mesh(data=2, pipe=2), rules=PIPE, microbatches=2)
     assert dp.pipe_scalar_axes() == ("data",) and dp.local(0).scalars_ride_gradients and scalars(dp) == []
     local = dp.local(0)
-    assert local.scalars_per_step() == 1 + sum(p.trainable for p in local.params)   # the loss + this stage's flags
+    # the loss + this stage's flags + the fingerprint its data replicas compare
+    assert local.scalars_per_step() == 1 + sum(p.trainable for p in local.params) + 4
     assert [e.where for e in dp.comm_per_step(0) if e.riders] == [f"bucket {len(local.buckets()) - 1}"]
     z1 = sl.plan(model, mesh(data=2, pipe=2), rules=PIPE, microbatches=2, zero=1)
     assert scalars(z1) == [("all_reduce", ("data",))]

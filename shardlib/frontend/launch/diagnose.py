@@ -147,7 +147,8 @@ class WorldWatch:
             lines.append(f"  ... {len(behind) - 4} more")
         lines.append(f"Look at {_ranks(lag)} (the furthest behind). A collective waits for every rank of its "
                      f"group up to the collective timeout: {timeout_text()}.")
-        lines.append(progress.flight_report(records))
+        if progress.parted(records) is not None:     # where ranks that had agreed took different paths
+            lines.append(progress.flight_report(records))
         add_note(exc, "\n".join(lines))
 
 

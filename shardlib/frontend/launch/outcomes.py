@@ -117,8 +117,12 @@ def _failure(processes: list, result_dir: str, errors: dict[int, dict], results:
     records = {r: progress.read_file(progress_path(result_dir, r)) for r in range(nprocs)}
     returned = {r for r, v in results.items() if v["ok"]}
     found = diagnose.hang_report(records, errors, returned, nprocs, timeout)
+    # the flight recorder where collectives are in question: a hang, ranks that parted, a collective that failed
+    # (a rank that died or raised elsewhere keeps the launcher's one line)
+    first = errors[min(errors, key=lambda r: (errors[r]["time"], r))]["error"] if errors else ""
     flight = ("\n" + progress.flight_report(records)) if any(rec and rec.get("recent") for rec in records.values()) \
-        else ""
+        and (found is not None or progress.parted(records) is not None
+             or first.startswith(("CollectiveError", "DistBackendError"))) else ""
     if found is None:
         err = _worker_error(errors, results, nprocs, run_timeout)
         behind = progress.laggards(records)
