@@ -190,9 +190,6 @@ class StackedExperts(nn.Module):
         """The experts this module holds (all of them on one process; this rank's on an expert axis)."""
         return getattr(self, next(iter(self._names))).shape[0]
 
-    def expert(self, i: int) -> _Expert:
-        return _Expert(self, i)
-
     def __len__(self) -> int:
         return self.held
 

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from ..algebra.mesh import Mesh
-from ..errors import ShardingError, ShardingTypeError
+from ..errors import CollectiveError, ShardingError, ShardingTypeError
 from ..planner.plan import Plan
 from ..validate import flag
 from .access import ParamAccess
@@ -368,14 +368,11 @@ class Engine:
         fp = self.fingerprint.placeholders() if riding else self.fingerprint.values()
         scalars += fp
         vec = self.reduction.reduce(scalars)
-        if fp:
-            try:
-                self.fingerprint.check(vec[len(scalars) - len(fp):len(scalars)], self.step_count + 1)
-            except Exception:
-                self.masters.release()
-                raise
-        else:
-            self.fingerprint.check(vec[:0], self.step_count + 1)
+        try:            # (off: an empty slice; the next window starts either way)
+            self.fingerprint.check(vec[len(scalars) - len(fp):len(scalars)], self.step_count + 1)
+        except CollectiveError:
+            self.masters.release()
+            raise
         if sharded:
             k = 1
             if self.scaler:
