@@ -70,8 +70,8 @@ def stack_experts(model: nn.Module) -> list[str]:
                                 f"({', '.join(packed[:2])}) — the expert axis splits them stacked [E, out, in], and a "
                                 "quantized tensor does not stack. Stack the float model first "
                                 "(shardlib.planner.stacked.stack_experts(model)), then quantize the stacked 3-D "
-                                "weights by name (int8: torchao's FqnToConfig; int4: shardlib.quant.quantize_int4_(parameters="
-                                "[...])); torchao's NF4Tensor holds at most 2 dims, so NF4 experts are not split yet.",
+                                "weights by name: sl.quantize(model, 'int8' | 'int4' | 'nf4', parameters=["
+                                "'*.experts.*']) (NF4 expert by expert, as to_nf4 would).",
                                 api="plan")
         adapters = [f"{name}.{k}.{n}" for k in keys[:1] for n, _ in container._modules[k].named_parameters()
                     if "lora_" in n]

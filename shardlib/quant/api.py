@@ -44,10 +44,11 @@ class QuantFormat:
     scaler_block_size: int = 256       # nf4: scales per double-quantization factor
 
     def problem(self, shape: tuple[int, ...]) -> str | None:
-        """Why a float weight of ``shape`` cannot take this format; None if it can."""
-        if len(shape) != 2:
-            return f"{len(shape)} dims (expected an [out, in] weight)"
-        out_f, in_f = shape
+        """Why a float weight of ``shape`` (``[out, in]``, or a stack of experts ``[E, out, in]``) cannot take
+        this format; None if it can. (NF4: each expert of a stack on its own, as ``to_nf4`` would take it.)"""
+        if len(shape) not in (2, 3):
+            return f"{len(shape)} dims (expected an [out, in] weight or a stack of experts [E, out, in])"
+        out_f, in_f = shape[-2:]
         if self.name == "int4" and in_f % self.group_size:
             return f"in-features {in_f} (expected a multiple of group_size {self.group_size})"
         if self.name == "nf4":
@@ -62,6 +63,8 @@ class QuantFormat:
         """``w`` (a float ``[out, in]`` tensor, real or meta) quantized. ``mean`` (nf4): the whole weight's
         mean block scale when ``w`` is a slice of its rows."""
         w = w.detach()
+        if w.dim() == 3:
+            return self._stack(w)
         if self.name == "int4":
             from .int4 import Int4Tensor
             return Int4Tensor.from_float(w, self.group_size)
@@ -72,6 +75,21 @@ class QuantFormat:
         lin.weight = nn.Parameter(w, requires_grad=False)
         quantize_(lin, Int8WeightOnlyConfig())
         return lin.weight.detach()
+
+    def _stack(self, w: torch.Tensor) -> torch.Tensor:
+        """A stack of experts ``[E, out, in]`` quantized: int4 and int8 group along the last dim (torchao's
+        ``FqnToConfig`` on the parameter for int8), nf4 each expert as ``to_nf4`` would (``NF4Stack``)."""
+        if self.name == "int4":
+            from .int4 import Int4Tensor
+            return Int4Tensor.from_float(w, self.group_size)
+        if self.name == "nf4":
+            from .nf4_stack import NF4Stack
+            return NF4Stack.from_float(w, self.block_size, self.scaler_block_size)
+        from torchao.quantization import FqnToConfig, Int8WeightOnlyConfig, quantize_
+        holder = nn.Module()
+        holder.stack = nn.Parameter(w, requires_grad=False)
+        quantize_(holder, FqnToConfig({"stack": Int8WeightOnlyConfig()}), filter_fn=None)
+        return holder.stack.detach()
 
 
 class PendingWeight(torch.Tensor):
@@ -104,12 +122,19 @@ def is_pending(t: object) -> bool:
 
 
 def quantize(model: nn.Module, format: str, modules: str | Iterable[str] | None = None, *,
-             group_size: int = 32, block_size: int = 64, scaler_block_size: int = 256) -> nn.Module:
+             parameters: Iterable[str] = (), group_size: int = 32, block_size: int = 64,
+             scaler_block_size: int = 256) -> nn.Module:
     """Quantize (a real model) or mark for quantization (a meta-device model) the weights of
     ``modules`` — ``nn.Linear`` layers named in full or by a suffix (``"q_proj"``), or ``fnmatch``
     patterns (``"*.mlp.*"``); default: every ``nn.Linear`` but the output head — in ``format``; returns
-    ``model``. Every target that cannot be quantized is named at once, and nothing changes then."""
+    ``model``. ``parameters`` names more weights by their parameter names or patterns: fused experts' stacks
+    ``[E, out, in]`` (``"*.experts.gate_up_proj"``), quantized expert by expert (with ``parameters`` alone,
+    no Linear is chosen by default). Every target that cannot be quantized is named at once, and nothing
+    changes then."""
     fmt = _format(format, group_size, block_size, scaler_block_size)
+    stacks = _stacks(model, fmt, parameters)
+    if stacks and modules is None:
+        modules = []
     layers = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
@@ -154,7 +179,7 @@ def quantize(model: nn.Module, format: str, modules: str | Iterable[str] | None 
                              + ("Leave it out of modules." if "trainable" not in w_ else
                                 "Quantize the base before peft.get_peft_model, and train adapters beside it."))
             chosen.append((name, mod))
-        if not chosen and not problems:
+        if not chosen and not stacks and not problems:
             problems.add(f"quantize: no nn.Linear of {type(model).__name__} can be quantized as {fmt.name} — got "
                          f"{len(layers)} linear layer(s), none a float weight of a shape the format takes; "
                          "expected at least one. Check the model, or pick another format.")
@@ -165,7 +190,53 @@ def quantize(model: nn.Module, format: str, modules: str | Iterable[str] | None 
         else:
             q = fmt.make(w)
         mod.weight = nn.Parameter(q, requires_grad=False)
+    for owner, leaf, w in stacks:
+        setattr(owner, leaf, nn.Parameter(fmt.make(w), requires_grad=False))
     return model
+
+
+def _stacks(model: nn.Module, fmt: QuantFormat, names: Iterable[str]) -> list[tuple[nn.Module, str, torch.Tensor]]:
+    """``(owner, attribute, weight)`` of each parameter ``names`` matches (a full name, its last parts, or an
+    ``fnmatch`` pattern); every one that cannot be quantized is named at once."""
+    if isinstance(names, str):
+        raise ShardingTypeError(f"quantize: parameters must be a list of parameter names or patterns — got the "
+                                f"string {names!r}; expected e.g. ['*.experts.gate_up_proj']. Wrap it in a list.")
+    names = list(names)
+    if not names:
+        return []
+    own = dict(model.named_parameters())
+    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    out = []
+    with Problems("quantize") as problems:
+        for pattern in names:
+            if not any(_matches(n, pattern) for n in own):
+                problems.add(f"quantize: parameters entry {pattern!r} matches no parameter of {type(model).__name__} "
+                             f"— expected a name, a name's last parts or an fnmatch pattern such as "
+                             f"{[n for n, p in own.items() if p.dim() == 3][:2] or list(own)[:2]}. Use names "
+                             "model.named_parameters() gives.")
+        for name, w in own.items():
+            if not any(_matches(name, p) for p in names):
+                continue
+            why = []
+            if formats.is_quantized(w) or is_pending(w):
+                why.append(f"it is quantized already ({type(w).__name__})")
+            elif w.is_meta:
+                why.append("it is on the meta device (a stack of experts is quantized from its values: load or "
+                           "initialize the float model first)")
+            elif not w.dtype.is_floating_point:
+                why.append(f"it is {w.dtype} (expected a float weight)")
+            elif (problem := fmt.problem(tuple(w.shape))) is not None:
+                why.append(problem)
+            if uses[id(w)] > 1:
+                why.append(f"it is tied to another module's ({uses[id(w)]} uses)")
+            if w.requires_grad and isinstance(getattr(model, "peft_config", None), dict):
+                why.append("it is trainable under PEFT (quantize the base before peft.get_peft_model)")
+            for w_ in why:
+                problems.add(f"quantize: parameter {name} {list(w.shape)} cannot be quantized as {fmt.name} — got "
+                             f"{w_}. Leave it out of parameters.")
+            owner_name, _, leaf = name.rpartition(".")
+            out.append((model.get_submodule(owner_name), leaf, w))
+    return out
 
 
 def pending_weights(model: nn.Module) -> dict[str, PendingWeight]:
@@ -193,7 +264,7 @@ def format_of(t: torch.Tensor) -> QuantFormat | None:
     it does not make (an ``Int8Tensor`` with other than per-row scales)."""
     if is_pending(t):
         return t.format
-    if formats.is_nf4(t):
+    if formats.is_nf4(t) or formats.kind(t) == "NF4Stack":
         return QuantFormat("nf4", block_size=t.block_size, scaler_block_size=t.scaler_block_size)
     kind = formats.kind(t)
     if kind == "Int4Tensor":

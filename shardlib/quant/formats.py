@@ -40,7 +40,7 @@ def is_nf4(t: object) -> bool:
 def is_quantized(t: object) -> bool:
     """A quantized weight: a tensor subclass with components (``__tensor_flatten__``) and codes."""
     return isinstance(t, torch.Tensor) and hasattr(type(t), "__tensor_flatten__") and (
-        hasattr(t, "qdata") or is_nf4(t))
+        hasattr(t, "qdata") or is_nf4(t) or callable(getattr(t, "component_layout", None)))
 
 
 def kind(t: torch.Tensor) -> str:
@@ -58,6 +58,9 @@ def components(t: torch.Tensor) -> dict[str, torch.Tensor]:
 def blocks(t: torch.Tensor) -> dict[str, tuple[tuple[int, ...], tuple[bool, ...] | None, tuple[int, ...]]] | None:
     """``{component: (block, whole, entries)}`` where a type fixes them (weight elements per entry per
     dim; kept whole per dim, or None to derive; entries per block per dim); None: derived from shapes."""
+    layout = getattr(t, "component_layout", None)
+    if callable(layout):                # the type states all three (``NF4Stack``)
+        return layout()
     own = getattr(t, "component_blocks", None)
     if callable(own):
         return {k: (tuple(v), tuple(False for _ in v), tuple(1 for _ in v)) for k, v in own().items()}

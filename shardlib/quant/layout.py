@@ -215,9 +215,9 @@ def _grouped_problems(model, name: str, p: torch.Tensor, spec: QuantSpec) -> lis
     return []
 
 
-def slice_weight(t: torch.Tensor, slices: tuple[slice, ...]) -> torch.Tensor:
-    """The quantized weight ``t`` cut to ``slices`` (one per dim, steps of 1, on block boundaries):
-    every component cut to match, a component kept whole where one entry spans the dim."""
+def component_slices(t: torch.Tensor, slices: tuple[slice, ...]) -> tuple[dict[str, torch.Tensor], tuple[int, ...]]:
+    """The components of the quantized weight ``t`` cut to ``slices`` (one per dim, steps of 1, on block
+    boundaries), as views, and the cut weight's shape: a component is kept whole where one entry spans the dim."""
     spec = QuantSpec.of(t)
     comps = formats.components(t)
     inner = {}
@@ -235,9 +235,15 @@ def slice_weight(t: torch.Tensor, slices: tuple[slice, ...]) -> torch.Tensor:
                                     f"cuts a block of {b} — got bounds inside a block; expected multiples of {b}. "
                                     "Slice on block boundaries (the planner refuses such splits).")
             idx.append(slice(start // b * e, math.ceil(stop / b) * e))
-        inner[c.name] = comps[c.name][tuple(idx)].clone(memory_format=torch.contiguous_format)  # frees the rest
-    shape = tuple(len(range(*s.indices(n))) for s, n in zip(slices, t.shape))
-    return formats.rebuild(t, inner, shape)
+        inner[c.name] = comps[c.name][tuple(idx)]
+    return inner, tuple(len(range(*s.indices(n))) for s, n in zip(slices, t.shape))
+
+
+def slice_weight(t: torch.Tensor, slices: tuple[slice, ...]) -> torch.Tensor:
+    """The quantized weight ``t`` cut to ``slices`` (one per dim, steps of 1, on block boundaries), its
+    components copies (the rest of ``t`` can be freed): ``component_slices``."""
+    inner, shape = component_slices(t, slices)
+    return formats.rebuild(t, {n: c.clone(memory_format=torch.contiguous_format) for n, c in inner.items()}, shape)
 
 
 def cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:

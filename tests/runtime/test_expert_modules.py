@@ -262,16 +262,18 @@ def test_quantized_experts_one_module_each_are_refused_naming_how_to_stack_then_
         sl.plan(model, sl.AbstractMesh({"expert": 2}), rules={"experts": "expert"})
     said = str(e.value)
     assert "'blocks.0.mlp.experts' are one module each with quantized weights (blocks.0.mlp.experts.0.gate_up.weight" \
-        in said and "stack_experts(model)" in said and "NF4Tensor holds at most 2 dims" in said, said
-    stacked = GPT(CFG, seed=0)              # stacked first, the 3-D weights then quantized: split like fused ones
-    stack_experts(stacked)
-    from shardlib.quant import quantize_int4_
-    names = [n for n, p in stacked.named_parameters() if p.dim() == 3]
-    quantize_int4_(stacked, group_size=8, filter_fn=lambda m, n: False, parameters=names)
-    for n in names:
-        stacked.get_parameter(n).requires_grad_(False)
-    plan = sl.plan(stacked, sl.AbstractMesh({"expert": 2}), rules={"experts": "expert"})
-    assert plan.param(names[0]).spec.dim_axes(0) == ("expert",) and plan.param(names[0]).quant is not None
+        in said and "stack_experts(model)" in said and "parameters=['*.experts.*']" in said, said
+    for fmt in ("int4", "nf4"):             # what the message says: stack first, then quantize the 3-D weights
+        stacked = GPT(CFG, seed=0)
+        stack_experts(stacked)
+        for p in stacked.parameters():
+            p.requires_grad_(False)
+        sl.quantize(stacked, fmt, parameters=["*.experts.*"], group_size=8, block_size=8, scaler_block_size=32)
+        names = [n for n, p in stacked.named_parameters() if p.dim() == 3]
+        assert names and all(type(stacked.get_parameter(n)).__name__ == {"int4": "Int4Tensor", "nf4": "NF4Stack"}[fmt]
+                             for n in names), names
+        plan = sl.plan(stacked, sl.AbstractMesh({"expert": 2}), rules={"experts": "expert"})
+        assert plan.param(names[0]).spec.dim_axes(0) == ("expert",) and plan.param(names[0]).quant is not None
 
 
 def test_lora_inside_experts_one_module_each_is_refused_naming_stack_then_adapt():

@@ -22,6 +22,8 @@ from shardlib.quant.layout import QuantSpec, is_quantized
 from test_expert_parallel import BATCH, CFG, STEPS, _counted, _hf_batch, _mixtral, _one_process, _opt, _planned
 
 GROUP = 16
+NF4_BLOCK, NF4_SCALERS = 16, 32
+NF4_TABLE = 16 * 4          # torchao's 16-entry fp32 table, kept whole on every rank
 
 
 def _base(kind: str, impl: str | None):
@@ -41,6 +43,8 @@ def _quantized(kind: str, quant: str, impl: str | None = None):
     if quant == "int8":
         from torchao.quantization import FqnToConfig, Int8WeightOnlyConfig, quantize_
         quantize_(model, FqnToConfig({n: Int8WeightOnlyConfig() for n in stacks}), filter_fn=None)
+    elif quant == "nf4":        # tiny experts: blocks of 16 (in-features 32 and 48), 32 scalers per factor
+        sl.quantize(model, "nf4", parameters=stacks, block_size=NF4_BLOCK, scaler_block_size=NF4_SCALERS)
     else:
         from shardlib.quant import quantize_int4_
         quantize_int4_(model, group_size=GROUP, filter_fn=lambda m, n: False, parameters=stacks)
@@ -84,9 +88,13 @@ def _train(shape: dict, kind: str, quant: str, zero: int, impl: str | None = Non
 @pytest.mark.parametrize("kind, quant, shape, zero, impl", [
     ("gpt", "int8", {"expert": 2}, 0, None), ("gpt", "int4", {"expert": 2}, 0, None),
     ("gpt", "int8", {"data": 2, "expert": 2}, 3, None), ("gpt", "int4", {"data": 2, "expert": 2}, 3, None),
-    ("mixtral", "int4", {"data": 2, "expert": 2}, 1, None), ("mixtral", "int8", {"expert": 4}, 3, "eager")],
+    ("mixtral", "int4", {"data": 2, "expert": 2}, 1, None), ("mixtral", "int8", {"expert": 4}, 3, "eager"),
+    ("gpt", "nf4", {"expert": 2}, 0, None), ("gpt", "nf4", {"data": 2, "expert": 2}, 3, None),
+    ("mixtral", "nf4", {"data": 2, "expert": 2}, 1, "eager"), ("mixtral", "nf4", {"expert": 2}, 3, None)],
     ids=["gpt_int8_expert2", "gpt_int4_expert2", "gpt_int8_data2_expert2_zero3", "gpt_int4_data2_expert2_zero3",
-         "mixtral_int4_grouped_mm_data2_expert2_zero1", "mixtral_int8_eager_expert4_zero3"])
+         "mixtral_int4_grouped_mm_data2_expert2_zero1", "mixtral_int8_eager_expert4_zero3",
+         "gpt_nf4_expert2", "gpt_nf4_data2_expert2_zero3", "mixtral_nf4_eager_data2_expert2_zero1",
+         "mixtral_nf4_grouped_mm_expert2_zero3"])
 def test_quantized_frozen_experts_train_lora_like_one_process_holding_their_packed_bytes(world, kind, quant,
                                                                                            shape, zero, impl):
     ep = shape["expert"]
@@ -97,9 +105,13 @@ def test_quantized_frozen_experts_train_lora_like_one_process_holding_their_pack
         assert r["whole"] and set(r["held"]) == (set(r["whole"]) if zero < 3 else set())
         for n, (kind_, held_shape, held_bytes) in r["held"].items():
             # at rest a rank holds its experts' packed stack: 1/ep of the whole (both models have 4 experts)
-            assert kind_ == {"int8": "Int8Tensor", "int4": "Int4Tensor"}[quant], (n, kind_)
+            assert kind_ == {"int8": "Int8Tensor", "int4": "Int4Tensor", "nf4": "NF4Stack"}[quant], (n, kind_)
             assert held_shape[0] == 4 // ep, (n, held_shape)
-            assert held_bytes == pytest.approx(r["whole"][n] / ep, abs=8), (n, held_bytes, r["whole"][n])
+            if quant == "nf4":      # every rank keeps the table; five components, each aligned to 8 bytes
+                assert held_bytes == pytest.approx((r["whole"][n] - NF4_TABLE) / ep + NF4_TABLE, abs=40), \
+                    (n, held_bytes, r["whole"][n])
+            else:
+                assert held_bytes == pytest.approx(r["whole"][n] / ep, abs=8), (n, held_bytes, r["whole"][n])
         assert r["counted"] == r["planned"]            # ZeRO-3's gathers: the packed bytes
         held, planned = r["memory"]
         assert held == planned, (held, planned)
