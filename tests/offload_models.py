@@ -23,6 +23,9 @@ from shardlib.planner.offload import COPY_OPS
 STEPS, ROWS, LR = 3, 4, 1e-2
 GPT_CFG = GPTConfig(vocab_size=67, seq_len=16, d_model=32, n_heads=4, n_layers=2, mlp_width=90)
 GPT4_CFG = GPTConfig(vocab_size=67, seq_len=16, d_model=32, n_heads=4, n_layers=4, mlp_width=90)
+# routed experts (split over an expert axis) beside a shared one, DeepSeek-V3's bias balancing
+MOE_CFG = GPTConfig(vocab_size=67, seq_len=16, d_model=32, n_heads=4, n_layers=2, n_experts=4, top_k=2,
+                    expert_width=24, shared_experts=1, aux_loss=0.05)
 logging.getLogger("torchao").setLevel(logging.ERROR)
 
 
@@ -33,6 +36,8 @@ def model(kind: str):
         return GPT(GPT_CFG, seed=0)
     if kind == "gpt4":                         # four blocks: interleaved stages at pipe 2
         return GPT(GPT4_CFG, seed=0)
+    if kind == "moe":
+        return GPT(MOE_CFG, seed=0)
     if kind == "lora":                         # LoRA over an int8 Llama (QLoRA): frozen, quantized base
         import peft_models as pm
         return pm.lora("llama", "int8")
@@ -58,7 +63,9 @@ def engine(kind: str, cfg: dict, shape: dict, offload: dict | None, offload_dir:
     kw: dict = {}
     if kind in ("llama", "lora") and shape.get("tensor", 1) > 1:
         sl.shard(tp_table(m))(m)
-    rules = {"heads": "tensor", "mlp": "tensor"} if kind == "gpt" and "tensor" in shape else {}
+    rules = {"heads": "tensor", "mlp": "tensor"} if kind in ("gpt", "moe") and "tensor" in shape else {}
+    if "expert" in shape:
+        rules["experts"] = "expert"
     if shape.get("pipe", 1) > 1:
         rules["layers"] = "pipe"
         kw.update(microbatches=cfg.get("microbatches", 2), schedule=cfg.get("schedule", "1f1b"))
@@ -81,6 +88,9 @@ def train(kind: str, cfg: dict, shape: dict, offload: dict | None, offload_dir: 
     # the copies of the last step (a steady one: the moments exist); the plan lists them beside the
     # collectives, which count_collectives does not see
     planned = {k: v for k, v in counts["planned"].items() if k[0] not in COPY_OPS}
+    if kind == "moe":       # the ragged all-to-alls by count: their bytes follow the routing (planned: uniform)
+        planned = {k: v for k, v in planned.items() if k[0] != "all_to_all" or k[-1] == "n"}
+        counts["counted"] = {k: v for k, v in counts["counted"].items() if k[0] != "all_to_all" or k[-1] == "n"}
     copies = {op: sum(v[0] for (o, w), v in eng.copies.step.items() if o == op and w != "activations")
               for op in COPY_OPS}
     copies["activations"] = {o: v[0] for (o, w), v in eng.copies.step.items() if w == "activations"}

@@ -415,7 +415,7 @@ def _check(model: nn.Module, mesh: AbstractMesh, pol: Policies, *, rules: Any, b
             for m in tproblems + axis_use_problems(model, tplan, mesh, roles.tensor, rules):
                 add(m)
             tplan = replace(tplan, dims_from=dims_source(model))
-        for m in expert_problems(specs, mesh, roles, mem.states(roles.data), kinds, model):
+        for m in expert_problems(specs, mesh, roles, mem.states(roles.data), model):
             add(m)
         ranks = [a for a in (roles.data or "data", roles.replica_of(mesh), roles.expert_of(mesh)) if a in sizes]
         piped = sizes.get(roles.pipe or "pipe", 1) > 1

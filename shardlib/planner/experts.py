@@ -6,8 +6,8 @@ is not an expert is replicated over ``expert`` like a data axis: its gradients a
 expert, an expert's over data alone (``Plan.grad_axes``); under ZeRO-1/2 the states of what is not an
 expert are split over data x expert, an expert's over data (``Plan.shard_axes``). What this version runs:
 the expert axis beside data (and HSDP's replica) and tensor (each expert's width split over it: the tensor
-plan's experts site) with ZeRO-0 to 3 and the optimizer on the host; the pipe axis and other offload with an
-expert axis are refused by name, not run wrong.
+plan's experts site) and pipe, with ZeRO-0 to 3 and every offload (the experts' states and saved activations
+move as the others' do); what does not run yet is refused by name, not run wrong.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def module_list_experts(model: nn.Module) -> list[tuple[str, int]]:
     return [(name, len(keys)) for name, m, keys in expert_containers(model) if not routes(m)]
 
 
-def expert_problems(specs: dict[str, PartitionSpec], mesh: Any, roles: Any, states: Any, offload: tuple,
+def expert_problems(specs: dict[str, PartitionSpec], mesh: Any, roles: Any, states: Any,
                     model: nn.Module | None = None) -> list[str]:
     """What is wrong with the expert axis of this plan, if it has one of size > 1."""
     axis = roles.expert_of(mesh)
@@ -130,11 +130,6 @@ def expert_problems(specs: dict[str, PartitionSpec], mesh: Any, roles: Any, stat
         if spec.dim_axes(0) != (axis,) or axis in PartitionSpec(*list(spec)[1:]).axes:
             out.append(f"plan: {name} is laid out {spec} — expected the expert axis {axis!r} alone on dim 0 (the "
                        "experts dim), each rank holding whole experts.")
-    kinds = dict(offload)
-    if kinds.get("params") or kinds.get("activations") or kinds.get("optimizer") not in (None, "host"):
-        out.append(f"plan: the expert axis {axis!r} with parameters or activations offloaded, or the optimizer on "
-                   "disk, is not supported yet — expected at most the optimizer on the host "
-                   "(offload={'optimizer': 'host'}).")
     return out
 
 

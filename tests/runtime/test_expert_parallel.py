@@ -234,8 +234,6 @@ def _refused(shape: dict, kwargs: dict) -> str:
     ({"data": 2, "expert": 2}, {}, "expert axis (expert=2) splits no parameter"),
     ({"expert": 2, "tensor": 2}, {"rules": {"experts": "expert", **TENSOR}, "sequence_parallel": True},
      "sequence_parallel=True with experts split over 'tensor'"),
-    ({"expert": 2}, {"rules": {"experts": "expert"}, "offload": {"activations": "host"}},
-     "with parameters or activations offloaded"),
     ({"expert": 2}, {"rules": {"expert_mlp": "expert"}}, "expected the expert axis 'expert' alone on dim 0"),
 ])
 def test_what_the_expert_axis_does_not_run_yet_is_refused_by_name(shape, kwargs, said):

@@ -2,7 +2,7 @@
 activations on the host or on disk train exactly like the same plan without offload.
 
 For the reference GPT and a transformers Llama at data 2 (ZeRO 0-3), HSDP, data 2 x tensor 2 (± SP),
-pipe 2 (1F1B, GPipe x ZeRO-3, interleaved, ZB-H1) and 2 x 2 x 2, in fp32, bf16 and fp16 with loss scaling, clipping,
+pipe 2 (1F1B, GPipe x ZeRO-3, interleaved, ZB-H1), 2 x 2 x 2 and the MoE GPT at data 2 x expert 2, in fp32, bf16 and fp16 with loss scaling, clipping,
 accumulation, and LoRA over an int8 base: the losses equal the non-offloaded run's bit for bit (the
 same optimizer, the same arithmetic; that run equals one process, as the engine tests show — and one
 configuration is compared with one process here too), the final full state equal, the collectives of
@@ -111,6 +111,20 @@ def test_offloaded_lora_over_int8_base_matches_no_offload(world):
     frozen base on disk (both file generations hold them, never rewritten)."""
     check(world, "lora", {"data": 2}, [{"zero": 3}], ("optimizer=disk,params=disk", "params=host,activations=disk"))
     check(world, "lora", {"data": 2}, [{"zero": 0}], ("host",))
+
+
+def test_offload_beside_an_expert_axis_matches_no_offload(world):
+    """A mixture of experts (routed experts split over ``expert``, a shared one, the router's load-balancing
+    loss): the experts' states offload as the others' do — ZeRO-3's parameter shards of both kinds (the experts'
+    sharded over data alone, the rest over data x expert), the optimizer on the host or on disk, and each block's
+    saved activations, the routed rows among them. Bit for bit the same run; its plain run equals one process."""
+    per_rank = check(world, "moe", {"data": 2, "expert": 2}, [{"zero": 3}], ALL)
+    ref = om.reference("moe")
+    assert max_rel(per_rank[0][0]["disk"]["losses"], ref) <= 1e-5, (per_rank[0][0]["disk"]["losses"], ref)
+    check(world, "moe", {"data": 2, "expert": 2}, [{"zero": 2, "clip": 1.0}], ("disk", "optimizer=host,activations=disk"))
+    check(world, "moe", {"expert": 2}, [{"zero": 1}], ("activations=host",))
+    check(world, "moe", {"pipe": 2, "expert": 2}, [{"zero": 3, "schedule": "gpipe"}],
+          ("optimizer=host,params=disk,activations=host",))
 
 
 @pytest.mark.parametrize("cfg,offload", [({"zero": 1}, {"optimizer": "disk"}),

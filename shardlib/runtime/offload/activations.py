@@ -37,14 +37,25 @@ from .files import OffloadError, close_and_remove
 class _OnDisk:
     """A saved tensor in the activation file: where, and its write (and read-ahead) in flight."""
 
-    __slots__ = ("offset", "shape", "dtype", "device", "write", "read", "tensor", "used")
+    __slots__ = ("offset", "shape", "stride", "dtype", "device", "write", "read", "tensor", "used")
 
     def __init__(self, t: torch.Tensor, offset: int):
-        self.offset, self.shape, self.dtype, self.device = offset, t.shape, t.dtype, t.device
+        self.offset, self.shape, self.stride, self.dtype, self.device = offset, t.shape, t.stride(), t.dtype, t.device
         self.tensor = t                     # held until written
         self.write: Future | None = None
         self.read: Future | None = None
         self.used = False
+
+
+def _like(t: torch.Tensor, device, shape=None, stride=None, pin: bool = False) -> torch.Tensor:
+    """An empty tensor laid out as ``t`` (or ``shape``/``stride``) on ``device``: the same strides, so the
+    backward that reads it takes the same kernel paths as without offload (a chunk of a wider row iterated
+    row by row and the same values contiguous round differently in vectorized elementwise kernels); an
+    overlapping layout (an expanded tensor: a zero stride) contiguous."""
+    shape, stride = (t.shape, t.stride()) if shape is None else (shape, stride)
+    if any(st == 0 and n > 1 for st, n in zip(stride, shape)):
+        return torch.empty(shape, dtype=t.dtype, device=device, pin_memory=pin)
+    return torch.empty_strided(shape, stride, dtype=t.dtype, device=device, pin_memory=pin)
 
 
 class ActivationOffload:
@@ -102,14 +113,13 @@ class ActivationOffload:
             return ("keep", t)                      # the model's own weights: gathered again, not copied
         nbytes = t.numel() * t.element_size()
         if self.kind == "host":
-            out = torch.empty(t.shape, dtype=t.dtype, device=HOST,
-                              pin_memory=torch.cuda.is_available() and t.device.type == "cuda")
+            out = _like(t, HOST, pin=torch.cuda.is_available() and t.device.type == "cuda")
             out.copy_(t)
             self.copies.add("d2h", "activations", nbytes)
             return ("host", out, t.device)
         # to the host first (on a machine without an accelerator that is the tensor itself), then the file
         h = _OnDisk(t.detach().to(HOST).contiguous(), self.end)
-        h.shape, h.device = t.shape, t.device
+        h.shape, h.stride, h.device = t.shape, t.stride(), t.device
         self.copies.add("d2h", "activations", nbytes)
         self.end += nbytes
         h.write = self.writer.submit(self._write, h)
@@ -122,7 +132,7 @@ class ActivationOffload:
             return packed[1]
         if how == "host":
             _, t, device = packed
-            out = torch.empty(t.shape, dtype=t.dtype, device=device)
+            out = _like(t, device)
             out.copy_(t)
             self.copies.add("h2d", "activations", t.numel() * t.element_size())
             return out
@@ -132,7 +142,7 @@ class ActivationOffload:
             h.read = self.reader.submit(self._read, h)
         t = h.read.result()
         h.read = None
-        out = torch.empty(h.shape, dtype=h.dtype, device=h.device)
+        out = _like(t, h.device, h.shape, h.stride)
         out.copy_(t)
         self.copies.add("h2d", "activations", t.numel() * t.element_size())
         return out
