@@ -191,8 +191,13 @@ def quantize(model: nn.Module, format: str, modules: str | Iterable[str] | None 
             q = fmt.make(w)
         mod.weight = nn.Parameter(q, requires_grad=False)
     for owner, leaf, w in stacks:
-        setattr(owner, leaf, nn.Parameter(fmt.make(w), requires_grad=False))
+        q = PendingWeight(tuple(w.shape), w.dtype, fmt, f"{_name_of(model, owner)}{leaf}") if w.is_meta else fmt.make(w)
+        setattr(owner, leaf, nn.Parameter(q, requires_grad=False))
     return model
+
+
+def _name_of(model: nn.Module, owner: nn.Module) -> str:
+    return next((f"{n}." if n else "" for n, m in model.named_modules() if m is owner), "")
 
 
 def _stacks(model: nn.Module, fmt: QuantFormat, names: Iterable[str]) -> list[tuple[nn.Module, str, torch.Tensor]]:
@@ -220,9 +225,6 @@ def _stacks(model: nn.Module, fmt: QuantFormat, names: Iterable[str]) -> list[tu
             why = []
             if formats.is_quantized(w) or is_pending(w):
                 why.append(f"it is quantized already ({type(w).__name__})")
-            elif w.is_meta:
-                why.append("it is on the meta device (a stack of experts is quantized from its values: load or "
-                           "initialize the float model first)")
             elif not w.dtype.is_floating_point:
                 why.append(f"it is {w.dtype} (expected a float weight)")
             elif (problem := fmt.problem(tuple(w.shape))) is not None:

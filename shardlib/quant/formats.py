@@ -94,8 +94,9 @@ def rebuild(like: torch.Tensor, inner: dict[str, torch.Tensor], shape: tuple[int
     meta = dict(meta)
     if "shape" in meta:
         meta["shape"] = shape
-    if meta.get("block_size"):          # torchao: a block spanning a whole dim spans the shard's
-        meta["block_size"] = [n if b == full else b for b, full, n in zip(meta["block_size"], like.shape, shape)]
+    if meta.get("block_size"):          # torchao: a block spanning a whole dim (of more than one) spans the shard's
+        meta["block_size"] = [n if b == full and full > 1 else b
+                              for b, full, n in zip(meta["block_size"], like.shape, shape)]
     return type(like).__tensor_unflatten__(inner, meta, torch.Size(shape), stride)
 
 

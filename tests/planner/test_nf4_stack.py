@@ -111,6 +111,8 @@ def test_sl_quantize_takes_stacks_by_name_and_names_what_it_cannot_take():
         m = Experts()
         sl.quantize(m, fmt, parameters=["gate_up_proj"], group_size=16)
         assert type(m.gate_up_proj).__name__ == kind and m.gate_up_proj.shape == (4, 64, 32)
-    meta = Experts().to("meta")
-    with pytest.raises(sl.ShardingError, match="on the meta device"):
-        sl.quantize(meta, "nf4", parameters=["gate_up_proj"], block_size=16, scaler_block_size=32)
+    meta = Experts().to("meta")              # marked: the layout its load will give it, no values
+    sl.quantize(meta, "nf4", parameters=["gate_up_proj"], block_size=16, scaler_block_size=32)
+    from shardlib.quant.api import PendingWeight
+    assert isinstance(meta.gate_up_proj, PendingWeight) and meta.gate_up_proj.weight_name == "gate_up_proj"
+    assert QuantSpec.of(meta.gate_up_proj.quantized_layout) == QuantSpec.of(model.gate_up_proj)

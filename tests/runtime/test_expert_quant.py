@@ -57,7 +57,8 @@ def _quantized(kind: str, quant: str, impl: str | None = None):
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
-    return t.dequantize() if is_quantized(t) else t
+    from shardlib.quant import formats
+    return formats.dequantize(t) if is_quantized(t) else t
 
 
 def _train(shape: dict, kind: str, quant: str, zero: int, impl: str | None = None):
@@ -155,3 +156,155 @@ def test_quantized_experts_are_planned_as_their_packed_bytes_split_over_expert()
     # (tiny rows: 32 in-features share an fp32 scale in int8; 16 share a scale and a zero point in int4)
     assert floats / 4 < packed["int8"] < floats / 3 and floats / 8 < packed["int4"] < floats / 4, packed
     assert held["int8"] - held["int4"] == pytest.approx((packed["int8"] - packed["int4"]) / 2, abs=64), (held, packed)
+
+
+# -- quantized while loading: a MoE no rank holds in float --------------------------------------------------
+
+def _qlora(model, quant: str):
+    """QLoRA of the reference GPT: attention and the routed experts' stacks quantized (marked, on the meta device),
+    everything else frozen float, LoRA on attention (PEFT, seed 1: drawn on the CPU beside a marked weight)."""
+    from peft import LoraConfig, get_peft_model
+    for p in model.parameters():
+        p.requires_grad_(False)
+    sl.quantize(model, quant, modules=["qkv", "proj"], parameters=["*.experts.gate_up_proj", "*.experts.down_proj"],
+                group_size=GROUP, block_size=NF4_BLOCK, scaler_block_size=NF4_SCALERS)
+    torch.manual_seed(1)
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["qkv", "proj"], lora_dropout=0.0,
+                                            init_lora_weights=False))
+
+
+def _loaded(folder: str, shape: dict, quant: str, zero: int):
+    from shardlib.quant.api import PendingWeight
+    batches = [token_batch(CFG, BATCH, s) for s in range(STEPS)]
+    ref = _qlora(GPT(CFG, seed=0), quant)
+    loaded = {k: _plain(v).clone() for k, v in ref.state_dict().items()}
+    opt, want_losses = _opt([p for p in ref.parameters() if p.requires_grad]), []
+    for b in batches:
+        loss = ref(*b)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want_losses.append(float(loss.detach()))
+    want = {k: _plain(v) for k, v in ref.state_dict().items()}
+    with torch.device("meta"):
+        base = GPT(CFG, seed=0)
+    model = _qlora(base, quant)
+    marked = sorted(n for n, p in model.named_parameters() if isinstance(p, PendingWeight) and p.dim() == 3)
+    mesh = sl.Mesh(shape)
+    plan = sl.plan(model, mesh, rules={"experts": "expert"} if "expert" in shape else None, zero=zero, batch=batches[0])
+    engine = sl.parallelize(model, plan, optimizer=_opt, loss_fn=lambda m, b: m(*b), init=False)
+    engine.load_pretrained(folder)
+    first = engine.full_state_dict()
+    losses = [engine.step(b) for b in batches]
+    got = engine.full_state_dict()
+    return {"marked": marked, "losses": losses, "want_losses": want_losses,
+            "first": {k: (_plain(first[k]), v) for k, v in loaded.items()},
+            "params": {k: (_plain(got[k]), v) for k, v in want.items()},
+            "memory": (engine.memory_held("device")["params"], plan.memory_per_rank(mesh.rank)["params"])}
+
+
+@pytest.mark.parametrize("quant, shape, zero", [("nf4", {"data": 2, "expert": 2}, 3), ("int4", {"expert": 2}, 0)],
+                         ids=["nf4_data2_expert2_zero3", "int4_expert2"])
+def test_a_marked_meta_moe_loads_a_float_folder_each_rank_quantizing_its_experts(world, tmp_path, quant, shape, zero):
+    """QLoRA of a mixture of experts that no rank holds in float: built on the meta device, its stacks marked by
+    ``sl.quantize(parameters=...)``, each rank reads only its experts' float rows from the folder, a few experts
+    at a time, and quantizes each expert on its own — the codes bit for bit one process's, then training equal."""
+    import os
+
+    from safetensors.torch import save_file
+    save_file({k: v.contiguous() for k, v in GPT(CFG, seed=0).state_dict().items()},
+              os.path.join(tmp_path, "model.safetensors"))
+    for r in world(math.prod(shape.values()), _loaded, str(tmp_path), shape, quant, zero):
+        assert len(r["marked"]) == 2 * CFG.n_layers, r["marked"]
+        for k, (got, want) in r["first"].items():                 # as loaded: base codes and adapters
+            assert torch.equal(got, want), k
+        assert r["losses"] == pytest.approx(r["want_losses"], rel=1e-5), (r["losses"], r["want_losses"])
+        for k, (got, want) in r["params"].items():
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=k)
+        held, planned = r["memory"]
+        assert held == planned, (held, planned)
+
+
+def _mixtral_qlora(model, quant: str | None):
+    """Mixtral (eager experts) frozen; attention and the experts' stacks quantized (marked on the meta device);
+    LoRA on q/v (PEFT, seed 1). ``quant=None``: the float model, no adapters."""
+    from peft import LoraConfig, get_peft_model
+    model.set_experts_implementation("eager")
+    if quant is None:
+        return model
+    for p in model.parameters():
+        p.requires_grad_(False)
+    sl.quantize(model, quant, modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                parameters=["*.experts.gate_up_proj", "*.experts.down_proj"], group_size=GROUP,
+                block_size=NF4_BLOCK, scaler_block_size=NF4_SCALERS)
+    torch.manual_seed(1)
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                                            init_lora_weights=False))
+
+
+def _mixtral_folder(folder: str, shape: dict, quant: str | None, zero: int):
+    from transformers import MixtralForCausalLM
+    batches = [_hf_batch(s) for s in range(STEPS)]
+    ref = _mixtral_qlora(MixtralForCausalLM.from_pretrained(folder), quant)
+    loaded = {k: _plain(v).clone() for k, v in ref.state_dict().items()}
+    opt, want_losses = _opt([p for p in ref.parameters() if p.requires_grad]), []
+    for b in batches:
+        loss = ref(**b).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want_losses.append(float(loss.detach()))
+    with torch.device("meta"):
+        base = MixtralForCausalLM(_mixtral().config)
+    model = _mixtral_qlora(base, quant)       # (PEFT draws the adapters on the CPU, beside the marked weights)
+    mesh = sl.Mesh(shape)
+    plan = sl.plan(model, mesh, rules={"experts": "expert"}, zero=zero, batch=batches[0])
+    engine = sl.parallelize(model, plan, optimizer=_opt, loss_fn=lambda m, b: m(**b).loss, init=False)
+    engine.load_pretrained(folder)
+    first = engine.full_state_dict()
+    losses = [engine.step(b) for b in batches]
+    got = engine.full_state_dict()
+    return {"losses": losses, "want_losses": want_losses, "first": {k: (_plain(first[k]), v) for k, v in loaded.items()},
+            "params": {k: (_plain(got[k]), _plain(v)) for k, v in ref.state_dict().items()}}
+
+
+@pytest.mark.parametrize("quant", [None, "nf4"], ids=["float", "nf4"])
+def test_a_transformers_moe_folder_of_per_expert_tensors_loads_into_split_fused_experts(world, tmp_path, quant):
+    """What the hub holds: Mixtral's checkpoint keeps each expert's ``w1``/``w2``/``w3``; transformers fuses them on
+    load (``MergeModulelist`` + ``Concatenate``: ``gate_up_proj [E, 2I, H]``). Each rank reads only its experts'
+    tensors and joins them as transformers does — into float stacks (data 2 x expert 2, ZeRO-3, every tensor equal
+    to ``from_pretrained``'s) or, marked on the meta device, into NF4 stacks quantized expert by expert (QLoRA of a
+    MoE no rank holds in float: codes bit for bit one process's, training equal)."""
+    _mixtral().save_pretrained(str(tmp_path))
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert "model.layers.0.block_sparse_moe.experts.3.w3.weight" in f.keys()     # the per-expert layout
+    for r in world(4, _mixtral_folder, str(tmp_path), {"data": 2, "expert": 2}, quant, 3):
+        for k, (got, want) in r["first"].items():
+            assert torch.equal(got, want), k
+        assert r["losses"] == pytest.approx(r["want_losses"], rel=1e-5), (r["losses"], r["want_losses"])
+        for k, (got, want) in r["params"].items():
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=k)
+
+
+def _broken_load(folder: str) -> str:
+    from transformers import MixtralForCausalLM
+    with torch.device("meta"):
+        model = MixtralForCausalLM(_mixtral().config)
+    engine = sl.parallelize(model, sl.plan(model, sl.Mesh({"expert": 2}), rules={"experts": "expert"}),
+                            optimizer=_opt, init=False)
+    with pytest.raises(sl.CheckpointError) as e:
+        engine.load_pretrained(folder)
+    return str(e.value)
+
+
+def test_a_folder_missing_an_experts_tensor_is_refused_naming_the_conversion(world, tmp_path):
+    from safetensors.torch import load_file, save_file
+    _mixtral().save_pretrained(str(tmp_path))
+    state = load_file(str(tmp_path / "model.safetensors"))
+    del state["model.layers.1.block_sparse_moe.experts.2.w3.weight"]
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    for said in world(2, _broken_load, str(tmp_path)):
+        assert "holds no tensor 'model.layers.1.mlp.experts.gate_up_proj'" in said, said
+        assert "transformers builds it on load from ['.experts.*.w1.weight', '.experts.*.w3.weight']" in said, said
+        assert "'model.layers.0.mlp.experts.gate_up_proj'" not in said, said       # the complete layer loads

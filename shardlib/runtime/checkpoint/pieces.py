@@ -105,13 +105,14 @@ def rank_pieces(training: TrainingState, *, frozen: bool = True, quantized: bool
 
 def quant_shard(mesh: Mesh, plan: Plan, s) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A quantized weight's tensor shard on this rank, and under ZeRO-3 the byte buffer its components
-    view: the ranks' pieces of its packed bytes summed over ``data`` into zeros (each byte held by one
-    rank: exact). A collective of the data group under ZeRO-3."""
+    view: the ranks' pieces of its packed bytes summed over the axes ZeRO splits it over (``data``; with an
+    expert or context axis, data x that axis for a weight that is not an expert's) into zeros (each byte held
+    by one rank: exact). A collective of that group under ZeRO-3."""
     if s.store is None:
         return s.param.detach(), None
     raw = torch.zeros(s.store.numel() * s.store.element_size(), dtype=torch.uint8, device=mesh.device)
     s.local_piece(raw.view(s.store.dtype)).view(torch.uint8).copy_(s.shard.view(torch.uint8))
-    comm.all_reduce(raw, mesh, plan.data_axis, inplace=True)
+    comm.all_reduce(raw, mesh, plan.shard_axes(s.name), inplace=True)
     return views(s.param, raw, tuple(s.plan.shape)), raw
 
 

@@ -73,6 +73,7 @@ def _check(training: TrainingState, path: Path, config: dict | None, entries: di
     stacks = per_expert_names(model)
     quantized = {p.name for p in training.global_plan.params if p.quant is not None}
     peft = is_peft(model)
+    converters, sources = expert_converters(base), set()
     for first, names in param_aliases(model).items():
         if peft and is_adapter(first):          # PEFT's adapters: not in a base folder, initialized by PEFT
             continue
@@ -82,15 +83,27 @@ def _check(training: TrainingState, path: Path, config: dict | None, entries: di
         experts = [folder_name(n) for n in stacks.get(first, [])] if peft else stacks.get(first, [])
         if found is None and experts and all(n in entries for n in experts):
             # stacked experts (planner/stacked.py) from a folder of the list's: each expert's own tensor
-            entries[first] = _stacked_entry(experts, entries)
-            found = first
+            entries[names[0]] = _stacked_entry([[n] for n in experts], entries)
             problems += [p for n in experts for p in _entry_problems(path, n, entries[n], shapes[first][1:], None)]
-            params[first] = found
+            params[first] = names[0]
+            continue
+        converted = _converted_rows(names[0], entries, converters) if found is None else None
+        if converted is not None:
+            # fused experts from a folder of each expert's own tensors, as transformers converts them on load
+            rows, cat = converted
+            sources.update(n for r in rows for n in r)
+            entries[names[0]] = _stacked_entry(rows, entries, cat)
+            problems += [p for r in rows for n in r
+                         for p in _entry_problems(path, n, entries[n], tuple(entries[n].shape), None,
+                                                  quantized=first in quantized)]
+            problems += _entry_problems(path, names[0], entries[names[0]], shapes[first], None)
+            params[first] = names[0]
             continue
         if found is None:
             problems.append(f"load_pretrained: {path} holds no tensor {first!r}"
                             + (f" (nor its tied names {names[1:]})" if len(names) > 1 else "")
-                            + f" — expected every parameter of {type(model).__name__}. {RELOAD}")
+                            + f" — expected every parameter of {type(model).__name__}. "
+                            + (_conversion_hint(base, names[0]) or RELOAD))
             continue
         params[first] = found
         problems += _entry_problems(path, found, entries[found], shapes[first], None,
@@ -112,7 +125,7 @@ def _check(training: TrainingState, path: Path, config: dict | None, entries: di
     if strict:
         known = {folder_name(n) if peft else n for names in param_aliases(model).values() for n in names} | \
             {folder_name(n) if peft else n for n in persistent_buffers(model)} | \
-            {folder_name(n) if peft else n for names in stacks.values() for n in names}
+            {folder_name(n) if peft else n for names in stacks.values() for n in names} | sources
         ignore = [re.compile(p) for p in getattr(peft_base(model)[0], "_keys_to_ignore_on_load_unexpected", None)
                   or []]
         nonpersistent = {n for n, _ in model.named_buffers()}
@@ -129,26 +142,100 @@ def _check(training: TrainingState, path: Path, config: dict | None, entries: di
 
 @dataclass(frozen=True)
 class StackedEntry:
-    """A stacked experts' weight read from its experts' own tensors in a folder: ``rows`` their entries."""
+    """A stacked experts' weight read from its experts' own tensors in a folder: ``rows[e]`` expert ``e``'s
+    tensors, joined along ``cat`` (transformers' fused gate|up ``[E, 2I, H]`` from each expert's ``w1`` and
+    ``w3``: its ``MergeModulelist(dim=0)`` then ``Concatenate(dim=1)`` on load)."""
 
     rows: tuple
     shape: tuple[int, ...]
     dtype: str
+    cat: int = 0
 
     def read(self, index: tuple[slice, ...]) -> torch.Tensor:
-        """``index`` of the stacked tensor: its rows' slices, each from its own tensor."""
+        """``index`` of the stacked tensor: its rows' slices, each from its own tensors."""
         from safetensors import safe_open
         first, rest = index[0], index[1:]
         out = []
-        for e in self.rows[first]:
-            with safe_open(str(e.file), framework="pt") as f:
-                out.append(f.get_slice(e.key)[rest] if rest else f.get_tensor(e.key))
+        for parts in self.rows[first]:
+            got = []
+            for e in parts:
+                with safe_open(str(e.file), framework="pt") as f:
+                    got.append(f.get_slice(e.key)[rest] if rest and len(parts) == 1 else f.get_tensor(e.key))
+            out.append(got[0] if len(got) == 1 else torch.cat(got, self.cat)[rest])
         return torch.stack(out)
 
 
-def _stacked_entry(names: list[str], entries: dict[str, Entry]) -> StackedEntry:
-    rows = tuple(entries[n] for n in names)
-    return StackedEntry(rows, (len(rows), *rows[0].shape), rows[0].dtype)
+def _stacked_entry(rows: list[list[str]], entries: dict[str, Entry], cat: int = 0) -> StackedEntry:
+    parts = tuple(tuple(entries[n] for n in names) for names in rows)
+    first = parts[0]
+    inner = list(first[0].shape)
+    inner[cat] = sum(e.shape[cat] for e in first)
+    return StackedEntry(parts, (len(parts), *inner), first[0].dtype, cat)
+
+
+def expert_converters(model) -> list[tuple[str, list[str], int]]:
+    """transformers' conversions of a MoE family's checkpoint experts into its fused stacks that a load can
+    follow: ``(target suffix, source patterns, cat dim within an expert)`` for each ``WeightConverter`` whose
+    operations are ``MergeModulelist(dim=0)`` then at most one ``Concatenate`` (Mixtral, Qwen2/3-MoE, OLMoE,
+    DeepSeek-V3: each expert's ``w1``/``w3`` or ``gate_proj``/``up_proj`` into ``gate_up_proj``)."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.conversion_mapping import get_model_conversion_mapping
+    except ImportError:
+        return []
+    if not isinstance(model, PreTrainedModel):
+        return []
+    out = []
+    for c in get_model_conversion_mapping(model, add_legacy=True):
+        ops = getattr(c, "operations", None) or []
+        names = [type(o).__name__ for o in ops]
+        if type(c).__name__ != "WeightConverter" or len(c.target_patterns) != 1 or not names or \
+                names[0] != "MergeModulelist" or ops[0].dim != 0 or names[1:] not in ([], ["Concatenate"]):
+            continue
+        cat = ops[1].dim - 1 if len(ops) > 1 else 0
+        if cat < 0 or (len(c.source_patterns) > 1) != (len(ops) > 1):
+            continue
+        out.append((c.target_patterns[0].lstrip("."), [p.lstrip(".") for p in c.source_patterns], cat))
+    return out
+
+
+def _conversion_hint(model, name: str) -> str | None:
+    """Where transformers builds ``name`` on load by a conversion this load does not follow: what it does."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.conversion_mapping import get_model_conversion_mapping
+    except ImportError:
+        return None
+    if not isinstance(model, PreTrainedModel):
+        return None
+    for c in get_model_conversion_mapping(model, add_legacy=True):
+        targets = [t.lstrip(".") for t in getattr(c, "target_patterns", [])]
+        if type(c).__name__ == "WeightConverter" and any(name == t or name.endswith("." + t) for t in targets):
+            return (f"transformers builds it on load from {c.source_patterns} by {c.operations}; this load follows "
+                    "only each expert's tensors merged (MergeModulelist) and at most one Concatenate, with every "
+                    "expert's tensors present. Build the model with from_pretrained in one process and hand it to "
+                    "sl.parallelize (its values are the engine's), or complete the folder.")
+    return None
+
+
+def _converted_rows(name: str, entries: dict[str, Entry], converters: list) -> tuple[list[list[str]], int] | None:
+    """The folder's per-expert tensors a converter joins into ``name`` (``[expert][source]``), and the cat dim;
+    None where no converter names it or the folder lacks them."""
+    for target, sources, cat in converters:
+        if not (name == target or name.endswith("." + target)):
+            continue
+        prefix = name[:len(name) - len(target)]
+        found = []
+        for src in sources:
+            pat = re.compile(re.escape(prefix + src).replace(r"\*", r"(\d+)") + "$")
+            hits = {int(m.group(1)): k for k in entries if (m := pat.match(k))}
+            if not hits or sorted(hits) != list(range(len(hits))):
+                return None
+            found.append([hits[i] for i in range(len(hits))])
+        if len({len(f) for f in found}) != 1:
+            return None
+        return [list(r) for r in zip(*found)], cat
+    return None
 
 
 def folder_name(name: str) -> str:

@@ -30,7 +30,10 @@ if TYPE_CHECKING:
 
 
 def read_rows(e: Entry, rows: slice, dtype: torch.dtype) -> torch.Tensor:
-    """Rows ``rows`` of tensor ``e`` in its file, every column, as ``dtype``."""
+    """Rows ``rows`` of tensor ``e`` in its file, every column, as ``dtype`` (of a stack of experts read from
+    its experts' own tensors, ``StackedEntry``: experts ``rows``)."""
+    if callable(getattr(e, "read", None)):
+        return e.read((rows,)).to(dtype)
     from safetensors import safe_open
     with safe_open(str(e.file), framework="pt") as f:        # mapped pages let go after
         return f.get_slice(e.key)[rows].to(dtype)
@@ -50,8 +53,10 @@ def quantized_shard(st: ParamState, e: Entry, mesh_rank: int, mesh, chunk: int,
     full = tuple(pp.full_shape or pp.shape)
     slices = Layout(mesh, pp.spec).local_slices(full, mesh_rank) if pp.full_shape is not None else \
         tuple(slice(0, n) for n in full)
-    rows, cols = slices[0].indices(full[0])[:2], slices[1]
     dtype = st.param.dtype
+    if len(full) == 3:
+        return _stack_shard(e, fmt, full, slices, dtype, chunk, read)
+    rows, cols = slices[0].indices(full[0])[:2], slices[1]
     unit = _row_unit(pp.quant)
     mean = None
     if fmt.name == "nf4":            # the whole weight's mean block scale, as to_nf4 computes it
@@ -65,6 +70,21 @@ def quantized_shard(st: ParamState, e: Entry, mesh_rank: int, mesh, chunk: int,
         if cols.indices(full[1])[:2] != (0, full[1]):
             q = slice_weight(q, (slice(None), cols))
         parts.append(q)
+    return cat_rows(parts)
+
+
+def _stack_shard(e: Entry, fmt, full: tuple[int, ...], slices: tuple[slice, ...], dtype: torch.dtype, chunk: int,
+                 read: Callable[[Entry, slice, torch.dtype], torch.Tensor]) -> torch.Tensor:
+    """A stack of experts ``[E, out, in]``: this rank's experts read whole, a chunk of experts at a time, each
+    expert quantized on its own (int8's rows, int4's groups and NF4's blocks, scalers and mean lie within one
+    expert: no statistic spans experts), then cut to this rank's rows and columns."""
+    first = slices[0].indices(full[0])[:2]
+    rest = slices[1:]
+    whole = all(s.indices(n)[:2] == (0, n) for s, n in zip(rest, full[1:]))
+    parts = []
+    for s in row_chunks(e, first[0], first[1], 1, chunk):
+        q = fmt.make(read(e, s, dtype))
+        parts.append(q if whole else slice_weight(q, (slice(None), *rest)))
     return cat_rows(parts)
 
 
