@@ -283,18 +283,38 @@ def derive(model: nn.Module, specs: dict[str, PartitionSpec], *, axis: str, size
     sites = [replace(s, kind=LOGITS)
              if s.kind == COLUMN and _parent(s.module) not in row_parents and not s.unit and not is_adapter(s.module)
              else s for s in sites]
-    if sequence_parallel and size > 1 and any(s.kind == EXPERTS for s in sites):
-        problems.append(f"plan: sequence_parallel=True with experts split over {axis!r} "
-                        f"({', '.join(s.module for s in sites if s.kind == EXPERTS)}) is not supported yet: the "
-                        "experts would see each rank's sequence chunk, not the rows every tensor rank shares — "
-                        "expected sequence_parallel=False, or the experts' width replicated over tensor (no "
-                        "'expert_mlp' rule).")
+    moe = _routed_experts(modules, unit_set) if sequence_parallel and size > 1 else []
+    if moe:
+        problems.append(f"plan: sequence_parallel=True with mixture-of-experts blocks ({', '.join(moe[:2])}"
+                        f"{', ...' if len(moe) > 2 else ''}) is not supported yet: a MoE block flattens the "
+                        "sequence-split stream into tokens for its router, experts and shared experts, which would "
+                        "each see this rank's chunk of the sequence — expected sequence_parallel=False for a MoE "
+                        f"model (tensor parallelism over {axis!r} without it trains one exactly, the experts' "
+                        "widths split too with the 'expert_mlp' rule).")
     if sequence_parallel and size > 1 and not units:
         problems.append("plan: sequence_parallel=True splits the residual stream on the sequence dim inside the "
                         "layer stack — got a model with no layer-stack units (no nn.ModuleList of blocks, and "
                         "units= not given). Pass units=[...] naming the blocks, or sequence_parallel=False.")
     return TensorPlan(axis, size, bool(sequence_parallel), tuple(sites), tuple(sp_modules),
                       local_attrs=tuple(local_attrs), head_args=tuple(head_args)), problems
+
+
+def _routed_experts(modules: dict[str, nn.Module], units: set[str]) -> list[str]:
+    """The experts modules inside the layer stack's units: a 3-D weight ``[E, out, in]`` and a forward taking the
+    routing ``(hidden_states, top_k_index, top_k_weights)`` (transformers 5's fused experts, the reference GPT's,
+    a stacked list of experts)."""
+    out = []
+    for mname, mod in modules.items():
+        if not unit_of(mname, units) or not any(p is not None and p.dim() == 3 for p in mod._parameters.values()):
+            continue
+        try:
+            params = [p for p in inspect.signature(type(mod).forward).parameters.values()
+                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        except (TypeError, ValueError):
+            continue
+        if len(params) >= 4:
+            out.append(mname)
+    return out
 
 
 def _projection_site(mname: str, mod: nn.Module, dims: tuple[int, int, int, int], qual: dict[str, str],

@@ -233,7 +233,9 @@ def _refused(shape: dict, kwargs: dict) -> str:
 @pytest.mark.parametrize("shape, kwargs, said", [
     ({"data": 2, "expert": 2}, {}, "expert axis (expert=2) splits no parameter"),
     ({"expert": 2, "tensor": 2}, {"rules": {"experts": "expert", **TENSOR}, "sequence_parallel": True},
-     "sequence_parallel=True with experts split over 'tensor'"),
+     "sequence_parallel=True with mixture-of-experts blocks (blocks.0.mlp.experts, blocks.1.mlp.experts)"),
+    ({"tensor": 2}, {"rules": {k: v for k, v in TENSOR.items() if k != "expert_mlp"}, "sequence_parallel": True},
+     "sequence_parallel=True with mixture-of-experts blocks (blocks.0.mlp.experts"),
     ({"expert": 2}, {"rules": {"expert_mlp": "expert"}}, "expected the expert axis 'expert' alone on dim 0"),
 ])
 def test_what_the_expert_axis_does_not_run_yet_is_refused_by_name(shape, kwargs, said):
@@ -622,3 +624,13 @@ def test_deepseek_routing_with_group_limits_and_bias_balancing_trains_like_one_p
             torch.testing.assert_close(got, want, rtol=1e-4, atol=atol, msg=k)
         biases = [v for k, (v, _) in r["params"].items() if k.endswith("routing_bias")]
         assert biases and all(b.abs().sum() > 0 for b in biases)
+
+
+def test_sequence_parallelism_of_a_transformers_moe_is_refused_at_plan_time_not_crashed_at_run_time():
+    """Mixtral under SP used to plan and then fail inside its first forward (its MoE block reshapes the
+    sequence-split stream); the plan refuses it naming the blocks, and plans it without SP."""
+    rules = {"heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
+    said = _refused_model(_mixtral(), {"tensor": 2}, {"rules": rules, "sequence_parallel": True})
+    assert "sequence_parallel=True with mixture-of-experts blocks (model.layers.0.mlp.experts, " \
+           "model.layers.1.mlp.experts)" in said and "expected sequence_parallel=False" in said, said
+    assert _refused_model(_mixtral(), {"tensor": 2}, {"rules": rules}) == "planned"
