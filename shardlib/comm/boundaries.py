@@ -118,14 +118,18 @@ class Ops:
     def g(self, y: torch.Tensor) -> torch.Tensor:
         return y if self._shapes(y) else Psum.apply(y, self.mesh, self.axes)
 
-    def gather_seq(self, x: torch.Tensor) -> torch.Tensor:
-        return self._meta_seq(x, self.size, 1) if self._shapes(x) else \
-            AllGather.apply(x, self.mesh, self.axes, self.seq_dim)
+    def gather_seq(self, x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+        dim = token_dim(x, self.seq_dim) if dim is None else dim
+        return self._meta_seq(x, self.size, 1, dim) if self._shapes(x) else \
+            AllGather.apply(x, self.mesh, self.axes, dim)
 
-    def scatter_seq(self, y: torch.Tensor) -> torch.Tensor:
-        self._check_seq(y)
-        return self._meta_seq(y, 1, self.size) if self._shapes(y) else \
-            PsumScatter.apply(y, self.mesh, self.axes, self.seq_dim)
+    def scatter_seq(self, y: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+        dim = token_dim(y, self.seq_dim) if dim is None else dim
+        check_seq(y, dim, self.size, "sequence_parallel")
+        # (contiguous: the chunk comes back with its dims permuted, and a block that views its input —
+        # a MoE block's ``view(-1, hidden)`` — needs it laid out as the stream is)
+        return self._meta_seq(y, 1, self.size, dim) if self._shapes(y) else \
+            PsumScatter.apply(y, self.mesh, self.axes, dim).contiguous()
 
     def slice_seq(self, x: torch.Tensor) -> torch.Tensor:
         self._check_seq(x)
@@ -145,9 +149,10 @@ class Ops:
     def param_f(self, p: torch.Tensor) -> torch.Tensor:
         return p if self._shapes(p) else PBroadcast.apply(p, self.mesh, self.axes)
 
-    def _meta_seq(self, x: torch.Tensor, mul: int, div: int) -> torch.Tensor:
+    def _meta_seq(self, x: torch.Tensor, mul: int, div: int, dim: int | None = None) -> torch.Tensor:
+        dim = self.seq_dim if dim is None else dim
         shape = list(x.shape)
-        shape[self.seq_dim] = shape[self.seq_dim] * mul // div
+        shape[dim] = shape[dim] * mul // div
         return x.new_empty(shape)
 
     def coord(self) -> int:
@@ -155,6 +160,13 @@ class Ops:
 
     def _check_seq(self, x: torch.Tensor) -> None:
         check_seq(x, self.seq_dim, self.size, "sequence_parallel")
+
+
+def token_dim(x: torch.Tensor, seq_dim: int) -> int:
+    """The dim a sequence-split tensor is split on: the stream's sequence dim, or dim 0 of the tokens a block
+    flattened (``[T, H]``: a MoE block's rows, in the rank-major order the gather gives and the scatter takes
+    back — per-token work inside needs no other)."""
+    return 0 if x.dim() == 2 else seq_dim
 
 
 def check_seq(x: torch.Tensor, dim: int, size: int, api: str) -> None:
@@ -242,7 +254,7 @@ class Boundaries(SeqEdges):
             elif site.kind == "norm":
                 self._override(mod, _norm_forward(self, site))
             elif site.kind == "experts":       # around the forward it has (the expert axis's routing, if any)
-                self._override(mod, _experts_forward(self, mod.forward))
+                self._override(mod, _experts_forward(self, mod.forward, in_sp))
         # SP: a unit's tensor-replicated parameters (norms, row biases) enter its forward through
         # one f over all of them, laid end to end: one all-reduce of their partial gradients per
         # unit in backward (Megatron sums these "sequence-parallel gradients" in one all-reduce too)
@@ -475,13 +487,19 @@ def _norm_forward(b: Boundaries, site):
     return forward
 
 
-def _experts_forward(b: Boundaries, inner):
+def _experts_forward(b: Boundaries, inner, in_sp: bool):
     """Experts whose own widths are split over tensor (Megatron's tensor-parallel experts: gate|up a column,
     down a row, ``planner/tensor.py``'s experts site): the rows and their routing weights enter through ``f``
     (their gradients, partial sums over tensor, all-reduced in backward), the output, a partial sum, leaves
     through ``g``. ``inner``: the forward the module had (on an expert axis: routed to this rank's experts and
-    back, so ``g`` sums the tokens' rows, not the routed ones)."""
+    back, so ``g`` sums the tokens' rows, not the routed ones). Under sequence parallelism each tensor rank holds
+    its chunk's rows: they, their routing and its weights are all-gathered over tensor (dim 0; the backward
+    reduce-scatter sums the partial gradients) and the output is reduce-scattered back to the chunk (Megatron's
+    expert-tensor-parallel all-gather dispatch)."""
     def forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
+        if in_sp:
+            return b.ops.scatter_seq(inner(b.ops.gather_seq(hidden_states, 0), b.ops.gather_seq(top_k_index, 0),
+                                           b.ops.gather_seq(top_k_weights, 0), *args, **kwargs), 0)
         return b.ops.g(inner(b.ops.f(hidden_states), top_k_index, b.ops.f(top_k_weights), *args, **kwargs))
     return forward
 
@@ -489,15 +507,17 @@ def _experts_forward(b: Boundaries, inner):
 def _sp_param_forward(b: Boundaries, mod: nn.Module):
     """A module with tensor-replicated parameters acting on the sequence-split stream: its
     parameters enter through ``f`` so their gradients (partial sums over the sequence chunks)
-    are summed over tensor in backward."""
-    cls_forward = type(mod).forward
+    are summed over tensor in backward. Around the forward it has: an experts module's is routed over the expert
+    axis (``runtime/experts.route_experts``), each tensor rank routing its own chunk's tokens."""
+    own = mod.__dict__.get("forward")
+    inner = own if own is not None else types.MethodType(type(mod).forward, mod)
 
     def forward(self, *args, **kwargs):
         saved = {a: p for a, p in self._parameters.items() if p is not None}
         try:
             for a in saved:
                 self._parameters[a] = b.sp_value(self, a)
-            return cls_forward(self, *args, **kwargs)
+            return inner(*args, **kwargs)
         finally:
             self._parameters.update(saved)
     return forward

@@ -127,7 +127,9 @@ def _plan(model: nn.Module, mesh: AbstractMesh, *, policies: Policies, rules: An
                    model, {n: tuple(p.shape) for n, p in named}, experts,
                    _tokens(batch, mesh.axis_size(dp) * grad_accum))
                if experts else (),
-               router_stats=router_stats(model, {u.name for u in unit_list}) if mesh.axis_size(dp) > 1 else (),
+               router_stats=router_stats(model, {u.name for u in unit_list})
+               if mesh.axis_size(dp) > 1 or (r.tensor is not None and r.tensor.sequence_parallel and r.tensor.size > 1)
+               else (),
                offload=kinds, offload_dir=None if offload_dir is None else os.fspath(offload_dir),
                delayed=bool(pol.memory.delayed))
     if offload_dir is not None and any(k == "disk" for _, k in kinds) and getattr(mesh, "rank", None) is not None:
@@ -419,7 +421,8 @@ def _check(model: nn.Module, mesh: AbstractMesh, pol: Policies, *, rules: Any, b
             add(m)
         ranks = [a for a in (roles.data or "data", roles.replica_of(mesh), roles.expert_of(mesh)) if a in sizes]
         piped = sizes.get(roles.pipe or "pipe", 1) > 1
-        for m in aux_loss_problems(model, mesh.axis_size(tuple(ranks)) if ranks else 1, piped):
+        sp = bool(pol.tensor.sequence_parallel) and mesh.axis_sizes.get(roles.tensor, 1) > 1
+        for m in aux_loss_problems(model, mesh.axis_size(tuple(ranks)) if ranks else 1, piped, sp):
             add(m)
         ctx_axis, ctx_trace = _context(model, mesh, roles, rules, batch, pol, unit_names, add,
                                        heads_over=t if tplan is not None else 1)

@@ -109,8 +109,8 @@ def block_saved_bytes(model: nn.Module, plan: Plan, *, rank: int = 0, batch: Any
         class MeasureOps(Ops):
             """The step's boundary ops on meta tensors (reshapes only), keeping ``requires_grad``."""
 
-            def _meta_seq(self, x: torch.Tensor, mul: int, div: int) -> torch.Tensor:
-                return super()._meta_seq(x, mul, div).requires_grad_(x.requires_grad)
+            def _meta_seq(self, x: torch.Tensor, mul: int, div: int, dim: int | None = None) -> torch.Tensor:
+                return super()._meta_seq(x, mul, div, dim).requires_grad_(x.requires_grad)
 
             def coord(self) -> int:
                 return plan.mesh.coord(rank, tp.axis)

@@ -283,14 +283,14 @@ def derive(model: nn.Module, specs: dict[str, PartitionSpec], *, axis: str, size
     sites = [replace(s, kind=LOGITS)
              if s.kind == COLUMN and _parent(s.module) not in row_parents and not s.unit and not is_adapter(s.module)
              else s for s in sites]
-    moe = _routed_experts(modules, unit_set) if sequence_parallel and size > 1 else []
-    if moe:
-        problems.append(f"plan: sequence_parallel=True with mixture-of-experts blocks ({', '.join(moe[:2])}"
-                        f"{', ...' if len(moe) > 2 else ''}) is not supported yet: a MoE block flattens the "
-                        "sequence-split stream into tokens for its router, experts and shared experts, which would "
-                        "each see this rank's chunk of the sequence — expected sequence_parallel=False for a MoE "
-                        f"model (tensor parallelism over {axis!r} without it trains one exactly, the experts' "
-                        "widths split too with the 'expert_mlp' rule).")
+    capped = [n for n in _routed_experts(modules, unit_set)
+              if getattr(modules[_parent(n)], "capacity_factor", 0)] if sequence_parallel and size > 1 else []
+    if capped:
+        problems.append(f"plan: sequence_parallel=True with a capacity per expert ({', '.join(capped[:2])}"
+                        f"{', ...' if len(capped) > 2 else ''}) is not supported yet: the capacity keeps each "
+                        "expert's earliest tokens in the batch's order, and each tensor rank routes its own chunk of "
+                        "the sequence — expected capacity_factor=0 (dropless) with sequence parallelism, or "
+                        "sequence_parallel=False.")
     if sequence_parallel and size > 1 and not units:
         problems.append("plan: sequence_parallel=True splits the residual stream on the sequence dim inside the "
                         "layer stack — got a model with no layer-stack units (no nn.ModuleList of blocks, and "

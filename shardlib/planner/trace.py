@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_map_only
 
 from ..algebra.layout import Layout
 from ..comm import core as comm
-from ..comm.boundaries import Boundaries, check_seq
+from ..comm.boundaries import Boundaries, check_seq, token_dim
 from ..errors import ShardingError
 from .traffic import CommEntry
 
@@ -51,9 +51,10 @@ class RecordingOps:
               "reduce_scatter": comm.reduce_scatter_bytes}[op]
         return fn(n, self.size, x.element_size())
 
-    def _seq(self, x: torch.Tensor, factor: float) -> torch.Tensor:
+    def _seq(self, x: torch.Tensor, factor: float, dim: int | None = None) -> torch.Tensor:
+        dim = token_dim(x, self.seq_dim) if dim is None else dim
         shape = list(x.shape)
-        shape[self.seq_dim] = int(shape[self.seq_dim] * factor)
+        shape[dim] = int(shape[dim] * factor)
         return x.new_empty(shape)
 
     def f(self, x):
@@ -65,15 +66,15 @@ class RecordingOps:
         self._rec("forward", "all_reduce", self._bytes("all_reduce", y))
         return y
 
-    def gather_seq(self, x):
+    def gather_seq(self, x, dim=None):
         self._rec("forward", "all_gather", self._bytes("all_gather", x))
         if x.requires_grad:
             self._rec("backward", "reduce_scatter", self._bytes("reduce_scatter", x))
-        return self._seq(x, self.size).requires_grad_(x.requires_grad)
+        return self._seq(x, self.size, dim).requires_grad_(x.requires_grad)
 
-    def scatter_seq(self, y):
-        self._check(y)
-        out = self._seq(y, 1 / self.size)
+    def scatter_seq(self, y, dim=None):
+        check_seq(y, token_dim(y, self.seq_dim) if dim is None else dim, self.size, "plan")
+        out = self._seq(y, 1 / self.size, dim)
         self._rec("forward", "reduce_scatter", self._bytes("reduce_scatter", out))
         if y.requires_grad:
             self._rec("backward", "all_gather", self._bytes("all_gather", out))
@@ -108,7 +109,7 @@ class RecordingOps:
         return self._coord
 
     def _check(self, x: torch.Tensor) -> None:
-        check_seq(x, self.seq_dim, self.size, "plan")
+        check_seq(x, token_dim(x, self.seq_dim), self.size, "plan")
 
 
 def _micro_batch(plan: Plan, batch: Any, device: str) -> Any:

@@ -426,17 +426,21 @@ def stats_entries(plan: Plan) -> list[CommEntry]:
     backward where the loss holds the term, and a recomputed unit's forward again."""
     axes = plan.mesh.canonical_axes(plan.dp_axes)
     n = plan.mesh.axis_size(axes)
+    tp = plan.tensor
+    sp = (tp.axis,) if tp is not None and tp.sequence_parallel and tp.size > 1 else ()   # the chunks' sum (forward)
     again = recomputed(plan)
     out, m = [], plan.grad_accum
     for r in plan.router_stats:
         runs = [("forward", "router-stats")] + ([("backward", "recompute")] if again(r.name) else [])
         for phase, what in runs:    # the forward's moves, and again where a recomputed unit reruns it
-            out += [CommEntry(phase, what, "all_reduce", axes, comm.all_reduce_bytes(k, n, 4), m, f"{r.name} {part}")
-                    for part, k in (("counts", r.experts + 1), ("sums", r.experts))]
-            if r.capacity:          # the capacity's order: every batch rank's rows per expert, its tokens and place
+            for over, size in ((axes, n), (sp, tp.size if sp else 1)):
+                if size > 1:
+                    out += [CommEntry(phase, what, "all_reduce", over, comm.all_reduce_bytes(k, size, 4), m,
+                                      f"{r.name} {part}") for part, k in (("counts", r.experts + 1), ("sums", r.experts))]
+            if r.capacity and n > 1:   # the capacity's order: every batch rank's rows per expert, its tokens and place
                 out.append(CommEntry(phase, what, "all_gather", axes, comm.all_gather_bytes(r.experts + 2, n, 8), m,
                                      f"{r.name} capacity"))
-        if r.backward:
+        if r.backward and n > 1:
             out.append(CommEntry("backward", "router-stats", "all_reduce", axes,
                                  comm.all_reduce_bytes(r.experts, n, 4), plan.grad_accum, f"{r.name} sums"))
     return out

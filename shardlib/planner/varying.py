@@ -164,11 +164,11 @@ class VaryingOps(RecordingOps):
     def g(self, y):
         return self.vma.mark(super().g(y).view_as(y), False)
 
-    def gather_seq(self, x):
-        return self.vma.mark(super().gather_seq(x), True)
+    def gather_seq(self, x, dim=None):
+        return self.vma.mark(super().gather_seq(x, dim), True)
 
-    def scatter_seq(self, y):
-        return self.vma.mark(super().scatter_seq(y), True)
+    def scatter_seq(self, y, dim=None):
+        return self.vma.mark(super().scatter_seq(y, dim), True)
 
     def slice_seq(self, x):
         return self.vma.mark(super().slice_seq(x), True)

@@ -155,7 +155,9 @@ class Engine:
         self.micro_batches: MicroBatches = self.pipe if self.pipe is not None else Accumulate(
             self.syncs, self.tensor.loss if self.tensor is not None else self.loss_of,
             self.units.freed_use if self.units is not None else None)
-        global_statistics(model, mesh, plan.dp_axes)       # a router's balance statistics: the whole batch's
+        sp = plan.tensor is not None and plan.tensor.sequence_parallel and plan.tensor_size > 1
+        # a router's balance statistics: the whole batch's (and under SP every tensor rank's chunk's)
+        global_statistics(model, mesh, plan.dp_axes, plan.tensor.axis if sp else None)
         # a transformers model's router loss: its statistics summed over the batch's ranks inside loss_of
         self.router_loss = (router_loss.install(model) and mesh.axis_size(mesh.canonical_axes(plan.dp_axes)) > 1)
         self.capacity_layers = capacity_layers(model)

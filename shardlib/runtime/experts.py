@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..comm import core as comm
+from ..comm.autograd import Psum
 from ..comm.experts import batch_sum, combine, dispatch
 from ..planner.peft import is_adapter
 from .grad_sync import DataReduction
@@ -131,16 +132,24 @@ class ExpertCounts:
         return max(worst) if worst else None
 
 
-def global_statistics(model: nn.Module, mesh: Mesh, axes: tuple[str, ...]) -> int:
+def global_statistics(model: nn.Module, mesh: Mesh, axes: tuple[str, ...], tokens_axis: str | None = None) -> int:
     """Give every module with a ``reduce_stats`` slot (a router's load-balancing loss: ``models/moe.py``) the
     sum over the batch's ranks, so its statistics are the whole batch's as one process computes them
     (Megatron's global aux loss), and every module with a ``gather_counts`` slot (a capacity's order) every
     batch rank's counts in the batch's order with this rank's place; returns how many modules. Nothing to do
-    where the batch is not split."""
+    where the batch is not split. ``tokens_axis``: an axis the tokens are split over besides the batch's
+    (sequence parallelism's tensor axis): the statistics are summed over it too, forward only — its ranks
+    compute one loss, each from the whole statistics, so each rank's share of the gradient is its own tokens'
+    (the planner refuses a capacity there: its order is the sequence's)."""
     canon = mesh.canonical_axes(axes)
-    if mesh.axis_size(canon) == 1:
+    split = mesh.axis_size(canon) > 1
+    if not split and tokens_axis is None:
         return 0
     place = mesh.group_index(mesh.rank, axes)           # this rank's rows' place in the batch (Engine.data_index)
+
+    def reduce(t: torch.Tensor) -> torch.Tensor:
+        t = batch_sum(t, mesh, axes) if split else t
+        return Psum.apply(t, mesh, (tokens_axis,)) if tokens_axis is not None else t
 
     def gathered(t: torch.Tensor) -> tuple[torch.Tensor, int]:
         every = comm.all_gather(torch.cat([t.reshape(-1), t.new_tensor([place])])[None], mesh, canon)
@@ -149,8 +158,8 @@ def global_statistics(model: nn.Module, mesh: Mesh, axes: tuple[str, ...]) -> in
     found = [m for m in model.modules() if hasattr(m, "reduce_stats") or hasattr(m, "gather_counts")]
     for m in found:
         if hasattr(m, "reduce_stats"):
-            m.reduce_stats = lambda t: batch_sum(t, mesh, axes)
-        if getattr(m, "capacity_factor", 0):
+            m.reduce_stats = reduce
+        if getattr(m, "capacity_factor", 0) and split:
             m.gather_counts = gathered
     return len(found)
 
@@ -188,6 +197,9 @@ class ExpertReduction(DataReduction):
         self.first = all(mesh.coord(mesh.rank, a) == 0 for a in others)
         self.first_expert = mesh.coord(mesh.rank, plan.expert_axis) == 0
         self.first_tensor = tensor is None or mesh.coord(mesh.rank, tensor) == 0
+        # sequence parallelism with the experts whole on each tensor rank: each routes its own chunk's tokens
+        tp = plan.tensor
+        self.own_counts = tensor is not None and tp.sequence_parallel and not any(s.kind == "experts" for s in tp.sites)
         self.split = [tensor is not None and tensor in s.plan.spec.axes for s in trainable]
         self.pieces = plan.states.optim is not None
 
@@ -204,7 +216,7 @@ class ExpertReduction(DataReduction):
         """The step's tokens per expert summed over the batch's axes (and tensor) on their own: under a pipe
         axis, whose scalars are summed over other axes, and each stage holds its own experts modules."""
         local = self.counts.local.reshape(-1).clone()
-        if not self.first_tensor:
+        if not self.first_tensor and not self.own_counts:
             local.zero_()
         self.counts.settle(comm.all_reduce(local, self.mesh, self.axes))
 
@@ -214,7 +226,7 @@ class ExpertReduction(DataReduction):
         n = len(vec) - self.counts.local.numel()
         if not self.first_tensor:          # the loss, the flags and the counts: tensor coordinate 0's
             vec[0] = 0.0
-            vec[n - len(self.expert):] = 0.0
+            vec[n - len(self.expert):None if not self.own_counts else n] = 0.0
         out = comm.all_reduce(vec, self.mesh, self.axes)
         self.counts.settle(out[n:])
         return out[:n]

@@ -102,12 +102,15 @@ def _counted(records) -> collections.Counter:
 
 
 def _train(shape: dict, cfg: GPTConfig, clip: float | None, zero: int = 0, recompute: str = "none",
-           offload: str | None = None):
+           offload: str | None = None, sp: bool = False, tensor_rules: dict | None = None):
     mesh = sl.Mesh(shape)
     want_losses, want = _reference(cfg, clip)
     model = GPT(cfg, seed=0)
-    rules = {**({"experts": "expert"} if "expert" in shape else {}), **(TENSOR if "tensor" in shape else {})}
-    plan = sl.plan(model, mesh, rules=rules or None, clip_grad_norm=clip, zero=zero, batch=token_batch(cfg, BATCH, 0), recompute=recompute, offload={"optimizer": offload} if offload else None)
+    rules = {**({"experts": "expert"} if "expert" in shape else {}),
+             **((TENSOR if tensor_rules is None else tensor_rules) if "tensor" in shape else {})}
+    plan = sl.plan(model, mesh, rules=rules or None, clip_grad_norm=clip, zero=zero, batch=token_batch(cfg, BATCH, 0),
+                   recompute=recompute, offload={"optimizer": offload} if offload else None, sequence_parallel=sp)
+    assert not sp or plan.tensor.sequence_parallel
     engine = sl.parallelize(model, plan, optimizer=_opt)
     held = {n: tuple(p.shape) for n, p in model.named_parameters() if "experts." in n}
     losses = []
@@ -232,10 +235,6 @@ def _refused(shape: dict, kwargs: dict) -> str:
 
 @pytest.mark.parametrize("shape, kwargs, said", [
     ({"data": 2, "expert": 2}, {}, "expert axis (expert=2) splits no parameter"),
-    ({"expert": 2, "tensor": 2}, {"rules": {"experts": "expert", **TENSOR}, "sequence_parallel": True},
-     "sequence_parallel=True with mixture-of-experts blocks (blocks.0.mlp.experts, blocks.1.mlp.experts)"),
-    ({"tensor": 2}, {"rules": {k: v for k, v in TENSOR.items() if k != "expert_mlp"}, "sequence_parallel": True},
-     "sequence_parallel=True with mixture-of-experts blocks (blocks.0.mlp.experts"),
     ({"expert": 2}, {"rules": {"expert_mlp": "expert"}}, "expected the expert axis 'expert' alone on dim 0"),
 ])
 def test_what_the_expert_axis_does_not_run_yet_is_refused_by_name(shape, kwargs, said):
@@ -626,11 +625,58 @@ def test_deepseek_routing_with_group_limits_and_bias_balancing_trains_like_one_p
         assert biases and all(b.abs().sum() > 0 for b in biases)
 
 
-def test_sequence_parallelism_of_a_transformers_moe_is_refused_at_plan_time_not_crashed_at_run_time():
-    """Mixtral under SP used to plan and then fail inside its first forward (its MoE block reshapes the
-    sequence-split stream); the plan refuses it naming the blocks, and plans it without SP."""
+WHOLE_EXPERTS = {k: v for k, v in TENSOR.items() if k != "expert_mlp"}     # each expert whole on a tensor rank
+
+
+@pytest.mark.parametrize("shape, zero, clip, tensor_rules", [
+    ({"tensor": 2}, 0, None, TENSOR), ({"expert": 2, "tensor": 2}, 1, 1.0, WHOLE_EXPERTS),
+    ({"expert": 2, "tensor": 2}, 0, None, TENSOR), ({"data": 2, "tensor": 2}, 2, 0.5, WHOLE_EXPERTS)],
+    ids=["tensor2_experts_split", "expert2_tensor2_whole_experts_zero1", "expert2_tensor2_experts_split",
+         "data2_tensor2_whole_experts_zero2"])
+def test_sequence_parallelism_with_moe_blocks_trains_like_one_process(world, shape, zero, clip, tensor_rules):
+    """Sequence parallelism beside MoE blocks (Megatron runs its MoE tensor parallelism with it). The block
+    flattens each tensor rank's chunk of the sequence into tokens: the router and whole experts work on that
+    chunk (tokens split over tensor as over a data axis: the router's statistics summed over tensor too,
+    their parameters' gradients all-reduced over it), and experts split over tensor all-gather the chunk's rows
+    and routing over tensor first and reduce-scatter their output back (Megatron's expert-tensor-parallel
+    all-gather dispatch); the shared experts gather and scatter the chunk's rows. Losses, every parameter and
+    the tokens per expert equal one process; every collective is the plan's."""
+    for r in world(_ranks(shape), _train, shape, CFG, clip, zero, "none", None, True, tensor_rules):
+        _like_one_process(r)
+        assert r["counted"] == r["planned"], (r["counted"], r["planned"])
+        if "expert" in shape:
+            assert r["counts"] == r["want_counts"]
+
+
+def test_sequence_parallelism_of_a_transformers_moe_trains_like_one_process(world):
+    """Mixtral (eager experts, whole on each tensor rank) at tensor 2 with sequence parallelism: its MoE block
+    reshapes the sequence-split stream, and trains as one process."""
+    for r in world(2, _train_mixtral_sp):
+        assert r["losses"] == pytest.approx(r["want_losses"], rel=1e-5), (r["losses"], r["want_losses"])
+        for k, (got, want) in r["params"].items():
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=k)
+
+
+def _train_mixtral_sp():
+    batches = [_hf_batch(s) for s in range(STEPS)]
+    def eager():
+        m = _mixtral()
+        m.set_experts_implementation("eager")        # (grouped_mm on a CPU takes bf16 only)
+        return m
+    want_losses, want = _one_process(eager(), batches, loss=lambda m, b: m(**b).loss)
+    model = eager()
+    plan = sl.plan(model, sl.Mesh({"tensor": 2}), rules={"heads": "tensor", "mlp": "tensor", "vocab": "tensor"},
+                   sequence_parallel=True, batch=batches[0])
+    engine = sl.parallelize(model, plan, optimizer=_opt, loss_fn=lambda m, b: m(**b).loss)
+    losses = [engine.step(b) for b in batches]
+    got = engine.full_state_dict()
+    return {"losses": losses, "want_losses": want_losses, "params": {k: (got[k], want[k]) for k in want}}
+
+
+def test_sequence_parallelism_refuses_a_capacity_and_a_transformers_router_loss_by_name():
+    said = _refused_model(GPT(replace(CFG, capacity_factor=1.0), seed=0), {"tensor": 2},
+                          {"rules": TENSOR, "sequence_parallel": True})
+    assert "sequence_parallel=True with a capacity per expert (blocks.0.mlp.experts, blocks.1.mlp.experts)" in said, said
     rules = {"heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
-    said = _refused_model(_mixtral(), {"tensor": 2}, {"rules": rules, "sequence_parallel": True})
-    assert "sequence_parallel=True with mixture-of-experts blocks (model.layers.0.mlp.experts, " \
-           "model.layers.1.mlp.experts)" in said and "expected sequence_parallel=False" in said, said
-    assert _refused_model(_mixtral(), {"tensor": 2}, {"rules": rules}) == "planned"
+    said = _refused_model(_mixtral(router_logits=True), {"tensor": 2}, {"rules": rules, "sequence_parallel": True})
+    assert "output_router_logits=True), whose statistics would be each tensor rank's chunk" in said, said
