@@ -211,3 +211,45 @@ def refusals(path: str, folders: dict[str, str]) -> dict[str, str]:
         except sl.CheckpointError as e:
             out[kind + "_step"] = str(e)
     return out
+
+
+def killed_mid_load(path: str, out: str) -> None:
+    """Under ``sl.launch`` at data 2 ZeRO-3: rank 1 dies (``os._exit``, as a ``kill -9`` leaves it) while quantizing
+    its second weight; rank 0 writes to ``out`` what its load raised, whether any of its quantized pieces changed,
+    and what a step then says."""
+    import json
+    import os
+
+    import shardlib.runtime.pretrained.core as core
+    from shardlib.testing import get_mesh
+
+    mesh = get_mesh({"data": 2})
+    with torch.device("meta"):
+        base = __import__("transformers").LlamaForCausalLM(config())
+    model = wrap(base, "nf4")
+    plan = sl.plan(model, mesh, zero=3, batch=batches()[0])
+    eng = sl.parallelize(model, plan, optimizer=adamw, init=False)
+    real, calls = core.quantized_shard, []
+
+    def dying(*args, **kwargs):
+        calls.append(1)
+        if mesh.rank == 1 and len(calls) == 2:
+            os._exit(1)
+        return real(*args, **kwargs)
+
+    core.quantized_shard = dying
+    before = {s.name: s.shard.clone() for s in eng.states if s.plan.quant is not None}
+    record = {"error": None, "step": None}
+    try:
+        eng.load_pretrained(path)
+    except Exception as e:       # noqa: BLE001 — what the surviving rank is told
+        record["error"] = f"{type(e).__name__}: {e}"
+    record["quantized_filled"] = sum(not torch.equal(before[s.name], s.shard) for s in eng.states
+                                     if s.plan.quant is not None)
+    record["needs_load"] = bool(eng.needs_load)
+    try:
+        eng.step(batches()[0])
+    except Exception as e:       # noqa: BLE001
+        record["step"] = f"{type(e).__name__}: {e}"
+    with open(out, "w") as f:
+        json.dump(record, f)

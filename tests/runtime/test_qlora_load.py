@@ -101,3 +101,22 @@ def test_bad_loads_are_named_before_anything_is_written(world, folder, tmp_path)
         for kind in ("int", "bnb"):
             assert out[kind + "_untouched"], f"rank {r}: a refused {kind} load wrote codes"
             assert "init=False" in out[kind + "_step"] and "load first" in out[kind + "_step"], out[kind + "_step"]
+
+
+def test_a_rank_killed_while_quantizing_leaves_the_others_refusing_to_step(folder, tmp_path):
+    """A rank killed mid-load (``os._exit`` while it quantizes its second weight, as ``kill -9`` leaves it): the
+    launcher names it, and the surviving rank's load raises a named error instead of returning. That rank wrote
+    its own codes, but the mesh's values are incomplete (the dead rank's ZeRO-3 pieces): its engine refuses to
+    step until a load completes — nothing half-loaded is trained on."""
+    import json
+
+    import shardlib as sl
+    out = tmp_path / "rank0.json"
+    with pytest.raises(sl.WorkerError) as info:
+        sl.launch(qm.killed_mid_load, 2, folder, str(out), timeout=60)
+    assert "rank 1" in str(info.value), str(info.value)
+    got = json.loads(out.read_text())
+    assert got["error"] is not None and "CheckpointError: load_pretrained: reading" in got["error"], got
+    assert "another rank stopped answering" in got["error"] and "refuses to step" in got["error"], got
+    assert got["quantized_filled"] > 0 and got["needs_load"] is True, got
+    assert got["step"] is not None and "load" in got["step"], got

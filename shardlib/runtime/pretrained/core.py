@@ -359,7 +359,13 @@ def load_pretrained(training: TrainingState, path: str | os.PathLike, *, strict:
                 held[name].copy_(f.get_tensor(entries[fname].key))
     except Exception as e:                 # noqa: BLE001 — reported on every rank below
         failed = f"rank {training.mesh.rank}: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-    failed = [f for f in gather_objects(training, failed) if f]
+    try:
+        failed = [f for f in gather_objects(training, failed) if f]
+    except (RuntimeError, torch.distributed.DistError) as e:     # a rank died mid-load (gloo: connection closed)
+        why = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        raise CheckpointError(f"load_pretrained: reading {path} failed — another rank stopped answering before every "
+                              f"rank had read its pieces ({type(e).__name__}: {why}). The engine has no complete "
+                              f"values and refuses to step. {RELOAD}") from e
     if failed:
         raise CheckpointError(f"load_pretrained: reading {path} failed — {failed[0]}. The engine has no complete "
                               f"values and refuses to step. {RELOAD}")
