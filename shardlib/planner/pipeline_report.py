@@ -86,7 +86,8 @@ def block_saved_bytes(model: nn.Module, plan: Plan, *, rank: int = 0, batch: Any
     the stream's shape (``sl.plan(..., batch=)``). A transformers model's blocks are called with
     the keyword arguments its forward gives them (``planner/hf_stages.py``) for a micro-batch of
     ``batch`` (the plan's example batch; without it, tokens of the stream's shape and no mask)."""
-    from ..comm.boundaries import Boundaries, Ops
+    from ..comm.boundaries import Boundaries
+    from ..comm.boundary_ops import Ops
     from .hf_stages import CausalLMStages, meta_or_zeros
     from .stack import stage_functions
 

@@ -22,7 +22,8 @@ from torch.utils._pytree import tree_map_only
 
 from ..algebra.layout import Layout
 from ..comm import core as comm
-from ..comm.boundaries import Boundaries, check_seq, token_dim
+from ..comm.boundaries import Boundaries
+from ..comm.boundary_ops import check_seq, token_dim
 from ..errors import ShardingError
 from .traffic import CommEntry
 
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
 
 
 class RecordingOps:
-    """``comm.boundaries.Ops`` that records each collective (with the one its backward runs) and
+    """``comm.boundary_ops.Ops`` that records each collective (with the one its backward runs) and
     returns tensors of the right shapes."""
 
     def __init__(self, axis: str, size: int, coord: int, seq_dim: int, recompute: set[str]):

@@ -16,7 +16,8 @@ import torch
 
 from .grad_sync import GradSync
 from ..comm import core as comm
-from ..comm.boundaries import Boundaries, Ops
+from ..comm.boundaries import Boundaries
+from ..comm.boundary_ops import Ops
 from .vocab import ShardedLogits
 
 if TYPE_CHECKING:
