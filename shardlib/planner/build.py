@@ -137,10 +137,12 @@ def _plan(model: nn.Module, mesh: AbstractMesh, *, policies: Policies, rules: An
         if found:
             raise ShardingError(found, api="plan")
     if tplan is not None and batch is not None:
+        from .hf_router import chunked_router_loss
         from .trace import trace_activations
         from .varying import derive_f
-        out = derive_f(model, out, batch)
-        out = replace(out, activations=trace_activations(model, out, batch))
+        with chunked_router_loss(model, tplan.size if tplan.sequence_parallel else 1):
+            out = derive_f(model, out, batch)
+            out = replace(out, activations=trace_activations(model, out, batch))
         if pplan is None and not experts:          # each block's saved bytes, as a pipeline's are measured
             from .pipeline_report import stack_saved_bytes
             out = replace(out, stack_saved=stack_saved_bytes(model, out, batch))

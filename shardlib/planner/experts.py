@@ -72,9 +72,10 @@ def expert_adapter_specs(model: nn.Module, specs: dict[str, PartitionSpec], axis
 
 def aux_loss_problems(model: nn.Module, batch_ranks: int, piped: bool = False, sp: bool = False) -> list[str]:
     """A transformers MoE model adding its router's load-balancing loss (``output_router_logits``) computes its
-    statistics over the tokens it is given; with the batch split over ranks the runtime sums them over the
-    batch's ranks (``runtime/router_loss.py``) where its function is the known formula. Refused: another
-    formula with a split batch, and the loss under a pipe axis (its layers' router logits meet on no stage)."""
+    statistics over the tokens it is given; with the batch split over ranks (or, ``sp``, the sequence over
+    tensor) the runtime sums them over those ranks (``runtime/router_loss.py``) where its function is the known
+    formula. Refused: another formula with a split batch, and the loss under a pipe axis (its layers' router
+    logits meet on no stage)."""
     from .hf_router import adds_router_loss, known
     if not adds_router_loss(model):
         return []
@@ -82,12 +83,8 @@ def aux_loss_problems(model: nn.Module, batch_ranks: int, piped: bool = False, s
     if piped:
         return [f"plan: {where}, which needs every layer's router logits in one place — under a pipe axis they "
                 "sit on different stages. Set config.output_router_logits=False, or train without a pipe axis."]
-    if sp:
-        return [f"plan: {where}, whose statistics would be each tensor rank's chunk of the sequence under "
-                "sequence_parallel=True — not supported yet. Set config.output_router_logits=False, or "
-                "sequence_parallel=False."]
     ok, name = known(model)
-    if batch_ranks > 1 and not ok:
+    if (batch_ranks > 1 or sp) and not ok:
         return [f"plan: {where} through {name}, which is not the Switch formula shardlib makes global (its body "
                 f"differs from transformers 5's Mixtral's) — with the batch split over {batch_ranks} ranks each "
                 "rank would take its own tokens' statistics, not the batch's, and training would differ from one "

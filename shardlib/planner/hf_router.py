@@ -6,10 +6,12 @@ form."""
 from __future__ import annotations
 
 import ast
+import contextlib
 import hashlib
 import inspect
 import sys
 import textwrap
+from collections.abc import Iterator
 
 from torch import nn
 
@@ -56,3 +58,25 @@ def known(model: nn.Module) -> tuple[bool, str]:
     return fingerprint(original) in FINGERPRINTS, f"{mod.__name__}.{NAME}"
 
 
+@contextlib.contextmanager
+def chunked_router_loss(model: nn.Module, size: int) -> Iterator[None]:
+    """While the planner traces ``model`` under sequence parallelism over ``size`` ranks: its router loss function
+    (transformers') meets each layer's router logits for one chunk of the sequence, so its attention mask is cut
+    to a chunk of positions too — the trace needs the shapes (the engine's global form sums every chunk's
+    statistics: ``runtime/router_loss.py``; the plan counts those sums: ``planner/traffic.stats_entries``)."""
+    if size <= 1 or not adds_router_loss(model):
+        yield
+        return
+    mod = modeling_module(model)
+    fn = getattr(mod, NAME)
+
+    def cut(gate_logits, num_experts=None, top_k=2, attention_mask=None):
+        if attention_mask is not None:
+            attention_mask = attention_mask.chunk(size, dim=1)[0]
+        return fn(gate_logits, num_experts, top_k, attention_mask)
+
+    setattr(mod, NAME, cut)
+    try:
+        yield
+    finally:
+        setattr(mod, NAME, fn)

@@ -159,7 +159,8 @@ class Engine:
         # a router's balance statistics: the whole batch's (and under SP every tensor rank's chunk's)
         global_statistics(model, mesh, plan.dp_axes, plan.tensor.axis if sp else None)
         # a transformers model's router loss: its statistics summed over the batch's ranks inside loss_of
-        self.router_loss = (router_loss.install(model) and mesh.axis_size(mesh.canonical_axes(plan.dp_axes)) > 1)
+        self.router_loss = router_loss.install(model) and (mesh.axis_size(mesh.canonical_axes(plan.dp_axes)) > 1 or sp)
+        self.router_chunks = plan.tensor.axis if sp else None
         self.capacity_layers = capacity_layers(model)
         self.dropped: dict[str, int] = {}
         base = self.pipe or (ExpertReduction(mesh, plan, self.states, self.scalar_vector, self.experts)
@@ -483,7 +484,8 @@ class Engine:
             if info is not None:
                 batch = {k: v for k, v in batch.items() if k != CONTEXT_KEY}
             self.context.use(info)
-        with (router_loss.active(self.mesh, self.plan.dp_axes) if self.router_loss else contextlib.nullcontext()):
+        with (router_loss.active(self.mesh, self.plan.dp_axes, self.router_chunks) if self.router_loss
+              else contextlib.nullcontext()):
             if self.loss_fn is not None:
                 out = self.loss_fn(self.model, batch)
             elif isinstance(batch, dict):

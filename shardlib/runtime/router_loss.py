@@ -26,13 +26,15 @@ import torch
 from torch import nn
 
 from ..comm import core as comm
+from ..comm.autograd import Psum
 from ..comm.experts import batch_sum
 from ..planner.hf_router import NAME, adds_router_loss, known, modeling_module
 
 if TYPE_CHECKING:
     from ..algebra.mesh import Mesh
 
-_ACTIVE: contextvars.ContextVar[tuple[Any, tuple[str, ...]] | None] = contextvars.ContextVar("router_loss", default=None)
+_ACTIVE: contextvars.ContextVar[tuple[Any, tuple[str, ...], str | None] | None] = contextvars.ContextVar(
+    "router_loss", default=None)
 
 
 def install(model: nn.Module) -> bool:
@@ -51,9 +53,11 @@ def install(model: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def active(mesh: Mesh, axes: tuple[str, ...]) -> Iterator[None]:
-    """Inside, the installed functions sum their statistics over ``axes`` (the batch's) of ``mesh``."""
-    token = _ACTIVE.set((mesh, axes))
+def active(mesh: Mesh, axes: tuple[str, ...], tokens_axis: str | None = None) -> Iterator[None]:
+    """Inside, the installed functions sum their statistics over ``axes`` (the batch's) of ``mesh``, and over
+    ``tokens_axis`` (sequence parallelism's tensor axis: each rank's router logits are its chunk of the
+    sequence) forward only — its ranks compute one loss from the whole statistics."""
+    token = _ACTIVE.set((mesh, axes, tokens_axis))
     try:
         yield
     finally:
@@ -65,8 +69,11 @@ def global_load_balancing(gate_logits, num_experts: int | None = None, top_k: in
     """transformers' ``load_balancing_loss_func`` with every sum over the batch's ranks (``active``)."""
     if gate_logits is None or not isinstance(gate_logits, tuple):
         return 0
-    mesh, axes = _ACTIVE.get()
+    mesh, axes, chunked = _ACTIVE.get()
     device = gate_logits[0].device
+    if chunked is not None and attention_mask is not None:       # this rank's chunk of each row's positions
+        t, i = mesh.axis_size((chunked,)), mesh.group_index(mesh.rank, (chunked,))
+        attention_mask = attention_mask.chunk(t, dim=1)[i]
     counts = torch.zeros(num_experts, dtype=torch.float32, device=device)
     probs = torch.zeros(num_experts, dtype=torch.float32, device=device)
     rows = torch.zeros((), dtype=torch.float32, device=device)
@@ -82,7 +89,12 @@ def global_load_balancing(gate_logits, num_experts: int | None = None, top_k: in
             counts = counts + torch.zeros_like(counts).scatter_add_(0, chosen.reshape(-1), mask.repeat_interleave(top_k))
             probs = probs + (weights.float() * mask.unsqueeze(-1)).sum(dim=0)
             rows = rows + mask.sum()
-    stats = comm.all_reduce(torch.cat([counts, rows.reshape(1)]).detach(), mesh, mesh.canonical_axes(axes))
-    probs = batch_sum(probs, mesh, axes)
+    stats = torch.cat([counts, rows.reshape(1)]).detach()
+    if mesh.axis_size(mesh.canonical_axes(axes)) > 1:
+        stats = comm.all_reduce(stats, mesh, mesh.canonical_axes(axes))
+        probs = batch_sum(probs, mesh, axes)
+    if chunked is not None:
+        stats = comm.all_reduce(stats, mesh, (chunked,))
+        probs = Psum.apply(probs, mesh, (chunked,))
     counts, rows = stats[:-1], stats[-1]
     return torch.sum((counts / rows) * (probs / rows).unsqueeze(0)) * num_experts

@@ -648,35 +648,53 @@ def test_sequence_parallelism_with_moe_blocks_trains_like_one_process(world, sha
             assert r["counts"] == r["want_counts"]
 
 
-def test_sequence_parallelism_of_a_transformers_moe_trains_like_one_process(world):
-    """Mixtral (eager experts, whole on each tensor rank) at tensor 2 with sequence parallelism: its MoE block
-    reshapes the sequence-split stream, and trains as one process."""
-    for r in world(2, _train_mixtral_sp):
+@pytest.mark.parametrize("shape, router_logits", [({"tensor": 2}, False), ({"tensor": 2}, True),
+                                                   ({"data": 2, "tensor": 2}, True)],
+                         ids=["tensor2", "tensor2_router_loss", "data2_tensor2_router_loss"])
+def test_sequence_parallelism_of_a_transformers_moe_trains_like_one_process(world, shape, router_logits):
+    """Mixtral (eager experts, whole on each tensor rank) with sequence parallelism: its MoE block reshapes the
+    sequence-split stream, and trains as one process — with its router load-balancing loss too, whose
+    statistics (each rank's chunk of the sequence, padding excluded by the chunk's part of the attention mask)
+    are summed over tensor and the batch's ranks. Every collective is the plan's."""
+    for r in world(_ranks(shape), _train_mixtral_sp, shape, router_logits):
         assert r["losses"] == pytest.approx(r["want_losses"], rel=1e-5), (r["losses"], r["want_losses"])
         for k, (got, want) in r["params"].items():
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=k)
+        assert r["counted"] == r["planned"], (r["counted"], r["planned"])
 
 
-def _train_mixtral_sp():
-    batches = [_hf_batch(s) for s in range(STEPS)]
+def _padded_batch(step: int) -> dict:
+    """``_hf_batch`` with the last positions of every other row padding (masked, no label)."""
+    b = _hf_batch(step)
+    mask = torch.ones_like(b["input_ids"])
+    mask[1::2, -3:] = 0
+    return {**b, "attention_mask": mask, "labels": b["labels"].masked_fill(mask == 0, -100)}
+
+
+def _train_mixtral_sp(shape: dict, router_logits: bool):
+    batches = [_padded_batch(s) for s in range(STEPS)]
+
     def eager():
-        m = _mixtral()
+        m = _mixtral(router_logits)
         m.set_experts_implementation("eager")        # (grouped_mm on a CPU takes bf16 only)
         return m
     want_losses, want = _one_process(eager(), batches, loss=lambda m, b: m(**b).loss)
     model = eager()
-    plan = sl.plan(model, sl.Mesh({"tensor": 2}), rules={"heads": "tensor", "mlp": "tensor", "vocab": "tensor"},
+    plan = sl.plan(model, sl.Mesh(shape), rules={"heads": "tensor", "mlp": "tensor", "vocab": "tensor"},
                    sequence_parallel=True, batch=batches[0])
     engine = sl.parallelize(model, plan, optimizer=_opt, loss_fn=lambda m, b: m(**b).loss)
-    losses = [engine.step(b) for b in batches]
+    losses = []
+    for step, b in enumerate(batches):
+        with sl.count_collectives() as counted:
+            losses.append(engine.step(b))
+        if step == 1:
+            second = _counted(counted.records)
     got = engine.full_state_dict()
-    return {"losses": losses, "want_losses": want_losses, "params": {k: (got[k], want[k]) for k in want}}
+    return {"losses": losses, "want_losses": want_losses, "params": {k: (got[k], want[k]) for k in want},
+            "counted": dict(second), "planned": dict(_planned(plan, engine.mesh.rank))}
 
 
-def test_sequence_parallelism_refuses_a_capacity_and_a_transformers_router_loss_by_name():
+def test_sequence_parallelism_refuses_a_capacity_by_name():
     said = _refused_model(GPT(replace(CFG, capacity_factor=1.0), seed=0), {"tensor": 2},
                           {"rules": TENSOR, "sequence_parallel": True})
     assert "sequence_parallel=True with a capacity per expert (blocks.0.mlp.experts, blocks.1.mlp.experts)" in said, said
-    rules = {"heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
-    said = _refused_model(_mixtral(router_logits=True), {"tensor": 2}, {"rules": rules, "sequence_parallel": True})
-    assert "output_router_logits=True), whose statistics would be each tensor rank's chunk" in said, said
