@@ -166,14 +166,16 @@ def quantized_problems(model, specs: dict, mesh) -> list[str]:
         for d, e in enumerate(entries):
             if e is None:
                 continue
-            if type(e).__name__ == "Fused":
-                out.append(f"plan: {name} {spec.shape} is a quantized {spec.kind} — got the fused spec {specs[name]}; "
-                           "expected plain splits of its dims. Quantize the fused projection's parts separately, "
-                           "or keep that dim whole: leave its logical dim out of rules (for experts split over "
-                           "tensor, 'expert_mlp').")
+            axes = (e,) if isinstance(e, str) else tuple(e)
+            k = math.prod(mesh.axis_sizes[a] for a in axes)
+            parts = getattr(e, "parts", 1)
+            if parts > 1:            # a fused dim (gate|up): each part split on its own, its blocks kept whole
+                part_shape = list(spec.shape)
+                part_shape[d] //= parts
+                out += split_problems(f"{name} (each of its {parts} fused parts)",
+                                      QuantSpec(spec.kind, tuple(part_shape), spec.components), [(d, k, "x".join(axes))])
                 continue
-            axes = (e,) if isinstance(e, str) else e
-            dims.append((d, math.prod(mesh.axis_sizes[a] for a in axes), "x".join(axes)))
+            dims.append((d, k, "x".join(axes)))
         out += split_problems(name, spec, dims)
         out += _grouped_problems(model, name, p, spec)
     return out
@@ -246,17 +248,32 @@ def slice_weight(t: torch.Tensor, slices: tuple[slice, ...]) -> torch.Tensor:
     return formats.rebuild(t, {n: c.clone(memory_format=torch.contiguous_format) for n, c in inner.items()}, shape)
 
 
-def cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
-    """Quantized weights of the same type and in-features, stacked along dim 0 (each part whole blocks
-    of rows): every component concatenated along its rows, one kept whole taken from the first."""
+def cat_rows(parts: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """Quantized weights of the same type and other dims, joined along ``dim`` (default the rows; each part
+    whole blocks of it): every component concatenated along ``dim``, one kept whole there taken from the first."""
     if len(parts) == 1:
         return parts[0]
     spec = QuantSpec.of(parts[0])
     views_ = [formats.components(p) for p in parts]
-    inner = {c.name: (views_[0][c.name] if c.whole[0] else torch.cat([v[c.name] for v in views_]))
+    inner = {c.name: (views_[0][c.name] if c.whole[dim] else torch.cat([v[c.name] for v in views_], dim))
              for c in spec.components}
-    shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
-    return formats.rebuild(parts[0], inner, shape)
+    shape = list(parts[0].shape)
+    shape[dim] = sum(p.shape[dim] for p in parts)
+    return formats.rebuild(parts[0], inner, tuple(shape))
+
+
+def local_weight(full: torch.Tensor, layout: Any, rank: int) -> torch.Tensor:
+    """``rank``'s shard of the quantized weight ``full`` under ``layout`` (an ``algebra.layout.Layout``): its box
+    cut (``slice_weight``), or, with a fused dim (gate|up as ``Fused(2, 'tensor')``), each part's box cut and the
+    parts joined along that dim in the shard's order."""
+    fused = layout.fused
+    if not fused:
+        return slice_weight(full, layout.local_slices(full.shape, rank))
+    if len(fused) > 1:
+        raise ShardingError(f"slice_weight: a quantized {tuple(full.shape)} weight fused on dims {sorted(fused)} — "
+                            "expected at most one fused dim.")
+    (dim,) = fused
+    return cat_rows([slice_weight(full, box) for box, _ in layout.local_boxes(full.shape, rank)], dim)
 
 
 def zeros(like: torch.Tensor, shape: tuple[int, ...], device: torch.device | str = "cpu") -> torch.Tensor:

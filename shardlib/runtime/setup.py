@@ -15,7 +15,7 @@ from ..errors import ShardingError, ShardingTypeError
 from ..planner.units import param_owners
 from ..planner.plan import Plan
 from ..quant.api import format_of
-from ..quant.layout import pack, slice_weight, views
+from ..quant.layout import local_weight, pack, views
 from ..validate import is_number
 from .flat import flat_runs
 from .materialize import (agreed_rng_state, init_program, materialize, materialize_, partly_meta, put_buffers,
@@ -177,7 +177,7 @@ class StateBuilder:
         st.quant_format = format_of(st.param)
         mine = full
         if pp.full_shape is not None and tuple(full.shape) != pp.shape:
-            mine = slice_weight(full, Layout(mesh, pp.spec).local_slices(full.shape, mesh.rank))
+            mine = local_weight(full, Layout(mesh, pp.spec), mesh.rank)
         mine = mine.to(mesh.device)
         if plan.states.params is None:
             st.param = nn.Parameter(mine, requires_grad=False)

@@ -19,7 +19,7 @@ import torch
 import shardlib as sl
 from shardlib.models.gpt import GPT, token_batch
 from shardlib.quant.layout import QuantSpec, is_quantized
-from test_expert_parallel import BATCH, CFG, STEPS, _counted, _hf_batch, _mixtral, _one_process, _opt, _planned
+from test_expert_parallel import BATCH, CFG, STEPS, TENSOR, _counted, _hf_batch, _mixtral, _one_process, _opt, _planned
 
 GROUP = 16
 NF4_BLOCK, NF4_SCALERS = 16, 32
@@ -69,7 +69,8 @@ def _train(shape: dict, kind: str, quant: str, zero: int, impl: str | None = Non
     model = _quantized(kind, quant, impl)
     whole = {n: QuantSpec.of(p).packed_bytes() for n, p in model.named_parameters() if is_quantized(p)}
     mesh = sl.Mesh(shape)
-    plan = sl.plan(model, mesh, rules={"experts": "expert"}, zero=zero, batch=batches[0])   # batch: the routing's
+    rules = {"experts": "expert", **(TENSOR if "tensor" in shape else {})}   # tensor: each expert's width split too
+    plan = sl.plan(model, mesh, rules=rules, zero=zero, batch=batches[0])   # batch: the routing's
     engine = sl.parallelize(model, plan, optimizer=_opt, loss_fn=loss)
     held = {n: (type(p).__name__, tuple(p.shape), QuantSpec.of(p).packed_bytes(tuple(p.shape)))
             for n, p in model.named_parameters() if n in whole and zero < 3}    # (ZeRO-3: flat shards, below)
@@ -130,16 +131,34 @@ def test_quantized_experts_the_model_cannot_multiply_or_a_split_that_cuts_them_a
     assert "multiplies with experts_implementation='grouped_mm', which transposes it" in said, said
     assert "model.set_experts_implementation('eager')" in said and said.count("experts.gate_up_proj") == 2, said
     sl.plan(_quantized("mixtral", "int8", "eager"), sl.AbstractMesh({"expert": 2}), rules={"experts": "expert"})
-    # each expert's gate|up split over tensor is a fused split of the packed stack: not cut yet, named
-    from test_expert_parallel import TENSOR
-    said = _refusal(_quantized("gpt", "int4"), {"expert": 2, "tensor": 2}, {"experts": "expert", **TENSOR})
-    assert "experts.gate_up_proj (4, 64, 32) is a quantized Int4Tensor — got the fused spec " \
-           "P('expert', Fused(2, 'tensor'), None)" in said and "'expert_mlp'" in said, said
+    # each expert's gate|up split over tensor (a fused split of the packed stack): each part's chunk must hold whole
+    # blocks — NF4's factors span 16 rows of gate_up here, and tensor 4 would give each part's chunk 8
+    said = _refusal(_quantized("gpt", "nf4"), {"expert": 2, "tensor": 4}, {"experts": "expert", **TENSOR})
+    assert "experts.gate_up_proj (each of its 2 fused parts) (4, 32, 32) is a NF4Stack quantized in groups of 16 " \
+           "along its dim 1, and tensor=4 shards of 8 would cut a group" in said, said
     # without expert_mlp the stacks stay whole on tensor and split on expert
     rules = {k: v for k, v in TENSOR.items() if k != "expert_mlp"}
     plan = sl.plan(_quantized("gpt", "int4"), sl.AbstractMesh({"expert": 2, "tensor": 2}),
                    rules={"experts": "expert", **rules})
     assert str(plan.param("base_model.model.blocks.0.mlp.experts.down_proj").spec) == "P('expert', None, None)"
+
+
+@pytest.mark.parametrize("quant, zero", [("int4", 0), ("nf4", 3), ("int8", 1)])
+def test_quantized_experts_split_over_tensor_too_train_like_one_process(world, quant, zero):
+    """Each expert's width split over tensor as well (``expert_mlp``: gate|up a fused column, down a row) on frozen
+    quantized stacks: each rank holds its experts' slice of each part, cut on block boundaries (NF4's R-row factor
+    groups, int4's groups along in-features), and trains LoRA exactly as one process, every collective the plan's
+    and the bytes held the plan's."""
+    for r in world(4, _train, {"expert": 2, "tensor": 2}, "gpt", quant, zero):
+        assert r["losses"] == pytest.approx(r["want_losses"], rel=1e-5), (r["losses"], r["want_losses"])
+        for k, (got, want) in r["params"].items():
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=k)
+        assert r["counted"] == r["planned"]
+        held, planned = r["memory"]
+        assert held == planned, (held, planned)
+        for n, (_, shape, _) in r["held"].items():       # 2 of 4 experts, half of each one's width
+            i = CFG.expert_width // 2
+            assert shape == ((2, 2 * i, CFG.d_model) if n.endswith("gate_up_proj") else (2, CFG.d_model, i)), (n, shape)
 
 
 def test_quantized_experts_are_planned_as_their_packed_bytes_split_over_expert():
@@ -191,7 +210,8 @@ def _loaded(folder: str, shape: dict, quant: str, zero: int):
     model = _qlora(base, quant)
     marked = sorted(n for n, p in model.named_parameters() if isinstance(p, PendingWeight) and p.dim() == 3)
     mesh = sl.Mesh(shape)
-    plan = sl.plan(model, mesh, rules={"experts": "expert"} if "expert" in shape else None, zero=zero, batch=batches[0])
+    rules = {**({"experts": "expert"} if "expert" in shape else {}), **(TENSOR if "tensor" in shape else {})}
+    plan = sl.plan(model, mesh, rules=rules or None, zero=zero, batch=batches[0])
     engine = sl.parallelize(model, plan, optimizer=_opt, loss_fn=lambda m, b: m(*b), init=False)
     engine.load_pretrained(folder)
     first = engine.full_state_dict()
@@ -203,8 +223,9 @@ def _loaded(folder: str, shape: dict, quant: str, zero: int):
             "memory": (engine.memory_held("device")["params"], plan.memory_per_rank(mesh.rank)["params"])}
 
 
-@pytest.mark.parametrize("quant, shape, zero", [("nf4", {"data": 2, "expert": 2}, 3), ("int4", {"expert": 2}, 0)],
-                         ids=["nf4_data2_expert2_zero3", "int4_expert2"])
+@pytest.mark.parametrize("quant, shape, zero", [("nf4", {"data": 2, "expert": 2}, 3), ("int4", {"expert": 2}, 0),
+                                                ("nf4", {"expert": 2, "tensor": 2}, 0)],
+                         ids=["nf4_data2_expert2_zero3", "int4_expert2", "nf4_expert2_tensor2"])
 def test_a_marked_meta_moe_loads_a_float_folder_each_rank_quantizing_its_experts(world, tmp_path, quant, shape, zero):
     """QLoRA of a mixture of experts that no rank holds in float: built on the meta device, its stacks marked by
     ``sl.quantize(parameters=...)``, each rank reads only its experts' float rows from the folder, a few experts

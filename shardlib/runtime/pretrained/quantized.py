@@ -51,11 +51,13 @@ def quantized_shard(st: ParamState, e: Entry, mesh_rank: int, mesh, chunk: int,
     """This rank's tensor shard of quantized weight ``st``, quantized from the float rows of ``e``."""
     pp, fmt = st.plan, st.quant_format
     full = tuple(pp.full_shape or pp.shape)
-    slices = Layout(mesh, pp.spec).local_slices(full, mesh_rank) if pp.full_shape is not None else \
-        tuple(slice(0, n) for n in full)
     dtype = st.param.dtype
     if len(full) == 3:
-        return _stack_shard(e, fmt, full, slices, dtype, chunk, read)
+        boxes = [g for g, _ in Layout(mesh, pp.spec).local_boxes(full, mesh_rank)] if pp.full_shape is not None \
+            else [tuple(slice(0, n) for n in full)]
+        return _stack_shard(e, fmt, full, boxes, Layout(mesh, pp.spec).fused, dtype, chunk, read)
+    slices = Layout(mesh, pp.spec).local_slices(full, mesh_rank) if pp.full_shape is not None else \
+        tuple(slice(0, n) for n in full)
     rows, cols = slices[0].indices(full[0])[:2], slices[1]
     unit = _row_unit(pp.quant)
     mean = None
@@ -73,18 +75,22 @@ def quantized_shard(st: ParamState, e: Entry, mesh_rank: int, mesh, chunk: int,
     return cat_rows(parts)
 
 
-def _stack_shard(e: Entry, fmt, full: tuple[int, ...], slices: tuple[slice, ...], dtype: torch.dtype, chunk: int,
-                 read: Callable[[Entry, slice, torch.dtype], torch.Tensor]) -> torch.Tensor:
+def _stack_shard(e: Entry, fmt, full: tuple[int, ...], boxes: list[tuple[slice, ...]], fused: dict[int, int],
+                 dtype: torch.dtype, chunk: int, read: Callable[[Entry, slice, torch.dtype], torch.Tensor]
+                 ) -> torch.Tensor:
     """A stack of experts ``[E, out, in]``: this rank's experts read whole, a chunk of experts at a time, each
     expert quantized on its own (int8's rows, int4's groups and NF4's blocks, scalers and mean lie within one
-    expert: no statistic spans experts), then cut to this rank's rows and columns."""
-    first = slices[0].indices(full[0])[:2]
-    rest = slices[1:]
-    whole = all(s.indices(n)[:2] == (0, n) for s, n in zip(rest, full[1:]))
+    expert: no statistic spans experts), then cut to this rank's rows and columns — ``boxes`` of them, joined
+    along the ``fused`` dim (gate|up split over tensor) where there are several."""
+    first = boxes[0][0].indices(full[0])[:2]
+    whole = len(boxes) == 1 and all(s.indices(n)[:2] == (0, n) for s, n in zip(boxes[0][1:], full[1:]))
     parts = []
     for s in row_chunks(e, first[0], first[1], 1, chunk):
         q = fmt.make(read(e, s, dtype))
-        parts.append(q if whole else slice_weight(q, (slice(None), *rest)))
+        if not whole:
+            cut = [slice_weight(q, (slice(None), *b[1:])) for b in boxes]
+            q = cut[0] if len(cut) == 1 else cat_rows(cut, next(iter(fused)))
+        parts.append(q)
     return cat_rows(parts)
 
 
