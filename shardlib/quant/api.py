@@ -158,20 +158,9 @@ def quantize(model: nn.Module, format: str, modules: str | Iterable[str] | None 
             if not explicit and (mod is head or "lora_" in name):
                 continue
             w = mod.weight
-            why = []
-            if formats.is_quantized(w) or is_pending(w):
-                if explicit:
-                    why.append(f"it is quantized already ({type(w).__name__})")
-                else:
-                    continue
-            elif not w.dtype.is_floating_point:
-                why.append(f"its weight is {w.dtype} (expected a float weight)")
-            elif (problem := fmt.problem(tuple(w.shape))) is not None:
-                why.append(problem)
-            if uses[id(w)] > 1:
-                why.append(f"its weight is tied to another module's ({uses[id(w)]} uses)")
-            if peft and w.requires_grad:
-                why.append("its weight is trainable (a LoRA adapter, or a module PEFT trains)")
+            if (formats.is_quantized(w) or is_pending(w)) and not explicit:
+                continue
+            why = _unfit(w, fmt, uses, peft)
             if why and not explicit:
                 continue            # the default leaves what the format cannot take in float
             for w_ in why:
@@ -194,6 +183,22 @@ def quantize(model: nn.Module, format: str, modules: str | Iterable[str] | None 
         q = PendingWeight(tuple(w.shape), w.dtype, fmt, f"{_name_of(model, owner)}{leaf}") if w.is_meta else fmt.make(w)
         setattr(owner, leaf, nn.Parameter(q, requires_grad=False))
     return model
+
+
+def _unfit(w: torch.Tensor, fmt: QuantFormat, uses: Counter, peft: bool) -> list[str]:
+    """Why weight ``w`` cannot be quantized as ``fmt`` (each a "got ..." phrase); empty if it can."""
+    why = []
+    if formats.is_quantized(w) or is_pending(w):
+        why.append(f"a weight quantized already ({type(w).__name__})")
+    elif not w.dtype.is_floating_point:
+        why.append(f"a {w.dtype} weight (expected a float weight)")
+    elif (problem := fmt.problem(tuple(w.shape))) is not None:
+        why.append(problem)
+    if uses[id(w)] > 1:
+        why.append(f"a weight tied to another module's ({uses[id(w)]} uses)")
+    if peft and w.requires_grad:
+        why.append("a trainable weight (a LoRA adapter, or a module PEFT trains)")
+    return why
 
 
 def _name_of(model: nn.Module, owner: nn.Module) -> str:
@@ -222,17 +227,7 @@ def _stacks(model: nn.Module, fmt: QuantFormat, names: Iterable[str]) -> list[tu
         for name, w in own.items():
             if not any(_matches(name, p) for p in names):
                 continue
-            why = []
-            if formats.is_quantized(w) or is_pending(w):
-                why.append(f"it is quantized already ({type(w).__name__})")
-            elif not w.dtype.is_floating_point:
-                why.append(f"it is {w.dtype} (expected a float weight)")
-            elif (problem := fmt.problem(tuple(w.shape))) is not None:
-                why.append(problem)
-            if uses[id(w)] > 1:
-                why.append(f"it is tied to another module's ({uses[id(w)]} uses)")
-            if w.requires_grad and isinstance(getattr(model, "peft_config", None), dict):
-                why.append("it is trainable under PEFT (quantize the base before peft.get_peft_model)")
+            why = _unfit(w, fmt, uses, isinstance(getattr(model, "peft_config", None), dict))
             for w_ in why:
                 problems.add(f"quantize: parameter {name} {list(w.shape)} cannot be quantized as {fmt.name} — got "
                              f"{w_}. Leave it out of parameters.")

@@ -39,6 +39,8 @@ from torch.utils._pytree import tree_map
 from shardlib.errors import Problems, ShardingError, ShardingTypeError
 from shardlib.validate import is_int
 
+from .wrapper import FLOAT_FUNCS, SHARED
+
 aten = torch.ops.aten
 
 _INNER = ("qdata", "scale", "zero_point")
@@ -201,7 +203,7 @@ class Int4Tensor(torch.Tensor):
         kwargs = kwargs or {}
         if func is F.linear:
             return _linear(*args, **kwargs)
-        if func in _FLOAT_FUNCS:
+        if func in FLOAT_FUNCS:
             return _call_dequantized(func, args, kwargs)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
@@ -216,13 +218,6 @@ class Int4Tensor(torch.Tensor):
 
 
 # -- what the subclass does under torch functions and aten ops ----------------------------------
-
-# run on the dequantized float weight (a transient copy without grad): products other than F.linear, and a
-# transpose (transformers' grouped experts multiply ``grouped_mm(x, w.transpose(-2, -1))``)
-_FLOAT_FUNCS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__,
-                torch.bmm, torch.Tensor.bmm, torch.transpose, torch.Tensor.transpose,
-                *(f for f in (getattr(torch, "_grouped_mm", None), getattr(F, "grouped_mm", None)) if f is not None)}
-
 
 def _check_frozen(w: Int4Tensor, func: Any) -> None:
     if w.requires_grad and torch.is_grad_enabled():
@@ -265,10 +260,6 @@ def _linear(input: torch.Tensor, weight: Any, bias: Any = None) -> torch.Tensor:
     return _FrozenInt4Linear.apply(input, weight, bias)
 
 
-def _alias(func, self, *args, **kwargs):
-    return self._with(lambda t: func(t, *args, **kwargs))
-
-
 def _to_copy(func, self, *, dtype=None, device=None, layout=None, memory_format=None, non_blocking=False,
              pin_memory=None):
     if dtype is not None and not dtype.is_floating_point:
@@ -291,22 +282,6 @@ def _copy_(func, self, src, non_blocking=False):
     for n in _INNER:
         getattr(self, n).copy_(getattr(src, n), non_blocking)
     return self
-
-
-def _slice(func, self, dim=0, start=None, end=None, step=1):
-    if step != 1:
-        raise _unsupported(f"a slice with step {step}")
-    return self._slice_dim(dim % self.dim(), start, end)
-
-
-def _split(func, self, split_size, dim=0):
-    """``split`` / ``split_with_sizes`` (and so ``chunk``): consecutive slices, each keeping groups whole."""
-    dim %= self.dim()
-    size = self.shape[dim]
-    sizes = list(split_size) if isinstance(split_size, (list, tuple)) else \
-        [min(split_size, size - i) for i in range(0, size, split_size)]
-    bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
-    return [self._slice_dim(dim, a, b) for a, b in zip(bounds, bounds[1:])]
 
 
 def _lead_dim(self: Int4Tensor, dim: int, what: str) -> int:
@@ -334,23 +309,12 @@ def _index(func, self, indices):
     return Int4Tensor(*(func(getattr(self, n), [idx]) for n in _INNER), self.group_size, tuple(shape), self.dtype)
 
 
-def _empty_like(func, self, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
-    """Uninitialized inner tensors of the same shapes (``Module.to_empty`` materializes a meta model so)."""
-    return _to_copy(func, self._with(lambda t: torch.empty_like(t, device=device)), dtype=dtype, layout=layout)
-
-
 _DISPATCH: dict[Any, Callable] = {
-    aten.detach.default: _alias,
-    aten.alias.default: _alias,
-    aten.clone.default: _alias,
+    **SHARED,
     aten._to_copy.default: _to_copy,
     aten.copy_.default: _copy_,
-    aten.slice.Tensor: _slice,
-    aten.split.Tensor: _split,
-    aten.split_with_sizes.default: _split,
     aten.select.int: _select,
     aten.index.Tensor: _index,
-    aten.empty_like.default: _empty_like,
 }
 
 

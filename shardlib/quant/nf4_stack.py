@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
 from ..errors import ShardingError, ShardingTypeError
+from .wrapper import FLOAT_FUNCS, SHARED
 
 aten = torch.ops.aten
 
@@ -161,6 +162,14 @@ class NF4Stack(torch.Tensor):
                 "scaler_mean": ((1, out_f, in_f), (False, True, True), (1, 1, 1)),
                 "nf4": ((e, out_f, in_f), (True, True, True), (1, 1, self.nf4.shape[-1]))}
 
+    def _slice_dim(self, dim: int, start: int, stop: int) -> NF4Stack:
+        """``[start:stop]`` of dim ``dim`` (on block boundaries), every component a view of this one's."""
+        from .layout import component_slices
+        slices = [slice(None)] * 3
+        slices[dim] = slice(start, stop)
+        inner, shape = component_slices(self, tuple(slices))
+        return NF4Stack(inner, shape, self.dtype)
+
     def packed_nbytes(self) -> int:
         return sum(getattr(self, n).numel() * getattr(self, n).element_size() for n in INNER)
 
@@ -187,7 +196,7 @@ class NF4Stack(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _FLOAT_FUNCS:
+        if func in FLOAT_FUNCS:
             return _call_dequantized(func, args, kwargs)
         if func is F.linear:
             raise _unsupported("F.linear of the whole stack (take one expert: w[e])")
@@ -202,13 +211,6 @@ class NF4Stack(torch.Tensor):
         return handler(func, *args, **(kwargs or {}))
 
 
-# products other than one expert's F.linear, and a transpose (transformers' grouped experts multiply
-# ``grouped_mm(x, w.transpose(-2, -1))``): on the dequantized stack, a transient copy without grad
-_FLOAT_FUNCS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__,
-                torch.bmm, torch.Tensor.bmm, torch.transpose, torch.Tensor.transpose,
-                *(f for f in (getattr(torch, "_grouped_mm", None), getattr(F, "grouped_mm", None)) if f is not None)}
-
-
 def _call_dequantized(func, args, kwargs):
     def swap(a):
         if not isinstance(a, NF4Stack):
@@ -218,10 +220,6 @@ def _call_dequantized(func, args, kwargs):
                                 f"{list(a.shape)}; expected it frozen. Freeze it and train adapters beside it.")
         return a.dequantize()
     return func(*tree_map(swap, args), **tree_map(swap, kwargs))
-
-
-def _alias(func, self, *args, **kwargs):
-    return self._with(lambda t: func(t, *args, **kwargs))
 
 
 def _to_copy(func, self, *, dtype=None, device=None, layout=None, memory_format=None, non_blocking=False,
@@ -242,31 +240,6 @@ def _copy_(func, self, src, non_blocking=False):
     for n in INNER:
         getattr(self, n).copy_(getattr(src, n), non_blocking)
     return self
-
-
-def _sliced(self: NF4Stack, dim: int, start: int, end: int) -> NF4Stack:
-    from .layout import component_slices
-    slices = [slice(None)] * 3
-    slices[dim] = slice(start, end)
-    inner, shape = component_slices(self, tuple(slices))
-    return NF4Stack(inner, shape, self.dtype)
-
-
-def _slice(func, self, dim=0, start=None, end=None, step=1):
-    if step != 1:
-        raise _unsupported(f"a slice with step {step}")
-    dim %= 3
-    start, end, _ = slice(start, end).indices(self.shape[dim])
-    return _sliced(self, dim, start, max(start, end))
-
-
-def _split(func, self, split_size, dim=0):
-    dim %= 3
-    size = self.shape[dim]
-    sizes = list(split_size) if isinstance(split_size, (list, tuple)) else \
-        [min(split_size, size - i) for i in range(0, size, split_size)]
-    bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
-    return [_sliced(self, dim, a, b) for a, b in zip(bounds, bounds[1:])]
 
 
 def _select(func, self, dim, index):
@@ -290,20 +263,10 @@ def _index(func, self, indices):
     return NF4Stack(inner, (idx.numel(), *self.shape[1:]), self.dtype)
 
 
-def _empty_like(func, self, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
-    return _to_copy(func, self._with(lambda t: torch.empty_like(t, device=device)), dtype=dtype, layout=layout)
-
-
 _DISPATCH: dict[Any, Callable] = {
-    aten.detach.default: _alias,
-    aten.alias.default: _alias,
-    aten.clone.default: _alias,
+    **SHARED,
     aten._to_copy.default: _to_copy,
     aten.copy_.default: _copy_,
-    aten.slice.Tensor: _slice,
-    aten.split.Tensor: _split,
-    aten.split_with_sizes.default: _split,
     aten.select.int: _select,
     aten.index.Tensor: _index,
-    aten.empty_like.default: _empty_like,
 }

@@ -81,6 +81,17 @@ def _steps(engine, cfg: GPTConfig, after=None) -> tuple[list[float], collections
     return losses, second
 
 
+def _stepped(engine, batches: list) -> tuple[list[float], collections.Counter]:
+    """One step per batch: the losses, and the second step's collectives (``_counted``)."""
+    losses, second = [], collections.Counter()
+    for step, b in enumerate(batches):
+        with sl.count_collectives() as counted:
+            losses.append(engine.step(b))
+        if step == 1:
+            second = _counted(counted.records)
+    return losses, second
+
+
 def _planned(plan, rank: int) -> collections.Counter:
     """The plan's collectives of one step on ``rank``: bytes and count per (op, axes); the ragged moves by count."""
     planned = collections.Counter()
@@ -683,12 +694,7 @@ def _train_mixtral_sp(shape: dict, router_logits: bool):
     plan = sl.plan(model, sl.Mesh(shape), rules={"heads": "tensor", "mlp": "tensor", "vocab": "tensor"},
                    sequence_parallel=True, batch=batches[0])
     engine = sl.parallelize(model, plan, optimizer=_opt, loss_fn=lambda m, b: m(**b).loss)
-    losses = []
-    for step, b in enumerate(batches):
-        with sl.count_collectives() as counted:
-            losses.append(engine.step(b))
-        if step == 1:
-            second = _counted(counted.records)
+    losses, second = _stepped(engine, batches)
     got = engine.full_state_dict()
     return {"losses": losses, "want_losses": want_losses, "params": {k: (got[k], want[k]) for k in want},
             "counted": dict(second), "planned": dict(_planned(plan, engine.mesh.rank))}

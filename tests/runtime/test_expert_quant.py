@@ -19,7 +19,8 @@ import torch
 import shardlib as sl
 from shardlib.models.gpt import GPT, token_batch
 from shardlib.quant.layout import QuantSpec, is_quantized
-from test_expert_parallel import BATCH, CFG, STEPS, TENSOR, _counted, _hf_batch, _mixtral, _one_process, _opt, _planned
+from test_expert_parallel import (BATCH, CFG, STEPS, TENSOR, _hf_batch, _mixtral, _one_process, _opt, _planned,
+                                  _stepped)
 
 GROUP = 16
 NF4_BLOCK, NF4_SCALERS = 16, 32
@@ -74,12 +75,7 @@ def _train(shape: dict, kind: str, quant: str, zero: int, impl: str | None = Non
     engine = sl.parallelize(model, plan, optimizer=_opt, loss_fn=loss)
     held = {n: (type(p).__name__, tuple(p.shape), QuantSpec.of(p).packed_bytes(tuple(p.shape)))
             for n, p in model.named_parameters() if n in whole and zero < 3}    # (ZeRO-3: flat shards, below)
-    losses = []
-    for step, b in enumerate(batches):
-        with sl.count_collectives() as counted:
-            losses.append(engine.step(b))
-        if step == 1:
-            second = _counted(counted.records)
+    losses, second = _stepped(engine, batches)
     got = engine.full_state_dict()
     return {"losses": losses, "want_losses": want_losses, "whole": whole, "held": held,
             "params": {k: (_plain(got[k]), _plain(want[k])) for k in want},

@@ -1,0 +1,63 @@
+"""What the project's quantized wrapper types (``Int4Tensor``, ``NF4Stack``) share under ``__torch_dispatch__``
+and ``__torch_function__``: the aten ops that act on every component alike (through the type's ``_with``), a
+split into slices (through its ``_slice_dim``), and the products that run on the dequantized weight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+aten = torch.ops.aten
+
+# run on the dequantized float weight (a transient copy without grad): products other than one weight's F.linear,
+# and a transpose (transformers' grouped experts multiply ``grouped_mm(x, w.transpose(-2, -1))``)
+FLOAT_FUNCS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__,
+               torch.bmm, torch.Tensor.bmm, torch.transpose, torch.Tensor.transpose,
+               *(f for f in (getattr(torch, "_grouped_mm", None), getattr(F, "grouped_mm", None)) if f is not None)}
+
+
+def alias(func, self, *args, **kwargs):
+    """``detach``, ``alias``, ``clone``: the op on every component."""
+    return self._with(lambda t: func(t, *args, **kwargs))
+
+
+def split(func, self, split_size, dim=0):
+    """``split`` / ``split_with_sizes`` (and so ``chunk``): consecutive slices, each keeping blocks whole."""
+    dim %= self.dim()
+    size = self.shape[dim]
+    sizes = list(split_size) if isinstance(split_size, (list, tuple)) else \
+        [min(split_size, size - i) for i in range(0, size, split_size)]
+    bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    return [self._slice_dim(dim, a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def slice_(func, self, dim=0, start=None, end=None, step=1):
+    """``w[..., a:b]`` on one dim (steps of 1, on block boundaries): every component cut to match."""
+    if step != 1:
+        raise NotImplementedError(f"{type(self).__name__}: a slice with step {step} is not supported on a quantized "
+                                  "weight — call w.dequantize() for a float tensor and slice that.")
+    dim %= self.dim()
+    start, end, _ = slice(start, end).indices(self.shape[dim])
+    return self._slice_dim(dim, start, max(start, end))
+
+
+def empty_like(func, self, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    """Uninitialized components of the same shapes (``Module.to_empty`` materializes a meta model so)."""
+    out = self._with(lambda t: torch.empty_like(t, device=device))
+    return type(self).__torch_dispatch__(aten._to_copy.default, (type(self),), (out,),
+                                         {"dtype": dtype, "layout": layout})
+
+
+SHARED: dict[Any, Callable] = {
+    aten.slice.Tensor: slice_,
+    aten.empty_like.default: empty_like,
+    aten.detach.default: alias,
+    aten.alias.default: alias,
+    aten.clone.default: alias,
+    aten.split.Tensor: split,
+    aten.split_with_sizes.default: split,
+}
