@@ -282,14 +282,14 @@ def shapes(n: int, model: ModelShape, *, max_tensor: int = 8) -> Iterator[tuple[
 
 def configs(data: int, pipe: int, tensor: int, model: ModelShape, batch: int, *, hsdp: bool = True,
             offload: bool = True, expert: int = 1, context: int = 1) -> Iterator[Candidate]:
-    """Every configuration of one shape (with experts split over tensor, no sequence parallelism, which
-    the planner does not run with them yet; no HSDP beside an expert axis)."""
+    """Every configuration of one shape (experts split over tensor too, sequence parallelism beside them as
+    Megatron runs it; no HSDP beside an expert axis)."""
     if batch % (data * expert):
         return
     per_rank = batch // (data * expert)
     replicas = [r for r in divisors(data) if 1 < r < data] if hsdp and expert == 1 and context == 1 else []
     schedules = [None] if pipe == 1 else list(SCHEDULES)
-    sps = (False, True) if tensor > 1 and not model.experts else (False,)
+    sps = (False, True) if tensor > 1 else (False,)
     for zero in ((0, 1, 2, 3) if data * expert * context > 1 else (0,)):   # one rank a stage: nothing to shard
         for rep in [1] + (replicas if zero >= 1 else []):
             for sp in sps:
@@ -307,15 +307,13 @@ def configs(data: int, pipe: int, tensor: int, model: ModelShape, batch: int, *,
                                                     expert, context)
 
 
-def frugal(data: int, pipe: int, tensor: int, batch: int, expert: int = 1, moe: bool = False,
-           context: int = 1) -> list[Candidate]:
-    """The shape's least memory is one of these: full recompute, sequence parallel (not with experts), the
-    optimizer on the host, one sequence per micro-batch, and ZeRO-2 or ZeRO-3 (ZeRO-3 shards the
+def frugal(data: int, pipe: int, tensor: int, batch: int, expert: int = 1, context: int = 1) -> list[Candidate]:
+    """The shape's least memory is one of these: full recompute, sequence parallel, the optimizer on the host, one sequence per micro-batch, and ZeRO-2 or ZeRO-3 (ZeRO-3 shards the
     parameters but holds two gathered units: on a small model or few data ranks ZeRO-2 holds less)."""
     sched = "1f1b" if pipe > 1 else None
     zeros = (2, 3) if data * expert * context > 1 else (0,)
     ranks = data * expert
-    return [Candidate(data, pipe, tensor, 1, z, tensor > 1 and not moe, sched, 1, max(1, batch // ranks), "full",
+    return [Candidate(data, pipe, tensor, 1, z, tensor > 1, sched, 1, max(1, batch // ranks), "full",
                       True, expert, context) for z in zeros]
 
 
@@ -327,12 +325,11 @@ def search(costs: Costs, n: int, *, keep: int = 8, prune: bool = True, hsdp: boo
     shape_list = list(shapes(n, costs.m))
     if prune:                          # the most promising shapes first: their results prune the others
         shape_list.sort(key=lambda s: costs.lower_bound(*s))
-    moe = bool(costs.m.experts)
     for d, p, t, e, cx in shape_list:
         if costs.batch % (d * e):
             continue
         if prune:
-            if not any(costs.price(k).fits for k in frugal(d, p, t, costs.batch, e, moe, cx)):
+            if not any(costs.price(k).fits for k in frugal(d, p, t, costs.batch, e, cx)):
                 continue
             if len(best) >= keep and costs.lower_bound(d, p, t, e, cx) >= best[-1].step_s:
                 continue
@@ -429,7 +426,7 @@ def smallest_memory(costs: Costs, n: int) -> tuple[float, Candidate]:
     for d, p, t, e, cx in shapes(n, costs.m):
         if costs.batch % (d * e):
             continue
-        for k in frugal(d, p, t, costs.batch, e, bool(costs.m.experts), cx):
+        for k in frugal(d, p, t, costs.batch, e, cx):
             mem = costs.memory(k)["total"]
             if best is None or mem < best[0]:
                 best = (mem, k)
