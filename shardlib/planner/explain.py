@@ -170,11 +170,12 @@ def _offload_lines(plan: Plan) -> list[str]:
             "nothing is saved" if cpu is not None and torch.device(cpu).type == "cpu" else "")
     delayed = []
     if plan.delayed:
-        extra = kinds["host"]["grads"]
+        from .memory import delayed_copy_bytes
+        extra = delayed_copy_bytes(plan)
         delayed = ["    delayed update: the host update of step t runs beside step t+1's forward and backward, which "
                    "compute with the parameters of update t-1 (DeepSpeed's delayed parameter update: the numerics "
-                   "differ)" + (f"; it reads its own copy of the host gradient shards ({format_bytes(extra)} more on "
-                                "the host while it runs)" if extra else "")]
+                   "differ)" + (f"; it reads its own fp32 copy of the gradients ({format_bytes(extra)} more on the "
+                                "host, counted in its grads, from one backward to the next)" if extra else "")]
     return [f"    by memory kind ({where}{disk}): "
             + ", ".join(f"{k} {format_bytes(v['total'])}" for k, v in kinds.items()),
             f"    copies per step between kinds: {moved or 'none'}"

@@ -69,11 +69,29 @@ def memory_per_rank(plan: Plan, rank: int | None = None, *, at: str = "rest", ki
             # each bucket (padded), or a full all-reduced gradient kept apart from the local one
             grads += (sum(grp.chunk(TRAIN) for grp in groups) if states.grads is not None else psi_t) * g
     buffers = 4 * plan.scalars_per_step() if plan.scalars_ride_gradients and grad_views(plan) else 0
-    out = {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim,
+    # the delayed update (``delayed=True``) reads its own fp32 copy of the gradients it applies, on the host with
+    # the optimizer, from one step's backward until the next step's (``runtime/offload/core.py``): between steps too
+    delayed = 4 * n_opt if plan.delayed else 0
+    out = {"params": params, "grads": grads + delayed, "optimizer": optim, "total": params + grads + delayed + optim,
            "buffers": buffers}
     if kind == "all" or not plan.offload:
         return out if kind in ("all", "device") else {k: 0 for k in out}
-    return split_by_kind(out, plan.offload, kind, sharded_grads=states.grads is not None and not states.keep_local_grads)
+    part = split_by_kind({**out, "grads": grads}, plan.offload, kind,
+                         sharded_grads=states.grads is not None and not states.keep_local_grads)
+    if delayed and kind == dict(plan.offload).get("optimizer"):
+        part["grads"] += delayed
+        part["total"] += delayed
+    return part
+
+
+def delayed_copy_bytes(plan: Plan, rank: int | None = None) -> int:
+    """The host bytes of the delayed update's own copy of the gradients it applies (0 without ``delayed``)."""
+    if not plan.delayed:
+        return 0
+    rank = plan._rank(rank)
+    n_opt = (sum(grp.local_numel(rank, TRAIN) for grp in plan.flat.groups) if plan.states.optim is not None
+             else plan.num_trainable)
+    return 4 * n_opt
 
 def grad_views(plan: Plan) -> bool:
     """Replicated-parameter gradients live in persistent bucket buffers (views into them)."""

@@ -30,7 +30,7 @@ def memory_held(engine: Engine, kind: str = "device") -> dict[str, int]:
     for off in (engine.offload, engine.params_offload):      # offloaded to disk, at rest: no values
         if getattr(off, "placeholder", None) is not None:
             seen.add(off.placeholder.untyped_storage().data_ptr())
-    out = {"params": 0, "grads": 0, "optimizer": 0, "buffers": 0}
+    out = {"params": 0, "grads": 0, "optimizer": 0, "buffers": 0, "delayed": 0}
 
     def add(kind: str, t: torch.Tensor | None) -> None:
         if t is None:
@@ -55,14 +55,19 @@ def memory_held(engine: Engine, kind: str = "device") -> dict[str, int]:
     for s in engine.states:
         add("grads", s.param.grad)
         add("grads", s.grad_shard)
-    for s in engine.states:                      # what the optimizer reads, where it is another tensor
-        add("grads", s.master.grad if s.master is not None else None)
+    # what the optimizer reads, where it is another tensor: the delayed update's (in flight between steps, with
+    # the optimizer on the host) in the optimizer's kind, as the plan counts it
+    flight = "delayed" if engine.plan.delayed and getattr(engine.offload, "_thread", None) is not None else "grads"
+    for s in engine.states:
+        add(flight, s.master.grad if s.master is not None else None)
     for s in engine.states:
         add("optimizer", s.master)
     for state in engine.optimizer.state.values():
         for v in state.values():
             if isinstance(v, torch.Tensor) and v.dim() > 0:
                 add("optimizer", v)
+    delayed = out.pop("delayed")
+    out["grads"] += delayed
     out["total"] = out["params"] + out["grads"] + out["optimizer"]
     offload = engine.plan.offload
     if not offload:
@@ -75,7 +80,11 @@ def memory_held(engine: Engine, kind: str = "device") -> dict[str, int]:
         out["total"] += on_disk + params_disk
         return out
     st = engine.plan.states
-    part = split_by_kind(out, offload, kind, sharded_grads=st.grads is not None and not st.keep_local_grads)
+    part = split_by_kind({**out, "grads": out["grads"] - delayed}, offload, kind,
+                         sharded_grads=st.grads is not None and not st.keep_local_grads)
+    if delayed and kind == dict(offload).get("optimizer"):
+        part["grads"] += delayed
+        part["total"] += delayed
     if kind == "disk":
         part["optimizer"] += on_disk
         part["params"] += params_disk
