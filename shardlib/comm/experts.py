@@ -98,3 +98,14 @@ def batch_sum(t: torch.Tensor, mesh: Mesh, axes: tuple[str, ...]) -> torch.Tenso
     share of the term, so the backward sums the cotangents over those ranks too (all-reduce both ways)."""
     from .collectives import pbroadcast, psum
     return psum(pbroadcast(t, axes, mesh=mesh), axes, mesh=mesh)
+
+
+def statistics_sum(t: torch.Tensor, mesh: Mesh, axes: tuple[str, ...], tokens_axis: str | None = None) -> torch.Tensor:
+    """A router statistic of this rank's tokens summed over every rank holding some of the step's tokens: over
+    the batch's ``axes`` both ways (``batch_sum``), and over ``tokens_axis`` — sequence parallelism's tensor axis,
+    whose ranks compute one loss from the whole statistics — forward only (its backward leaves each rank its own
+    tokens' share)."""
+    from .autograd import Psum
+    if mesh.axis_size(mesh.canonical_axes(axes)) > 1:
+        t = batch_sum(t, mesh, axes)
+    return Psum.apply(t, mesh, (tokens_axis,)) if tokens_axis is not None else t

@@ -193,7 +193,8 @@ def laggards(records: Mapping[int, dict | None]) -> list[int]:
     return sorted(r for r, s in seqs.items() if s == low)
 
 
-def _word(e: dict) -> str:
+def entry_words(e: dict) -> str:
+    """``'#5 all_reduce(data) 16 B step 3'``: one collective of the flight recorder."""
     return f"#{e['seq']} {e['op']}({', '.join(e['axes'])}) {e['bytes']:,} B" + (
         f" step {e['step']}" if e.get("step") is not None else "")
 
@@ -225,14 +226,14 @@ def flight_report(records: Mapping[int, dict | None], limit: int = 8) -> str:
     for r in sorted(records):
         rec = records[r]
         recent = (rec or {}).get("recent", [])[-limit:]
-        lines.append(f"  rank {r}: " + ("; ".join(_word(e) for e in recent) if recent else "no collective yet"))
+        lines.append(f"  rank {r}: " + ("; ".join(entry_words(e) for e in recent) if recent else "no collective yet"))
     found = parted(records)
     if found is not None:
         s, differ = found
         ref = min(r for r in records if records[r])
         kinds = {r: next((e for e in records[r]["recent"] if e["seq"] == s), None) for r in [ref, *differ]}
-        lines.append(f"  the ranks parted at collective #{s}: rank {ref} entered {_word(kinds[ref])}, "
-                     + "; ".join(f"rank {r} {_word(kinds[r])}" for r in differ)
+        lines.append(f"  the ranks parted at collective #{s}: rank {ref} entered {entry_words(kinds[ref])}, "
+                     + "; ".join(f"rank {r} {entry_words(kinds[r])}" for r in differ)
                      + " — a data-dependent branch sent them down different paths before it")
     return "\n".join(lines)
 

@@ -128,7 +128,7 @@ def _plan(model: nn.Module, mesh: AbstractMesh, *, policies: Policies, rules: An
                    _tokens(batch, mesh.axis_size(dp) * grad_accum))
                if experts else (),
                router_stats=router_stats(model, {u.name for u in unit_list})
-               if mesh.axis_size(dp) > 1 or (r.tensor is not None and r.tensor.sequence_parallel and r.tensor.size > 1)
+               if mesh.axis_size(dp) > 1 or (r.tensor is not None and r.tensor.sp_axis is not None)
                else (),
                offload=kinds, offload_dir=None if offload_dir is None else os.fspath(offload_dir),
                delayed=bool(pol.memory.delayed))
@@ -140,7 +140,7 @@ def _plan(model: nn.Module, mesh: AbstractMesh, *, policies: Policies, rules: An
         from .hf_router import chunked_router_loss
         from .trace import trace_activations
         from .varying import derive_f
-        with chunked_router_loss(model, tplan.size if tplan.sequence_parallel else 1):
+        with chunked_router_loss(model, tplan.size if tplan.sp_axis else 1):
             out = derive_f(model, out, batch)
             out = replace(out, activations=trace_activations(model, out, batch))
         if pplan is None and not experts:          # each block's saved bytes, as a pipeline's are measured
@@ -423,7 +423,7 @@ def _check(model: nn.Module, mesh: AbstractMesh, pol: Policies, *, rules: Any, b
             add(m)
         ranks = [a for a in (roles.data or "data", roles.replica_of(mesh), roles.expert_of(mesh)) if a in sizes]
         piped = sizes.get(roles.pipe or "pipe", 1) > 1
-        sp = bool(pol.tensor.sequence_parallel) and mesh.axis_sizes.get(roles.tensor, 1) > 1
+        sp = tplan is not None and tplan.sp_axis is not None
         for m in aux_loss_problems(model, mesh.axis_size(tuple(ranks)) if ranks else 1, piped, sp):
             add(m)
         ctx_axis, ctx_trace = _context(model, mesh, roles, rules, batch, pol, unit_names, add,

@@ -76,12 +76,8 @@ def memory_per_rank(plan: Plan, rank: int | None = None, *, at: str = "rest", ki
            "buffers": buffers}
     if kind == "all" or not plan.offload:
         return out if kind in ("all", "device") else {k: 0 for k in out}
-    part = split_by_kind({**out, "grads": grads}, plan.offload, kind,
-                         sharded_grads=states.grads is not None and not states.keep_local_grads)
-    if delayed and kind == dict(plan.offload).get("optimizer"):
-        part["grads"] += delayed
-        part["total"] += delayed
-    return part
+    return split_by_kind(out, plan.offload, kind, sharded_grads=states.grads is not None and not states.keep_local_grads,
+                         delayed=delayed)
 
 
 def delayed_copy_bytes(plan: Plan, rank: int | None = None) -> int:

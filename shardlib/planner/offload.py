@@ -99,15 +99,19 @@ def disk_problems(offload_dir: str | os.PathLike, need: int) -> list[str]:
     return []
 
 
-def split_by_kind(mem: dict[str, int], offload: tuple, kind: str, *, sharded_grads: bool) -> dict[str, int]:
+def split_by_kind(mem: dict[str, int], offload: tuple, kind: str, *, sharded_grads: bool,
+                  delayed: int = 0) -> dict[str, int]:
     """The part of model-state bytes ``mem`` (``memory_per_rank``'s kinds) that lives in memory kind
-    ``kind`` under ``offload`` (see the module doc)."""
+    ``kind`` under ``offload`` (see the module doc). ``delayed``: bytes of ``mem['grads']`` that are the
+    delayed update's own copy of the gradients it applies, which lives with the optimizer whatever the stage."""
     where = dict(offload)
     opt = where.get("optimizer", "device")
     # gradient shards go with the optimizer's states, but not to disk: the update reads them from the host
     at = {"params": where.get("params", "device"), "optimizer": opt,
           "grads": ("host" if opt == "disk" else opt) if sharded_grads else "device", "buffers": "device"}
     out = {k: (v if at[k] == kind else 0) for k, v in mem.items() if k in at}
+    if delayed:
+        out["grads"] += (delayed if kind == opt else 0) - (delayed if at["grads"] == kind else 0)
     out["total"] = out["params"] + out["grads"] + out["optimizer"]
     return out
 

@@ -174,6 +174,11 @@ class TensorPlan:
     shared_input: tuple[str, ...] = ()
 
     @property
+    def sp_axis(self) -> str | None:
+        """The axis sequence parallelism splits the residual stream over; None without it."""
+        return self.axis if self.sequence_parallel and self.size > 1 else None
+
+    @property
     def f_modules(self) -> tuple[str, ...]:
         """Modules whose tensor-replicated parameters enter their unit's forward through ``f``."""
         return self.sp_modules + tuple(m for m in self.partial_modules if m not in self.sp_modules)

@@ -427,7 +427,7 @@ def stats_entries(plan: Plan) -> list[CommEntry]:
     axes = plan.mesh.canonical_axes(plan.dp_axes)
     n = plan.mesh.axis_size(axes)
     tp = plan.tensor
-    sp = (tp.axis,) if tp is not None and tp.sequence_parallel and tp.size > 1 else ()   # the chunks' sum (forward)
+    sp = (tp.sp_axis,) if tp is not None and tp.sp_axis else ()   # SP's chunks of the tokens: summed (forward)
     again = recomputed(plan)
     out, m = [], plan.grad_accum
     for r in plan.router_stats:

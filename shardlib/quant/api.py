@@ -60,36 +60,28 @@ class QuantFormat:
         return None
 
     def make(self, w: torch.Tensor, mean: torch.Tensor | None = None) -> torch.Tensor:
-        """``w`` (a float ``[out, in]`` tensor, real or meta) quantized. ``mean`` (nf4): the whole weight's
-        mean block scale when ``w`` is a slice of its rows."""
+        """``w`` (a float ``[out, in]`` tensor, or a stack of experts ``[E, out, in]``; real or meta) quantized.
+        ``mean`` (nf4): the whole weight's mean block scale when ``w`` is a slice of its rows."""
         w = w.detach()
-        if w.dim() == 3:
-            return self._stack(w)
-        if self.name == "int4":
+        if self.name == "int4":                 # (a stack of experts [E, out, in] too: grouped along its last dim)
             from .int4 import Int4Tensor
             return Int4Tensor.from_float(w, self.group_size)
+        if self.name == "nf4" and w.dim() == 3:  # each expert as to_nf4 would quantize it
+            from .nf4_stack import NF4Stack
+            return NF4Stack.from_float(w, self.block_size, self.scaler_block_size)
         if self.name == "nf4":
             return formats.nf4_from_float(w.contiguous(), self.block_size, self.scaler_block_size, mean)
+        if w.dim() == 3:                        # int8 per row of each expert: torchao's FqnToConfig on the stack
+            from torchao.quantization import FqnToConfig, Int8WeightOnlyConfig, quantize_
+            holder = nn.Module()
+            holder.stack = nn.Parameter(w, requires_grad=False)
+            quantize_(holder, FqnToConfig({"stack": Int8WeightOnlyConfig()}), filter_fn=None)
+            return holder.stack.detach()
         from torchao.quantization import Int8WeightOnlyConfig, quantize_
         lin = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta", dtype=w.dtype)
         lin.weight = nn.Parameter(w, requires_grad=False)
         quantize_(lin, Int8WeightOnlyConfig())
         return lin.weight.detach()
-
-    def _stack(self, w: torch.Tensor) -> torch.Tensor:
-        """A stack of experts ``[E, out, in]`` quantized: int4 and int8 group along the last dim (torchao's
-        ``FqnToConfig`` on the parameter for int8), nf4 each expert as ``to_nf4`` would (``NF4Stack``)."""
-        if self.name == "int4":
-            from .int4 import Int4Tensor
-            return Int4Tensor.from_float(w, self.group_size)
-        if self.name == "nf4":
-            from .nf4_stack import NF4Stack
-            return NF4Stack.from_float(w, self.block_size, self.scaler_block_size)
-        from torchao.quantization import FqnToConfig, Int8WeightOnlyConfig, quantize_
-        holder = nn.Module()
-        holder.stack = nn.Parameter(w, requires_grad=False)
-        quantize_(holder, FqnToConfig({"stack": Int8WeightOnlyConfig()}), filter_fn=None)
-        return holder.stack.detach()
 
 
 class PendingWeight(torch.Tensor):
@@ -179,9 +171,10 @@ def quantize(model: nn.Module, format: str, modules: str | Iterable[str] | None 
         else:
             q = fmt.make(w)
         mod.weight = nn.Parameter(q, requires_grad=False)
-    for owner, leaf, w in stacks:
-        q = PendingWeight(tuple(w.shape), w.dtype, fmt, f"{_name_of(model, owner)}{leaf}") if w.is_meta else fmt.make(w)
-        setattr(owner, leaf, nn.Parameter(q, requires_grad=False))
+    for name, w in stacks:
+        owner_name, _, leaf = name.rpartition(".")
+        q = PendingWeight(tuple(w.shape), w.dtype, fmt, name) if w.is_meta else fmt.make(w)
+        setattr(model.get_submodule(owner_name), leaf, nn.Parameter(q, requires_grad=False))
     return model
 
 
@@ -201,13 +194,9 @@ def _unfit(w: torch.Tensor, fmt: QuantFormat, uses: Counter, peft: bool) -> list
     return why
 
 
-def _name_of(model: nn.Module, owner: nn.Module) -> str:
-    return next((f"{n}." if n else "" for n, m in model.named_modules() if m is owner), "")
-
-
-def _stacks(model: nn.Module, fmt: QuantFormat, names: Iterable[str]) -> list[tuple[nn.Module, str, torch.Tensor]]:
-    """``(owner, attribute, weight)`` of each parameter ``names`` matches (a full name, its last parts, or an
-    ``fnmatch`` pattern); every one that cannot be quantized is named at once."""
+def _stacks(model: nn.Module, fmt: QuantFormat, names: Iterable[str]) -> list[tuple[str, torch.Tensor]]:
+    """``(name, weight)`` of each parameter ``names`` matches (a full name, its last parts, or an ``fnmatch``
+    pattern); every one that cannot be quantized is named at once."""
     if isinstance(names, str):
         raise ShardingTypeError(f"quantize: parameters must be a list of parameter names or patterns — got the "
                                 f"string {names!r}; expected e.g. ['*.experts.gate_up_proj']. Wrap it in a list.")
@@ -231,8 +220,7 @@ def _stacks(model: nn.Module, fmt: QuantFormat, names: Iterable[str]) -> list[tu
             for w_ in why:
                 problems.add(f"quantize: parameter {name} {list(w.shape)} cannot be quantized as {fmt.name} — got "
                              f"{w_}. Leave it out of parameters.")
-            owner_name, _, leaf = name.rpartition(".")
-            out.append((model.get_submodule(owner_name), leaf, w))
+            out.append((name, w))
     return out
 
 

@@ -34,12 +34,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._pytree import tree_map
 
 from shardlib.errors import Problems, ShardingError, ShardingTypeError
 from shardlib.validate import is_int
 
-from .wrapper import FLOAT_FUNCS, SHARED
+from .wrapper import FLOAT_FUNCS, SHARED, call_dequantized, check_frozen
 
 aten = torch.ops.aten
 
@@ -204,7 +203,7 @@ class Int4Tensor(torch.Tensor):
         if func is F.linear:
             return _linear(*args, **kwargs)
         if func in FLOAT_FUNCS:
-            return _call_dequantized(func, args, kwargs)
+            return call_dequantized(Int4Tensor, func, args, kwargs)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
@@ -218,24 +217,6 @@ class Int4Tensor(torch.Tensor):
 
 
 # -- what the subclass does under torch functions and aten ops ----------------------------------
-
-def _check_frozen(w: Int4Tensor, func: Any) -> None:
-    if w.requires_grad and torch.is_grad_enabled():
-        raise ShardingError(f"Int4Tensor: a packed int4 weight cannot be trained — got requires_grad=True on a "
-                            f"{list(w.shape)} weight in {getattr(func, '__name__', func)}; expected a frozen weight. "
-                            f"Freeze it (w.requires_grad_(False); quantize_int4_ does) and train adapters on top "
-                            f"(PEFT LoRA).")
-
-
-def _call_dequantized(func, args, kwargs):
-    """Run ``func`` with every ``Int4Tensor`` argument dequantized (a plain float with no grad)."""
-    def swap(a):
-        if not isinstance(a, Int4Tensor):
-            return a
-        _check_frozen(a, func)
-        return a.dequantize()
-    return func(*tree_map(swap, args), **tree_map(swap, kwargs))
-
 
 class _FrozenInt4Linear(torch.autograd.Function):
     """``y = x W^T + b`` with ``W`` packed: saves the packed weight, dequantizes again for ``dx = dy W``."""
@@ -255,8 +236,8 @@ class _FrozenInt4Linear(torch.autograd.Function):
 
 def _linear(input: torch.Tensor, weight: Any, bias: Any = None) -> torch.Tensor:
     if isinstance(input, Int4Tensor) or isinstance(bias, Int4Tensor) or not isinstance(weight, Int4Tensor):
-        return _call_dequantized(F.linear, (input, weight, bias), {})
-    _check_frozen(weight, F.linear)
+        return call_dequantized(Int4Tensor, F.linear, (input, weight, bias), {})
+    check_frozen(weight, F.linear)
     return _FrozenInt4Linear.apply(input, weight, bias)
 
 

@@ -264,16 +264,19 @@ def cat_rows(parts: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
 
 def local_weight(full: torch.Tensor, layout: Any, rank: int) -> torch.Tensor:
     """``rank``'s shard of the quantized weight ``full`` under ``layout`` (an ``algebra.layout.Layout``): its box
-    cut (``slice_weight``), or, with a fused dim (gate|up as ``Fused(2, 'tensor')``), each part's box cut and the
-    parts joined along that dim in the shard's order."""
+    cut, or, with a fused dim (gate|up as ``Fused(2, 'tensor')``), each part's box (``cut``)."""
     fused = layout.fused
-    if not fused:
-        return slice_weight(full, layout.local_slices(full.shape, rank))
     if len(fused) > 1:
         raise ShardingError(f"slice_weight: a quantized {tuple(full.shape)} weight fused on dims {sorted(fused)} — "
                             "expected at most one fused dim.")
-    (dim,) = fused
-    return cat_rows([slice_weight(full, box) for box, _ in layout.local_boxes(full.shape, rank)], dim)
+    return cut(full, [g for g, _ in layout.local_boxes(full.shape, rank)], next(iter(fused), 0))
+
+
+def cut(t: torch.Tensor, boxes: list[tuple[slice, ...]], dim: int) -> torch.Tensor:
+    """The quantized weight ``t`` cut to each of ``boxes`` (``slice_weight``), the pieces joined along ``dim``
+    in order (a shard of a fused dim: one box per part)."""
+    pieces = [slice_weight(t, b) for b in boxes]
+    return pieces[0] if len(pieces) == 1 else cat_rows(pieces, dim)
 
 
 def zeros(like: torch.Tensor, shape: tuple[int, ...], device: torch.device | str = "cpu") -> torch.Tensor:

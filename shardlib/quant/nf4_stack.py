@@ -26,10 +26,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.utils._pytree import tree_map
 
 from ..errors import ShardingError, ShardingTypeError
-from .wrapper import FLOAT_FUNCS, SHARED
+from .wrapper import FLOAT_FUNCS, SHARED, call_dequantized
 
 aten = torch.ops.aten
 
@@ -170,9 +169,6 @@ class NF4Stack(torch.Tensor):
         inner, shape = component_slices(self, tuple(slices))
         return NF4Stack(inner, shape, self.dtype)
 
-    def packed_nbytes(self) -> int:
-        return sum(getattr(self, n).numel() * getattr(self, n).element_size() for n in INNER)
-
     def __tensor_flatten__(self):
         return list(INNER), {"shape": tuple(self.shape), "dtype": self.dtype}
 
@@ -181,13 +177,13 @@ class NF4Stack(torch.Tensor):
                              outer_stride: Any) -> NF4Stack:
         return NF4Stack(inner, tuple(outer_size) if outer_size is not None else meta["shape"], meta["dtype"])
 
-    def _with(self, fn: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype | None = None,
-              shape: tuple[int, ...] | None = None) -> NF4Stack:
+    def _with(self, fn: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype | None = None) -> NF4Stack:
+        """``fn`` on every component (the float ones then in ``dtype``, default the stack's own)."""
         dtype = dtype or self.dtype
         inner = {n: fn(getattr(self, n)) for n in INNER}
         for n in ("quantization_factor", "scaler_mean", "nf4"):
             inner[n] = inner[n].to(dtype)
-        return NF4Stack(inner, shape or tuple(self.shape), dtype)
+        return NF4Stack(inner, tuple(self.shape), dtype)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:
         return (f"NF4Stack(shape={list(self.shape)}, block_size={self.block_size}, "
@@ -197,7 +193,7 @@ class NF4Stack(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in FLOAT_FUNCS:
-            return _call_dequantized(func, args, kwargs)
+            return call_dequantized(NF4Stack, func, args, kwargs)
         if func is F.linear:
             raise _unsupported("F.linear of the whole stack (take one expert: w[e])")
         with torch._C.DisableTorchFunctionSubclass():
@@ -209,17 +205,6 @@ class NF4Stack(torch.Tensor):
         if handler is None:
             raise _unsupported(f"operator {func}")
         return handler(func, *args, **(kwargs or {}))
-
-
-def _call_dequantized(func, args, kwargs):
-    def swap(a):
-        if not isinstance(a, NF4Stack):
-            return a
-        if a.requires_grad and torch.is_grad_enabled():
-            raise ShardingError(f"NF4Stack: a stack of NF4 experts cannot be trained — got requires_grad=True on "
-                                f"{list(a.shape)}; expected it frozen. Freeze it and train adapters beside it.")
-        return a.dequantize()
-    return func(*tree_map(swap, args), **tree_map(swap, kwargs))
 
 
 def _to_copy(func, self, *, dtype=None, device=None, layout=None, memory_format=None, non_blocking=False,

@@ -10,6 +10,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.utils._pytree import tree_map
+
+from ..errors import ShardingError
 
 aten = torch.ops.aten
 
@@ -18,6 +21,25 @@ aten = torch.ops.aten
 FLOAT_FUNCS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__,
                torch.bmm, torch.Tensor.bmm, torch.transpose, torch.Tensor.transpose,
                *(f for f in (getattr(torch, "_grouped_mm", None), getattr(F, "grouped_mm", None)) if f is not None)}
+
+
+def check_frozen(w: torch.Tensor, func: Any) -> None:
+    """A quantized weight takes no gradient step: refused where one would be recorded for it."""
+    if w.requires_grad and torch.is_grad_enabled():
+        raise ShardingError(f"{type(w).__name__}: a quantized weight cannot be trained — got requires_grad=True on a "
+                            f"{list(w.shape)} weight in {getattr(func, '__name__', func)}; expected a frozen weight. "
+                            "Freeze it (w.requires_grad_(False); the quantizers do) and train adapters beside it "
+                            "(PEFT LoRA).")
+
+
+def call_dequantized(cls: type, func, args, kwargs):
+    """Run ``func`` with every ``cls`` argument dequantized (a plain float with no grad)."""
+    def swap(a):
+        if not isinstance(a, cls):
+            return a
+        check_frozen(a, func)
+        return a.dequantize()
+    return func(*tree_map(swap, args), **tree_map(swap, kwargs))
 
 
 def alias(func, self, *args, **kwargs):

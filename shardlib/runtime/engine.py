@@ -155,12 +155,13 @@ class Engine:
         self.micro_batches: MicroBatches = self.pipe if self.pipe is not None else Accumulate(
             self.syncs, self.tensor.loss if self.tensor is not None else self.loss_of,
             self.units.freed_use if self.units is not None else None)
-        sp = plan.tensor is not None and plan.tensor.sequence_parallel and plan.tensor_size > 1
+        # the axis sequence parallelism splits the tokens over, besides the batch's (None: no SP)
+        self.router_chunks = plan.tensor.sp_axis if plan.tensor is not None else None
         # a router's balance statistics: the whole batch's (and under SP every tensor rank's chunk's)
-        global_statistics(model, mesh, plan.dp_axes, plan.tensor.axis if sp else None)
+        global_statistics(model, mesh, plan.dp_axes, self.router_chunks)
         # a transformers model's router loss: its statistics summed over the batch's ranks inside loss_of
-        self.router_loss = router_loss.install(model) and (mesh.axis_size(mesh.canonical_axes(plan.dp_axes)) > 1 or sp)
-        self.router_chunks = plan.tensor.axis if sp else None
+        self.router_loss = router_loss.install(model) and (
+            mesh.axis_size(mesh.canonical_axes(plan.dp_axes)) > 1 or self.router_chunks is not None)
         self.capacity_layers = capacity_layers(model)
         self.dropped: dict[str, int] = {}
         base = self.pipe or (ExpertReduction(mesh, plan, self.states, self.scalar_vector, self.experts)

@@ -18,8 +18,7 @@ import torch
 from torch import nn
 
 from ..comm import core as comm
-from ..comm.autograd import Psum
-from ..comm.experts import batch_sum, combine, dispatch
+from ..comm.experts import combine, dispatch, statistics_sum
 from ..planner.peft import is_adapter
 from .grad_sync import DataReduction
 
@@ -147,10 +146,6 @@ def global_statistics(model: nn.Module, mesh: Mesh, axes: tuple[str, ...], token
         return 0
     place = mesh.group_index(mesh.rank, axes)           # this rank's rows' place in the batch (Engine.data_index)
 
-    def reduce(t: torch.Tensor) -> torch.Tensor:
-        t = batch_sum(t, mesh, axes) if split else t
-        return Psum.apply(t, mesh, (tokens_axis,)) if tokens_axis is not None else t
-
     def gathered(t: torch.Tensor) -> tuple[torch.Tensor, int]:
         every = comm.all_gather(torch.cat([t.reshape(-1), t.new_tensor([place])])[None], mesh, canon)
         return every[torch.argsort(every[:, -1]), :-1], place     # in the batch's order
@@ -158,7 +153,7 @@ def global_statistics(model: nn.Module, mesh: Mesh, axes: tuple[str, ...], token
     found = [m for m in model.modules() if hasattr(m, "reduce_stats") or hasattr(m, "gather_counts")]
     for m in found:
         if hasattr(m, "reduce_stats"):
-            m.reduce_stats = reduce
+            m.reduce_stats = lambda t: statistics_sum(t, mesh, axes, tokens_axis)
         if getattr(m, "capacity_factor", 0) and split:
             m.gather_counts = gathered
     return len(found)
@@ -199,7 +194,7 @@ class ExpertReduction(DataReduction):
         self.first_tensor = tensor is None or mesh.coord(mesh.rank, tensor) == 0
         # sequence parallelism with the experts whole on each tensor rank: each routes its own chunk's tokens
         tp = plan.tensor
-        self.own_counts = tensor is not None and tp.sequence_parallel and not any(s.kind == "experts" for s in tp.sites)
+        self.own_counts = tensor is not None and tp.sp_axis is not None and not any(s.kind == "experts" for s in tp.sites)
         self.split = [tensor is not None and tensor in s.plan.spec.axes for s in trainable]
         self.pieces = plan.states.optim is not None
 
@@ -226,7 +221,7 @@ class ExpertReduction(DataReduction):
         n = len(vec) - self.counts.local.numel()
         if not self.first_tensor:          # the loss, the flags and the counts: tensor coordinate 0's
             vec[0] = 0.0
-            vec[n - len(self.expert):None if not self.own_counts else n] = 0.0
+            vec[n - len(self.expert):n if self.own_counts else None] = 0.0
         out = comm.all_reduce(vec, self.mesh, self.axes)
         self.counts.settle(out[n:])
         return out[:n]

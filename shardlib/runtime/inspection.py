@@ -57,7 +57,7 @@ def memory_held(engine: Engine, kind: str = "device") -> dict[str, int]:
         add("grads", s.grad_shard)
     # what the optimizer reads, where it is another tensor: the delayed update's (in flight between steps, with
     # the optimizer on the host) in the optimizer's kind, as the plan counts it
-    flight = "delayed" if engine.plan.delayed and getattr(engine.offload, "_thread", None) is not None else "grads"
+    flight = "delayed" if engine.plan.delayed and engine.offload is not None and engine.offload.in_flight else "grads"
     for s in engine.states:
         add(flight, s.master.grad if s.master is not None else None)
     for s in engine.states:
@@ -80,11 +80,8 @@ def memory_held(engine: Engine, kind: str = "device") -> dict[str, int]:
         out["total"] += on_disk + params_disk
         return out
     st = engine.plan.states
-    part = split_by_kind({**out, "grads": out["grads"] - delayed}, offload, kind,
-                         sharded_grads=st.grads is not None and not st.keep_local_grads)
-    if delayed and kind == dict(offload).get("optimizer"):
-        part["grads"] += delayed
-        part["total"] += delayed
+    part = split_by_kind(out, offload, kind, sharded_grads=st.grads is not None and not st.keep_local_grads,
+                         delayed=delayed)
     if kind == "disk":
         part["optimizer"] += on_disk
         part["params"] += params_disk

@@ -72,7 +72,7 @@ class Fingerprint:
 
     def message(self, step: int) -> str:
         recent = progress.current().get("recent", [])[-6:]
-        ran = "; ".join(f"#{e['seq']} {e['op']}({', '.join(e['axes'])}) {e['bytes']:,} B" for e in recent)
+        ran = "; ".join(progress.entry_words(e) for e in recent)
         planned = {}
         for e in self.plan.comm_per_step(self.mesh.rank):
             if e.axes:

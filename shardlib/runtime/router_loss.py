@@ -5,9 +5,10 @@ Qwen3-MoE, OLMoE, Jamba, GraniteMoE, PhiMoE, GPT-OSS, ...) add ``router_aux_loss
 ``E · Σ_e f_e · P_e`` when ``config.output_router_logits`` is set: ``f_e`` the share of the top-k choices that
 went to expert ``e`` and ``P_e`` its mean router probability, over every layer's rows (padding excluded by the
 attention mask). The function takes those over the rows it is given: on a split batch each rank's, not the
-batch's. Here its counts, probability sums and rows are summed over the batch's ranks (the probability sums
-with ``comm/experts.batch_sum``: all-reduce forward and backward, Megatron's global aux loss), so the loss and
-its gradients are one process's.
+batch's. Here its counts, probability sums and rows are summed over the batch's ranks — and under sequence
+parallelism over the tensor ranks holding the sequence's chunks (``comm/experts.statistics_sum``: the probability
+sums all-reduced forward and backward over the batch's ranks, Megatron's global aux loss; forward only over the
+chunks) — so the loss and its gradients are one process's.
 
 The function is replaced only where its body is the formula reimplemented here (``FINGERPRINTS``: its AST,
 docstring aside, as transformers 5 writes it); another body is refused at plan time by name
@@ -25,9 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..comm import core as comm
-from ..comm.autograd import Psum
-from ..comm.experts import batch_sum
+from ..comm.experts import statistics_sum
 from ..planner.hf_router import NAME, adds_router_loss, known, modeling_module
 
 if TYPE_CHECKING:
@@ -89,12 +88,7 @@ def global_load_balancing(gate_logits, num_experts: int | None = None, top_k: in
             counts = counts + torch.zeros_like(counts).scatter_add_(0, chosen.reshape(-1), mask.repeat_interleave(top_k))
             probs = probs + (weights.float() * mask.unsqueeze(-1)).sum(dim=0)
             rows = rows + mask.sum()
-    stats = torch.cat([counts, rows.reshape(1)]).detach()
-    if mesh.axis_size(mesh.canonical_axes(axes)) > 1:
-        stats = comm.all_reduce(stats, mesh, mesh.canonical_axes(axes))
-        probs = batch_sum(probs, mesh, axes)
-    if chunked is not None:
-        stats = comm.all_reduce(stats, mesh, (chunked,))
-        probs = Psum.apply(probs, mesh, (chunked,))
+    stats = statistics_sum(torch.cat([counts, rows.reshape(1)]).detach(), mesh, axes, chunked)
+    probs = statistics_sum(probs, mesh, axes, chunked)
     counts, rows = stats[:-1], stats[-1]
     return torch.sum((counts / rows) * (probs / rows).unsqueeze(0)) * num_experts

@@ -190,6 +190,11 @@ class OptimizerOffload:
         self._thread = threading.Thread(target=run, name="shardlib-delayed-update", daemon=True)
         self._thread.start()
 
+    @property
+    def in_flight(self) -> bool:
+        """A delayed update is running (or done but not yet joined): it holds the gradients it applies."""
+        return self._thread is not None
+
     def wait(self) -> bool:
         """Finish the delayed update in flight, if any: join it, drop the gradients it read, and put its
         values into the device copies (ZeRO-1/2: the bucket all-gathers, a collective every rank runs here

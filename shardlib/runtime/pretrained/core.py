@@ -38,7 +38,7 @@ from ..checkpoint.core import gather_objects
 from ..checkpoint.files import CheckpointError
 from ..checkpoint.pieces import rank_pieces
 from .files import CONFIG, DTYPES, FLOATS, RELOAD, Entry, read_folder
-from .names import param_aliases, persistent_buffers, renamed
+from .names import conversion_hint, converted_rows, expert_converters, param_aliases, persistent_buffers, renamed
 from .quantized import fill, quantized_shard
 from .names import reverted as reverted
 from .names import saved_names as saved_names
@@ -87,7 +87,7 @@ def _check(training: TrainingState, path: Path, config: dict | None, entries: di
             problems += [p for n in experts for p in _entry_problems(path, n, entries[n], shapes[first][1:], None)]
             params[first] = names[0]
             continue
-        converted = _converted_rows(names[0], entries, converters) if found is None else None
+        converted = converted_rows(names[0], entries, converters) if found is None else None
         if converted is not None:
             # fused experts from a folder of each expert's own tensors, as transformers converts them on load
             rows, cat = converted
@@ -103,7 +103,7 @@ def _check(training: TrainingState, path: Path, config: dict | None, entries: di
             problems.append(f"load_pretrained: {path} holds no tensor {first!r}"
                             + (f" (nor its tied names {names[1:]})" if len(names) > 1 else "")
                             + f" — expected every parameter of {type(model).__name__}. "
-                            + (_conversion_hint(base, names[0]) or RELOAD))
+                            + (conversion_hint(base, names[0]) or RELOAD))
             continue
         params[first] = found
         problems += _entry_problems(path, found, entries[found], shapes[first], None,
@@ -171,71 +171,6 @@ def _stacked_entry(rows: list[list[str]], entries: dict[str, Entry], cat: int = 
     inner = list(first[0].shape)
     inner[cat] = sum(e.shape[cat] for e in first)
     return StackedEntry(parts, (len(parts), *inner), first[0].dtype, cat)
-
-
-def expert_converters(model) -> list[tuple[str, list[str], int]]:
-    """transformers' conversions of a MoE family's checkpoint experts into its fused stacks that a load can
-    follow: ``(target suffix, source patterns, cat dim within an expert)`` for each ``WeightConverter`` whose
-    operations are ``MergeModulelist(dim=0)`` then at most one ``Concatenate`` (Mixtral, Qwen2/3-MoE, OLMoE,
-    DeepSeek-V3: each expert's ``w1``/``w3`` or ``gate_proj``/``up_proj`` into ``gate_up_proj``)."""
-    try:
-        from transformers import PreTrainedModel
-        from transformers.conversion_mapping import get_model_conversion_mapping
-    except ImportError:
-        return []
-    if not isinstance(model, PreTrainedModel):
-        return []
-    out = []
-    for c in get_model_conversion_mapping(model, add_legacy=True):
-        ops = getattr(c, "operations", None) or []
-        names = [type(o).__name__ for o in ops]
-        if type(c).__name__ != "WeightConverter" or len(c.target_patterns) != 1 or not names or \
-                names[0] != "MergeModulelist" or ops[0].dim != 0 or names[1:] not in ([], ["Concatenate"]):
-            continue
-        cat = ops[1].dim - 1 if len(ops) > 1 else 0
-        if cat < 0 or (len(c.source_patterns) > 1) != (len(ops) > 1):
-            continue
-        out.append((c.target_patterns[0].lstrip("."), [p.lstrip(".") for p in c.source_patterns], cat))
-    return out
-
-
-def _conversion_hint(model, name: str) -> str | None:
-    """Where transformers builds ``name`` on load by a conversion this load does not follow: what it does."""
-    try:
-        from transformers import PreTrainedModel
-        from transformers.conversion_mapping import get_model_conversion_mapping
-    except ImportError:
-        return None
-    if not isinstance(model, PreTrainedModel):
-        return None
-    for c in get_model_conversion_mapping(model, add_legacy=True):
-        targets = [t.lstrip(".") for t in getattr(c, "target_patterns", [])]
-        if type(c).__name__ == "WeightConverter" and any(name == t or name.endswith("." + t) for t in targets):
-            return (f"transformers builds it on load from {c.source_patterns} by {c.operations}; this load follows "
-                    "only each expert's tensors merged (MergeModulelist) and at most one Concatenate, with every "
-                    "expert's tensors present. Build the model with from_pretrained in one process and hand it to "
-                    "sl.parallelize (its values are the engine's), or complete the folder.")
-    return None
-
-
-def _converted_rows(name: str, entries: dict[str, Entry], converters: list) -> tuple[list[list[str]], int] | None:
-    """The folder's per-expert tensors a converter joins into ``name`` (``[expert][source]``), and the cat dim;
-    None where no converter names it or the folder lacks them."""
-    for target, sources, cat in converters:
-        if not (name == target or name.endswith("." + target)):
-            continue
-        prefix = name[:len(name) - len(target)]
-        found = []
-        for src in sources:
-            pat = re.compile(re.escape(prefix + src).replace(r"\*", r"(\d+)") + "$")
-            hits = {int(m.group(1)): k for k in entries if (m := pat.match(k))}
-            if not hits or sorted(hits) != list(range(len(hits))):
-                return None
-            found.append([hits[i] for i in range(len(hits))])
-        if len({len(f) for f in found}) != 1:
-            return None
-        return [list(r) for r in zip(*found)], cat
-    return None
 
 
 def folder_name(name: str) -> str:

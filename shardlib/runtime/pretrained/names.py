@@ -1,6 +1,7 @@
 """The model's tensor names against a transformers folder's: every name of a tied parameter, the
 persistent buffers, transformers' checkpoint renamings (GPT-NeoX's ``embed_out`` is ``lm_head``)
-applied on load and reverted on save, and the names ``save_pretrained`` keeps of tied weights.
+applied on load and reverted on save, the MoE converters a load follows (each expert's tensors joined into
+fused stacks), and the names ``save_pretrained`` keeps of tied weights.
 Shared by ``pretrained.py`` (load), ``runtime/pretrained/save.py`` and ``runtime/pretrained/peft_export.py``."""
 
 from __future__ import annotations
@@ -14,18 +15,77 @@ from ..checkpoint.files import CheckpointError
 from .files import Entry
 
 
-def _renamings(model: nn.Module) -> list:
-    """transformers' renamings of checkpoint keys for ``model`` (GPT-NeoX's ``embed_out`` is ``lm_head``),
-    as ``from_pretrained`` applies them; none for other models."""
+def _mapping(model: nn.Module) -> list:
+    """transformers' conversion mapping of ``model``'s checkpoint keys (renamings and converters), as
+    ``from_pretrained`` applies it; none for other models."""
     try:
         from transformers import PreTrainedModel
         from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightRenaming
     except ImportError:
         return []
     if not isinstance(model, PreTrainedModel):
         return []
-    return [c for c in get_model_conversion_mapping(model, add_legacy=True) if isinstance(c, WeightRenaming)]
+    return list(get_model_conversion_mapping(model, add_legacy=True))
+
+
+def _renamings(model: nn.Module) -> list:
+    """transformers' renamings of checkpoint keys for ``model`` (GPT-NeoX's ``embed_out`` is ``lm_head``)."""
+    try:
+        from transformers.core_model_loading import WeightRenaming
+    except ImportError:
+        return []
+    return [c for c in _mapping(model) if isinstance(c, WeightRenaming)]
+
+
+def expert_converters(model) -> list[tuple[str, list[str], int]]:
+    """transformers' conversions of a MoE family's checkpoint experts into its fused stacks that a load can
+    follow: ``(target suffix, source patterns, cat dim within an expert)`` for each ``WeightConverter`` whose
+    operations are ``MergeModulelist(dim=0)`` then at most one ``Concatenate`` (Mixtral, Qwen2/3-MoE, OLMoE,
+    DeepSeek-V3: each expert's ``w1``/``w3`` or ``gate_proj``/``up_proj`` into ``gate_up_proj``)."""
+    out = []
+    for c in _mapping(model):
+        ops = getattr(c, "operations", None) or []
+        names = [type(o).__name__ for o in ops]
+        if type(c).__name__ != "WeightConverter" or len(c.target_patterns) != 1 or not names or \
+                names[0] != "MergeModulelist" or ops[0].dim != 0 or names[1:] not in ([], ["Concatenate"]):
+            continue
+        cat = ops[1].dim - 1 if len(ops) > 1 else 0
+        if cat < 0 or (len(c.source_patterns) > 1) != (len(ops) > 1):
+            continue
+        out.append((c.target_patterns[0].lstrip("."), [p.lstrip(".") for p in c.source_patterns], cat))
+    return out
+
+
+def conversion_hint(model, name: str) -> str | None:
+    """Where transformers builds ``name`` on load by a conversion this load does not follow: what it does."""
+    for c in _mapping(model):
+        targets = [t.lstrip(".") for t in getattr(c, "target_patterns", [])]
+        if type(c).__name__ == "WeightConverter" and any(name == t or name.endswith("." + t) for t in targets):
+            return (f"transformers builds it on load from {c.source_patterns} by {c.operations}; this load follows "
+                    "only each expert's tensors merged (MergeModulelist) and at most one Concatenate, with every "
+                    "expert's tensors present. Build the model with from_pretrained in one process and hand it to "
+                    "sl.parallelize (its values are the engine's), or complete the folder.")
+    return None
+
+
+def converted_rows(name: str, entries: dict[str, Entry], converters: list) -> tuple[list[list[str]], int] | None:
+    """The folder's per-expert tensors a converter joins into ``name`` (``[expert][source]``), and the cat dim;
+    None where no converter names it or the folder lacks them."""
+    for target, sources, cat in converters:
+        if not (name == target or name.endswith("." + target)):
+            continue
+        prefix = name[:len(name) - len(target)]
+        found = []
+        for src in sources:
+            pat = re.compile(re.escape(prefix + src).replace(r"\*", r"(\d+)") + "$")
+            hits = {int(m.group(1)): k for k in entries if (m := pat.match(k))}
+            if not hits or sorted(hits) != list(range(len(hits))):
+                return None
+            found.append([hits[i] for i in range(len(hits))])
+        if len({len(f) for f in found}) != 1:
+            return None
+        return [list(r) for r in zip(*found)], cat
+    return None
 
 
 def renamed(model: nn.Module, entries: dict[str, Entry]) -> dict[str, Entry]:

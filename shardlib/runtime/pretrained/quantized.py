@@ -21,7 +21,7 @@ import torch
 
 from ...algebra.layout import Layout
 from ...quant import formats
-from ...quant.layout import cat_rows, pack, slice_weight
+from ...quant.layout import cat_rows, cut, pack, slice_weight
 from .files import DTYPES, Entry
 
 if TYPE_CHECKING:
@@ -53,9 +53,10 @@ def quantized_shard(st: ParamState, e: Entry, mesh_rank: int, mesh, chunk: int,
     full = tuple(pp.full_shape or pp.shape)
     dtype = st.param.dtype
     if len(full) == 3:
-        boxes = [g for g, _ in Layout(mesh, pp.spec).local_boxes(full, mesh_rank)] if pp.full_shape is not None \
+        layout = Layout(mesh, pp.spec)
+        boxes = [g for g, _ in layout.local_boxes(full, mesh_rank)] if pp.full_shape is not None \
             else [tuple(slice(0, n) for n in full)]
-        return _stack_shard(e, fmt, full, boxes, Layout(mesh, pp.spec).fused, dtype, chunk, read)
+        return _stack_shard(e, fmt, full, boxes, next(iter(layout.fused), 0), dtype, chunk, read)
     slices = Layout(mesh, pp.spec).local_slices(full, mesh_rank) if pp.full_shape is not None else \
         tuple(slice(0, n) for n in full)
     rows, cols = slices[0].indices(full[0])[:2], slices[1]
@@ -75,7 +76,7 @@ def quantized_shard(st: ParamState, e: Entry, mesh_rank: int, mesh, chunk: int,
     return cat_rows(parts)
 
 
-def _stack_shard(e: Entry, fmt, full: tuple[int, ...], boxes: list[tuple[slice, ...]], fused: dict[int, int],
+def _stack_shard(e: Entry, fmt, full: tuple[int, ...], boxes: list[tuple[slice, ...]], fused: int,
                  dtype: torch.dtype, chunk: int, read: Callable[[Entry, slice, torch.dtype], torch.Tensor]
                  ) -> torch.Tensor:
     """A stack of experts ``[E, out, in]``: this rank's experts read whole, a chunk of experts at a time, each
@@ -87,10 +88,7 @@ def _stack_shard(e: Entry, fmt, full: tuple[int, ...], boxes: list[tuple[slice, 
     parts = []
     for s in row_chunks(e, first[0], first[1], 1, chunk):
         q = fmt.make(read(e, s, dtype))
-        if not whole:
-            cut = [slice_weight(q, (slice(None), *b[1:])) for b in boxes]
-            q = cut[0] if len(cut) == 1 else cat_rows(cut, next(iter(fused)))
-        parts.append(q)
+        parts.append(q if whole else cut(q, [(slice(None), *b[1:]) for b in boxes], fused))
     return cat_rows(parts)
 
 
