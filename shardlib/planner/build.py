@@ -20,7 +20,7 @@ from ..algebra.spec import Fused, PartitionSpec
 from ..errors import ShardingError, ShardingTypeError
 from ..quant.layout import quant_spec, quantized_problems
 from .experts import (aux_loss_problems, expert_adapter_specs, expert_layers, expert_params, expert_problems,
-                      router_stats)
+                      router_loss_experts, router_stats)
 from .offload import disk_problems, offload_problems
 from .peft import adapter_specs
 from .pipeline import PipelinePlan
@@ -137,10 +137,10 @@ def _plan(model: nn.Module, mesh: AbstractMesh, *, policies: Policies, rules: An
         if found:
             raise ShardingError(found, api="plan")
     if tplan is not None and batch is not None:
-        from .hf_router import chunked_router_loss
+        from .hf_router import traced_router_loss
         from .trace import trace_activations
         from .varying import derive_f
-        with chunked_router_loss(model, tplan.size if tplan.sp_axis else 1):
+        with traced_router_loss(model, tplan.size if tplan.sp_axis else 1, piped=pplan is not None):
             out = derive_f(model, out, batch)
             out = replace(out, activations=trace_activations(model, out, batch))
         if pplan is None and not experts:          # each block's saved bytes, as a pipeline's are measured
@@ -148,7 +148,8 @@ def _plan(model: nn.Module, mesh: AbstractMesh, *, policies: Policies, rules: An
             out = replace(out, stack_saved=stack_saved_bytes(model, out, batch))
     if pplan is not None:
         pplan = replace(pplan, trainable=sum(1 for p in params if p.trainable),
-                        aux_riding=any(getattr(m, "aux_weight", 0) for m in model.modules()))
+                        aux_riding=any(getattr(m, "aux_weight", 0) for m in model.modules()),
+                        router_experts=router_loss_experts(model))
         if batch is not None:
             pplan = with_stream(model, pplan, out, batch)
             from .pipeline_report import block_saved_bytes

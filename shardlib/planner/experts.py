@@ -74,22 +74,34 @@ def aux_loss_problems(model: nn.Module, batch_ranks: int, piped: bool = False, s
     """A transformers MoE model adding its router's load-balancing loss (``output_router_logits``) computes its
     statistics over the tokens it is given; with the batch split over ranks (or, ``sp``, the sequence over
     tensor) the runtime sums them over those ranks (``runtime/router_loss.py``) where its function is the known
-    formula. Refused: another formula with a split batch, and the loss under a pipe axis (its layers' router
-    logits meet on no stage)."""
-    from .hf_router import adds_router_loss, known
+    formula; under a pipe axis their statistics ride the stages' messages (``runtime/pipe_router.py``). Refused:
+    another formula with a split batch or a pipe axis."""
+    from .hf_router import adds_router_loss, known, recorded_routers
     if not adds_router_loss(model):
         return []
     where = (f"{type(model).__name__} adds its router's load-balancing loss (config.output_router_logits=True)")
-    if piped:
-        return [f"plan: {where}, which needs every layer's router logits in one place — under a pipe axis they "
-                "sit on different stages. Set config.output_router_logits=False, or train without a pipe axis."]
     ok, name = known(model)
+    if piped and not ok:
+        return [f"plan: {where} through {name}, which is not the Switch formula shardlib sums across a pipe's "
+                "stages (its body differs from transformers 5's Mixtral's): its layers' router logits sit on "
+                "different stages. Set config.output_router_logits=False, or train without a pipe axis."]
+    if piped and recorded_routers(model) is None:
+        return [f"plan: {where}, but names no router module whose logits it records (_can_record_outputs has "
+                "no 'router_logits'), so the stages cannot find them. Set config.output_router_logits=False, or "
+                "train without a pipe axis."]
     if (batch_ranks > 1 or sp) and not ok:
         return [f"plan: {where} through {name}, which is not the Switch formula shardlib makes global (its body "
                 f"differs from transformers 5's Mixtral's) — with the batch split over {batch_ranks} ranks each "
                 "rank would take its own tokens' statistics, not the batch's, and training would differ from one "
                 "process. Set config.output_router_logits=False, or train on one process."]
     return []
+
+
+def router_loss_experts(model: nn.Module) -> int:
+    """The experts of ``model``'s transformers router load-balancing loss of the known formula (summed over the
+    batch's ranks, or carried by a pipe's messages: ``PipelinePlan.router_experts``), else 0."""
+    from .hf_router import adds_router_loss, known, router_counts
+    return router_counts(model)[0] if adds_router_loss(model) and known(model)[0] else 0
 
 
 def module_list_experts(model: nn.Module) -> list[tuple[str, int]]:
@@ -186,11 +198,9 @@ def router_stats(model: nn.Module, units: set[str]) -> tuple[RouterStats, ...]:
     """The routers of ``model`` whose statistics the runtime makes global (``runtime/experts.global_statistics``;
     a transformers model's one load-balancing loss over all its layers: ``runtime/router_loss.py``)."""
     from ..algebra.qualnames import unit_of
-    from .hf_router import adds_router_loss, known
-    config = getattr(model, "config", None)
-    if adds_router_loss(model) and known(model)[0]:
-        experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
-        return (RouterStats("<router load-balancing loss>", int(experts), "", True),)
+    experts = router_loss_experts(model)
+    if experts:
+        return (RouterStats("<router load-balancing loss>", experts, "", True),)
     out = []
     for name, m in model.named_modules():
         if hasattr(m, "reduce_stats"):

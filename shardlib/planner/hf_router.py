@@ -13,6 +13,7 @@ import sys
 import textwrap
 from collections.abc import Iterator
 
+import torch
 from torch import nn
 
 NAME = "load_balancing_loss_func"
@@ -58,19 +59,42 @@ def known(model: nn.Module) -> tuple[bool, str]:
     return fingerprint(original) in FINGERPRINTS, f"{mod.__name__}.{NAME}"
 
 
+def recorded_routers(model: nn.Module) -> tuple[type, int] | None:
+    """``(router class, index of its logits in its output)`` as the model's ``_can_record_outputs`` records
+    ``router_logits`` (transformers 5), else None."""
+    for m in model.modules():
+        rec = (getattr(type(m), "_can_record_outputs", None) or {}).get("router_logits")
+        if rec is None:
+            continue
+        cls = getattr(rec, "target_class", rec)
+        return (cls, int(getattr(rec, "index", 0) or 0)) if isinstance(cls, type) else None
+    return None
+
+
+def router_counts(model: nn.Module) -> tuple[int, int, float]:
+    """``(experts, top k, coefficient)`` of ``model``'s load-balancing loss, from its config."""
+    config = model.config
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    return int(experts), int(config.num_experts_per_tok), float(config.router_aux_loss_coef)
+
+
 @contextlib.contextmanager
-def chunked_router_loss(model: nn.Module, size: int) -> Iterator[None]:
-    """While the planner traces ``model`` under sequence parallelism over ``size`` ranks: its router loss function
-    (transformers') meets each layer's router logits for one chunk of the sequence, so its attention mask is cut
-    to a chunk of positions too — the trace needs the shapes (the engine's global form sums every chunk's
-    statistics: ``runtime/router_loss.py``; the plan counts those sums: ``planner/traffic.stats_entries``)."""
-    if size <= 1 or not adds_router_loss(model):
+def traced_router_loss(model: nn.Module, size: int, piped: bool = False) -> Iterator[None]:
+    """While the planner traces ``model`` whole: under sequence parallelism over ``size`` ranks its router loss
+    function (transformers') meets each layer's router logits for one chunk of the sequence, so its attention
+    mask is cut to a chunk of positions too — the trace needs the shapes (the engine's global form sums every
+    chunk's statistics: ``runtime/router_loss.py``; the plan counts those sums: ``planner/traffic.stats_entries``).
+    Under a pipe axis (``piped``) the model's forward never computes it — the stages' messages carry its
+    statistics (``runtime/pipe_router.py``) — so the trace meets a zero."""
+    if not (size > 1 or piped) or not adds_router_loss(model):
         yield
         return
     mod = modeling_module(model)
     fn = getattr(mod, NAME)
 
     def cut(gate_logits, num_experts=None, top_k=2, attention_mask=None):
+        if piped:
+            return torch.zeros(())
         if attention_mask is not None:
             attention_mask = attention_mask.chunk(size, dim=1)[0]
         return fn(gate_logits, num_experts, top_k, attention_mask)

@@ -119,6 +119,11 @@ class PipelinePlan:
     # is attached in each stage's backward, and each micro-batch's forward message carries the stages' aux terms
     # so far (``loss_words``) for the last stage's loss value
     aux_riding: bool = False
+    # a transformers model's router load-balancing loss (``config.output_router_logits``) over ``router_experts``
+    # experts: its statistics ride each forward message (``2E + 1`` fp32: counts, rows, probability sums) to
+    # the last stage, which sums them over the batch's ranks; their cotangent rides back (``E``)
+    # (``runtime/pipe_router.py``); 0: none
+    router_experts: int = 0
 
     def stages_of_param(self, param: str) -> tuple[int, ...]:
         """Every virtual stage holding ``param``: one, or the first and the last for a tied one."""
@@ -132,20 +137,23 @@ class PipelinePlan:
 
     @property
     def stream_message_bytes(self) -> int | None:
-        """A forward message: the stream, and with ``aux_riding`` the micro-batch's aux terms so far (fp32)."""
+        """A forward message: the stream, and with ``aux_riding`` the micro-batch's aux terms so far (fp32),
+        with ``router_experts`` its router statistics so far."""
         if self.stream is None:
             return None
         dtype = getattr(torch, self.stream_dtype)
-        return self.stream_bytes + (loss_words(dtype) * dtype.itemsize if self.aux_riding else 0)
+        floats = (1 if self.aux_riding else 0) + (2 * self.router_experts + 1 if self.router_experts else 0)
+        return self.stream_bytes + loss_words(dtype) * dtype.itemsize * floats
 
     @property
     def grad_message_bytes(self) -> int | None:
         """A backward message: the stream's gradient and the micro-batch's fp32 loss behind it
-        (``loss_words``), so every stage learns the losses without a collective."""
+        (``loss_words``), so every stage learns the losses without a collective — with ``router_experts``
+        the router probability sums' cotangent too."""
         if self.stream is None:
             return None
         dtype = getattr(torch, self.stream_dtype)
-        return self.stream_bytes + loss_words(dtype) * dtype.itemsize
+        return self.stream_bytes + loss_words(dtype) * dtype.itemsize * (1 + self.router_experts)
 
     @property
     def recv_window(self) -> int:

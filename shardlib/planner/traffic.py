@@ -270,7 +270,7 @@ def _pipe_entries(plan: Plan) -> list[CommEntry]:
     """The pipe axis's traffic of a stage-local plan: the step's scalars (``pipe_scalar_axes``),
     the tensor axis's activation collectives of its stages, and its point-to-point sends (the
     stream, or its gradient with the micro-batch's loss, per micro-batch and stage boundary) and
-    receives (counted, no bytes sent)."""
+    receives (counted, no bytes sent); a transformers router loss's statistics summed on the last stage."""
     pp = plan.pipeline
     axes = plan.pipe_scalar_axes()
     out = []
@@ -292,6 +292,17 @@ def _pipe_entries(plan: Plan) -> list[CommEntry]:
         nbytes = pp.stream_message_bytes if kind == "SEND_F" else pp.grad_message_bytes
         out.append(CommEntry(phase, "activations", op, (pp.axis,),
                              0 if op == "recv" or nbytes is None else nbytes, k, kind))
+    if pp.router_experts and any(st.post for st in pp.stages_of(plan.pipe_coord)):
+        # the router loss's statistics, summed over the stages by the messages, summed over the batch's ranks
+        # and SP's chunks on the last stage (runtime/pipe_router.py), once per micro-batch
+        tp = plan.tensor
+        over = plan.mesh.canonical_axes((*plan.mesh.canonical_axes(plan.dp_axes),
+                                         *((tp.sp_axis,) if tp is not None and tp.sp_axis else ())))
+        n = plan.mesh.axis_size(over)
+        if n > 1:
+            out.append(CommEntry("forward", "router-stats", "all_reduce", over,
+                                 comm.all_reduce_bytes(2 * pp.router_experts + 1, n, 4), pp.microbatches,
+                                 "router load-balancing loss"))
     return out
 
 def comm_bytes_per_step(plan: Plan, what: str | None = None) -> int:

@@ -50,6 +50,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from .experts import ExpertReduction, probing
+from .pipe_router import PipeRouterLoss
 from .grad_sync import GradSync
 from ..comm import core as comm
 from ..errors import CollectiveError
@@ -132,6 +133,15 @@ class PipelineRuntime(GradSync):
         self.stage_routers = {i: [m for blk in bs for m in blk.modules() if m in routers]
                               for i, bs in self.blocks.items()}
         self.aux_so_far: dict[tuple[int, int], torch.Tensor] = {}
+        # a transformers model's router load-balancing loss: its statistics ride the messages
+        # (runtime/pipe_router.py; PipelinePlan.router_experts)
+        self.router = (PipeRouterLoss(engine.model, mesh, self.blocks, engine.plan.dp_axes,
+                                      engine.plan.tensor.sp_axis if engine.plan.tensor is not None else None)
+                       if pp.router_experts else None)
+        # fp32 values behind each forward message (the aux terms, the router statistics) and each backward
+        # one (the loss, the router statistics' cotangent)
+        self.floats_f = (1 if pp.aux_riding else 0) + (self.router.forward_floats if self.router else 0)
+        self.floats_b = 1 + (self.router.backward_floats if self.router else 0)
         # an expert axis: the norm counts each expert's gradient on every expert coordinate, the rest once
         # (runtime/experts.py); the step's tokens per expert summed over the batch's axes on their own
         self.expert_norm = (ExpertReduction(mesh, engine.plan, engine.states, engine.scalar_vector, engine.experts)
@@ -189,6 +199,8 @@ class PipelineRuntime(GradSync):
         self.micro, self.factor = micro, factor
         for m in self.routers:             # what the step's backward gives each micro-batch's loss
             m.aux_grad_scale = factor
+        if self.router is not None:
+            self.router.begin_step(factor)
         self.stream = self._stream_shape(micro[0])
         self.inputs: dict[tuple[int, int], torch.Tensor | None] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
@@ -282,21 +294,24 @@ class PipelineRuntime(GradSync):
             self._backward_weight(s, i)
         elif kind == "RECV_F":
             shape, dtype = self.stream
-            buf = torch.empty((shape.numel() + loss_words(dtype),) if self.aux_riding else shape, dtype=dtype,
-                              device=self.mesh.device)
+            buf = torch.empty((shape.numel() + loss_words(dtype) * self.floats_f,) if self.floats_f else shape,
+                              dtype=dtype, device=self.mesh.device)
             self.pending[("F", s, i)] = comm.recv(buf, self.mesh, self.axis, (s - 1) % self.p, tag=self._tag(0, s, i))
         elif kind == "SEND_F":
             out = self.outputs[(s, i)].detach()
-            if self.aux_riding:               # the micro-batch's aux terms so far behind the stream
-                out = torch.cat([out.reshape(-1), _loss_to_words(self.aux_so_far.pop((s, i)), out.dtype)])
+            riding = ([self.aux_so_far.pop((s, i)).reshape(1)] if self.aux_riding else []) + \
+                ([self.router.pack_forward(s, i)] if self.router is not None else [])
+            if riding:               # the micro-batch's aux terms and router statistics so far behind the stream
+                out = torch.cat([out.reshape(-1), _loss_to_words(torch.cat(riding), out.dtype)])
             self.sends.append(comm.send(out, self.mesh, self.axis, (s + 1) % self.p, tag=self._tag(0, s + 1, i)))
         elif kind == "RECV_B":       # the output's gradient, the micro-batch's loss behind it
             shape, dtype = self.stream      # a stage that sends its output sends the stream
-            buf = torch.empty(shape.numel() + loss_words(dtype), dtype=dtype, device=self.mesh.device)
+            buf = torch.empty(shape.numel() + loss_words(dtype) * self.floats_b, dtype=dtype, device=self.mesh.device)
             self.pending[("B", s, i)] = comm.recv(buf, self.mesh, self.axis, (s + 1) % self.p, tag=self._tag(1, s, i))
         elif kind == "SEND_B":
             g = self.grad_in.pop((s, i))
-            msg = torch.cat([g.reshape(-1), _loss_to_words(self.losses[i], g.dtype)])
+            back = [self.losses[i].reshape(1)] + ([self.router.pack_backward(i)] if self.router is not None else [])
+            msg = torch.cat([g.reshape(-1), _loss_to_words(torch.cat(back), g.dtype)])
             self.sends.append(comm.send(msg, self.mesh, self.axis, (s - 1) % self.p, tag=self._tag(1, s - 1, i)))
         elif kind == "UNSHARD":
             units = self.engine.units
@@ -338,11 +353,18 @@ class PipelineRuntime(GradSync):
         got = self._wait(self.pending.pop(key), f"{what} from pipe rank {src}")
         shape = self.stream[0]
         if direction == "F":
-            if not self.aux_riding:
+            if not self.floats_f:
                 return got
-            self.aux_so_far[(s, i)] = _loss_from_words(got[shape.numel():])
+            riding = _loss_from_words(got[shape.numel():])
+            if self.aux_riding:
+                self.aux_so_far[(s, i)], riding = riding[0], riding[1:]
+            if self.router is not None:
+                self.router.unpack_forward(s, i, riding)
             return got[:shape.numel()].view(shape)
-        self.losses[i] = _loss_from_words(got[shape.numel():])
+        back = _loss_from_words(got[shape.numel():])
+        self.losses[i] = back[0]
+        if self.router is not None:
+            self.router.unpack_backward(i, back[1:])
         return got[:shape.numel()].view(shape)
 
     def _wait(self, pending: comm.Pending, what: str) -> torch.Tensor:
@@ -371,10 +393,14 @@ class PipelineRuntime(GradSync):
         ctx = self.ctx[i]
         if self.deferred is not None:
             self.deferred.capture = self.split is None or (s, i) in self.split
-        for blk, k in zip(self.blocks[s], self.block_index[s]):
-            x = blk(x, **fns.block_kwargs(ctx, k))
-            if isinstance(x, tuple):        # a transformers block returning (hidden, ...): GPT-J, BLOOM, MPT
-                x = x[0]
+        with self.router.recording() if self.router is not None else contextlib.nullcontext():
+            for blk, k in zip(self.blocks[s], self.block_index[s]):
+                x = blk(x, **fns.block_kwargs(ctx, k))
+                if isinstance(x, tuple):        # a transformers block returning (hidden, ...): GPT-J, BLOOM, MPT
+                    x = x[0]
+            routed = self.router.captured if self.router is not None else None
+        if self.router is not None:          # this stage's router statistics added to the micro-batch's
+            self.router.after_blocks(s, i, x, batch, routed)
         if self.aux_riding:                 # this stage's routers' terms added to the micro-batch's so far
             before = self.aux_so_far.pop((s, i), None) if not st.pre else None
             mine = sum((m.aux_weight * m.aux_loss.detach().float() for m in self.stage_routers[s]),
@@ -383,7 +409,8 @@ class PipelineRuntime(GradSync):
         if st.post:
             logits = eng.tensor.logits if eng.tensor is not None else None
             try:
-                with logits if logits is not None else contextlib.nullcontext():
+                with (logits if logits is not None else contextlib.nullcontext(),
+                      self.router.last_stage(s, i) if self.router is not None else contextlib.nullcontext()):
                     loss = fns.post(x, batch)
             finally:
                 if logits is not None:
@@ -402,15 +429,21 @@ class PipelineRuntime(GradSync):
         if eng.tensor is not None:
             eng.tensor.clear()
 
-    def _target(self, s: int, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _target(self, s: int, i: int) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """The roots of stage ``s``'s backward of micro-batch ``i`` and their cotangents: its output (the
+        loss times the step's factor on the last stage, else with the gradient received) — and the stage's
+        router probability sums of a transformers router loss (``runtime/pipe_router.py``)."""
         out = self.outputs.pop((s, i))
-        if self.stages[s].post:
-            return out.float() * self.factor, None
-        return out, self._received(("B", s, i))
+        roots, grads = ([out.float() * self.factor], [None]) if self.stages[s].post else \
+            ([out], [self._received(("B", s, i))])
+        extra = self.router.root(s, i) if self.router is not None else None
+        if extra is not None:
+            roots.append(extra[0])
+            grads.append(extra[1])
+        return roots, grads
 
     def _backward(self, s: int, i: int) -> None:
-        target, grad = self._target(s, i)
-        target.backward(grad)
+        torch.autograd.backward(*self._target(s, i))
         self._keep_input_grad(s, i)
 
     def _keep_input_grad(self, s: int, i: int) -> None:
@@ -433,13 +466,13 @@ class PipelineRuntime(GradSync):
         if self.deferred is not None:
             self.deferred.key = (s, i)
             try:
-                target.backward(grad)
+                torch.autograd.backward(target, grad)
             finally:
                 self.deferred.key = None
             self.weight_work[(s, i)] = ("deferred",)
             self._keep_input_grad(s, i)
             return
-        _, groups = stage_backward_input([target], None if grad is None else [grad], [inp],
+        _, groups = stage_backward_input(target, None if all(g is None for g in grad) else grad, [inp],
                                          iter(self.stage_params[s]))
         self.weight_work[(s, i)] = ("split", groups)
         self._keep_input_grad(s, i)
@@ -449,7 +482,7 @@ class PipelineRuntime(GradSync):
 
         work = self.weight_work.pop((s, i))
         if work[0] == "whole":
-            work[1].backward(work[2])
+            torch.autograd.backward(work[1], work[2])
         elif work[0] == "deferred":
             self.deferred.flush((s, i))
         else:
@@ -542,14 +575,12 @@ class PipelineRuntime(GradSync):
         clear_failure()
 
 
-def _loss_to_words(loss: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """An fp32 loss as ``loss_words(dtype)`` elements of ``dtype``, bit for bit."""
-    x = loss.detach().float().reshape(1)
+def _loss_to_words(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 values (a loss, or a vector) as ``loss_words(dtype)`` elements of ``dtype`` each, bit for bit."""
+    x = values.detach().float().reshape(-1)
     return x.view(dtype) if dtype.itemsize <= 4 else x.to(dtype)
 
 
 def _loss_from_words(words: torch.Tensor) -> torch.Tensor:
-    """The fp32 loss ``_loss_to_words`` wrote."""
-    if words.dtype.itemsize > 4:
-        return words.float().reshape(())
-    return words.clone().view(torch.float32).reshape(())     # clone: a view needs an aligned offset
+    """The fp32 values ``_loss_to_words`` wrote, a vector."""
+    return words.float() if words.dtype.itemsize > 4 else words.clone().view(torch.float32)   # clone: aligned

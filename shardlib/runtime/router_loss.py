@@ -32,7 +32,7 @@ from ..planner.hf_router import NAME, adds_router_loss, known, modeling_module
 if TYPE_CHECKING:
     from ..algebra.mesh import Mesh
 
-_ACTIVE: contextvars.ContextVar[tuple[Any, tuple[str, ...], str | None] | None] = contextvars.ContextVar(
+_ACTIVE: contextvars.ContextVar[tuple[Any, tuple[str, ...], str | None] | torch.Tensor | None] = contextvars.ContextVar(
     "router_loss", default=None)
 
 
@@ -45,7 +45,10 @@ def install(model: nn.Module) -> bool:
     fn = getattr(mod, NAME)
     if getattr(fn, "__wrapped__", None) is None:
         def dispatch(*args, **kwargs):
-            return (fn if _ACTIVE.get() is None else global_load_balancing)(*args, **kwargs)
+            state = _ACTIVE.get()
+            if isinstance(state, torch.Tensor):        # ``valued``: the loss worked out across a pipe
+                return state
+            return (fn if state is None else global_load_balancing)(*args, **kwargs)
         dispatch.__wrapped__ = fn
         setattr(mod, NAME, dispatch)
     return True
@@ -57,6 +60,17 @@ def active(mesh: Mesh, axes: tuple[str, ...], tokens_axis: str | None = None) ->
     ``tokens_axis`` (sequence parallelism's tensor axis: each rank's router logits are its chunk of the
     sequence) forward only — its ranks compute one loss from the whole statistics."""
     token = _ACTIVE.set((mesh, axes, tokens_axis))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+@contextlib.contextmanager
+def valued(value: torch.Tensor) -> Iterator[None]:
+    """Inside, the installed functions return ``value``: the last pipeline stage's model forward meets no
+    router logits (its blocks ran on earlier stages); ``runtime/pipe_router.py`` gathered their statistics."""
+    token = _ACTIVE.set(value)
     try:
         yield
     finally:

@@ -392,20 +392,71 @@ def test_transformers_router_aux_loss_takes_the_whole_batchs_statistics(world, s
         _like_one_process(r)
 
 
-def test_a_router_loss_of_another_formula_or_across_a_pipe_is_refused_by_name(monkeypatch):
+def test_a_router_loss_of_another_formula_is_refused_by_name(monkeypatch):
     import transformers.models.mixtral.modeling_mixtral as modeling
     model = _mixtral(router_logits=True)
     sl.plan(model, sl.AbstractMesh({"data": 2, "expert": 2}), rules={"experts": "expert"})      # the known formula
-    with pytest.raises(sl.ShardingError, match="output_router_logits") as e:
-        sl.plan(model, sl.AbstractMesh({"pipe": 2}), rules={"layers": "pipe"})
-    assert "under a pipe axis" in str(e.value)
+    sl.plan(model, sl.AbstractMesh({"pipe": 2}), rules={"layers": "pipe"})
 
     def load_balancing_loss_func(gate_logits, num_experts=None, top_k=2, attention_mask=None):
         return sum(g.float().pow(2).mean() for g in gate_logits)          # some other balancing loss
     monkeypatch.setattr(modeling, "load_balancing_loss_func", load_balancing_loss_func)
     with pytest.raises(sl.ShardingError, match="not the Switch formula shardlib makes global"):
         sl.plan(model, sl.AbstractMesh({"data": 2}))
+    with pytest.raises(sl.ShardingError, match="not the Switch formula shardlib sums across a pipe") as e:
+        sl.plan(model, sl.AbstractMesh({"pipe": 2}), rules={"layers": "pipe"})
+    assert "output_router_logits=False" in str(e.value)
     sl.plan(model, sl.AbstractMesh({"data": 1}))          # one process: its own loss, as it is
+
+
+def _hf_micro_mean(n: int, m: int):
+    """One process's loss over the micro-batches a pipeline runs (``n`` batch ranks, ``m`` micro-batches each):
+    their mean — the router loss is a statistic of each micro-batch (``_micro_mean`` for a dict batch)."""
+    def loss(model, batch):
+        rows = batch["input_ids"].shape[0] // (n * m)
+        out = 0.0
+        for j in range(m):
+            pick = torch.cat([torch.arange(r * m * rows + j * rows, r * m * rows + (j + 1) * rows) for r in range(n)])
+            out = out + model(**{k: v[pick] for k, v in batch.items()}).loss
+        return out / m
+    return loss
+
+
+def _train_mixtral_pipe(shape: dict, schedule: str):
+    batches = [_padded_batch(s) for s in range(STEPS)]
+
+    def eager():
+        m = _mixtral(True)
+        m.set_experts_implementation("eager")        # (grouped_mm on a CPU takes bf16 only)
+        return m
+    n = shape.get("data", 1) * shape.get("expert", 1)
+    want_losses, want = _one_process(eager(), batches, loss=_hf_micro_mean(n, 2))
+    model = eager()
+    rules = {"layers": "pipe", **({"experts": "expert"} if "expert" in shape else {}),
+             **({"heads": "tensor", "mlp": "tensor", "vocab": "tensor"} if "tensor" in shape else {})}
+    plan = sl.plan(model, sl.Mesh(shape), rules=rules, microbatches=2, schedule=schedule, batch=batches[0],
+                   sequence_parallel="tensor" in shape)
+    engine = sl.parallelize(model, plan, optimizer=_opt)
+    losses, second = _stepped(engine, batches)
+    got = engine.full_state_dict()
+    return {"losses": losses, "want_losses": want_losses, "params": {k: (got[k], want[k]) for k in want},
+            "counted": dict(second), "planned": dict(_planned(plan, engine.mesh.rank))}
+
+
+@pytest.mark.parametrize("shape, schedule", [({"pipe": 2}, "1f1b"), ({"data": 2, "pipe": 2}, "gpipe"),
+                                             ({"pipe": 2, "expert": 2}, "zb_h1"), ({"pipe": 2, "tensor": 2}, "1f1b")],
+                         ids=["pipe2_1f1b", "data2_pipe2_gpipe", "pipe2_expert2_zb_h1", "pipe2_tensor2_sp"])
+def test_a_transformers_router_loss_across_a_pipe_trains_like_one_process(world, shape, schedule):
+    """Mixtral's router load-balancing loss (padding masked) with its layers on two stages: each stage's
+    counts, rows and probability sums ride the forward messages, the last stage sums them over the batch's
+    ranks and runs the model's loss with them, and their cotangent rides back — so the losses and every
+    parameter equal one process's over the same micro-batches, and every collective and message is the plan's."""
+    for r in world(_ranks(shape), _train_mixtral_pipe, shape, schedule):
+        assert r["losses"] == pytest.approx(r["want_losses"], rel=1e-5), (r["losses"], r["want_losses"])
+        for k, (got, want) in r["params"].items():
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=k)
+        c, p = r["counted"], r["planned"]
+        assert c == p, {k: (c.get(k), p.get(k)) for k in c.keys() | p.keys() if c.get(k) != p.get(k)}
 
 
 def _lora(cfg: GPTConfig, experts: bool = False):
