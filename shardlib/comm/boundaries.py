@@ -140,8 +140,9 @@ class Boundaries(SeqEdges):
         # unit in backward (Megatron sums these "sequence-parallel gradients" in one all-reduce too)
         self._sp_params: dict[str, list[tuple[nn.Module, str]]] = {}
         self._sp_values: dict[tuple[int, str], torch.Tensor] = {}
+        factors = {param.rpartition(".")[0] for _, param in getattr(tplan, "adapter_f", ())}
         for name in tplan.f_modules:
-            if partial and name not in modules:
+            if (partial and name not in modules) or name in factors:     # (factors: at their wrapper, below)
                 continue
             mod = modules[name]
             unit = unit_of(name, set(units))
@@ -150,6 +151,18 @@ class Boundaries(SeqEdges):
                     self._sp_params.setdefault(unit, []).append((mod, a))
             if tplan.site(name) is None:
                 self._override(mod, _sp_param_forward(self, mod))
+        # LoRA factors of a 3-D weight whose gradients are partial sums over tensor (whole beside a split weight,
+        # or SP's): read by their ParamWrapper's forward (PEFT builds the weight's delta from them there), so
+        # they enter that forward through the unit's f
+        wrapped: dict[str, list[tuple[nn.Module, str]]] = {}
+        for wrapper, param in getattr(tplan, "adapter_f", ()):
+            if partial and wrapper not in modules:
+                continue
+            owner, _, attr = param.rpartition(".")
+            self._sp_params.setdefault(unit_of(wrapper, set(units)), []).append((modules[owner], attr))
+            wrapped.setdefault(wrapper, []).append((modules[owner], attr))
+        for wrapper, held in wrapped.items():
+            self._override(modules[wrapper], _sp_param_forward(self, modules[wrapper], held))
         # the layer stack's units, not those nested in one (ZeRO-3's experts unit inside its block): the block
         # is what runs, is recomputed, and begins and ends the sequence-split stream
         body = [u for u in units if u and not any(u.startswith(o + ".") for o in units if o)]
@@ -384,20 +397,23 @@ def _experts_forward(b: Boundaries, inner, in_sp: bool):
     return forward
 
 
-def _sp_param_forward(b: Boundaries, mod: nn.Module):
+def _sp_param_forward(b: Boundaries, mod: nn.Module, held: list[tuple[nn.Module, str]] | None = None):
     """A module with tensor-replicated parameters acting on the sequence-split stream: its
     parameters enter through ``f`` so their gradients (partial sums over the sequence chunks)
     are summed over tensor in backward. Around the forward it has: an experts module's is routed over the expert
-    axis (``runtime/experts.route_experts``), each tensor rank routing its own chunk's tokens."""
+    axis (``runtime/experts.route_experts``), each tensor rank routing its own chunk's tokens. ``held``: the
+    parameters (of children) that do so instead of the module's own (a ParamWrapper's LoRA factors)."""
     own = mod.__dict__.get("forward")
     inner = own if own is not None else types.MethodType(type(mod).forward, mod)
 
     def forward(self, *args, **kwargs):
-        saved = {a: p for a, p in self._parameters.items() if p is not None}
+        params = held if held is not None else [(self, a) for a, p in self._parameters.items() if p is not None]
+        saved = [(m, a, m._parameters[a]) for m, a in params]
         try:
-            for a in saved:
-                self._parameters[a] = b.sp_value(self, a)
+            for m, a, _ in saved:
+                m._parameters[a] = b.sp_value(m, a)
             return inner(*args, **kwargs)
         finally:
-            self._parameters.update(saved)
+            for m, a, p in saved:
+                m._parameters[a] = p
     return forward

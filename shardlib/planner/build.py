@@ -20,7 +20,7 @@ from ..algebra.spec import Fused, PartitionSpec
 from ..errors import ShardingError, ShardingTypeError
 from ..quant.layout import quant_spec, quantized_problems
 from .experts import (aux_loss_problems, expert_adapter_specs, expert_layers, expert_params, expert_problems,
-                      router_loss_experts, router_stats)
+                      router_loss_experts, router_stats, tensor_adapters, wrapped_owner)
 from .offload import disk_problems, offload_problems
 from .peft import adapter_specs
 from .pipeline import PipelinePlan
@@ -62,7 +62,8 @@ def _plan(model: nn.Module, mesh: AbstractMesh, *, policies: Policies, rules: An
         # ZeRO-3: each experts module a unit of its own inside its block, so a unit's states are split over one
         # set of axes (an expert's over data, the rest over data x expert: Plan.shard_axes)
         order = [n for n, _ in model.named_modules()]
-        unit_names = sorted(set(unit_names) | {n.rpartition(".")[0] for n in experts}, key=order.index)
+        owner = wrapped_owner(model)        # (PEFT's LoRA of the experts' 3-D weights: the outermost wrapper)
+        unit_names = sorted(set(unit_names) | {owner(n.rpartition(".")[0]) for n in experts}, key=order.index)
     grad_accum = pplan.microbatches if pplan is not None else (pol.training.microbatches or 1)
     precision, clip_grad_norm = pol.training.precision, pol.training.clip_grad_norm
     rdt, state_bytes = pol.training.reduction_dtype(), pol.training.state_bytes()
@@ -409,7 +410,8 @@ def _check(model: nn.Module, mesh: AbstractMesh, pol: Policies, *, rules: Any, b
         specs = resolve_specs(model, mesh, rules, collect=spec_problems)
         specs, adapter_problems = adapter_specs(model, specs, roles.tensor, mesh.axis_sizes.get(roles.tensor, 1))
         ex = roles.expert_of(mesh)
-        specs, found = expert_adapter_specs(model, specs, ex, mesh.axis_sizes.get(ex, 1) if ex else 1)
+        specs, found = expert_adapter_specs(model, specs, ex, mesh.axis_sizes.get(ex, 1) if ex else 1,
+                                            roles.tensor, mesh.axis_sizes.get(roles.tensor, 1))
         adapter_problems += found
         for m in spec_problems + adapter_problems + quantized_problems(model, specs, mesh):
             add(m)
@@ -419,7 +421,8 @@ def _check(model: nn.Module, mesh: AbstractMesh, pol: Policies, *, rules: Any, b
                                       sequence_parallel=bool(pol.tensor.sequence_parallel))
             for m in tproblems + axis_use_problems(model, tplan, mesh, roles.tensor, rules):
                 add(m)
-            tplan = replace(tplan, dims_from=dims_source(model))
+            tplan = replace(tplan, dims_from=dims_source(model),
+                            adapter_f=tensor_adapters(model, specs, roles.tensor, tplan.f_modules))
         for m in expert_problems(specs, mesh, roles, mem.states(roles.data), model):
             add(m)
         ranks = [a for a in (roles.data or "data", roles.replica_of(mesh), roles.expert_of(mesh)) if a in sizes]

@@ -142,7 +142,7 @@ def context_trace(model: nn.Module, batch: Any, size: int, rows: int, units: lis
     """The model's forward on one rank's micro-batch (``rows`` rows, the sequence's ``1/size``), on fake
     tensors: its attention calls and position modules (module doc), and what cannot run on chunks."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.func import functional_call
+    from .functional import functional_call
 
     if isinstance(batch, dict):        # (flash-attention's offsets of packed documents: not per token)
         batch = {k: v for k, v in batch.items() if k not in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",

@@ -32,42 +32,116 @@ def expert_owners(names) -> set[str]:
     return {n.rpartition(".")[0] for n in names if not is_adapter(n)}
 
 
-def expert_adapter_specs(model: nn.Module, specs: dict[str, PartitionSpec], axis: str | None, size: int
-                         ) -> tuple[dict[str, PartitionSpec], list[str]]:
-    """``specs`` with PEFT's LoRA of the routed experts' 3-D weights (``LoraConfig(target_parameters=...)``:
-    a ``ParamWrapper`` per weight) laid out with their experts over ``axis``: ``lora_A [r·E, in]`` holds expert
-    ``e``'s ``r`` rows at ``[e·r, (e+1)·r)`` — ``P(axis, None)``; ``lora_B [out, r·E]`` holds them at columns
-    ``e, E + e, ...`` — ``r`` blocks of ``E``, ``P(None, Fused(r, axis))``: each rank its experts' slice of each
-    block. A wrapper whose weight is split on another dim, or LoRA variants, are refused by name."""
-    from ..algebra.spec import Fused
-    out, problems = dict(specs), []
-    if axis is None or size == 1:
-        return out, problems
+def _wrapped_weights(model: nn.Module, specs: dict[str, PartitionSpec]):
+    """``(wrapper name, wrapper, base weight name, its spec, (out dim, in dim))`` of each PEFT ``ParamWrapper``
+    (LoRA of a 3-D weight ``[E, out, in]``, or ``[E, in, out]`` where PEFT did not swap them)."""
     name_of = {id(mod): n for n, mod in model.named_modules()}
     for name, m in model.named_modules():
         pname = getattr(m, "parameter_name", None)
         if pname is None or not hasattr(m, "lora_A") or not hasattr(m, "get_base_layer"):
             continue
         base = name_of.get(id(m.get_base_layer()))
-        target = (f"{base}.{pname}" if base else pname) if base is not None else None
-        spec = specs.get(target, PartitionSpec()) if target else PartitionSpec()
-        if axis not in spec.axes:
+        if base is None:
             continue
-        if spec.dim_axes(0) != (axis,) or len(spec.axes) != 1:
-            problems.append(f"plan: LoRA of {target} (laid out {spec}) — expected its experts alone split, over "
-                            f"{axis!r} on dim 0: the adapters of a 3-D weight split on another dim are not laid out "
-                            "yet. Keep that weight's other dims whole, or leave it out of target_parameters.")
+        target = f"{base}.{pname}" if base else pname
+        dims = (1, 2) if getattr(m, "_did_swap_in_out_features", True) else (2, 1)
+        yield name, m, target, specs.get(target, PartitionSpec()), dims
+
+
+def _adapter_keys(name: str, m: nn.Module, specs: dict[str, PartitionSpec]):
+    for adapter, r in m.r.items():
+        for part in ("lora_A", "lora_B"):
+            key = f"{name}.{part}.{adapter}.weight"
+            if key in specs:
+                yield key, part, r
+        bias = f"{name}.lora_B.{adapter}.bias"
+        if bias in specs:
+            yield bias, "bias", r
+
+
+def expert_adapter_specs(model: nn.Module, specs: dict[str, PartitionSpec], axis: str | None, size: int,
+                         tensor: str | None = None, tensor_size: int = 1
+                         ) -> tuple[dict[str, PartitionSpec], list[str]]:
+    """``specs`` with PEFT's LoRA of the routed experts' 3-D weights (``LoraConfig(target_parameters=...)``:
+    a ``ParamWrapper`` per weight ``[E, out, in]``) laid out as their weight is: ``lora_A [r·E, in]`` holds
+    expert ``e``'s ``r`` rows at ``[e·r, (e+1)·r)`` — ``P(axis, <in's entry>)``; ``lora_B [out, r·E]`` holds
+    them at columns ``e, E + e, ...`` — ``r`` blocks of ``E``, ``P(<out's entry>, Fused(r, axis))``: each rank
+    its experts' slice of each block, and where ``tensor`` splits each expert's width (``expert_mlp``) the
+    adapter on that side its rows or columns, the other one whole on every tensor rank (its gradient a partial
+    sum over tensor: ``tensor_adapters``). A weight whose experts dim is split over another axis is refused."""
+    from ..algebra.spec import Fused
+    out, problems = dict(specs), []
+    axis = axis if axis is not None and size > 1 else None
+    tensor = tensor if tensor is not None and tensor_size > 1 else None
+    if axis is None and tensor is None:
+        return out, problems
+    for name, m, target, spec, (o, i) in _wrapped_weights(model, specs):
+        if not ({a for a in (axis, tensor) if a} & set(spec.axes)):
             continue
-        for adapter, r in m.r.items():
-            for part, attr in (("lora_A", "weight"), ("lora_B", "weight"), ("lora_B", "bias")):
-                key = f"{name}.{part}.{adapter}.{attr}"
-                if key not in specs:
-                    continue
-                if attr == "bias":
-                    out[key] = PartitionSpec()
-                else:
-                    out[key] = PartitionSpec(axis, None) if part == "lora_A" else PartitionSpec(None, Fused(r, axis))
+        entries = tuple(spec) + (None,) * (3 - len(tuple(spec)))
+        if spec.dim_axes(0) not in ((axis,), ()) or (axis is not None and axis in PartitionSpec(*entries[1:]).axes):
+            problems.append(f"plan: LoRA of {target} (laid out {spec}) — expected its experts dim (dim 0) split "
+                            f"over the expert axis {axis!r} alone, if at all, and its other dims over the tensor "
+                            "axis at most. Lay the weight out so, or leave it out of target_parameters.")
+            continue
+        ex = entries[0]
+        for key, part, r in _adapter_keys(name, m, specs):
+            if part == "bias":
+                out[key] = PartitionSpec(entries[o]) if entries[o] is not None else PartitionSpec()
+            elif part == "lora_A":
+                out[key] = PartitionSpec(ex, entries[i])
+            else:
+                out[key] = PartitionSpec(entries[o], Fused(r, ex) if ex is not None else None)
     return out, problems
+
+
+def wrapper_factors(model: nn.Module) -> dict[str, str]:
+    """``factor module -> its ParamWrapper`` for PEFT's LoRA of 3-D weights: the ``lora_A``/``lora_B`` Linear
+    modules are never called — the wrapper's forward reads their weights to build the delta."""
+    out = {}
+    for name, m in model.named_modules():
+        if getattr(m, "parameter_name", None) is None or not hasattr(m, "lora_A"):
+            continue
+        for part in ("lora_A", "lora_B"):
+            for adapter in getattr(m, part, {}):
+                out[f"{name}.{part}.{adapter}" if name else f"{part}.{adapter}"] = name
+    return out
+
+
+def wrapped_owner(model: nn.Module):
+    """``module name -> the module a step calls for it``: a module PEFT wrapped (LoRA of its 3-D weights,
+    ``ParamWrapper`` inside ``ParamWrapper``) and the wrappers' factors map to the outermost wrapper; any other
+    to itself. A ZeRO-3 unit of experts is that module: whole around the call that reads all of them."""
+    around: dict[str, str] = {}        # a wrapped module -> its wrapper
+    for name, m in model.named_modules():
+        if getattr(m, "parameter_name", None) is not None and hasattr(m, "base_layer"):
+            around[f"{name}.base_layer" if name else "base_layer"] = name
+    factors = wrapper_factors(model)
+
+    def owner(name: str) -> str:
+        name = factors.get(name, name)
+        while name in around:
+            name = around[name]
+        return name
+    return owner
+
+
+def tensor_adapters(model: nn.Module, specs: dict[str, PartitionSpec], tensor: str,
+                    f_modules: tuple[str, ...] = ()) -> tuple[tuple[str, str], ...]:
+    """``(wrapper module, adapter parameter)`` of each LoRA factor of a 3-D weight that enters its wrapper's
+    forward through ``f`` (``comm/boundaries.py``: its gradient is each tensor rank's part of a sum): one
+    whole on every tensor rank beside a weight split over ``tensor`` — ``lora_A`` where the weight's out dim
+    is split (gate|up), ``lora_B`` where its in dim is (down), as Megatron's replicated inputs to a split layer
+    — and any in ``f_modules`` (sequence parallelism's: whole experts on each rank's chunk of the tokens)."""
+    found = []
+    for name, m, target, spec, _ in _wrapped_weights(model, specs):
+        for key, part, _r in _adapter_keys(name, m, specs):
+            owner = key.rpartition(".")[0]
+            if part == "bias":
+                continue
+            if owner in f_modules or (tensor in spec.axes and tensor not in specs.get(key, PartitionSpec()).axes):
+                found.append((name, key))
+    return tuple(found)
 
 
 def aux_loss_problems(model: nn.Module, batch_ranks: int, piped: bool = False, sp: bool = False) -> list[str]:

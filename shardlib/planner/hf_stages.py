@@ -52,6 +52,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from ..errors import ShardingError
+from .functional import functional_call
 from .hf_zeros import concrete, meta_or_zeros, shapes_of, zeros_for
 from .peft import peft_base
 
@@ -309,7 +310,7 @@ class CausalLMStages:
 
         def run(values, xm, kwargs):
             with torch.no_grad():
-                return torch.func.functional_call(block, values, (xm,), kwargs, strict=False), xm
+                return functional_call(block, values, (xm,), kwargs, strict=False), xm
         return meta_or_zeros(run, values, xm, kwargs)
 
     def _block_out(self, call: tuple) -> None:

@@ -204,7 +204,7 @@ def activation_bytes(model: nn.Module, batch: Any, *, loss_fn: Callable[[nn.Modu
     the meta device. With ``plan``, its units' recompute policies apply as a step runs them: a
     recomputed unit keeps its input (a checkpoint), a selective one its attention core's inputs."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.func import functional_call
+    from .functional import functional_call
     from torch.utils._pytree import tree_map_only
 
     if not isinstance(model, nn.Module):

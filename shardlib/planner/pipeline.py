@@ -58,6 +58,7 @@ from torch import nn
 
 from ..errors import ShardingError
 from ..validate import is_int
+from .functional import functional_call
 from .hf_stages import CausalLMStages, meta_or_zeros
 from .stage_checks import combination_problems, tied_across_stages
 from .schedules import Action, lower, schedule_actions, schedule_problems, split_last_backwards
@@ -462,7 +463,7 @@ def stream_shape(model: nn.Module, stack: str, batch, rows: int, dtype) -> tuple
 
         def run(values, x, kwargs):
             with torch.no_grad():
-                return CausalLMStages.hidden_out(torch.func.functional_call(first, values, (x,), kwargs, strict=False))
+                return CausalLMStages.hidden_out(functional_call(first, values, (x,), kwargs, strict=False))
         return tuple(meta_or_zeros(run, values, x, ctx[0]).shape)
 
     class Probe(nn.Module):
@@ -484,7 +485,7 @@ def stream_shape(model: nn.Module, stack: str, batch, rows: int, dtype) -> tuple
 
     def run(params, meta):      # a MoE block has no meta kernel for its routing (nonzero): then on zeros
         with torch.no_grad():
-            return torch.func.functional_call(Probe(), params, meta, strict=False, tie_weights=True)
+            return functional_call(Probe(), params, meta, strict=False, tie_weights=True)
     return tuple(meta_or_zeros(run, params, meta).shape)
 
 

@@ -42,6 +42,7 @@ from torch import nn
 from ..comm.core import format_bytes
 from ..comm.recompute import FusedOnMeta, SelectiveRecompute
 from ..errors import ShardingError
+from .functional import functional_call
 
 if TYPE_CHECKING:
     from .pipeline import PipelinePlan
@@ -157,7 +158,7 @@ def block_saved_bytes(model: nn.Module, plan: Plan, *, rank: int = 0, batch: Any
 
                         def call(*a, _mode=mode, **k):      # the unit's own mode innermost, as a step runs it
                             with _mode:
-                                return torch.func.functional_call(*a, **k)
+                                return functional_call(*a, **k)
                         memo[key] = meta_or_zeros(
                             lambda values, x, kwargs, _call=call, _block=block: saved_bytes(
                                 _call, _block, values, (x,), kwargs, exclude=list(values.values()), strict=False),

@@ -91,6 +91,7 @@ from ..algebra.qualnames import unit_of
 from ..algebra.spec import Fused, PartitionSpec
 from ..validate import is_int
 from .packed import packed_problem, per_head_problems
+from .experts import wrapper_factors
 from .peft import adapted_layer, is_adapter, projection_dims, uses_axis
 
 COLUMN, ROW, VOCAB, LOGITS, NORM, EXPERTS = "column", "row", "vocab", "logits", "norm", "experts"
@@ -172,6 +173,9 @@ class TensorPlan:
     # regions (attention, MLP) whose column input another region's column reads too (a parallel block's
     # attention and MLP off one norm): their columns share one f and run unfused (comm/column_async.py)
     shared_input: tuple[str, ...] = ()
+    # LoRA factors of a 3-D weight split over tensor that are whole on every tensor rank (``planner/experts.py``:
+    # ``tensor_adapters``): (their ParamWrapper, the parameter), entering the wrapper's forward through ``f``
+    adapter_f: tuple[tuple[str, str], ...] = ()
 
     @property
     def sp_axis(self) -> str | None:
@@ -209,6 +213,7 @@ def derive(model: nn.Module, specs: dict[str, PartitionSpec], *, axis: str, size
     unit_set = set(units)
     projections: dict[str, list[str]] = {}     # parent module -> its split Linear weights, for messages
     modules = dict(model.named_modules())
+    factors = wrapper_factors(model)
     for mname, mod in modules.items():
         own = [(a, p) for a, p in mod._parameters.items() if p is not None]
         if not own:
@@ -220,6 +225,8 @@ def derive(model: nn.Module, specs: dict[str, PartitionSpec], *, axis: str, size
         if not split:
             if sequence_parallel and size > 1 and unit:
                 sp_modules.append(mname)
+            continue
+        if mname in factors:          # a LoRA factor of a 3-D weight: laid out with it (planner/experts.py)
             continue
         where = f"{type(mod).__name__} {mname or '<root>'!r}"
         dims = projection_dims(mod)

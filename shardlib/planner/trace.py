@@ -25,6 +25,7 @@ from ..comm import core as comm
 from ..comm.boundaries import Boundaries
 from ..comm.boundary_ops import check_seq, token_dim
 from ..errors import ShardingError
+from .functional import functional_call
 from .traffic import CommEntry
 
 if TYPE_CHECKING:
@@ -256,6 +257,21 @@ def trace_values(model: nn.Module, plan: Plan, batch: Any, coord: int, device: s
     return mb, values
 
 
+@contextlib.contextmanager
+def _meta_autocast() -> Iterator[None]:
+    """``torch.autocast`` on the meta device (which has none) as a no-op while the trace runs: PEFT's LoRA of a
+    3-D weight builds its delta inside ``torch.autocast(device_type=W.device.type, enabled=False)``."""
+    real = torch.autocast
+
+    def autocast(device_type, *args, **kwargs):
+        return contextlib.nullcontext() if device_type == "meta" else real(device_type, *args, **kwargs)
+    torch.autocast = autocast
+    try:
+        yield
+    finally:
+        torch.autocast = real
+
+
 def run_traced(model: nn.Module, plan: Plan, mb: Any, values: dict[str, torch.Tensor], ops: Any, *,
                partial: bool = False) -> set[str]:
     """One forward of ``model`` on ``values`` with the tensor plan's boundaries installed over ``ops``
@@ -276,12 +292,12 @@ def run_traced(model: nn.Module, plan: Plan, mb: Any, values: dict[str, torch.Te
         # with autograd on (the values of trainable parameters require gradients): a backward
         # collective is recorded only where the step's backward will run it — not for what needs no
         # gradient (the stream before the first trainable parameter of a frozen base, say)
-        with torch.enable_grad():
+        with torch.enable_grad(), _meta_autocast():
             if isinstance(mb, dict):
                 args, kwargs = (), mb
             else:
                 args, kwargs = (tuple(mb) if isinstance(mb, (tuple, list)) else (mb,)), {}
-            torch.func.functional_call(model, values, args, kwargs, strict=False, tie_weights=True)
+            functional_call(model, values, args, kwargs, strict=False, tie_weights=True)
     finally:
         bounds.remove()
     return bounds.shared_regions

@@ -470,18 +470,23 @@ def _lora(cfg: GPTConfig, experts: bool = False):
                                             lora_dropout=0.0, init_lora_weights=False, **routed))
 
 
-def _train_lora(shape: dict, cfg: GPTConfig, experts: bool = False, zero: int = 0):
+def _train_lora(shape: dict, cfg: GPTConfig, experts: bool = False, zero: int = 0, sp: bool = False,
+                tensor_rules: dict | None = None):
     want_losses, want = _one_process(_lora(cfg, experts), [token_batch(cfg, BATCH, step) for step in range(STEPS)])
     model = _lora(cfg, experts)
-    plan = sl.plan(model, sl.Mesh(shape), rules={"experts": "expert"}, zero=zero)
+    rules = {**({"experts": "expert"} if "expert" in shape else {}),
+             **((tensor_rules or TENSOR) if "tensor" in shape else {})}
+    plan = sl.plan(model, sl.Mesh(shape), rules=rules, zero=zero, sequence_parallel=sp,
+                   batch=token_batch(cfg, BATCH, 0) if "tensor" in shape else None)
     engine = sl.parallelize(model, plan, optimizer=_opt, loss_fn=lambda m, b: m(*b))
-    losses = [engine.step(token_batch(cfg, BATCH, step)) for step in range(STEPS)]
+    losses, second = _steps(engine, cfg)
     got = engine.full_state_dict()
     frozen = [n for n, p in model.named_parameters() if "experts." in n and not p.requires_grad]
     adapters = {n: (tuple(p.shape), str(plan.param(n).spec)) for n, p in model.named_parameters()
                 if "experts.lora_" in n or "experts.base_layer.lora_" in n}
     return {"losses": losses, "want_losses": want_losses, "params": {k: (got[k], want[k]) for k in want},
-            "frozen_experts": frozen, "adapters": adapters}
+            "frozen_experts": frozen, "adapters": adapters,
+            "counted": dict(second), "planned": dict(_planned(plan, engine.mesh.rank))}
 
 
 def test_lora_on_attention_and_shared_experts_with_frozen_routed_experts_on_the_expert_axis(world):
@@ -490,8 +495,8 @@ def test_lora_on_attention_and_shared_experts_with_frozen_routed_experts_on_the_
         _like_one_process(r)
 
 
-@pytest.mark.parametrize("shape, zero", [({"expert": 2}, 0), ({"data": 2, "expert": 2}, 1)],
-                         ids=["expert2", "data2_expert2_zero1"])
+@pytest.mark.parametrize("shape, zero", [({"expert": 2}, 3), ({"data": 2, "expert": 2}, 1)],
+                         ids=["expert2_zero3", "data2_expert2_zero1"])
 def test_lora_on_the_routed_experts_3d_weights_splits_with_their_experts(world, shape, zero):
     """PEFT's LoRA of the routed experts' 3-D weights: each rank holds its experts' adapter rows (``lora_A``'s
     expert-major blocks) and columns (``lora_B``'s ``r`` blocks of ``E``: ``Fused(r, "expert")``), and training
@@ -505,6 +510,38 @@ def test_lora_on_the_routed_experts_3d_weights_splits_with_their_experts(world, 
         assert len(a) == len(b) == 2 * CFG.n_layers
         assert all(shape_[0] == per * rank and spec == "P('expert', None)" for shape_, spec in a.values()), a
         assert all(shape_[1] == per * rank and spec == "P(None, Fused(4, 'expert'))" for shape_, spec in b.values()), b
+
+
+@pytest.mark.parametrize("shape, zero, sp", [({"tensor": 2}, 0, False), ({"expert": 2, "tensor": 2}, 1, True),
+                                             ({"expert": 2, "tensor": 2}, 3, True)],
+                         ids=["tensor2", "expert2_tensor2_zero1_sp", "expert2_tensor2_zero3_sp"])
+def test_lora_on_the_routed_experts_3d_weights_split_over_tensor_too(world, shape, zero, sp):
+    """PEFT's LoRA of the routed experts' 3-D weights with each expert's width split over tensor
+    (``expert_mlp``): the factor on the split side follows the weight (gate|up's ``lora_B`` rows, part by
+    part; down's ``lora_A`` columns), the other is whole on every tensor rank and enters its ParamWrapper's
+    forward through the unit's ``f`` — its gradient, each rank's part of a sum, all-reduced over tensor. Training
+    equals one process's, and every collective is the plan's."""
+    for r in world(_ranks(shape), _train_lora, shape, CFG, True, zero, sp):
+        _like_one_process(r)
+        c, p = r["counted"], r["planned"]
+        assert c == p, {k: (c.get(k), p.get(k)) for k in c.keys() | p.keys() if c.get(k) != p.get(k)}
+        # PEFT nests the wrappers: experts.base_layer wraps gate_up_proj, experts wraps down_proj
+        specs = r["adapters"]
+        whole = [s for n, (_, s) in specs.items() if ("base_layer.lora_A" in n) or (".experts.lora_B" in n)]
+        split = [s for n, (_, s) in specs.items() if ("base_layer.lora_B" in n) or (".experts.lora_A" in n)]
+        assert len(whole) == len(split) == 2 * CFG.n_layers, specs
+        assert all("tensor" not in s for s in whole) and all("tensor" in s for s in split), specs
+
+
+def test_lora_on_whole_experts_under_sequence_parallelism(world):
+    """Each expert whole on every tensor rank, which routes its own chunk of the sequence (SP): every LoRA
+    factor of the experts' 3-D weights gets a partial gradient (the chunk's tokens), summed over tensor through
+    the ParamWrapper's ``f`` — training equals one process's, every collective the plan's."""
+    r = world(2, _train_lora, {"tensor": 2}, CFG, True, 0, True, WHOLE_EXPERTS)[0]
+    _like_one_process(r)
+    c, p = r["counted"], r["planned"]
+    assert c == p, {k: (c.get(k), p.get(k)) for k in c.keys() | p.keys() if c.get(k) != p.get(k)}
+    assert r["adapters"] and all("tensor" not in s for _, s in r["adapters"].values()), r["adapters"]
 
 
 def _micro_mean(n: int, m: int):
