@@ -202,6 +202,9 @@ class Costs:
             reps = k.microbatches if k.zero >= 3 and k.pipe == 1 else 1
             # the gradients of what is not an expert over data x expert, an expert's over data alone
             ring = sum((n - 1) / n * q * c for n, q in ((shard * k.expert, p), (shard, experts)) if n > 1)
+            # HSDP: each replica's shard of it all-reduced over the replicas — what is not an expert sharded over
+            # data x expert, an expert's over data (whole without ZeRO)
+            held = (p / (shard * k.expert) + experts / shard) if k.zero else p + experts
             shard = shard * k.expert if p else shard
             if ring:
                 nbytes = ring * (2 if k.zero < 3 else 3 * reps)
@@ -214,7 +217,7 @@ class Costs:
                 out["data"] = nbytes / bw + calls
             if rep > 1:
                 bwr, latr = self.mc.link("replica")
-                out["replica"] = 2 * (rep - 1) / rep * p * c / (shard if k.zero else 1) / bwr + 2 * (rep - 1) * latr
+                out["replica"] = 2 * (rep - 1) / rep * held * c / bwr + 2 * (rep - 1) * latr
         if k.pipe > 1:
             bw, lat = self.mc.link("pipe")
             b = self.batch // (k.batch_ranks * k.microbatches)
@@ -283,11 +286,11 @@ def shapes(n: int, model: ModelShape, *, max_tensor: int = 8) -> Iterator[tuple[
 def configs(data: int, pipe: int, tensor: int, model: ModelShape, batch: int, *, hsdp: bool = True,
             offload: bool = True, expert: int = 1, context: int = 1) -> Iterator[Candidate]:
     """Every configuration of one shape (experts split over tensor too, sequence parallelism beside them as
-    Megatron runs it; no HSDP beside an expert axis)."""
+    Megatron runs it; HSDP's replicas of the data axis beside an expert axis too, not beside a context axis)."""
     if batch % (data * expert):
         return
     per_rank = batch // (data * expert)
-    replicas = [r for r in divisors(data) if 1 < r < data] if hsdp and expert == 1 and context == 1 else []
+    replicas = [r for r in divisors(data) if 1 < r < data] if hsdp and context == 1 else []
     schedules = [None] if pipe == 1 else list(SCHEDULES)
     sps = (False, True) if tensor > 1 else (False,)
     for zero in ((0, 1, 2, 3) if data * expert * context > 1 else (0,)):   # one rank a stage: nothing to shard

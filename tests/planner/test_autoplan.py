@@ -193,6 +193,33 @@ def test_a_moe_models_shape_counts_its_experts_and_the_search_splits_them_where_
         assert (pruned[0].cand.expert > 1) == splits, (gib, [p.cand for p in pruned])
 
 
+def test_hsdp_replicas_are_searched_beside_an_expert_axis_and_priced_with_the_experts_shards():
+    """HSDP beside an expert axis (the runtime trains it exactly: test_expert_parallel's hsdp case): the space
+    holds replicas of the data axis with experts split, and the replicas' all-reduce moves each replica's
+    shard — what is not an expert sharded over (data / replica) x expert, an expert's over data / replica."""
+    costs = _moe_costs(80)
+    m = costs.m
+    found = [k for k in ap.configs(4, 2, 1, m, 256, expert=2) if k.replica == 2]
+    assert found and all(k.zero >= 1 for k in found)
+    k = ap.Candidate(4, 2, 1, replica=2, zero=1, schedule="1f1b", microbatches=4, expert=2)
+    assert k.axes == {"replica": 2, "data": 2, "expert": 2, "pipe": 2}
+    shard, stage = 4 // 2, m.layers / 2
+    dense = stage * (m.block_params - m.expert_params) + max(m.pre_params, m.post_params)
+    held = dense / (shard * 2) + stage * m.expert_params / 2 / shard
+    bw, lat = costs.mc.link("replica")
+    assert costs.comm_s(k)["replica"] == pytest.approx(2 * (2 - 1) / 2 * held * 2 / bw + 2 * lat)   # bf16 grads
+    from shardlib.frontend.dryrun import dry_run
+    from shardlib.frontend.run import check
+    small = ap.Candidate(4, 1, 1, replica=2, zero=1, expert=2)      # its overrides plan: HSDP beside experts
+    ov = ap.overrides(small, model="moe_tiny", mesh="dp4", batch=16, precision="fp32", moe=True)
+    assert "parallel.replica_axis=replica" in ov, ov
+    run = run_config(check_overrides(ov))
+    assert check(run) == []
+    plan = dry_run(run).plan
+    assert (plan.replica_axis, plan.expert_axis) == ("replica", "expert")
+    assert plan.param("blocks.0.mlp.experts.gate_up_proj").spec.dim_axes(0) == ("expert",)
+
+
 def test_an_expert_candidates_overrides_plan_and_hold_their_experts_split():
     """A candidate with an expert axis (model=moe_tiny) runs by its overrides: the rules split the experts
     over ``expert`` (and each expert's width over tensor where there is one), the run check passes, and the
