@@ -55,20 +55,27 @@ def fused_sizes(tensors) -> tuple[tuple[torch.dtype, int], ...]:
 
 
 def comm_setup(plan: Plan) -> list[CommEntry]:
-    """The collectives run once, when the engine is built: rank 0's parameters (frozen ones too)
+    """The collectives run once, when the engine is built: the ranks' plans compared (one all-gather of a CRC
+    per ``planner/agreement.FIELDS`` over the whole mesh); rank 0's parameters (frozen ones too)
     and buffers broadcast over the data axis, one fused broadcast per dtype, so every replica
     starts from the same model (as ``DistributedDataParallel`` does). A model built on the meta
     device is not sent: rank 0's generator state is, over the whole mesh, and every rank
     replays rank 0's initialization from it (``runtime/materialize.py``)."""
+    from .agreement import FIELDS
+    everyone = plan.mesh.canonical_axes(plan.mesh.axis_names)
+    world = plan.mesh.axis_size(everyone)
+    # first, the plans' agreement (runtime/parted.check_agreement): each field's CRC from every rank
+    out = [CommEntry("setup", "plan check", "all_gather", everyone, comm.all_gather_bytes(len(FIELDS), world, 8),
+                     1, "int64")] if world > 1 else []
     # split over tensor: every rank takes rank 0's full model, then keeps its shards
     whole = plan.meta_build or plan.tensor_size > 1
     axes = plan.mesh.canonical_axes(plan.mesh.axis_names if whole else plan.dp_axes)
     n = plan.mesh.axis_size(axes) if axes else 1
     if n == 1:
-        return []
+        return out
     what = "rng state" if plan.meta_build else "model"
-    return [CommEntry("setup", what, "broadcast", axes, comm.broadcast_bytes(k, n, dt.itemsize),
-                      1, str(dt).replace("torch.", "")) for dt, k in plan.setup_sizes]
+    return out + [CommEntry("setup", what, "broadcast", axes, comm.broadcast_bytes(k, n, dt.itemsize),
+                            1, str(dt).replace("torch.", "")) for dt, k in plan.setup_sizes]
 
 def step_buffer_sizes(plan: Plan) -> tuple[tuple[torch.dtype, int], ...]:
     """``buffer_sizes`` as the buffers are while training: floating ones in the compute dtype

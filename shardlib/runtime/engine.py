@@ -43,7 +43,7 @@ from .machine import warn_slow_precision
 from .masters import LostStep, Masters
 from ..quant.api import pending_weights
 from .materialize import is_meta, materialize_stage_
-from .parted import Fingerprint
+from .parted import Fingerprint, check_agreement
 from .offload.core import Copies, DiskOptimizer, OffloadError, OptimizerOffload, release_host_heap
 from .offload.activations import activation_offload
 from .offload.params import params_offload
@@ -81,6 +81,7 @@ class Engine:
         # the whole-mesh plan; the engine runs this rank's tensor-local plan (the plan itself when
         # nothing is split over tensor): data parallel and ZeRO act on the tensor shards
         self.global_plan = plan
+        check_agreement(plan, mesh)         # every rank built the same plan: one set-up all-gather (parted.py)
         plan = plan.local(mesh.rank)
         self.model, self.plan, self.mesh = model, plan, mesh
         self.loss_fn = loss_fn

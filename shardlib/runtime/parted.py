@@ -20,9 +20,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+import zlib
+
 from ..comm import core as comm
 from ..comm import progress
 from ..errors import CollectiveError
+from ..planner.agreement import fields
 from ..planner.traffic import FINGERPRINT_FLOATS, fingerprint_bits
 
 if TYPE_CHECKING:
@@ -86,3 +89,32 @@ class Fingerprint:
                 f"{self.mesh.rank} entered its last collectives as: {ran or 'none recorded'}; the plan's per step: "
                 f"{plan_words}. Make every rank run the same layers and micro-batches (a branch on the data must "
                 "agree across ranks); the launcher's report sets every rank's last collectives side by side.")
+
+
+def check_agreement(plan: Plan, mesh: Mesh) -> None:
+    """Before the engine's first set-up collective: every rank's plan states the same facts
+    (``planner/agreement.fields``: the mesh, parameters, training, units, pipeline schedule, tensor plan,
+    memory policies, experts), compared by their CRCs in one all-gather over the whole mesh. Ranks that built
+    different plans — a rank-dependent schedule, micro-batch count or ZeRO stage — fail here, every one of
+    them, naming the fields and which ranks hold which, instead of later at a message or gather that does not
+    pair."""
+    if mesh.size == 1:
+        return
+    mine = fields(plan)
+    words = torch.tensor([[zlib.crc32(text.encode()) for _, text in mine]], dtype=torch.int64, device=mesh.device)
+    every = comm.all_gather(words, mesh, mesh.axis_names, tag="setup").cpu().tolist()
+    parted = []
+    for i, (name, text) in enumerate(mine):
+        groups: dict[int, list[int]] = {}
+        for rank, row in enumerate(every):
+            groups.setdefault(row[i], []).append(rank)
+        if len(groups) > 1:
+            sides = " vs ".join(f"ranks {', '.join(map(str, r))}" if len(r) > 1 else f"rank {r[0]}"
+                                for r in groups.values())
+            said = text if len(text) <= 240 else text[:240] + " ..."
+            parted.append(f"{name} differs: {sides} — rank {mesh.rank}'s: {said}")
+    if parted:
+        raise CollectiveError(
+            f"parallelize: the ranks built different plans — {' | '.join(parted)}. Every rank must run one plan: "
+            "build it from the same config on every rank (a schedule, micro-batch count, ZeRO stage or rule "
+            "chosen by rank makes their collectives and messages fail to pair). Nothing was set up.")

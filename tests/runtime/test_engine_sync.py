@@ -74,14 +74,17 @@ def _setup_collectives(data: int) -> list[dict]:
 
 def test_setup_broadcast_is_planned_and_counted(world):
     """One fused broadcast per dtype (the BatchNorm model: fp32 and its int64 batch counts), all
-    parameters and buffers, as ``plan.comm_setup()`` prices it — and nothing else at set-up."""
+    parameters and buffers, as ``plan.comm_setup()`` prices it — and, before it, the plans' agreement check:
+    nothing else at set-up."""
     for per_model in world(2, _setup_collectives, 2):
         for res in per_model:
+            # first the plans' agreement (one all-gather of a CRC per field), then the model
             ops = [e[0] for e in res["planned"]]
-            assert ops == ["broadcast"] * res["dtypes"] and res["tags"] == {"setup"}, res
-            assert res["counted"] == {"broadcast": (res["dtypes"], sum(e[3] for e in res["planned"]))}, res
+            assert ops == ["all_gather"] + ["broadcast"] * res["dtypes"] and res["tags"] == {"setup"}, res
+            assert res["counted"] == {"all_gather": (1, res["planned"][0][3]),
+                                      "broadcast": (res["dtypes"], sum(e[3] for e in res["planned"][1:]))}, res
         mlp = per_model[0]                 # fp32 only: every element once, half an all-reduce's bytes
-        assert mlp["planned"] == [("broadcast", "model", 1, broadcast_bytes(mlp["numel"], 2, 4))]
+        assert mlp["planned"][1:] == [("broadcast", "model", 1, broadcast_bytes(mlp["numel"], 2, 4))]
         assert broadcast_bytes(mlp["numel"], 2, 4) == 4 * mlp["numel"] // 2
 
 

@@ -17,6 +17,7 @@ from torch import nn
 import shardlib as sl
 from shardlib.models import GPT, GPTConfig
 from shardlib.comm.core import broadcast_bytes
+from shardlib.planner.agreement import FIELDS
 from shardlib.runtime.materialize import agreed_rng_state, allocator, materialize, materialize_, unit_groups
 from shardlib.testing import get_mesh
 
@@ -383,9 +384,12 @@ def test_meta_setup_sends_the_generator_state_not_the_model(world, zero):
     """Every rank replays rank 0's stream: the set-up sends rank 0's generator state, not the model."""
     rng = torch.get_rng_state()
     for res in world(2, _setup_counted, zero):
-        assert res["counted"] == {"broadcast": (1, broadcast_bytes(rng.numel(), 2, rng.element_size()))}, res
+        # (first the plans' agreement: one all-gather of a CRC per field, runtime/parted.check_agreement)
+        assert res["counted"] == {"all_gather": (1, 8 * len(FIELDS)),
+                                  "broadcast": (1, broadcast_bytes(rng.numel(), 2, rng.element_size()))}, res
         assert res["tags"] == {"setup"}, res
-        assert res["planned"] == [(op, axes, b, "rng state") for op, axes, b in res["records"]], res
+        assert res["planned"] == [(op, axes, b, what) for (op, axes, b), what in
+                                  zip(res["records"], ("plan check", "rng state"))], res
 
 
 def test_parallelize_refuses_a_meta_model_it_cannot_replay():
