@@ -233,6 +233,18 @@ def loss_words(dtype: torch.dtype) -> int:
     return max(1, 4 // dtype.itemsize)
 
 
+def values_to_words(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 values (a loss, router statistics) as ``loss_words(dtype)`` elements of ``dtype`` each, bit for bit,
+    to ride behind a message of ``dtype``."""
+    x = values.detach().float().reshape(-1)
+    return x.view(dtype) if dtype.itemsize <= 4 else x.to(dtype)
+
+
+def values_from_words(words: torch.Tensor) -> torch.Tensor:
+    """The fp32 values ``values_to_words`` wrote, a vector."""
+    return words.float() if words.dtype.itemsize > 4 else words.clone().view(torch.float32)   # clone: aligned
+
+
 # ---------------------------------------------------------------------------------------------
 
 def balance(block_sizes: Sequence[int], stages: int, first: int = 0, last: int = 0) -> list[int]:

@@ -50,11 +50,12 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from .experts import ExpertReduction, probing
+from .pipe_backward import StageBackward
 from .pipe_router import PipeRouterLoss
 from .grad_sync import GradSync
 from ..comm import core as comm
 from ..errors import CollectiveError
-from ..planner.pipeline import loss_words, stream_shape
+from ..planner.pipeline import loss_words, stream_shape, values_from_words, values_to_words
 from ..planner.stack import stage_functions
 from ..planner.simulate import Record
 from .failures import clear_failure, report_failure, reported_failure
@@ -68,7 +69,7 @@ class PipelineError(CollectiveError):
     """A pipeline step failed on some rank; raised on every rank, naming the one that failed."""
 
 
-class PipelineRuntime(GradSync):
+class PipelineRuntime(StageBackward, GradSync):
     """Installed by the engine when its plan cuts the model into pipeline stages."""
 
     def __init__(self, engine: Engine):
@@ -302,7 +303,7 @@ class PipelineRuntime(GradSync):
             riding = ([self.aux_so_far.pop((s, i)).reshape(1)] if self.aux_riding else []) + \
                 ([self.router.pack_forward(s, i)] if self.router is not None else [])
             if riding:               # the micro-batch's aux terms and router statistics so far behind the stream
-                out = torch.cat([out.reshape(-1), _loss_to_words(torch.cat(riding), out.dtype)])
+                out = torch.cat([out.reshape(-1), values_to_words(torch.cat(riding), out.dtype)])
             self.sends.append(comm.send(out, self.mesh, self.axis, (s + 1) % self.p, tag=self._tag(0, s + 1, i)))
         elif kind == "RECV_B":       # the output's gradient, the micro-batch's loss behind it
             shape, dtype = self.stream      # a stage that sends its output sends the stream
@@ -311,7 +312,7 @@ class PipelineRuntime(GradSync):
         elif kind == "SEND_B":
             g = self.grad_in.pop((s, i))
             back = [self.losses[i].reshape(1)] + ([self.router.pack_backward(i)] if self.router is not None else [])
-            msg = torch.cat([g.reshape(-1), _loss_to_words(torch.cat(back), g.dtype)])
+            msg = torch.cat([g.reshape(-1), values_to_words(torch.cat(back), g.dtype)])
             self.sends.append(comm.send(msg, self.mesh, self.axis, (s - 1) % self.p, tag=self._tag(1, s - 1, i)))
         elif kind == "UNSHARD":
             units = self.engine.units
@@ -355,13 +356,13 @@ class PipelineRuntime(GradSync):
         if direction == "F":
             if not self.floats_f:
                 return got
-            riding = _loss_from_words(got[shape.numel():])
+            riding = values_from_words(got[shape.numel():])
             if self.aux_riding:
                 self.aux_so_far[(s, i)], riding = riding[0], riding[1:]
             if self.router is not None:
                 self.router.unpack_forward(s, i, riding)
             return got[:shape.numel()].view(shape)
-        back = _loss_from_words(got[shape.numel():])
+        back = values_from_words(got[shape.numel():])
         self.losses[i] = back[0]
         if self.router is not None:
             self.router.unpack_backward(i, back[1:])
@@ -428,69 +429,6 @@ class PipelineRuntime(GradSync):
         self.inputs[(s, i)] = inp
         if eng.tensor is not None:
             eng.tensor.clear()
-
-    def _target(self, s: int, i: int) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-        """The roots of stage ``s``'s backward of micro-batch ``i`` and their cotangents: its output (the
-        loss times the step's factor on the last stage, else with the gradient received) — and the stage's
-        router probability sums of a transformers router loss (``runtime/pipe_router.py``)."""
-        out = self.outputs.pop((s, i))
-        roots, grads = ([out.float() * self.factor], [None]) if self.stages[s].post else \
-            ([out], [self._received(("B", s, i))])
-        extra = self.router.root(s, i) if self.router is not None else None
-        if extra is not None:
-            roots.append(extra[0])
-            grads.append(extra[1])
-        return roots, grads
-
-    def _backward(self, s: int, i: int) -> None:
-        torch.autograd.backward(*self._target(s, i))
-        self._keep_input_grad(s, i)
-
-    def _keep_input_grad(self, s: int, i: int) -> None:
-        inp = self.inputs.pop((s, i))
-        if self.engine.tensor is not None:
-            self.engine.tensor.clear()
-        if s > 0:
-            g = inp.grad if inp is not None else None
-            self.grad_in[(s, i)] = g if g is not None else torch.zeros(self.stream[0], dtype=self.stream[1])
-
-    def _backward_input(self, s: int, i: int) -> None:
-        from torch.distributed.pipelining._backward import stage_backward_input
-
-        target, grad = self._target(s, i)
-        inp = self.inputs.get((s, i))
-        if inp is None:                 # the first stage: no input gradient; W runs the whole backward
-            self.weight_work[(s, i)] = ("whole", target, grad)
-            self.inputs.pop((s, i))
-            return
-        if self.deferred is not None:
-            self.deferred.key = (s, i)
-            try:
-                torch.autograd.backward(target, grad)
-            finally:
-                self.deferred.key = None
-            self.weight_work[(s, i)] = ("deferred",)
-            self._keep_input_grad(s, i)
-            return
-        _, groups = stage_backward_input(target, None if all(g is None for g in grad) else grad, [inp],
-                                         iter(self.stage_params[s]))
-        self.weight_work[(s, i)] = ("split", groups)
-        self._keep_input_grad(s, i)
-
-    def _backward_weight(self, s: int, i: int) -> None:
-        from torch.distributed.pipelining._backward import stage_backward_weight
-
-        work = self.weight_work.pop((s, i))
-        if work[0] == "whole":
-            torch.autograd.backward(work[1], work[2])
-        elif work[0] == "deferred":
-            self.deferred.flush((s, i))
-        else:
-            # retain_graph: parameter groups can share nodes (SP's one fused f per block); the graph
-            # goes with the last reference to the groups, here
-            stage_backward_weight(iter(self.stage_params[s]), work[1], retain_graph=True)
-        if self.engine.tensor is not None:
-            self.engine.tensor.clear()
 
     # ---- shapes, scalars, failures -------------------------------------------------------------
     def _stream_shape(self, batch: Any) -> tuple[torch.Size, torch.dtype]:
@@ -573,14 +511,3 @@ class PipelineRuntime(GradSync):
 
     def clear_failure(self) -> None:
         clear_failure()
-
-
-def _loss_to_words(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """fp32 values (a loss, or a vector) as ``loss_words(dtype)`` elements of ``dtype`` each, bit for bit."""
-    x = values.detach().float().reshape(-1)
-    return x.view(dtype) if dtype.itemsize <= 4 else x.to(dtype)
-
-
-def _loss_from_words(words: torch.Tensor) -> torch.Tensor:
-    """The fp32 values ``_loss_to_words`` wrote, a vector."""
-    return words.float() if words.dtype.itemsize > 4 else words.clone().view(torch.float32)   # clone: aligned

@@ -423,16 +423,17 @@ def _hf_micro_mean(n: int, m: int):
     return loss
 
 
+def _eager_mixtral(router_logits: bool):
+    m = _mixtral(router_logits)
+    m.set_experts_implementation("eager")        # (grouped_mm on a CPU takes bf16 only)
+    return m
+
+
 def _train_mixtral_pipe(shape: dict, schedule: str):
     batches = [_padded_batch(s) for s in range(STEPS)]
-
-    def eager():
-        m = _mixtral(True)
-        m.set_experts_implementation("eager")        # (grouped_mm on a CPU takes bf16 only)
-        return m
     n = shape.get("data", 1) * shape.get("expert", 1)
-    want_losses, want = _one_process(eager(), batches, loss=_hf_micro_mean(n, 2))
-    model = eager()
+    want_losses, want = _one_process(_eager_mixtral(True), batches, loss=_hf_micro_mean(n, 2))
+    model = _eager_mixtral(True)
     rules = {"layers": "pipe", **({"experts": "expert"} if "expert" in shape else {}),
              **({"heads": "tensor", "mlp": "tensor", "vocab": "tensor"} if "tensor" in shape else {})}
     plan = sl.plan(model, sl.Mesh(shape), rules=rules, microbatches=2, schedule=schedule, batch=batches[0],
@@ -773,13 +774,8 @@ def _padded_batch(step: int) -> dict:
 
 def _train_mixtral_sp(shape: dict, router_logits: bool):
     batches = [_padded_batch(s) for s in range(STEPS)]
-
-    def eager():
-        m = _mixtral(router_logits)
-        m.set_experts_implementation("eager")        # (grouped_mm on a CPU takes bf16 only)
-        return m
-    want_losses, want = _one_process(eager(), batches, loss=lambda m, b: m(**b).loss)
-    model = eager()
+    want_losses, want = _one_process(_eager_mixtral(router_logits), batches, loss=lambda m, b: m(**b).loss)
+    model = _eager_mixtral(router_logits)
     plan = sl.plan(model, sl.Mesh(shape), rules={"heads": "tensor", "mlp": "tensor", "vocab": "tensor"},
                    sequence_parallel=True, batch=batches[0])
     engine = sl.parallelize(model, plan, optimizer=_opt, loss_fn=lambda m, b: m(**b).loss)
