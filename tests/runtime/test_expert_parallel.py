@@ -345,9 +345,9 @@ def test_comm_per_step_lists_each_layers_all_to_alls_at_uniform_or_stated_routin
                 .comm_per_step() if e.op == "all_to_all"]
 
 
-def _mixtral(router_logits: bool = False):
+def _mixtral(router_logits: bool = False, layers: int = 2):
     from transformers import MixtralConfig, MixtralForCausalLM
-    cfg = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+    cfg = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                         max_position_embeddings=32, output_router_logits=router_logits, router_aux_loss_coef=0.05)
     torch.manual_seed(0)
@@ -423,8 +423,8 @@ def _hf_micro_mean(n: int, m: int):
     return loss
 
 
-def _eager_mixtral(router_logits: bool):
-    m = _mixtral(router_logits)
+def _eager_mixtral(router_logits: bool, layers: int = 2):
+    m = _mixtral(router_logits, layers)
     m.set_experts_implementation("eager")        # (grouped_mm on a CPU takes bf16 only)
     return m
 
@@ -432,12 +432,13 @@ def _eager_mixtral(router_logits: bool):
 def _train_mixtral_pipe(shape: dict, schedule: str):
     batches = [_padded_batch(s) for s in range(STEPS)]
     n = shape.get("data", 1) * shape.get("expert", 1)
-    want_losses, want = _one_process(_eager_mixtral(True), batches, loss=_hf_micro_mean(n, 2))
-    model = _eager_mixtral(True)
+    virtual = 2 if schedule == "interleaved_1f1b" else 1       # (two stages a rank: four layers)
+    want_losses, want = _one_process(_eager_mixtral(True, 2 * virtual), batches, loss=_hf_micro_mean(n, 2))
+    model = _eager_mixtral(True, 2 * virtual)
     rules = {"layers": "pipe", **({"experts": "expert"} if "expert" in shape else {}),
              **({"heads": "tensor", "mlp": "tensor", "vocab": "tensor"} if "tensor" in shape else {})}
     plan = sl.plan(model, sl.Mesh(shape), rules=rules, microbatches=2, schedule=schedule, batch=batches[0],
-                   sequence_parallel="tensor" in shape)
+                   sequence_parallel="tensor" in shape, virtual_stages=virtual)
     engine = sl.parallelize(model, plan, optimizer=_opt)
     losses, second = _stepped(engine, batches)
     got = engine.full_state_dict()
@@ -446,8 +447,10 @@ def _train_mixtral_pipe(shape: dict, schedule: str):
 
 
 @pytest.mark.parametrize("shape, schedule", [({"pipe": 2}, "1f1b"), ({"data": 2, "pipe": 2}, "gpipe"),
-                                             ({"pipe": 2, "expert": 2}, "zb_h1"), ({"pipe": 2, "tensor": 2}, "1f1b")],
-                         ids=["pipe2_1f1b", "data2_pipe2_gpipe", "pipe2_expert2_zb_h1", "pipe2_tensor2_sp"])
+                                             ({"pipe": 2, "expert": 2}, "zb_h1"), ({"pipe": 2, "tensor": 2}, "1f1b"),
+                                             ({"pipe": 2}, "interleaved_1f1b")],
+                         ids=["pipe2_1f1b", "data2_pipe2_gpipe", "pipe2_expert2_zb_h1", "pipe2_tensor2_sp",
+                              "pipe2_interleaved"])
 def test_a_transformers_router_loss_across_a_pipe_trains_like_one_process(world, shape, schedule):
     """Mixtral's router load-balancing loss (padding masked) with its layers on two stages: each stage's
     counts, rows and probability sums ride the forward messages, the last stage sums them over the batch's
