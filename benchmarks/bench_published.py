@@ -269,9 +269,9 @@ def activation_table(rows: list[dict]) -> str:
         if not a:
             continue
         t = r["t"]
-        why = (f"(28 + 4t)·sbh/t = {28 + 4 * t}: both sequence-parallel all-gathers' outputs kept whole for the "
-               "column-parallel matmuls' backward (2sbh each where Megatron keeps the 2sbh/t shard and gathers "
-               "again: +4t-4), no dropout masks (-2)") if r["recompute_planned"] == "selective" else \
+        why = ("32·sbh/t: the sequence-parallel all-gathers' inputs kept as the 2sbh/t chunk and gathered again "
+               "in backward, as Megatron (comm/sp_saved.py); no dropout masks (-2)") \
+            if r["recompute_planned"] == "selective" else \
             "each block keeps its input only, as Megatron's full recompute"
         out.append(f"| {r['name']} | {t}/{r['p']} | {r['recompute_planned']} | {a['multiple']:.1f}·sbh/t | "
                    f"{a['formula_multiple']}·sbh/t | {(a['planned'] or 0) / 2**30:.2f} | "

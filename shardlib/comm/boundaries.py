@@ -51,6 +51,7 @@ from __future__ import annotations
 import collections
 import copy
 import types
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -59,9 +60,10 @@ from torch import nn
 
 from ..algebra.qualnames import unit_of
 from .boundary_ops import Ops
-from .boundary_ops import vocab_range
+from .boundary_ops import token_dim, vocab_range
 from .column_async import ColumnFusion, fusable
 from .seq_edges import SeqEdges
+from .sp_saved import RegionSaving, regather_applies
 
 
 class Boundaries(SeqEdges):
@@ -69,10 +71,14 @@ class Boundaries(SeqEdges):
     takes them off. ``on_logits(tensor, site)`` is called with each vocab-split logits output."""
 
     def __init__(self, model: nn.Module, tplan: Any, ops: Ops, units: list[str], *, on_logits=None,
-                 partial: bool = False):
+                 partial: bool = False, recomputed: Collection[str] = ()):
         """``partial``: the model holds only some of the plan's modules (the planner's trace of a
-        shortened layer stack): sites, units and SP modules it does not hold are skipped."""
+        shortened layer stack): sites, units and SP modules it does not hold are skipped. ``recomputed``:
+        the units recomputed whole (their SP regions save nothing to keep as chunks: ``comm/sp_saved.py``)."""
         self.model, self.tplan, self.ops = model, tplan, ops
+        self._recomputed = frozenset(recomputed)
+        self._saving: dict[int, RegionSaving] = {}       # id(region) -> its forward's saved-chunk hooks
+        self._no_saving: set[int] = set()               # regions inside a unit recomputed whole
         self.on_logits = on_logits
         # id(input) -> [input, what the columns see: f of it (None while only fused layers took it)]
         self._memo: dict[int, list] = {}
@@ -114,6 +120,9 @@ class Boundaries(SeqEdges):
                 if region not in regions:
                     regions.append(region)
                     self._handles.append(modules[region].register_forward_pre_hook(self._region_pre, with_kwargs=True))
+                    self._handles.append(modules[region].register_forward_hook(self._region_post, always_call=True))
+                    if unit_of(region, set(units)) in self._recomputed:       # its checkpoint keeps nothing of it
+                        self._no_saving.add(id(modules[region]))
                 continue
             if site.kind in ("column", "logits") and site.module in no_f:
                 continue                 # its input already varies: its gradient is summed upstream
@@ -207,13 +216,27 @@ class Boundaries(SeqEdges):
         return hook
 
     def _region_pre(self, module, args, kwargs):
-        """SP: gather the sequence of the region's stream input (its first tensor argument)."""
+        """SP: gather the sequence of the region's stream input (its first tensor argument); while the region
+        runs, what autograd saves of the gathered input is kept as the chunk (``comm/sp_saved.py``)."""
         if args and isinstance(args[0], torch.Tensor):
-            return (self.ops.gather_seq(args[0]), *args[1:]), kwargs
+            full = self._gather_region(module, args[0])
+            return (full, *args[1:]), kwargs
         for k, v in kwargs.items():
             if isinstance(v, torch.Tensor):
-                return args, {**kwargs, k: self.ops.gather_seq(v)}
+                return args, {**kwargs, k: self._gather_region(module, v)}
         return None
+
+    def _gather_region(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        # (contiguous once here: the columns' matmuls view it whole, instead of each copying a permuted gather)
+        full = self.ops.gather_seq(x).contiguous()
+        if torch.is_grad_enabled() and id(module) not in self._no_saving and regather_applies(x, full):
+            self._saving[id(module)] = RegionSaving(self.ops, x.detach(), full, token_dim(x, self.ops.seq_dim))
+        return full
+
+    def _region_post(self, module, args, output):
+        saving = self._saving.pop(id(module), None)
+        if saving is not None:
+            saving.exit()
 
     def _output_f(self, module, args, output):
         if isinstance(output, torch.Tensor):

@@ -98,6 +98,15 @@ class Ops:
     def param_f(self, p: torch.Tensor) -> torch.Tensor:
         return p if self._shapes(p) else PBroadcast.apply(p, self.mesh, self.axes)
 
+    def gather_saved(self, chunk: torch.Tensor, dim: int) -> torch.Tensor:
+        """An SP region's input gathered again in backward from the chunk it saved (``comm/sp_saved.py``):
+        data for a weight gradient, no autograd."""
+        return self._meta_seq(chunk, self.size, 1, dim) if self._shapes(chunk) else \
+            gather_dim(chunk, self.mesh, self.axes, dim)
+
+    def note_regather(self, chunk: torch.Tensor) -> None:
+        """A region saved its gathered input as the chunk (the tracer records the backward all-gather)."""
+
     def _meta_seq(self, x: torch.Tensor, mul: int, div: int, dim: int | None = None) -> torch.Tensor:
         dim = self.seq_dim if dim is None else dim
         shape = list(x.shape)

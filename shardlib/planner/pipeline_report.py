@@ -116,7 +116,8 @@ def block_saved_bytes(model: nn.Module, plan: Plan, *, rank: int = 0, batch: Any
 
             def coord(self) -> int:
                 return plan.mesh.coord(rank, tp.axis)
-        bounds = Boundaries(model, tp, MeasureOps(plan.mesh, tp.axis, tp.seq_dim), [u.name for u in plan.units])
+        bounds = Boundaries(model, tp, MeasureOps(plan.mesh, tp.axis, tp.seq_dim), [u.name for u in plan.units],
+                            recomputed=[u.name for u in plan.units if u.recompute])
     memo: dict[tuple, int] = {}
     out = []
     fns = stage_functions(model, pp.stack)

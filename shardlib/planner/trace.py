@@ -103,6 +103,13 @@ class RecordingOps:
             self._rec("backward", "all_reduce", self._bytes("all_reduce", p), what="sp-grads")
         return p
 
+    def note_regather(self, chunk):
+        """An SP region kept its gathered input as the chunk: backward gathers it again (comm/sp_saved.py)."""
+        self._rec("backward", "all_gather", self._bytes("all_gather", chunk))
+
+    def gather_saved(self, chunk, dim):
+        return self._seq(chunk, self.size, dim)
+
     def full_logits(self, output: torch.Tensor, width: int) -> torch.Tensor:
         """What the code after a vocab-split head sees: logits of the full width."""
         return output.new_zeros((*output.shape[:-1], width))
@@ -287,7 +294,8 @@ def run_traced(model: nn.Module, plan: Plan, mb: Any, values: dict[str, torch.Te
         ops._rec("forward", "all_reduce", comm.all_reduce_bytes(n, ops.size, 4), what="loss")
         ops._rec("forward", "all_reduce", comm.all_reduce_bytes(2 * n, ops.size, 4), what="loss")
         return ops.full_logits(output, site.width)
-    bounds = Boundaries(model, tp, ops, [u.name for u in plan.units], on_logits=logits, partial=partial)
+    bounds = Boundaries(model, tp, ops, [u.name for u in plan.units], on_logits=logits, partial=partial,
+                        recomputed=[u.name for u in plan.units if u.recompute])
     try:
         # with autograd on (the values of trainable parameters require gradients): a backward
         # collective is recorded only where the step's backward will run it — not for what needs no

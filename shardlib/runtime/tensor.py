@@ -43,7 +43,8 @@ class TensorRuntime(GradSync):
         # the whole model's units (a pipeline stage holds some): the first and last of the stack
         # slice and gather the sequence under SP wherever they run
         self.boundaries = Boundaries(engine.model, tp, self.ops, [u.name for u in engine.global_plan.units],
-                                     on_logits=self._mark if self.logits is not None else None)
+                                     on_logits=self._mark if self.logits is not None else None,
+                                     recomputed=[u.name for u in engine.global_plan.units if u.recompute])
         self.split = [_split(s.plan.spec, tp.axis) for s in engine.states if s.trainable]
 
     def _mark(self, output: torch.Tensor, site) -> None:
