@@ -36,7 +36,8 @@ and the largest loss difference from one process training on the whole batch.
 activation, ``b·s·h`` elements (``b`` the tensor group's batch): 2 forward (after the attention and
 MLP row layers), 2 backward (before the column layers). In the ring model each sends
 ``2·(t-1)/t·b·s·h`` elements per rank. With SP they become 4 all-gathers + 4 reduce-scatters of
-``(t-1)/t·b·s·h`` each: the same volume. Outside the blocks: the embedding's all-reduce (forward)
+``(t-1)/t·b·s·h`` each: the same volume, and 2 all-gathers more in backward (each region's input gathered
+again from the chunk forward kept: Korthikanti et al. 2022, and ``comm/sp_saved.py``). Outside the blocks: the embedding's all-reduce (forward)
 and the LM head's input (backward) add 2 more, and the vocab-parallel loss a few ``b·s`` vectors.
 On ``data`` (ZeRO-3/FSDP): 2 all-gathers of the tensor-local parameters + 1 reduce-scatter of the
 gradients, ``3·(d-1)/d·Ψ/t`` elements.
@@ -262,10 +263,12 @@ def _unbox_group(a) -> dist.ProcessGroup | None:
     return None
 
 
-def megatron_bytes(cfg: GPTConfig, mesh_shape: dict[str, int], itemsize: int = 4) -> dict[str, int]:
+def megatron_bytes(cfg: GPTConfig, mesh_shape: dict[str, int], itemsize: int = 4, sp: bool = False) -> dict[str, int]:
     """Megatron's tensor-axis traffic per rank per step (ring model): ``blocks`` = 4 all-reduces of
     ``b·s·h`` per block; ``total`` adds the embedding's and the LM head input's all-reduce. SP
-    moves the same volume as all-gather + reduce-scatter pairs. ``data`` = ZeRO-3's
+    moves the same volume as all-gather + reduce-scatter pairs, plus (``sp``) the all-gather of each
+    region's input again in backward for the columns' weight gradients (Korthikanti et al. 2022: the
+    ``b·s·h/t`` chunk is what forward keeps), ``(t-1)/t·b·s·h`` twice per block. ``data`` = ZeRO-3's
     ``3·(d-1)/d`` of the tensor-local parameters."""
     d, t = mesh_shape["data"], mesh_shape["tensor"]
     bsh = BATCH // d * cfg.seq_len * cfg.d_model
@@ -276,7 +279,8 @@ def megatron_bytes(cfg: GPTConfig, mesh_shape: dict[str, int], itemsize: int = 4
     for name, p in model.named_parameters():   # each parameter's tensor-local shard, split on data
         local = -(-p.numel() // t) if name.endswith(TP_SHARDED) else p.numel()
         data += 3 * all_gather_bytes(-(-local // d), d, itemsize)
-    return {"blocks": 4 * cfg.n_layers * ar, "total": (4 * cfg.n_layers + 2) * ar, "data": data}
+    regather = 2 * cfg.n_layers * all_gather_bytes(bsh // t, t, itemsize) if sp else 0
+    return {"blocks": 4 * cfg.n_layers * ar + regather, "total": (4 * cfg.n_layers + 2) * ar + regather, "data": data}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -353,7 +357,7 @@ def summarize(label: str, per_rank: list[dict], rss: dict[str, list[dict]], ref:
     mesh_shape, sp, zero, torch_name = CONFIGS[label]
     r0 = per_rank[0]
     row = {"config": label, "mesh": mesh_shape, "sp": sp, "zero": zero, "torch_name": torch_name,
-           "megatron": megatron_bytes(CFG, mesh_shape), "pending": sorted(r0["errors"])}
+           "megatron": megatron_bytes(CFG, mesh_shape, sp=sp), "pending": sorted(r0["errors"])}
     for side, times in r0["times"].items():
         q = statistics.quantiles(times, n=4)
         row[side] = {
