@@ -76,7 +76,7 @@ class Boundaries(SeqEdges):
         shortened layer stack): sites, units and SP modules it does not hold are skipped. ``recomputed``:
         the units recomputed whole (their SP regions save nothing to keep as chunks: ``comm/sp_saved.py``)."""
         self.model, self.tplan, self.ops = model, tplan, ops
-        self._recomputed = frozenset(recomputed)
+        recomputed = frozenset(recomputed)
         self._saving: dict[int, RegionSaving] = {}       # id(region) -> its forward's saved-chunk hooks
         self._no_saving: set[int] = set()               # regions inside a unit recomputed whole
         self.on_logits = on_logits
@@ -121,7 +121,7 @@ class Boundaries(SeqEdges):
                     regions.append(region)
                     self._handles.append(modules[region].register_forward_pre_hook(self._region_pre, with_kwargs=True))
                     self._handles.append(modules[region].register_forward_hook(self._region_post, always_call=True))
-                    if unit_of(region, set(units)) in self._recomputed:       # its checkpoint keeps nothing of it
+                    if unit_of(region, set(units)) in recomputed:       # its checkpoint keeps nothing of it
                         self._no_saving.add(id(modules[region]))
                 continue
             if site.kind in ("column", "logits") and site.module in no_f:

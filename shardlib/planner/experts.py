@@ -35,15 +35,8 @@ def expert_owners(names) -> set[str]:
 def _wrapped_weights(model: nn.Module, specs: dict[str, PartitionSpec]):
     """``(wrapper name, wrapper, base weight name, its spec, (out dim, in dim))`` of each PEFT ``ParamWrapper``
     (LoRA of a 3-D weight ``[E, out, in]``, or ``[E, in, out]`` where PEFT did not swap them)."""
-    name_of = {id(mod): n for n, mod in model.named_modules()}
-    for name, m in model.named_modules():
-        pname = getattr(m, "parameter_name", None)
-        if pname is None or not hasattr(m, "lora_A") or not hasattr(m, "get_base_layer"):
-            continue
-        base = name_of.get(id(m.get_base_layer()))
-        if base is None:
-            continue
-        target = f"{base}.{pname}" if base else pname
+    from .peft import param_wrappers
+    for name, m, target in param_wrappers(model):
         dims = (1, 2) if getattr(m, "_did_swap_in_out_features", True) else (2, 1)
         yield name, m, target, specs.get(target, PartitionSpec()), dims
 
@@ -98,24 +91,17 @@ def expert_adapter_specs(model: nn.Module, specs: dict[str, PartitionSpec], axis
 def wrapper_factors(model: nn.Module) -> dict[str, str]:
     """``factor module -> its ParamWrapper`` for PEFT's LoRA of 3-D weights: the ``lora_A``/``lora_B`` Linear
     modules are never called — the wrapper's forward reads their weights to build the delta."""
-    out = {}
-    for name, m in model.named_modules():
-        if getattr(m, "parameter_name", None) is None or not hasattr(m, "lora_A"):
-            continue
-        for part in ("lora_A", "lora_B"):
-            for adapter in getattr(m, part, {}):
-                out[f"{name}.{part}.{adapter}" if name else f"{part}.{adapter}"] = name
-    return out
+    from .peft import param_wrappers
+    return {f"{name}.{part}.{adapter}" if name else f"{part}.{adapter}": name
+            for name, m, _ in param_wrappers(model) for part in ("lora_A", "lora_B") for adapter in getattr(m, part)}
 
 
 def wrapped_owner(model: nn.Module):
     """``module name -> the module a step calls for it``: a module PEFT wrapped (LoRA of its 3-D weights,
     ``ParamWrapper`` inside ``ParamWrapper``) and the wrappers' factors map to the outermost wrapper; any other
     to itself. A ZeRO-3 unit of experts is that module: whole around the call that reads all of them."""
-    around: dict[str, str] = {}        # a wrapped module -> its wrapper
-    for name, m in model.named_modules():
-        if getattr(m, "parameter_name", None) is not None and hasattr(m, "base_layer"):
-            around[f"{name}.base_layer" if name else "base_layer"] = name
+    from .peft import param_wrappers
+    around = {f"{name}.base_layer" if name else "base_layer": name for name, _, _ in param_wrappers(model)}
     factors = wrapper_factors(model)
 
     def owner(name: str) -> str:
@@ -136,10 +122,9 @@ def tensor_adapters(model: nn.Module, specs: dict[str, PartitionSpec], tensor: s
     found = []
     for name, m, target, spec, _ in _wrapped_weights(model, specs):
         for key, part, _r in _adapter_keys(name, m, specs):
-            owner = key.rpartition(".")[0]
             if part == "bias":
                 continue
-            if owner in f_modules or (tensor in spec.axes and tensor not in specs.get(key, PartitionSpec()).axes):
+            if key.rpartition(".")[0] in f_modules or (tensor in spec.axes and tensor not in specs.get(key, PartitionSpec()).axes):
                 found.append((name, key))
     return tuple(found)
 

@@ -16,21 +16,19 @@ from typing import Any
 import torch
 from torch import nn
 
+from .peft import param_wrappers
+
 
 def functional_call(module: nn.Module, values: dict[str, torch.Tensor], args: Any = (),
                     kwargs: dict[str, Any] | None = None, **options: Any) -> Any:
     """``torch.func.functional_call(module, values, args, kwargs, **options)``, ``module`` unchanged after."""
     held = [(m, dict(m._parameters), dict(m._buffers)) for m in module.modules()]
     counts = []
-    name_of = {id(m): n for n, m in module.named_modules()}
-    for m in module.modules():
-        if isinstance(getattr(m, "num_experts", None), int) and hasattr(m, "get_base_layer") \
-                and getattr(m, "parameter_name", None):
-            base = name_of.get(id(m.get_base_layer()))
-            value = values.get(f"{base}.{m.parameter_name}" if base else m.parameter_name) if base is not None else None
-            if isinstance(value, torch.Tensor) and value.dim() == 3:
-                counts.append((m, m.num_experts))
-                m.num_experts = value.shape[0]
+    for _, m, weight in param_wrappers(module):
+        value = values.get(weight)
+        if isinstance(getattr(m, "num_experts", None), int) and isinstance(value, torch.Tensor) and value.dim() == 3:
+            counts.append((m, m.num_experts))
+            m.num_experts = value.shape[0]
     try:
         return torch.func.functional_call(module, values, args, kwargs, **options)
     finally:

@@ -37,6 +37,7 @@ embedding). On a replicated base every adapter is replicated and any LoRA varian
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 
 from torch import nn
 
@@ -80,6 +81,20 @@ def adapted_layer(module: str) -> str:
         return module[:-len(BASE_LAYER)]
     i = module.find(".lora_")
     return module[:i] if i >= 0 else module
+
+
+def param_wrappers(model: nn.Module) -> Iterator[tuple[str, nn.Module, str]]:
+    """``(wrapper name, wrapper, its weight's name)`` of each PEFT ``ParamWrapper`` in ``model`` (LoRA of a
+    parameter, ``LoraConfig(target_parameters=...)``: the routed experts' 3-D weights), the weight named where
+    the wrapped module holds it."""
+    name_of = {id(m): n for n, m in model.named_modules()}
+    for name, m in model.named_modules():
+        pname = getattr(m, "parameter_name", None)
+        if pname is None or not hasattr(m, "lora_A") or not hasattr(m, "get_base_layer"):
+            continue
+        base = name_of.get(id(m.get_base_layer()))
+        if base is not None:
+            yield name, m, f"{base}.{pname}" if base else pname
 
 
 def is_adapter(name: str) -> bool:

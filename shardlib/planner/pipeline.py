@@ -143,8 +143,7 @@ class PipelinePlan:
         if self.stream is None:
             return None
         dtype = getattr(torch, self.stream_dtype)
-        floats = (1 if self.aux_riding else 0) + (2 * self.router_experts + 1 if self.router_experts else 0)
-        return self.stream_bytes + loss_words(dtype) * dtype.itemsize * floats
+        return self.stream_bytes + loss_words(dtype) * dtype.itemsize * self.forward_floats
 
     @property
     def grad_message_bytes(self) -> int | None:
@@ -154,7 +153,19 @@ class PipelinePlan:
         if self.stream is None:
             return None
         dtype = getattr(torch, self.stream_dtype)
-        return self.stream_bytes + loss_words(dtype) * dtype.itemsize * (1 + self.router_experts)
+        return self.stream_bytes + loss_words(dtype) * dtype.itemsize * self.backward_floats
+
+    @property
+    def forward_floats(self) -> int:
+        """fp32 values behind each forward message: the aux terms so far (``aux_riding``), the router
+        statistics so far (``router_experts``: counts, rows, probability sums)."""
+        return (1 if self.aux_riding else 0) + (2 * self.router_experts + 1 if self.router_experts else 0)
+
+    @property
+    def backward_floats(self) -> int:
+        """fp32 values behind each backward message: the micro-batch's loss, and the router probability
+        sums' cotangent (``router_experts``)."""
+        return 1 + self.router_experts
 
     @property
     def recv_window(self) -> int:

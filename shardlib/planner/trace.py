@@ -107,9 +107,6 @@ class RecordingOps:
         """An SP region kept its gathered input as the chunk: backward gathers it again (comm/sp_saved.py)."""
         self._rec("backward", "all_gather", self._bytes("all_gather", chunk))
 
-    def gather_saved(self, chunk, dim):
-        return self._seq(chunk, self.size, dim)
-
     def full_logits(self, output: torch.Tensor, width: int) -> torch.Tensor:
         """What the code after a vocab-split head sees: logits of the full width."""
         return output.new_zeros((*output.shape[:-1], width))

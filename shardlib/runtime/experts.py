@@ -19,7 +19,7 @@ from torch import nn
 
 from ..comm import core as comm
 from ..comm.experts import combine, dispatch, statistics_sum
-from ..planner.peft import is_adapter
+from ..planner.peft import is_adapter, param_wrappers
 from .grad_sync import DataReduction
 
 if TYPE_CHECKING:
@@ -50,12 +50,9 @@ def route_experts(model: nn.Module, plan: Plan, global_plan: Plan, mesh: Mesh) -
     mine = [pp for pp in plan.params if plan.is_expert(pp.name) and not is_adapter(pp.name)]
     owners = {pp.name.rpartition(".")[0]: global_plan.param(pp.name).shape[0] for pp in mine}
     local = {pp.name.rpartition(".")[0]: pp.shape[0] for pp in mine}
-    name_of = {id(m): n for n, m in modules.items()}
-    for m in modules.values():       # PEFT's LoRA of a routed 3-D weight: its experts, this rank's
-        if hasattr(m, "parameter_name") and hasattr(m, "get_base_layer") and isinstance(getattr(m, "num_experts", None), int):
-            name = name_of.get(id(m.get_base_layer()))
-            if name in local:
-                m.num_experts = local[name]
+    for _, m, weight in param_wrappers(model):       # PEFT's LoRA of a routed 3-D weight: its experts, this rank's
+        if isinstance(getattr(m, "num_experts", None), int) and weight.rpartition(".")[0] in local:
+            m.num_experts = local[weight.rpartition(".")[0]]
     counts = ExpertCounts(sorted(owners), owners, mesh, plan.expert_axis)
     for i, (name, n_experts) in enumerate(sorted(owners.items())):
         module = modules[name]

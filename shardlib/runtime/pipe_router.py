@@ -9,7 +9,7 @@ per micro-batch. So, per micro-batch:
 
 * each stage records its routers' logits (forward hooks on the modules the model's own ``OutputRecorder``
   names), adds its rows' ``(C, N, P)`` to the sums it received, and sends them on behind the stream
-  (``2E + 1`` fp32: ``PipelinePlan.router_experts``);
+  (``2E + 1`` fp32: ``PipelinePlan.forward_floats``);
 * the last stage sums them over the batch's ranks (and sequence parallelism's tensor ranks, each holding a
   chunk of the rows) — one all-reduce, forward only — and runs the model's own loss with the function
   returning that value (``router_loss.valued``), so the loss is one process's;
@@ -39,12 +39,6 @@ if TYPE_CHECKING:
     from ..algebra.mesh import Mesh
 
 
-def switch_loss(stats: torch.Tensor, experts: int) -> torch.Tensor:
-    """``E · Σ (C / N) · (P / N)`` from ``stats = [C (E), N, P (E)]``, as transformers writes it."""
-    counts, rows, probs = stats[:experts], stats[experts], stats[experts + 1:]
-    return torch.sum((counts / rows) * (probs / rows).unsqueeze(0)) * experts
-
-
 class PipeRouterLoss:
     """The load-balancing loss of a transformers model across a pipeline's stages (see the module doc)."""
 
@@ -56,9 +50,8 @@ class PipeRouterLoss:
         cls, self.index = found
         self.experts, self.top_k, self.coef = router_counts(model)
         self.mesh, self.chunks = mesh, chunks
-        axes = tuple(a for a in (*mesh.canonical_axes(batch_axes), *((chunks,) if chunks else ())))
-        self.axes = mesh.canonical_axes(axes)
-        self.sum_over = self.axes if mesh.axis_size(self.axes) > 1 else ()
+        over = mesh.canonical_axes((*batch_axes, *((chunks,) if chunks else ())))
+        self.sum_over = over if mesh.axis_size(over) > 1 else ()
         # a batch rank's share of the cotangent: the whole batch's (its gradients are averaged over them)
         self.batch_ranks = mesh.axis_size(mesh.canonical_axes(batch_axes))
         self.hooks = [r.register_forward_hook(self._record) for bs in blocks.values() for b in bs
@@ -68,14 +61,6 @@ class PipeRouterLoss:
         self.probs: dict[tuple[int, int], torch.Tensor] = {}      # (stage, mb) -> the stage's own P
         self.cotangent: dict[int, torch.Tensor] = {}              # mb -> the probability sums' cotangent
         self.factor = 1.0
-
-    @property
-    def forward_floats(self) -> int:
-        return 2 * self.experts + 1
-
-    @property
-    def backward_floats(self) -> int:
-        return self.experts
 
     def begin_step(self, factor: float) -> None:
         self.factor = factor
@@ -94,31 +79,12 @@ class PipeRouterLoss:
         finally:
             self.captured = None
 
-    def after_blocks(self, s: int, i: int, x: torch.Tensor, batch: Any, logits: list[torch.Tensor]) -> None:
-        """Add stage ``s``'s rows of micro-batch ``i`` (``logits``: its routers', in order; ``x``: the
-        stage's output) to the sums, and keep their probability sums for the stage's backward."""
-        e, device = self.experts, x.device
-        counts = torch.zeros(e, dtype=torch.float32, device=device)
-        probs = torch.zeros(e, dtype=torch.float32, device=device)
-        rows = torch.zeros((), dtype=torch.float32, device=device)
+    def after_blocks(self, s: int, i: int, batch: Any, logits: list[torch.Tensor]) -> None:
+        """Add stage ``s``'s rows of micro-batch ``i`` (``logits``: its routers', in order) to the sums, and keep
+        their probability sums for the stage's backward."""
         mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
-        if mask is not None:
-            if self.chunks is not None:      # this rank's chunk of each row's positions
-                t = self.mesh.axis_size((self.chunks,))
-                mask = mask.chunk(t, dim=1)[self.mesh.group_index(self.mesh.rank, (self.chunks,))]
-            mask = mask.reshape(-1).to(device=device, dtype=torch.float32)
-        for layer in logits:
-            weights = torch.nn.functional.softmax(layer.to(device), dim=-1)
-            _, chosen = torch.topk(weights, self.top_k, dim=-1)
-            if mask is None:
-                counts = counts + torch.bincount(chosen.reshape(-1), minlength=e).float()
-                probs = probs + weights.float().sum(dim=0)
-                rows = rows + weights.shape[0]
-            else:
-                counts = counts + torch.zeros_like(counts).scatter_add_(0, chosen.reshape(-1),
-                                                                        mask.repeat_interleave(self.top_k))
-                probs = probs + (weights.float() * mask.unsqueeze(-1)).sum(dim=0)
-                rows = rows + mask.sum()
+        counts, rows, probs = router_loss.local_statistics(logits, self.experts, self.top_k, mask, self.mesh,
+                                                           self.chunks)
         mine = torch.cat([counts, rows.reshape(1), probs.detach()])
         before = self.sums.pop((s, i), None)
         self.sums[(s, i)] = mine if before is None else before + mine
@@ -149,9 +115,10 @@ class PipeRouterLoss:
         stats = self.sums.pop((s, i))
         if self.sum_over:
             stats = Psum.apply(stats, self.mesh, self.sum_over)
-        p = stats[self.experts + 1:].clone().requires_grad_(True)
+        e = self.experts
+        p = stats[e + 1:].clone().requires_grad_(True)
         with torch.enable_grad():
-            value = switch_loss(torch.cat([stats[:self.experts + 1], p]), self.experts)
+            value = router_loss.switch_loss(stats[:e], stats[e], p)
             (grad,) = torch.autograd.grad(value * (self.coef * self.factor * self.batch_ranks), p)
         self.cotangent[i] = grad
         with router_loss.valued(value.detach()):

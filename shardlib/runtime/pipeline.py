@@ -141,8 +141,7 @@ class PipelineRuntime(StageBackward, GradSync):
                        if pp.router_experts else None)
         # fp32 values behind each forward message (the aux terms, the router statistics) and each backward
         # one (the loss, the router statistics' cotangent)
-        self.floats_f = (1 if pp.aux_riding else 0) + (self.router.forward_floats if self.router else 0)
-        self.floats_b = 1 + (self.router.backward_floats if self.router else 0)
+        self.floats_f, self.floats_b = pp.forward_floats, pp.backward_floats
         # an expert axis: the norm counts each expert's gradient on every expert coordinate, the rest once
         # (runtime/experts.py); the step's tokens per expert summed over the batch's axes on their own
         self.expert_norm = (ExpertReduction(mesh, engine.plan, engine.states, engine.scalar_vector, engine.experts)
@@ -401,7 +400,7 @@ class PipelineRuntime(StageBackward, GradSync):
                     x = x[0]
             routed = self.router.captured if self.router is not None else None
         if self.router is not None:          # this stage's router statistics added to the micro-batch's
-            self.router.after_blocks(s, i, x, batch, routed)
+            self.router.after_blocks(s, i, batch, routed)
         if self.aux_riding:                 # this stage's routers' terms added to the micro-batch's so far
             before = self.aux_so_far.pop((s, i), None) if not st.pre else None
             mine = sum((m.aux_weight * m.aux_loss.detach().float() for m in self.stage_routers[s]),

@@ -77,12 +77,11 @@ def valued(value: torch.Tensor) -> Iterator[None]:
         _ACTIVE.reset(token)
 
 
-def global_load_balancing(gate_logits, num_experts: int | None = None, top_k: int = 2,
-                          attention_mask: torch.Tensor | None = None):
-    """transformers' ``load_balancing_loss_func`` with every sum over the batch's ranks (``active``)."""
-    if gate_logits is None or not isinstance(gate_logits, tuple):
-        return 0
-    mesh, axes, chunked = _ACTIVE.get()
+def local_statistics(gate_logits, num_experts: int, top_k: int, attention_mask: torch.Tensor | None,
+                     mesh: Mesh, chunked: str | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(counts [E], rows, probability sums [E])`` of this rank's router logits ``gate_logits`` (one per layer),
+    padding left out by ``attention_mask`` — under sequence parallelism over ``chunked`` this rank's chunk of
+    each row's positions — as transformers' function sums them; only the probability sums carry a gradient."""
     device = gate_logits[0].device
     if chunked is not None and attention_mask is not None:       # this rank's chunk of each row's positions
         t, i = mesh.axis_size((chunked,)), mesh.group_index(mesh.rank, (chunked,))
@@ -102,7 +101,21 @@ def global_load_balancing(gate_logits, num_experts: int | None = None, top_k: in
             counts = counts + torch.zeros_like(counts).scatter_add_(0, chosen.reshape(-1), mask.repeat_interleave(top_k))
             probs = probs + (weights.float() * mask.unsqueeze(-1)).sum(dim=0)
             rows = rows + mask.sum()
+    return counts, rows, probs
+
+
+def switch_loss(counts: torch.Tensor, rows: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """``E · Σ (C / N) · (P / N)``, as transformers writes it."""
+    return torch.sum((counts / rows) * (probs / rows).unsqueeze(0)) * counts.numel()
+
+
+def global_load_balancing(gate_logits, num_experts: int | None = None, top_k: int = 2,
+                          attention_mask: torch.Tensor | None = None):
+    """transformers' ``load_balancing_loss_func`` with every sum over the batch's ranks (``active``)."""
+    if gate_logits is None or not isinstance(gate_logits, tuple):
+        return 0
+    mesh, axes, chunked = _ACTIVE.get()
+    counts, rows, probs = local_statistics(gate_logits, num_experts, top_k, attention_mask, mesh, chunked)
     stats = statistics_sum(torch.cat([counts, rows.reshape(1)]).detach(), mesh, axes, chunked)
     probs = statistics_sum(probs, mesh, axes, chunked)
-    counts, rows = stats[:-1], stats[-1]
-    return torch.sum((counts / rows) * (probs / rows).unsqueeze(0)) * num_experts
+    return switch_loss(stats[:-1], stats[-1], probs)
