@@ -48,7 +48,9 @@ from harness import launch, max_rel, write_rows
 import shardlib as sl
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-SIDES = ("shardlib", "torchao-fsdp2", "bnb-fsdp2")
+SIDES = ("shardlib", "torchao-fsdp2", "shardlib-bnb", "bnb-fsdp2")
+# each side's losses against the side holding the same codes
+SAME_CODES = {"shardlib": "torchao-fsdp2", "shardlib-bnb": "bnb-fsdp2"}
 LR, RANK = 1e-4, 16
 
 
@@ -116,16 +118,25 @@ def build_shardlib(s: Size, d: int, folder: str):
     return lambda batch: float(engine.step(batch))
 
 
+def bnb_model(folder: str):
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                           bnb_4bit_compute_dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, quantization_config=q, device_map="cpu")
+
+
+def build_shardlib_bnb(s: Size, d: int, folder: str):
+    model = lora(bnb_model(folder)).train()
+    engine = sl.parallelize(model, sl.plan(model, sl.Mesh({"data": d}), zero=3), optimizer=optimizer)
+    return lambda batch: float(engine.step(batch))
+
+
 def build_fsdp2(s: Size, d: int, folder: str, bnb: bool):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
     if bnb:
-        from transformers import BitsAndBytesConfig
-        q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                               bnb_4bit_compute_dtype=torch.float32)
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, quantization_config=q,
-                                                     device_map="cpu")
+        model = bnb_model(folder)
     else:
         from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
@@ -180,13 +191,14 @@ def rank_main(side: str, s: Size, d: int, folder: str, warmup: int, steps: int) 
     set_verbosity_error()
     import importlib
     for module in ("peft", "torchao.quantization.quantize_.workflows.nf4.nf4_tensor",
-                   "transformers.models.llama.modeling_llama") + (("bitsandbytes",) if side == "bnb-fsdp2" else ()):
+                   "transformers.models.llama.modeling_llama") + (("bitsandbytes",) if "bnb" in side else ()):
         importlib.import_module(module)      # the libraries' import is not the load: imported before measuring
     before = _reset_peak()
     dist.barrier()
     t0 = time.perf_counter()
     try:
-        step = build_shardlib(s, d, folder) if side == "shardlib" else build_fsdp2(s, d, folder, side == "bnb-fsdp2")
+        step = {"shardlib": build_shardlib, "shardlib-bnb": build_shardlib_bnb}.get(side)
+        step = step(s, d, folder) if step else build_fsdp2(s, d, folder, side == "bnb-fsdp2")
     except Exception as e:       # noqa: BLE001  (a benchmark reports what a stack does, whatever it raises)
         return {"failed": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
     load_s = time.perf_counter() - t0
@@ -223,7 +235,7 @@ def table(row: dict) -> str:
     res = row["results"]
     base = res.get("torchao-fsdp2", {})
     lines = ["| side | load s | load peak RSS MB per rank (above start) | step peak RSS MB per rank | step s "
-             "(p25-p75) | ratio vs torchao + FSDP2 | max rel Δloss vs torchao + FSDP2 |", "|" + "---|" * 7]
+             "(p25-p75) | ratio vs torchao + FSDP2 | max rel Δloss vs the same codes under FSDP2 |", "|" + "---|" * 7]
     for side in SIDES:
         r = res.get(side)
         if r is None:
@@ -232,7 +244,8 @@ def table(row: dict) -> str:
             lines.append(f"| {side} | FAILED: {r['failed'].split(', types=')[0]} |" + " – |" * 5)
             continue
         ratio = f"**{r['step_s'] / base['step_s']:.2f}**" if "step_s" in base else "–"
-        dl = f"{max_rel(r['losses'], base['losses']):.1e}" if "losses" in base and side != "torchao-fsdp2" else "–"
+        same = res.get(SAME_CODES.get(side), {})
+        dl = f"{max_rel(r['losses'], same['losses']):.1e} ({SAME_CODES[side]})" if "losses" in same else "–"
         lines.append(f"| {side} | {r['load_s']:.1f} | {' / '.join(f'{x:.0f}' for x in r['load_peak_mb'])} | "
                      f"{' / '.join(f'{x:.0f}' for x in r['step_peak_mb'])} | {r['step_s']:.2f} "
                      f"({r['p25']:.2f}-{r['p75']:.2f}) | {ratio} | {dl} |")

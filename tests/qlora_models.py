@@ -149,6 +149,69 @@ def resume(path: str, fmt: str, first: tuple[dict, int], then: tuple[dict, int],
     return {"saved": saved, "loaded": loaded, "loss_a": loss_a, "loss_b": float(other.step(batches()[1]))}
 
 
+def bnb_model(path: str):
+    """The folder loaded as a user brings a QLoRA model: bitsandbytes 4-bit NF4, double-quantized
+    (``BitsAndBytesConfig``, on the CPU), LoRA on every projection drawn from ``ADAPTER_SEED``."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    base = AutoModelForCausalLM.from_pretrained(
+        path, device_map="cpu", dtype=torch.float32,
+        quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                               bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.float32))
+    torch.manual_seed(ADAPTER_SEED)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0,
+                                            init_lora_weights=False))
+    # in train mode, as a trainer puts it: from_pretrained leaves it in eval, where bitsandbytes' Linear4bit
+    # repacks a weight whose input needs no grad for its bf16 CPU inference kernel (another product)
+    return model.train()
+
+
+def _bnb_float(t: torch.Tensor) -> torch.Tensor:
+    """A bitsandbytes ``Params4bit`` as the float weight bitsandbytes multiplies by; anything else as ``_float``."""
+    if type(t).__name__ == "Params4bit":
+        import bitsandbytes.functional as bnbf
+        return bnbf.dequantize_4bit(t.data, t.quant_state).float()
+    return _float(t)
+
+
+def bnb_reference(path: str) -> dict:
+    """One process, bitsandbytes' own ``Linear4bit`` product: losses, adapters, base (dequantized)."""
+    model = bnb_model(path)
+    opt = adamw([p for p in model.parameters() if p.requires_grad])
+    losses = []
+    for b in batches():
+        opt.zero_grad(set_to_none=True)
+        loss = model(**b).loss
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    params = dict(model.named_parameters())
+    return {"losses": losses,
+            "adapters": {k: v.detach().clone() for k, v in params.items() if "lora_" in k},
+            "base": {k: _bnb_float(v) for k, v in params.items() if "lora_" not in k}}
+
+
+def bnb_run(path: str, shape: dict, zero: int) -> dict:
+    """On every rank: the bitsandbytes model planned and trained on a ``shape`` mesh (the base loaded whole on
+    each rank, as from_pretrained leaves it); losses, final adapters and base (dequantized), memory."""
+    from shardlib.planner.hf_tp import tp_table
+    from shardlib.testing import get_mesh
+    mesh = get_mesh(shape)
+    model = bnb_model(path)
+    if shape.get("tensor", 1) > 1:
+        sl.shard(tp_table(model))(model)
+    kw = {"rules": {"layers": "pipe"}, "microbatches": 2} if shape.get("pipe", 1) > 1 else {}
+    plan = sl.plan(model, mesh, zero=zero, batch=batches()[0], **kw)
+    eng = sl.parallelize(model, plan, optimizer=adamw)
+    losses = [float(eng.step(b)) for b in batches()]
+    state = eng.full_state_dict()
+    return {"losses": losses, "adapters": {k: v for k, v in state.items() if "lora_" in k},
+            "base": {k: _float(v) for k, v in state.items() if "lora_" not in k},
+            "kinds": sorted({s.plan.quant.kind for s in eng.states if s.plan.quant is not None}),
+            "params4bit": [k for k, v in model.named_parameters() if type(v).__name__ == "Params4bit"],
+            "memory": plan.memory_per_rank(eng.mesh.rank), "held": eng.memory_held()}
+
+
 def broken_folders(path: str, out: str) -> dict[str, str]:
     """Copies of the folder that a load must refuse: ``"int"`` (a projection stored as int32), ``"bnb"``
     (one stored as bitsandbytes stores a 4-bit weight: packed uint8 codes with ``absmax`` and ``quant_state``)."""

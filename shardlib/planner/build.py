@@ -17,7 +17,8 @@ from ..algebra.layout import Layout
 from ..algebra.mesh import AbstractMesh
 from ..algebra.qualnames import unit_of
 from ..algebra.spec import Fused, PartitionSpec
-from ..errors import ShardingError, ShardingTypeError
+from ..errors import Problems, ShardingError, ShardingTypeError
+from ..quant.bnb4 import from_bitsandbytes
 from ..quant.layout import quant_spec, quantized_problems
 from .experts import (aux_loss_problems, expert_adapter_specs, expert_layers, expert_params, expert_problems,
                       router_loss_experts, router_stats, tensor_adapters, wrapped_owner)
@@ -48,6 +49,9 @@ def _plan(model: nn.Module, mesh: AbstractMesh, *, policies: Policies, rules: An
     data_axis = pol.roles.data
     if data_axis == "data":          # a mesh without a data axis is one whose data size is 1
         mesh = mesh.with_axis(data_axis)
+    with Problems("plan") as problems:          # bitsandbytes' 4-bit Linears: their weights laid out, in place
+        for m in from_bitsandbytes(model):       # (quant/bnb4.py; nothing changed where one cannot be)
+            problems.add(m)
     expert_axis = pol.roles.expert_of(mesh)
     if expert_axis is not None and mesh.axis_sizes[expert_axis] > 1:
         from .stacked import stack_experts

@@ -38,7 +38,7 @@ from torch import nn
 from shardlib.errors import Problems, ShardingError, ShardingTypeError
 from shardlib.validate import is_int
 
-from .wrapper import FLOAT_FUNCS, SHARED, call_dequantized, check_frozen
+from .wrapper import FLOAT_FUNCS, SHARED, call_dequantized, frozen_linear
 
 aten = torch.ops.aten
 
@@ -201,7 +201,7 @@ class Int4Tensor(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.linear:
-            return _linear(*args, **kwargs)
+            return frozen_linear(Int4Tensor, *args, **kwargs)
         if func in FLOAT_FUNCS:
             return call_dequantized(Int4Tensor, func, args, kwargs)
         with torch._C.DisableTorchFunctionSubclass():
@@ -216,30 +216,7 @@ class Int4Tensor(torch.Tensor):
         return handler(func, *args, **kwargs)
 
 
-# -- what the subclass does under torch functions and aten ops ----------------------------------
-
-class _FrozenInt4Linear(torch.autograd.Function):
-    """``y = x W^T + b`` with ``W`` packed: saves the packed weight, dequantizes again for ``dx = dy W``."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, w: Int4Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        ctx.w, ctx.has_bias = w, b is not None
-        # in the input's dtype: a bf16/fp16 forward of an fp32-scaled weight (mixed precision) runs in bf16
-        return F.linear(x, w.dequantize(x.dtype if x.is_floating_point() else None), b)
-
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):
-        dx = dy @ ctx.w.dequantize().to(dy.dtype) if ctx.needs_input_grad[0] else None  # dy: autocast's dtype
-        db = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return dx, None, db
-
-
-def _linear(input: torch.Tensor, weight: Any, bias: Any = None) -> torch.Tensor:
-    if isinstance(input, Int4Tensor) or isinstance(bias, Int4Tensor) or not isinstance(weight, Int4Tensor):
-        return call_dequantized(Int4Tensor, F.linear, (input, weight, bias), {})
-    check_frozen(weight, F.linear)
-    return _FrozenInt4Linear.apply(input, weight, bias)
-
+# -- what the subclass does under aten ops -------------------------------------------------------
 
 def _to_copy(func, self, *, dtype=None, device=None, layout=None, memory_format=None, non_blocking=False,
              pin_memory=None):

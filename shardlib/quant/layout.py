@@ -150,9 +150,9 @@ def split_problems(name: str, spec: QuantSpec, dims: list[tuple[int, int, str]])
 
 def quantized_problems(model, specs: dict, mesh) -> list[str]:
     """Plan-time problems of the model's quantized weights under ``specs`` on ``mesh``: a quantized
-    weight marked trainable, a fused split of one, a split that cuts a quantization group; bitsandbytes'
-    packed weights (not laid out: refused by name, with the way to the same QLoRA)."""
-    out = _bitsandbytes_problems(model)
+    weight marked trainable, a fused split of one, a split that cuts a quantization group (bitsandbytes'
+    4-bit weights are laid out by ``sl.plan`` first: ``quant/bnb4.py``)."""
+    out = []
     for name, p in model.named_parameters():
         spec = quant_spec(p)
         if spec is None:
@@ -179,20 +179,6 @@ def quantized_problems(model, specs: dict, mesh) -> list[str]:
         out += split_problems(name, spec, dims)
         out += _grouped_problems(model, name, p, spec)
     return out
-
-
-def _bitsandbytes_problems(model) -> list[str]:
-    """One problem naming the model's bitsandbytes weights (``Params4bit``, ``Int8Params``): their codes
-    and ``quant_state`` are not laid out on a mesh; torchao's NF4 (QLoRA's format) is."""
-    found = [(n, type(p).__name__) for n, p in model.named_parameters()
-             if type(p).__name__ in ("Params4bit", "Int8Params") and type(p).__module__.startswith("bitsandbytes")]
-    if not found:
-        return []
-    names = ", ".join(n for n, _ in found[:2]) + (f" and {len(found) - 2} more" if len(found) > 2 else "")
-    return [f"plan: {names} are bitsandbytes {found[0][1]} weights (from_pretrained with BitsAndBytesConfig) — "
-            "their packed codes and quant_state are not laid out on a mesh yet; expected torchao's NF4, QLoRA's "
-            "format: build the model on the meta device, sl.quantize(model, 'nf4'), get_peft_model, "
-            "sl.parallelize(..., init=False), then engine.load_pretrained(folder) (each rank quantizes its rows)."]
 
 
 def _grouped_problems(model, name: str, p: torch.Tensor, spec: QuantSpec) -> list[str]:

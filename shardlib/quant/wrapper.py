@@ -42,6 +42,32 @@ def call_dequantized(cls: type, func, args, kwargs):
     return func(*tree_map(swap, args), **tree_map(swap, kwargs))
 
 
+class FrozenLinear(torch.autograd.Function):
+    """``y = x W^T + b`` with ``W`` quantized (anything with ``dequantize(dtype)``): saves the quantized weight,
+    dequantizes it again for ``dx = dy W`` rather than keeping each layer's float copy alive to backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        ctx.w, ctx.has_bias = w, b is not None
+        # in the input's dtype: a bf16/fp16 forward of an fp32-scaled weight (mixed precision) runs in bf16
+        return F.linear(x, w.dequantize(x.dtype if x.is_floating_point() else None), b)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        dx = dy @ ctx.w.dequantize().to(dy.dtype) if ctx.needs_input_grad[0] else None  # dy: autocast's dtype
+        db = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dx, None, db
+
+
+def frozen_linear(cls: type, input: torch.Tensor, weight: Any, bias: Any = None) -> torch.Tensor:
+    """``F.linear`` under ``cls.__torch_function__``: the frozen product when ``weight`` is the ``cls`` weight,
+    else on dequantized floats."""
+    if isinstance(input, cls) or isinstance(bias, cls) or not isinstance(weight, cls):
+        return call_dequantized(cls, F.linear, (input, weight, bias), {})
+    check_frozen(weight, F.linear)
+    return FrozenLinear.apply(input, weight, bias)
+
+
 def alias(func, self, *args, **kwargs):
     """``detach``, ``alias``, ``clone``: the op on every component."""
     return self._with(lambda t: func(t, *args, **kwargs))

@@ -124,19 +124,72 @@ def test_an_nf4_split_that_would_cut_a_block_is_refused_with_the_degrees_that_wo
         sl.plan(model, sl.AbstractMesh({"data": 1, "tensor": 2}))
 
 
-def test_a_bitsandbytes_4bit_model_is_refused_at_plan_time_with_the_way_to_qlora(tmp_path):
-    """A model loaded with bitsandbytes 4-bit (``BitsAndBytesConfig``, NF4, on the CPU) holds ``Params4bit``
-    codes whose ``quant_state`` lives beside them: not laid out on a mesh, so named before anything runs
-    (it once reached the step and failed inside bitsandbytes' kernel), with the torchao NF4 path that does."""
-    from peft import LoraConfig, get_peft_model
+def _bnb(path, **quant):
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    return AutoModelForCausalLM.from_pretrained(
+        path, device_map="cpu", dtype=torch.float32,
+        quantization_config=BitsAndBytesConfig(**{"load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
+                                                  "bnb_4bit_use_double_quant": True,
+                                                  "bnb_4bit_compute_dtype": torch.float32, **quant})).train()
+
+
+def test_a_bitsandbytes_4bit_model_plans_as_its_packed_codes_with_bitsandbytes_own_product(tmp_path):
+    """A model loaded with bitsandbytes 4-bit (``BitsAndBytesConfig``, NF4 double-quantized, on the CPU) is laid
+    out by ``sl.plan``: each ``Params4bit`` becomes a ``Bnb4Tensor`` of the weight's shape (bitsandbytes' codes,
+    its block scales as its product computes them), whose float weight, slices and product are bitsandbytes'
+    bit for bit; the plan counts its packed bytes; a tensor split that would cut a block of 64 is refused with
+    the degrees that keep blocks whole."""
+    import bitsandbytes as bnb
+    import bitsandbytes.functional as bnbf
+    from peft import LoraConfig, get_peft_model
+
+    from shardlib.planner.hf_tp import tp_table
+    from shardlib.quant.bnb4 import Bnb4Tensor
 
     qm.write_folder(tmp_path)
-    base = AutoModelForCausalLM.from_pretrained(
-        tmp_path, device_map="cpu", dtype=torch.float32,
-        quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                               bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.float32))
-    model = get_peft_model(base, LoraConfig(r=4, target_modules="all-linear"))
-    with pytest.raises(sl.ShardingError, match=r"self_attn\.q_proj\.base_layer\.weight, .* and \d+ more are "
-                                               r"bitsandbytes Params4bit weights .* sl\.quantize\(model, 'nf4'\)"):
+    ref = _bnb(tmp_path)
+    model = get_peft_model(_bnb(tmp_path), LoraConfig(r=4, target_modules="all-linear"))
+    sl.shard(tp_table(model))(model)
+    plan = sl.plan(model, sl.AbstractMesh({"data": 2, "tensor": 2}), zero=3)
+    for name in ("self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj"):
+        mine = model.base_model.model.model.layers[1].get_submodule(name).base_layer
+        theirs = ref.model.layers[1].get_submodule(name)
+        w, pw = mine.weight, theirs.weight
+        assert isinstance(w, Bnb4Tensor) and tuple(w.shape) == (theirs.out_features, theirs.in_features)
+        full = bnbf.dequantize_4bit(pw.data, pw.quant_state)
+        assert torch.equal(w.dequantize(), full), name
+        assert torch.equal(w[:, 64:].dequantize(), full[:, 64:]) and torch.equal(w[8:40].dequantize(), full[8:40])
+        xi = torch.randn(3, theirs.in_features)
+        assert torch.equal(mine(xi), theirs(xi)), name          # Linear4bit's own forward: gemm_4bit
+        assert torch.equal(mine(xi), bnb.matmul_4bit(xi, pw, quant_state=pw.quant_state)), name
+        spec = plan.param(f"base_model.model.model.layers.1.{name}.base_layer.weight").quant
+        assert spec.kind == "Bnb4Tensor" and spec.held_bytes() == \
+            w.qdata.nbytes + w.absmax.nbytes == theirs.out_features * theirs.in_features * (1 / 2 + 4 / 64), name
+    text = plan.explain()
+    assert "14 quantized (bnb4)" in text, text
+    with pytest.raises(sl.ShardingError, match=r"o_proj.base_layer.weight \(128, 128\) is a Bnb4Tensor .* tensor=4 "
+                                               r"shards of 32 would cut a group.*among \[1, 2\]"):
+        sl.plan(model, sl.AbstractMesh({"data": 1, "tensor": 4}))
+
+
+def test_a_bitsandbytes_model_that_cannot_be_laid_out_is_named_and_left_as_it_was(tmp_path):
+    """bitsandbytes' 8-bit ``Int8Params``, and 4-bit codes over rows that do not hold whole blocks of 64
+    (hidden 96): one problem per reason, naming the weights and the fix; the model keeps its weights."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaForCausalLM
+
+    path = tmp_path / "odd"
+    torch.manual_seed(0)
+    LlamaForCausalLM(qm.config(hidden_size=96, num_attention_heads=3, num_key_value_heads=1)).save_pretrained(path)
+    model = _bnb(path)
+    before = {n: type(p).__name__ for n, p in model.named_parameters()}
+    with pytest.raises(sl.ShardingError, match=r"q_proj.weight, .* and \d+ more: bitsandbytes 4-bit weights whose "
+                                               r"quant storage cannot be sharded: in-features 96 that do not hold "
+                                               r"whole blocks of 64"):
         sl.plan(model, sl.AbstractMesh({"data": 2}))
+    assert {n: type(p).__name__ for n, p in model.named_parameters()} == before and "Params4bit" in before.values()
+    eight = AutoModelForCausalLM.from_pretrained(qm.write_folder(tmp_path / "llama"), device_map="cpu",
+                                                 quantization_config=BitsAndBytesConfig(load_in_8bit=True))
+    with pytest.raises(sl.ShardingError, match=r"and 12 more: bitsandbytes Int8Params .*sl.quantize\(model, 'int8'\)"):
+        sl.plan(eight, sl.AbstractMesh({"data": 2}))
+
+

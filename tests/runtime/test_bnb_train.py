@@ -1,0 +1,55 @@
+"""A model loaded with bitsandbytes 4-bit (issue 42, deliverable 2): ``from_pretrained`` with
+``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)`` on the
+CPU, PEFT LoRA on every projection — the model a QLoRA user brings — plans and trains on a mesh as it trains
+in one process with bitsandbytes' own ``Linear4bit`` product (``tests/qlora_models.py``):
+
+* ``sl.plan`` lays each ``Params4bit`` out as a ``Bnb4Tensor`` (``quant/bnb4.py``): bitsandbytes' codes and
+  its exact block scales, split on every axis without cutting a block, moved packed by ZeRO-3;
+* losses within 1e-5 of one process's, the trained adapters within round-off, every rank the same losses;
+* the frozen base after training equals bitsandbytes' dequantized weights bit for bit (and is still packed);
+* memory planned = held.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import qlora_models as qm
+
+CASES = [({"data": 2}, 3), ({"data": 1, "tensor": 2}, 0), ({"data": 2, "tensor": 2}, 3), ({"data": 1, "pipe": 2}, 0)]
+_REF: dict = {}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return qm.write_folder(str(tmp_path_factory.mktemp("bnb") / "llama"))
+
+
+@pytest.mark.parametrize("shape,zero", CASES, ids=[f"{'x'.join(f'{k}{v}' for k, v in s.items())}-zero{z}"
+                                                   for s, z in CASES])
+def test_a_bitsandbytes_4bit_peft_model_trains_on_a_mesh_like_one_process(world, folder, shape, zero):
+    if "ref" not in _REF:
+        _REF["ref"] = qm.bnb_reference(folder)
+    ref = _REF["ref"]
+    per_rank = world(math.prod(shape.values()), qm.bnb_run, folder, shape, zero)
+    for r, res in enumerate(per_rank):
+        where = f"bitsandbytes {shape} zero={zero} rank {r}"
+        assert res["kinds"] == ["Bnb4Tensor"] and res["params4bit"] == [], \
+            f"{where}: the quantized states are {res['kinds']}, bitsandbytes' own left: {res['params4bit'][:3]}"
+        rel = max(abs(a - b) / abs(b) for a, b in zip(res["losses"], ref["losses"]))
+        assert rel <= 1e-5, f"{where}: losses {res['losses']} vs one process's {ref['losses']}"
+        assert res["losses"] == per_rank[0]["losses"], f"{where}: losses differ from rank 0's"
+        assert res["base"].keys() == ref["base"].keys(), (where, sorted(set(res["base"]) ^ set(ref["base"]))[:4])
+        bad = [k for k, want in ref["base"].items() if not torch.equal(res["base"][k], want)]
+        assert bad == [], f"{where}: base tensors differ from bitsandbytes' one-process weights: {bad[:4]}"
+        assert res["adapters"].keys() == ref["adapters"].keys() and ref["adapters"], where
+        for k, want in ref["adapters"].items():
+            # Adam's normalized step turns the round-off of a near-zero gradient into ~lr: test_qlora_load's bound
+            torch.testing.assert_close(res["adapters"][k], want, rtol=1e-3, atol=1e-2 * qm.LR * qm.STEPS,
+                                       msg=lambda m, k=k: f"{where}, {k}: {m}")
+        held, planned = res["held"], res["memory"]
+        assert {k: held[k] for k in ("params", "grads", "optimizer")} == \
+            {k: planned[k] for k in ("params", "grads", "optimizer")}, f"{where}: held {held}, planned {planned}"
