@@ -18,7 +18,8 @@ import torch
 
 from ..algebra.mesh import AbstractMesh
 from ..comm.core import format_bytes
-from ..planner.estimate import ModelDims, StepEstimate, estimate_step, pipeline_rank_flops, recompute_passes
+from ..planner.estimate import (ModelDims, StepEstimate, estimate_step, pipeline_rank_flops, recompute_passes,
+                                score_elements)
 from .config.run_config import RunConfig
 
 
@@ -139,9 +140,13 @@ def dry_run(run: RunConfig) -> DryRun:
                                                    vocab=dims.vocab, tokens=tokens, mlp_ratio=dims.mlp_ratio,
                                                    recompute=t.recompute, block_matrix=dims.block_matrix)
         passes = blocks * micro * recompute_passes(t.recompute)
+        scores = score_elements(blocks=blocks, microbatches=micro, heads=dims.heads, seq=run.seq,
+                                sequences=t.batch // (plan.dp_size * micro), tensor=plan.tensor_size,
+                                recompute=t.recompute)
         est = estimate_step(plan, flops=flops, tokens=tokens, device_flops=mc.rank_tflops * 1e12, links=links,
                             layer_s=(mc.layer_us or 0.0) * 1e-6, layer_passes=passes, flops_per_rank=per_rank,
                             hop_s=dict(mc.hop_s), overlap=mc.overlap or 0.0,
+                            score_s=(mc.score_ns or 0.0) * 1e-9, scores=scores,
                             **{k: getattr(mc, f"{k}_gbps") * 1e9 for k in ("host", "disk", "host_update")
                                if getattr(mc, f"{k}_gbps") is not None})
         if plan.offload and (mc.host_gbps is None or (plan.disk_bytes() and mc.disk_gbps is None)):
@@ -189,7 +194,9 @@ def report(d: DryRun) -> str:
     if e is not None:
         comm = ", ".join(f"{a} {s * 1e3:.1f} ms" for a, s in sorted(e.comm_s.items(), key=lambda x: -x[1]))
         lines += ["", f"estimated step: compute {e.compute_s * 1e3:.1f} ms ({e.flops / 1e15:.3g} PFLOP per step, "
-                      f"{mesh.rank_tflops:g} TFLOP/s sustained per rank)"
+                      f"{mesh.rank_tflops:g} TFLOP/s sustained per rank"
+                      + (f"; of it attention scores {e.scores_s * 1e3:.1f} ms at {mesh.score_ns:g} ns per element"
+                         if e.scores_s else "") + ")"
                       + (f" / (1 - bubble {e.idle:.3f}) = {e.compute_with_bubble_s * 1e3:.1f} ms" if e.idle else ""),
                   f"  + communication {sum(e.comm_s.values()) * 1e3:.1f} ms ({comm or 'none'})",
                   *(["  + offload: " + ", ".join(f"{k} copies {s * 1e3:.1f} ms" for k, s in e.copy_s)

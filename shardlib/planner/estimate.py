@@ -15,6 +15,13 @@ work) — with a pipeline, its busiest stage's share (its blocks, and the head o
 mesh is calibrated (``layer_us``: what many small micro-batches pay beyond their FLOPs); a pipeline stretches it by its bubble,
 ``compute / (1 - idle)`` with the schedule's formula ``(p-1)/(m+p-1)`` (``planner/simulate.py``).
 
+Attention scores. Where the attention kernel writes its ``a·s²`` scores per sequence to memory (Megatron's
+scaled-masked softmax and dropout of 2021-22; not flash attention, which never holds them), their
+elementwise work — scale, mask, softmax, dropout, and their backward — is bound by memory traffic, not
+FLOPs: the mesh's ``score_ns`` (seconds per score element per layer's forward and backward, calibrated)
+times each rank's ``a·s²·b/t`` elements per layer and micro-batch (``b`` sequences per micro-batch, the
+heads split ``t`` ways), ``1.5`` times where recompute re-runs attention's core (full or selective).
+
 Communication. Each collective of ``plan.comm_per_step(rank)`` takes ``bytes / bandwidth + hops ·
 latency`` on the slowest link of its axes (ring hops: all-reduce ``2(k-1)``, all-gather and
 reduce-scatter ``k-1``, broadcast ``k-1``, a point-to-point send 1); a calibrated mesh may give the
@@ -55,6 +62,7 @@ class StepEstimate:
     copy_s: tuple[tuple[str, float], ...] = ()    # ("host" | "disk", seconds of the step's copies)
     update_s: float = 0.0         # the offloaded optimizer's update on the host
     overlap: float = 0.0          # the machine's fraction of communication hidden behind compute
+    scores_s: float = 0.0         # of compute_s: the attention scores' elementwise work (memory-bound)
 
     @property
     def compute_with_bubble_s(self) -> float:
@@ -162,12 +170,21 @@ def recompute_passes(recompute: bool | str) -> float:
     return 1.0 + 1 / 24 if recompute == "selective" else 1.0
 
 
+def score_elements(*, blocks: int, microbatches: int, heads: int, seq: int, sequences: int, tensor: int,
+                   recompute: bool | str) -> float:
+    """Attention score elements one rank's forward and backward touch in a step (the module doc):
+    ``blocks x microbatches x heads·seq²·sequences / tensor``, 1.5 times where recompute re-runs the core."""
+    again = 1.5 if recompute is True or recompute in ("full", "selective") else 1.0
+    return blocks * microbatches * heads * seq ** 2 * sequences / tensor * again
+
+
 def estimate_step(plan: Plan, *, flops: float, tokens: int, device_flops: float,
                   links: Mapping[str, tuple[float, float]], rank: int = 0, host: float | None = None,
                   disk: float | None = None, host_update: float | None = None,
                   layer_s: float = 0.0, layer_passes: float = 0.0,
                   flops_per_rank: float | None = None,
-                  hop_s: Mapping[str, float] | None = None, overlap: float = 0.0) -> StepEstimate:
+                  hop_s: Mapping[str, float] | None = None, overlap: float = 0.0,
+                  score_s: float = 0.0, scores: float = 0.0) -> StepEstimate:
     """``flops`` of a step over ``tokens`` tokens; ``device_flops`` per second; ``links[axis] =
     (bytes/s, seconds per hop)`` (an axis missing from ``links`` takes ``links["default"]``); with
     offload, ``host``, ``disk`` and ``host_update`` in bytes/s (the module doc; a figure not given
@@ -175,7 +192,9 @@ def estimate_step(plan: Plan, *, flops: float, tokens: int, device_flops: float,
     backward: Python and kernel launches, measured by ``python -m shardlib.calibrate``) times this rank's
     ``layer_passes``; ``flops_per_rank`` the busiest rank's share where it is not ``flops / ranks``
     (a pipeline: ``pipeline_rank_flops``); ``hop_s[op]`` a collective's seconds per ring hop where it
-    was measured apart from the links' (calibrated CPU meshes: gloo's reduce-scatter and all-gather)."""
+    was measured apart from the links' (calibrated CPU meshes: gloo's reduce-scatter and all-gather);
+    ``score_s`` seconds per attention score element (``score_elements``: ``scores`` of them) where the
+    attention kernel materializes its scores."""
     from .simulate import bubble_formula
 
     ranks = plan.mesh.size
@@ -203,6 +222,8 @@ def estimate_step(plan: Plan, *, flops: float, tokens: int, device_flops: float,
     if dict(plan.offload).get("optimizer") and host_update:
         n_opt = plan.memory_per_rank(rank, kind="all")["optimizer"] / (4 + plan.optimizer_state_bytes)
         update = 28 * n_opt / host_update
-    compute = per_rank / device_flops + layer_s * layer_passes      # + a fixed cost per layer and micro-batch
+    on_scores = score_s * scores
+    # + a fixed cost per layer and micro-batch, + the materialized scores' memory-bound work
+    compute = per_rank / device_flops + layer_s * layer_passes + on_scores
     return StepEstimate(flops, per_rank, compute, idle, comm, tokens,
-                        tuple((k, v) for k, v in copies.items() if v), update, overlap)
+                        tuple((k, v) for k, v in copies.items() if v), update, overlap, on_scores)

@@ -18,7 +18,7 @@ import torch
 import shardlib as sl
 from shardlib.cli.compose import check_overrides
 from shardlib.frontend.config.run_config import run_config
-from shardlib.frontend.dryrun import dry_run
+from shardlib.frontend.dryrun import dry_run, report
 from shardlib.models.gpt import GPT
 from shardlib.planner.estimate import HOPS, estimate_step, transformer_flops
 from shardlib.planner.simulate import bubble_formula
@@ -92,6 +92,26 @@ def test_estimate_is_the_stated_arithmetic():
     # the slowest link of a collective's axes prices it
     slow = estimate_step(plan, flops=flops, tokens=1, device_flops=1e12, links={"default": (1e9, 0.0), "tensor": (1e6, 0.0)})
     assert slow.comm_s["tensor"] == pytest.approx(sum(x.total for x in plan.comm_per_step(0) if x.axes == ("tensor",)) / 1e6)
+
+
+def test_materialized_attention_scores_add_their_elementwise_work_by_hand():
+    """``mesh.score_ns``: each score element a rank's attention writes (``a·s²`` per sequence, heads split over
+    tensor) costs that many ns per layer's forward and backward, 1.5 times under recompute (full or selective:
+    attention's core runs again); the busiest pipe rank's blocks times its micro-batches. Without it, nothing."""
+    base = ["mesh=a100_3072", "mesh.axes={data:2,pipe:2,tensor:2}", "model=1b", "model.n_layers=8",
+            "model.d_model=1024", "model.n_heads=16", "model.seq_len=512", "parallel=3d", "train.batch=16",
+            "parallel.microbatches=4", "parallel.rules={layers: pipe, heads: tensor, mlp: tensor, vocab: tensor}",
+            "train.precision=bf16"]
+    plain = dry_run(run_of(*base, "train.recompute=selective")).estimate
+    for rc, again in (("false", 1.0), ("selective", 1.5), ("true", 1.5)):
+        e = dry_run(run_of(*base, f"train.recompute={rc}", "+mesh.score_ns=0.25")).estimate
+        # 4 blocks per pipe rank, 4 micro-batches of 16 / (2 data x 4) = 2 sequences, 16 heads / 2 tensor ranks
+        want = 4 * 4 * (16 / 2) * 512 ** 2 * 2 * again * 0.25e-9
+        assert e.scores_s == pytest.approx(want), rc
+        if rc == "selective":
+            assert e.compute_s == pytest.approx(plain.compute_s + want) and plain.scores_s == 0.0
+    text = report(dry_run(run_of(*base, "+mesh.score_ns=0.25")))
+    assert "of it attention scores" in text and "0.25 ns per element" in text, text
 
 
 @pytest.mark.parametrize("name", list(LARGE))

@@ -70,6 +70,9 @@ class MeshConfig:
     calibrated: tuple = ()
     hop_s: tuple = ()                       # (op, seconds per ring hop) measured for ops unlike the all-reduce
     layer_us: float | None = None           # a fixed cost per layer and micro-batch (forward + backward)
+    # seconds x 1e9 per attention score element per layer's forward + backward where the attention kernel
+    # writes its scores to memory (not flash attention): memory-bound work beside the FLOPs (planner/estimate.py)
+    score_ns: float | None = None
     # the fraction of communication hidden behind compute (0: none, 1: all); the step is predicted between
     # the estimate's bounds by it: no_overlap - overlap x (no_overlap - full_overlap)
     overlap: float | None = None
@@ -272,6 +275,7 @@ def _mesh(raw: Any, problems: list[str]) -> MeshConfig:
                       host_update_gbps=c.number("host_update_gbps", None, strict=True, optional=True),
                       shared_cores=c.int("shared_cores", None, optional=True),
                       layer_us=c.number("layer_us", None, strict=True, optional=True),
+                      score_ns=c.number("score_ns", None, strict=True, optional=True),
                       overlap=fraction(c, "overlap"),
                       calibrated=calibrated(c.get("calibrated"), problems))
 
