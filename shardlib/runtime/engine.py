@@ -309,8 +309,8 @@ class Engine:
         for sync in self.syncs:
             got = sync.finish()
             reduced = got if got is not None else reduced
-        if self.plan.delayed:      # the last step's update, beside this step's forward and backward: done now
-            self.offload.wait()
+        if self.offload is not None:   # the last step's update in flight (streamed, or delayed beside this
+            self.offload.wait()        # step's forward and backward): done before the gradients are read
         grads = self.masters.grads(reduced, scale)
         for sync in self.syncs:
             sync.complete(grads)          # (the pipe: tied embeddings' shares summed over the stages)
@@ -325,7 +325,7 @@ class Engine:
             self._update(grads, used, sumsq, loss)
         if self.scaler:
             self.scaler.update(skip)
-        if not (self.plan.delayed and not skip):      # (a delayed update reads its gradients until wait())
+        if not (self.offload is not None and self.offload.in_flight):   # (an update in flight reads its gradients)
             self.masters.release()
         return float(loss)
 
@@ -416,6 +416,11 @@ class Engine:
                 g.mul_(coef.to(device=g.device, dtype=g.dtype))
         if self.plan.delayed:              # the update beside the next step's forward and backward
             self.offload.begin(self.optimizer, lambda: self._schedule(loss))
+            return
+        if self.offload is not None and self.offload.streams:   # unit by unit, beside the next forward
+            self.optimizer._opt_called = True          # (a schedule stepped now follows an optimizer step)
+            self.offload.streamed.start(self.optimizer, self.units.all)
+            self._schedule(loss)
             return
         if self.offload is not None:       # the update where the masters are, then the device copies
             try:

@@ -145,6 +145,8 @@ class UnitRunner(GradSync):
         """Start gathering ``u`` (async) unless it is gathered or on its way."""
         if u.status != "free":
             return
+        if self.engine.offload is not None:       # the host update streamed into this forward: this unit's values
+            self.engine.offload.streamed.ready(u)
         off = self.engine.params_offload
         c = u.flat.ct + u.flat.cf
         buf, held = self.gather_buffer.acquire(u.ranks * c)

@@ -2,8 +2,9 @@
 anonymous resident memory (``RssAnon``: its heap, not the page cache) at rest after a step is lower than
 without offload by at least 90% of what the plan says left it, at ZeRO 0, 1 and 3; and what the engine
 says it holds (``memory_held`` in device and host memory, with ZeRO-3's persistent collective buffers,
-``peak_per_rank()["comm_buffers"]``) is what the operating system sees it hold, within 8 MiB (what the
-allocator, Python's objects and the offload threads keep: 1-7 MiB measured). The update streams the states
+``peak_per_rank()["comm_buffers"]``) is what the operating system sees it hold, within 12 MiB (what the
+allocator, Python's objects and the offload threads keep: 1-7 MiB measured on the machines of November, 8.5 MiB
+at ZeRO-0 without offload on the one of 2026-12-08, the same on the commit before any change of that day). The update streams the states
 through a ring of chunk buffers: what it adds above the rest is what ``peak_per_rank()["update"]`` plans.
 
 Measured as a user would see it: the offloaded engine's ``RssAnon`` after ``engine.step`` returns, with no
@@ -109,7 +110,7 @@ def test_the_optimizer_on_disk_leaves_the_process_and_memory_held_is_what_the_os
             assert 0.8 * r["update_planned"] <= r["update"] <= r["update_planned"] + (1 << 20), (
                 f"zero={r['zero']} rank {rank}: the disk update rose {r['update'] / 2**20:.1f} MiB; the plan's "
                 f"peak says {r['update_planned'] / 2**20:.1f} MiB")
-            for name in ("none", "disk"):      # memory_held (device + host) is what the OS sees, within 8 MiB
-                assert abs(r[name] - r[f"{name}_held"]) <= 8 << 20, (
+            for name in ("none", "disk"):      # memory_held (device + host) is what the OS sees, within 12 MiB
+                assert abs(r[name] - r[f"{name}_held"]) <= 12 << 20, (
                     f"zero={r['zero']} rank {rank} {name}: RssAnon rose {r[name] / 2**20:.1f} MiB; memory_held, "
                     f"the collective buffers and less the model given say {r[f'{name}_held'] / 2**20:.1f} MiB")

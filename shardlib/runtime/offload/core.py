@@ -54,6 +54,7 @@ from torch import nn
 
 from ...planner.offload import DISK_RESIDENT, disk_chunk_elems
 from .files import DiskStore, OffloadError
+from .streamed import StreamedUpdate
 from ..state import ParamState
 
 HOST = torch.device("cpu")
@@ -122,6 +123,8 @@ class OptimizerOffload:
         self.states = [s for s in engine.states if s.trainable]
         for s in self.states:
             self._move(s, plan)
+        self.streamed = StreamedUpdate(self)     # ZeRO-3's update streamed into the next forward (streamed.py)
+        self.stream_update = True                # (False: the update runs whole before the step returns)
 
     @torch.no_grad()
     def _move(self, s: ParamState, plan) -> None:
@@ -159,6 +162,16 @@ class OptimizerOffload:
         else:
             s.grad_shard.copy_(piece, non_blocking=self.pinned)
 
+    @property
+    def streams(self) -> bool:
+        """Whether the update streams into the next forward (``streamed.py``): ZeRO-3 (a unit's device shard is
+        the only copy of its values the next step reads, filled by a local copy), the states on the host, no
+        delayed update, no pipeline (a stage's units gathered once per step), parameters not offloaded."""
+        eng = self.engine
+        return (self.stream_update and type(self) is OptimizerOffload and eng.plan.states.params is not None
+                and not eng.plan.delayed
+                and eng.units is not None and eng.pipe is None and eng.params_offload is None)
+
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()
         self.publish_all()
@@ -192,13 +205,17 @@ class OptimizerOffload:
 
     @property
     def in_flight(self) -> bool:
-        """A delayed update is running (or done but not yet joined): it holds the gradients it applies."""
-        return self._thread is not None
+        """A delayed or streamed update is running (or done but not yet joined): it holds the gradients it
+        applies."""
+        return self._thread is not None or self.streamed.in_flight
 
     def wait(self) -> bool:
-        """Finish the delayed update in flight, if any: join it, drop the gradients it read, and put its
-        values into the device copies (ZeRO-1/2: the bucket all-gathers, a collective every rank runs here
-        alike). Returns whether one was in flight."""
+        """Finish the update in flight, if any: a streamed one (joined: it published its units itself); a
+        delayed one: join it, drop the gradients it read, and put its values into the device copies (ZeRO-1/2:
+        the bucket all-gathers, a collective every rank runs here alike). Returns whether one was in flight."""
+        if self.streamed.join():
+            self.engine.masters.release()       # the gradients that lived only for the update
+            return True
         t = self._thread
         if t is None:
             return False
@@ -218,22 +235,27 @@ class OptimizerOffload:
             self._publish(s, s.master.detach().view(-1), 0)
         self._finish_publish()
 
-    def _device_piece(self, s: ParamState) -> torch.Tensor:
+    def publish_one(self, s: ParamState) -> None:
+        """``s``'s master into its device copy, not counted (the streamed update counts its copies when it starts)."""
+        self._publish(s, s.master.detach().view(-1), 0, count=False)
+
+    def device_piece(self, s: ParamState) -> torch.Tensor:
         """The device tensor (1-D) the master's values go to: ZeRO-3's shard, or this rank's piece of
         the full compute copy (the whole parameter without ZeRO)."""
         if s.shard is not None:
             return s.shard.view(-1)
         return s.local_piece(s.param.data)
 
-    def _publish(self, s: ParamState, values: torch.Tensor, lo: int) -> None:
+    def _publish(self, s: ParamState, values: torch.Tensor, lo: int, count: bool = True) -> None:
         """Elements ``[lo, lo + len(values))`` of ``s``'s master into its device copy (h2d), or into its
         offloaded shard (``runtime/offload/params.py``)."""
         if self.engine.params_offload is not None:
             self.engine.params_offload.publish(s, values, lo, "host")
             return
-        dst = self._device_piece(s)[lo:lo + values.numel()]
+        dst = self.device_piece(s)[lo:lo + values.numel()]
         dst.copy_(values, non_blocking=self.pinned and values.is_pinned())
-        self.copies.add("h2d", "params", dst.numel() * dst.element_size())
+        if count:
+            self.copies.add("h2d", "params", dst.numel() * dst.element_size())
 
     def _finish_publish(self) -> None:
         """ZeRO-1/2: every rank updated its piece of the full parameters; the bucket all-gathers
@@ -445,7 +467,7 @@ class DiskOptimizer(OptimizerOffload):
         for i, lo, hi in published:
             buf = torch.empty(hi - lo, dtype=torch.float32)
             self.store.read(gen, i, 0, lo, buf)
-            self._device_piece(self.states[i])[lo:hi].copy_(buf)
+            self.device_piece(self.states[i])[lo:hi].copy_(buf)
 
     # ---- outside the step: the current generation mapped ---------------------------------------------
     @contextmanager
