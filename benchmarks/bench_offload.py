@@ -5,7 +5,9 @@
 
 Each configuration runs in a fresh 2-rank gloo world (``sl.launch``), so one's memory does not leak into
 the next: ZeRO-3 fp32 AdamW with nothing offloaded (``none``), with the optimizer's states on the host
-(``optimizer=host``: on this machine the same memory — the copies run, nothing is saved), the same with
+(``optimizer=host``: on this machine the same memory — the copies run, nothing is saved; the update streamed
+into the next forward unit by unit, ``runtime/offload/streamed.py``), the same with the update whole before
+the step returns (``optimizer=host,whole``), the same with
 the delayed update (``optimizer=host,delayed``: the host update of a step beside the next step's forward and
 backward, DeepSpeed's delayed parameter update; its losses differ by design), and with the
 optimizer's states and the parameter shards in files (``optimizer=disk,params=disk``, under ``--dir``).
@@ -47,6 +49,7 @@ from shardlib.models import GPT, GPTConfig, token_batch
 CFG = GPTConfig(vocab_size=16384, seq_len=128, d_model=640, n_heads=10, n_layers=8)     # 60.4M parameters
 ROWS = 4
 CONFIGS = {"none": None, "optimizer=host": {"optimizer": "host"},
+           "optimizer=host,whole": {"optimizer": "host"},
            "optimizer=host,delayed": {"optimizer": "host"},
            "optimizer=disk,params=disk": {"optimizer": "disk", "params": "disk"}}
 
@@ -80,6 +83,8 @@ def worker(name: str, steps: int, folder: str) -> dict:
     plan = sl.plan(model, mesh, zero=3, offload=offload, delayed=name.endswith("delayed"),
                    offload_dir=folder if offload and "disk" in offload.values() else None)
     engine = sl.parallelize(model, plan, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=True))
+    if name.endswith("whole"):          # the host update whole before the step returns (not streamed)
+        engine.offload.stream_update = False
     del model
     batches = [token_batch(CFG, ROWS * mesh.size, seed=s) for s in range(steps + 1)]
     losses = [engine.step(batches[0])]                  # warm-up: the optimizer's states now exist
@@ -91,6 +96,10 @@ def worker(name: str, steps: int, folder: str) -> dict:
             t0 = time.perf_counter()
             losses.append(engine.step(b))
             times.append(time.perf_counter() - t0)
+        if engine.offload is not None:      # an update still in flight (streamed, delayed): the last step's
+            t0 = time.perf_counter()
+            engine.offload.wait()
+            times[-1] += time.perf_counter() - t0
     release_memory()
     after = proc_status("RssAnon")
     ckpt = {}                                 # a checkpoint's save and load: the rise of RssAnon above rest
