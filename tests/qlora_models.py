@@ -67,11 +67,8 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=LR)
 
 
-def reference(path: str, fmt: str | None) -> dict:
-    """One process: the folder loaded whole, quantized, wrapped, trained."""
-    from transformers import LlamaForCausalLM
-    model = wrap(LlamaForCausalLM.from_pretrained(path, dtype=torch.float32), fmt)
-    first = {k: v.detach().clone() for k, v in model.state_dict().items() if "lora_" in k}
+def train_one_process(model) -> list[float]:
+    """``model`` trained on ``batches()`` by AdamW on what requires grad, in one process: the losses."""
     opt = adamw([p for p in model.parameters() if p.requires_grad])
     losses = []
     for b in batches():
@@ -80,6 +77,15 @@ def reference(path: str, fmt: str | None) -> dict:
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))
+    return losses
+
+
+def reference(path: str, fmt: str | None) -> dict:
+    """One process: the folder loaded whole, quantized, wrapped, trained."""
+    from transformers import LlamaForCausalLM
+    model = wrap(LlamaForCausalLM.from_pretrained(path, dtype=torch.float32), fmt)
+    first = {k: v.detach().clone() for k, v in model.state_dict().items() if "lora_" in k}
+    losses = train_one_process(model)
     state = model.state_dict()
     return {"losses": losses, "first": first, "adapters": {k: v.detach().clone() for k, v in state.items()
                                                            if "lora_" in k},
@@ -177,14 +183,7 @@ def _bnb_float(t: torch.Tensor) -> torch.Tensor:
 def bnb_reference(path: str) -> dict:
     """One process, bitsandbytes' own ``Linear4bit`` product: losses, adapters, base (dequantized)."""
     model = bnb_model(path)
-    opt = adamw([p for p in model.parameters() if p.requires_grad])
-    losses = []
-    for b in batches():
-        opt.zero_grad(set_to_none=True)
-        loss = model(**b).loss
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
+    losses = train_one_process(model)
     params = dict(model.named_parameters())
     return {"losses": losses,
             "adapters": {k: v.detach().clone() for k, v in params.items() if "lora_" in k},
@@ -210,6 +209,25 @@ def bnb_run(path: str, shape: dict, zero: int) -> dict:
             "kinds": sorted({s.plan.quant.kind for s in eng.states if s.plan.quant is not None}),
             "params4bit": [k for k, v in model.named_parameters() if type(v).__name__ == "Params4bit"],
             "memory": plan.memory_per_rank(eng.mesh.rank), "held": eng.memory_held()}
+
+
+def check_trains_like(res: dict, ref: dict, rank0: dict, where: str) -> None:
+    """One rank's run against the one-process reference: the base bit for bit, losses within 1e-5 and the same
+    as rank 0's, the trained adapters within round-off (Adam's normalized step turns the round-off of a
+    near-zero gradient into ~lr), memory held = planned."""
+    assert res["base"].keys() == ref["base"].keys(), (where, sorted(set(res["base"]) ^ set(ref["base"]))[:4])
+    bad = [k for k, want in ref["base"].items() if not torch.equal(res["base"][k], want)]
+    assert bad == [], f"{where}: base tensors differ from one process's (bit for bit): {bad[:4]}"
+    rel = max(abs(a - b) / abs(b) for a, b in zip(res["losses"], ref["losses"]))
+    assert rel <= 1e-5, f"{where}: losses {res['losses']} vs one process's {ref['losses']}"
+    assert res["losses"] == rank0["losses"], f"{where}: losses differ from rank 0's"
+    assert res["adapters"].keys() == ref["adapters"].keys() and ref["adapters"], where
+    for k, want in ref["adapters"].items():
+        torch.testing.assert_close(res["adapters"][k], want, rtol=1e-3, atol=1e-2 * LR * STEPS,
+                                   msg=lambda m, k=k: f"{where}, {k}: {m}")
+    held, planned = res["held"], res["memory"]
+    assert {k: held[k] for k in ("params", "grads", "optimizer")} == \
+        {k: planned[k] for k in ("params", "grads", "optimizer")}, f"{where}: held {held}, planned {planned}"
 
 
 def broken_folders(path: str, out: str) -> dict[str, str]:

@@ -43,6 +43,22 @@ class RaggedAllToAll(torch.autograd.Function):
                                out_splits=in_splits), None, None, None, None
 
 
+class Attached(torch.autograd.Function):
+    """``y`` unchanged, with ``inputs`` attached to it: their backward runs (with zero gradients) wherever
+    ``y``'s does. An experts module that skips the experts no row chose (transformers' loops over the experts
+    hit) returns zeros with no path to the rows dispatched to it when none were: without this, that rank would
+    never run the dispatch's backward all-to-all its peers wait in."""
+
+    @staticmethod
+    def forward(ctx, y, *inputs):
+        ctx.shapes = [(t.shape, t.dtype, t.device) for t in inputs]
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, g):
+        return (g, *(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.shapes))
+
+
 @dataclass
 class Routed:
     """What dispatch sent, for combine to bring back: the (token, expert) pairs' tokens in the order sent,
@@ -84,9 +100,13 @@ def dispatch(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, n_expe
     return rows, local, w, Routed(token, ins, outs, x.shape[0], mesh, axis)
 
 
-def combine(y: torch.Tensor, routed: Routed) -> torch.Tensor:
+def combine(y: torch.Tensor, routed: Routed, *dispatched: torch.Tensor) -> torch.Tensor:
     """The experts' outputs ``y [R, H]`` (in the order dispatch delivered the rows) back to their tokens:
-    ``[T, H]``, each token's outputs added in expert order."""
+    ``[T, H]``, each token's outputs added in expert order. ``dispatched``: what dispatch returned that the
+    experts read (rows, weights), attached to ``y`` so its backward runs on every rank (``Attached``)."""
+    grads = [t for t in dispatched if t.requires_grad]
+    if grads and torch.is_grad_enabled():
+        y = Attached.apply(y, *grads)
     back = RaggedAllToAll.apply(y, routed.mesh, routed.axis, routed.out_splits, routed.in_splits)
     out = back.new_zeros((routed.rows,) + tuple(back.shape[1:]))
     return out.index_add(0, routed.token, back)

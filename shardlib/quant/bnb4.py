@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ShardingError, ShardingTypeError
-from .wrapper import FLOAT_FUNCS, SHARED, call_dequantized, frozen_linear
+from .wrapper import SHARED, frozen_linear, torch_dispatch, torch_function
 
 aten = torch.ops.aten
 
@@ -153,30 +153,11 @@ class Bnb4Tensor(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.linear:
-            return frozen_linear(Bnb4Tensor, *args, **kwargs)
-        if func in FLOAT_FUNCS:
-            return call_dequantized(Bnb4Tensor, func, args, kwargs)
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+        return torch_function(Bnb4Tensor, func, args, kwargs, lambda *a, **k: frozen_linear(Bnb4Tensor, *a, **k))
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        handler = _DISPATCH.get(func)
-        if handler is None:
-            raise _unsupported(f"operator {func}")
-        return handler(func, *args, **(kwargs or {}))
-
-
-def _to_copy(func, self, *, dtype=None, device=None, layout=None, memory_format=None, non_blocking=False,
-             pin_memory=None):
-    if dtype is not None and not dtype.is_floating_point:
-        raise ShardingTypeError(f"Bnb4Tensor.to: a bitsandbytes 4-bit weight keeps a float dtype — got {dtype}. Call "
-                                "w.dequantize() and convert that.")
-    if layout not in (None, torch.strided):
-        raise _unsupported(f".to(layout={layout})")
-    return self._with(lambda t: t.to(device=device, non_blocking=non_blocking), dtype)
+        return torch_dispatch(_DISPATCH, _unsupported, func, args, kwargs)
 
 
 def _copy_(func, self, src, non_blocking=False):
@@ -189,7 +170,7 @@ def _copy_(func, self, src, non_blocking=False):
     return self
 
 
-_DISPATCH: dict[Any, Callable] = {**SHARED, aten._to_copy.default: _to_copy, aten.copy_.default: _copy_}
+_DISPATCH: dict[Any, Callable] = {**SHARED, aten.copy_.default: _copy_}
 
 
 class Linear4bitLaidOut(nn.Linear):

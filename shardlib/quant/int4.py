@@ -32,13 +32,12 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from shardlib.errors import Problems, ShardingError, ShardingTypeError
 from shardlib.validate import is_int
 
-from .wrapper import FLOAT_FUNCS, SHARED, call_dequantized, frozen_linear
+from .wrapper import SHARED, frozen_linear, torch_dispatch, torch_function
 
 aten = torch.ops.aten
 
@@ -199,34 +198,14 @@ class Int4Tensor(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.linear:
-            return frozen_linear(Int4Tensor, *args, **kwargs)
-        if func in FLOAT_FUNCS:
-            return call_dequantized(Int4Tensor, func, args, kwargs)
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+        return torch_function(Int4Tensor, func, args, kwargs, lambda *a, **k: frozen_linear(Int4Tensor, *a, **k))
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        handler = _DISPATCH.get(func)
-        if handler is None:
-            raise _unsupported(f"operator {func}")
-        return handler(func, *args, **kwargs)
+        return torch_dispatch(_DISPATCH, _unsupported, func, args, kwargs)
 
 
 # -- what the subclass does under aten ops -------------------------------------------------------
-
-def _to_copy(func, self, *, dtype=None, device=None, layout=None, memory_format=None, non_blocking=False,
-             pin_memory=None):
-    if dtype is not None and not dtype.is_floating_point:
-        raise ShardingTypeError(f"Int4Tensor.to: a packed int4 weight keeps a float dtype — got {dtype}; expected "
-                                f"a float dtype (it casts the scales). Call w.dequantize() and convert that.")
-    if layout not in (None, torch.strided):
-        raise _unsupported(f".to(layout={layout})")
-    return self._with(lambda t: t.to(device=device, non_blocking=non_blocking), dtype)
-
 
 def _copy_(func, self, src, non_blocking=False):
     if not (isinstance(src, Int4Tensor) and src.group_size == self.group_size and src.shape == self.shape
@@ -269,7 +248,6 @@ def _index(func, self, indices):
 
 _DISPATCH: dict[Any, Callable] = {
     **SHARED,
-    aten._to_copy.default: _to_copy,
     aten.copy_.default: _copy_,
     aten.select.int: _select,
     aten.index.Tensor: _index,

@@ -25,10 +25,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import ShardingError, ShardingTypeError
-from .wrapper import FLOAT_FUNCS, SHARED, call_dequantized
+from .wrapper import SHARED, torch_dispatch, torch_function
 
 aten = torch.ops.aten
 
@@ -191,30 +190,15 @@ class NF4Stack(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in FLOAT_FUNCS:
-            return call_dequantized(NF4Stack, func, args, kwargs)
-        if func is F.linear:
-            raise _unsupported("F.linear of the whole stack (take one expert: w[e])")
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+        return torch_function(NF4Stack, func, args, kwargs, _whole_stack_linear)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        handler = _DISPATCH.get(func)
-        if handler is None:
-            raise _unsupported(f"operator {func}")
-        return handler(func, *args, **(kwargs or {}))
+        return torch_dispatch(_DISPATCH, _unsupported, func, args, kwargs)
 
 
-def _to_copy(func, self, *, dtype=None, device=None, layout=None, memory_format=None, non_blocking=False,
-             pin_memory=None):
-    if dtype is not None and not dtype.is_floating_point:
-        raise ShardingTypeError(f"NF4Stack.to: a stack of NF4 experts keeps a float dtype — got {dtype}. Call "
-                                "w.dequantize() and convert that.")
-    if layout not in (None, torch.strided):
-        raise _unsupported(f".to(layout={layout})")
-    return self._with(lambda t: t.to(device=device, non_blocking=non_blocking), dtype)
+def _whole_stack_linear(*args, **kwargs):
+    raise _unsupported("F.linear of the whole stack (take one expert: w[e])")
 
 
 def _copy_(func, self, src, non_blocking=False):
@@ -250,7 +234,6 @@ def _index(func, self, indices):
 
 _DISPATCH: dict[Any, Callable] = {
     **SHARED,
-    aten._to_copy.default: _to_copy,
     aten.copy_.default: _copy_,
     aten.select.int: _select,
     aten.index.Tensor: _index,

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
-from ..errors import ShardingError
+from ..errors import ShardingError, ShardingTypeError
 
 aten = torch.ops.aten
 
@@ -100,7 +100,42 @@ def empty_like(func, self, *, dtype=None, layout=None, device=None, pin_memory=N
                                          {"dtype": dtype, "layout": layout})
 
 
+def torch_function(cls: type, func, args, kwargs, linear: Callable) -> Any:
+    """A wrapper type's ``__torch_function__``: ``F.linear`` through ``linear``, the products of ``FLOAT_FUNCS`` on
+    dequantized floats, anything else as torch runs it (then ``__torch_dispatch__``)."""
+    kwargs = kwargs or {}
+    if func is F.linear:
+        return linear(*args, **kwargs)
+    if func in FLOAT_FUNCS:
+        return call_dequantized(cls, func, args, kwargs)
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(*args, **kwargs)
+
+
+def torch_dispatch(table: dict, unsupported: Callable[[str], Exception], func, args, kwargs) -> Any:
+    """A wrapper type's ``__torch_dispatch__``: the op's handler in ``table``, or ``unsupported`` naming it."""
+    handler = table.get(func)
+    if handler is None:
+        raise unsupported(f"operator {func}")
+    return handler(func, *args, **(kwargs or {}))
+
+
+def to_copy(func, self, *, dtype=None, device=None, layout=None, memory_format=None, non_blocking=False,
+            pin_memory=None):
+    """``.to(device or float dtype)``: every component moved (through the type's ``_with``; a float dtype is the
+    weight's: the type casts what it keeps in float)."""
+    name = type(self).__name__
+    if dtype is not None and not dtype.is_floating_point:
+        raise ShardingTypeError(f"{name}.to: a quantized weight keeps a float dtype — got {dtype}; expected a float "
+                                f"dtype. Call w.dequantize() and convert that.")
+    if layout not in (None, torch.strided):
+        raise NotImplementedError(f"{name}: .to(layout={layout}) is not supported on a quantized weight — call "
+                                  f"w.dequantize() for a float tensor and use that.")
+    return self._with(lambda t: t.to(device=device, non_blocking=non_blocking), dtype)
+
+
 SHARED: dict[Any, Callable] = {
+    aten._to_copy.default: to_copy,
     aten.slice.Tensor: slice_,
     aten.empty_like.default: empty_like,
     aten.detach.default: alias,

@@ -84,7 +84,7 @@ def _routed(forward, n_experts: int, mesh: Mesh, axis: str, counts: ExpertCounts
         chosen = local[:, None]
         if onehot:
             chosen = torch.nn.functional.one_hot(chosen, n_experts // mesh.axis_size(axis)).to(top_k_index.dtype)
-        return combine(forward(rows, chosen, weights[:, None], **kwargs), back)
+        return combine(forward(rows, chosen, weights[:, None], **kwargs), back, rows, weights)
     return routed
 
 

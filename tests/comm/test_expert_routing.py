@@ -106,3 +106,44 @@ def test_routed_moe_layer_equals_one_process(world, case):
     assert any(c != r["coord"] and k > 0 for r in res for c, k in enumerate(r["sent"]))
     idle = (want["experts.down_proj"] == 0).all(dim=(1, 2))
     assert idle.any() and not idle.all(), idle
+
+
+def _no_rows_here() -> dict:
+    """Every token chooses an expert of coordinate 0: coordinate 1's experts get no row, and an experts module
+    that runs only the experts a row chose (transformers' loop over the experts hit) returns zeros with no path
+    to what was dispatched to it. The backward still runs the dispatch's transposed all-to-alls on both ranks
+    (combine attaches the rows and weights): it completes, with one process's input and weight gradients."""
+    mesh = sl.Mesh({"expert": 2})
+    torch.manual_seed(0)
+    w = torch.randn(4, 8, 8)                               # 4 experts [out, in]; this rank holds 2
+    x = torch.randn(6, 8)
+    index = torch.tensor([[0], [1], [0], [1], [1], [0]])   # experts 0 and 1 only: coordinate 0's
+    weights = torch.rand(6, 1)
+
+    def loop(rows, chosen, wts, mine):                     # as transformers' experts: only the experts hit
+        out = torch.zeros_like(rows)
+        for e in chosen.unique().tolist():
+            sel = (chosen[:, 0] == e).nonzero()[:, 0]
+            out = out.index_add(0, sel, rows[sel] @ mine[e].t() * wts[sel])
+        return out
+
+    xr, wr, ww = x.clone().requires_grad_(), weights.clone().requires_grad_(), w.clone().requires_grad_()
+    want = loop(xr, index, wr, ww)
+    want.sum().backward()
+    coord = mesh.coord(mesh.rank, "expert")
+    mine = w[coord * 2:(coord + 1) * 2].clone().requires_grad_()
+    xs, ws = x[coord * 3:(coord + 1) * 3].clone().requires_grad_(), weights[coord * 3:(coord + 1) * 3].clone().requires_grad_()
+    rows, local, wd, routed = dispatch(xs, index[coord * 3:(coord + 1) * 3], ws, 4, mesh, "expert")
+    got = combine(loop(rows, local[:, None], wd[:, None], mine), routed, rows, wd)
+    got.sum().backward()
+    return {"rows": rows.shape[0], "x": (xs.grad, xr.grad[coord * 3:(coord + 1) * 3]),
+            "w": (torch.zeros_like(mine) if mine.grad is None else mine.grad, ww.grad[coord * 2:(coord + 1) * 2]), "weights": (ws.grad, wr.grad[coord * 3:(coord + 1) * 3])}
+
+
+def test_a_rank_whose_experts_get_no_row_still_runs_the_backward_moves(world):
+    res = world(2, _no_rows_here)
+    assert [r["rows"] for r in res] == [6, 0]
+    for r in res:
+        for what in ("x", "w", "weights"):
+            got, want = r[what]
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=what)
