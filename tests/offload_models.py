@@ -128,7 +128,7 @@ def failed_write(cfg: dict, shape: dict, offload: dict) -> dict:
     """Step once, then make the second step's disk writes fail (as a full disk would): the step must
     raise ``OffloadError`` and leave the parameters and the offloaded states as they were; stepping the
     same batch again once the disk is back continues exactly as a run that never failed."""
-    from shardlib.runtime.offload.core import DiskStore, OffloadError
+    from shardlib.runtime.offload.files import DiskStore, OffloadError
 
     bs = batches("gpt")
     with tempfile.TemporaryDirectory() as d:

@@ -116,7 +116,7 @@ def split_by_kind(mem: dict[str, int], offload: tuple, kind: str, *, sharded_gra
     return out
 
 
-# the disk optimizer's streamed update (``runtime/offload/core.py``: ``DiskOptimizer``): the masters and
+# the disk optimizer's streamed update (``runtime/offload/disk.py``: ``DiskOptimizer``): the masters and
 # moments in chunks of ``disk_chunk_elems`` elements, read into a ring of ``DISK_RESIDENT`` chunk buffers
 # (two read ahead, the one updated, two written behind), allocated once a step
 DISK_RESIDENT = 5

@@ -44,7 +44,9 @@ from .masters import LostStep, Masters
 from ..quant.api import pending_weights
 from .materialize import is_meta, materialize_stage_
 from .parted import Fingerprint, check_agreement
-from .offload.core import Copies, DiskOptimizer, OffloadError, OptimizerOffload, release_host_heap
+from .offload.core import Copies, OptimizerOffload, release_host_heap
+from .offload.disk import DiskOptimizer
+from .offload.files import OffloadError
 from .offload.activations import activation_offload
 from .offload.params import params_offload
 from .pipeline import PipelineRuntime

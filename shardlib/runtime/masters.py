@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .offload.core import OffloadError
+from .offload.files import OffloadError
 
 if TYPE_CHECKING:
     from ..planner.plan import Plan

@@ -28,7 +28,8 @@ from contextlib import contextmanager
 
 import torch
 
-from .core import HOST, DiskStore, OffloadError, host_like
+from .core import HOST, host_like
+from .files import DiskStore, OffloadError
 
 
 class ParamsOffload:
