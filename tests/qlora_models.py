@@ -230,6 +230,30 @@ def check_trains_like(res: dict, ref: dict, rank0: dict, where: str) -> None:
         {k: planned[k] for k in ("params", "grads", "optimizer")}, f"{where}: held {held}, planned {planned}"
 
 
+def bnb_resume(path: str, ckpt: str) -> dict:
+    """The bitsandbytes model stepped once at data 2 ZeRO-3 and saved (``engine.save``: its codes and scales as
+    components); a fresh one at tensor 2 loads the checkpoint: which tensors differ, and the next loss on each."""
+    from shardlib.planner.hf_tp import tp_table
+    from shardlib.testing import get_mesh
+    out: dict = {}
+    for shape, zero in (({"data": 2}, 3), ({"data": 1, "tensor": 2}, 0)):
+        model = bnb_model(path)
+        if shape.get("tensor", 1) > 1:
+            sl.shard(tp_table(model))(model)
+        eng = sl.parallelize(model, sl.plan(model, get_mesh(shape), zero=zero, batch=batches()[0]), optimizer=adamw)
+        if not out:
+            eng.step(batches()[0])
+            eng.save(ckpt)
+            out["saved"] = {k: _float(v) for k, v in eng.full_state_dict().items()}
+            out["loss_a"] = float(eng.step(batches()[1]))
+        else:
+            eng.load(ckpt)
+            got = {k: _float(v) for k, v in eng.full_state_dict().items()}
+            out["differ"] = [k for k, v in out.pop("saved").items() if not torch.equal(v, got[k])]
+            out["loss_b"] = float(eng.step(batches()[1]))
+    return out
+
+
 def broken_folders(path: str, out: str) -> dict[str, str]:
     """Copies of the folder that a load must refuse: ``"int"`` (a projection stored as int32), ``"bnb"``
     (one stored as bitsandbytes stores a 4-bit weight: packed uint8 codes with ``absmax`` and ``quant_state``)."""

@@ -39,3 +39,10 @@ def test_a_bitsandbytes_4bit_peft_model_trains_on_a_mesh_like_one_process(world,
         assert res["kinds"] == ["Bnb4Tensor"] and res["params4bit"] == [], \
             f"{where}: the quantized states are {res['kinds']}, bitsandbytes' own left: {res['params4bit'][:3]}"
         qm.check_trains_like(res, ref, per_rank[0], where)
+
+
+def test_a_bitsandbytes_checkpoint_resumes_on_another_mesh(world, folder, tmp_path):
+    """Saved at data 2 ZeRO-3 after a step, loaded at tensor 2: every tensor equal, the next loss the same."""
+    for r, res in enumerate(world(2, qm.bnb_resume, folder, str(tmp_path / "ckpt"))):
+        assert res["differ"] == [], (r, res["differ"][:4])
+        assert res["loss_a"] == res["loss_b"], (r, res)
