@@ -55,10 +55,10 @@ def memory_held(engine: Engine, kind: str = "device") -> dict[str, int]:
     for s in engine.states:
         add("grads", s.param.grad)
         add("grads", s.grad_shard)
-    # what the optimizer reads, where it is another tensor: the delayed update's (in flight between steps, with
-    # the optimizer on the host) in the optimizer's kind, as the plan counts it
     if engine.offload is not None and engine.offload.streamed.in_flight:   # a streamed update toggles the
         engine.offload.wait()                                              # masters' gradients: done first
+    # what the optimizer reads, where it is another tensor: the delayed update's (in flight between steps, with
+    # the optimizer on the host) in the optimizer's kind, as the plan counts it
     flight = "delayed" if engine.plan.delayed and engine.offload is not None and engine.offload.in_flight else "grads"
     for s in engine.states:
         add(flight, s.master.grad if s.master is not None else None)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import copy
 import threading
-import time
 
 import torch
 
@@ -37,7 +36,6 @@ class StreamedUpdate:
         self._thread: threading.Thread | None = None
         self._events: dict[int, threading.Event] = {}
         self._failed: tuple[str, BaseException] | None = None
-        self.timeline: list[tuple[str, float, float]] = []    # (unit, update start, ready) of the last update
 
     @property
     def in_flight(self) -> bool:
@@ -65,8 +63,6 @@ class StreamedUpdate:
         grads = {id(s): s.master.grad for s in off.states}
         self._events = {key: threading.Event() for _, key, _ in order}
         self._failed = None
-        self.timeline = []
-        t0 = time.perf_counter()
 
         def run() -> None:
             name = None
@@ -74,7 +70,6 @@ class StreamedUpdate:
                 for s in off.states:
                     s.master.grad = None
                 for name, key, states in order:
-                    start = time.perf_counter()
                     for s in states:
                         s.master.grad = grads[id(s)]
                     if any(s.master.grad is not None for s in states):
@@ -83,7 +78,6 @@ class StreamedUpdate:
                         for s in states:
                             off.publish_one(s)
                             s.master.grad = None
-                    self.timeline.append((name, start - t0, time.perf_counter() - t0))
                     self._events[key].set()
             except BaseException as e:        # noqa: BLE001 — raised on the engine's thread by ready()/join()
                 self._failed = (name or "<start>", e)
